@@ -1,0 +1,27 @@
+//! Model families: how a checkpoint's `config.json` and tensor list become a module tree.
+
+use crate::module_tree::{ModuleTree, TensorInfo};
+
+/// An error building a module tree from a checkpoint, naming the field or tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum ArchitectureError {
+    /// A `config.json` field is missing or has the wrong type or value.
+    #[error("config.json field `{field}`: {message}")]
+    Config { field: String, message: String },
+    /// A tensor is missing, unexpected, or has the wrong shape.
+    #[error("tensor `{tensor}`: {message}")]
+    Tensor { tensor: String, message: String },
+    /// The tree itself could not be built.
+    #[error(transparent)]
+    Tree(#[from] crate::module_tree::ModuleTreeError),
+}
+
+/// A model family. Register it with `#[architecture(names = ["...ForCausalLM"])]`.
+pub trait Architecture: Send + Sync {
+    /// Builds the module tree from `config.json` and the checkpoint's tensors (full names).
+    fn module_tree(
+        &self,
+        config: &serde_json::Value,
+        tensors: &[TensorInfo],
+    ) -> Result<ModuleTree, ArchitectureError>;
+}

@@ -1,0 +1,116 @@
+//! The architecture registry: `config.json`'s `architectures[0]` → the family that builds
+//! the module tree; a `fallback` entry takes names nobody claims.
+
+use super::{EntryMeta, Registry, RegistryEntry, RegistryError, RegistryIssue};
+use crate::architecture::Architecture;
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// One architecture registration.
+#[derive(Clone)]
+pub struct ArchitectureEntry {
+    pub meta: EntryMeta,
+    /// The `config.json` architecture names this family builds (empty for a pure fallback).
+    pub names: Cow<'static, [Cow<'static, str>]>,
+    pub construct: fn() -> Box<dyn Architecture>,
+}
+
+impl fmt::Debug for ArchitectureEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ArchitectureEntry")
+            .field("path", &self.meta.path)
+            .field("names", &self.names)
+            .field("tier", &self.meta.tier)
+            .field("location", &self.meta.location)
+            .finish()
+    }
+}
+
+impl RegistryEntry for ArchitectureEntry {
+    const KIND: &'static str = "architecture";
+    type Registry = ArchitectureRegistry;
+
+    fn meta(&self) -> &EntryMeta {
+        &self.meta
+    }
+    fn meta_mut(&mut self) -> &mut EntryMeta {
+        &mut self.meta
+    }
+    fn collected() -> Vec<Self> {
+        super::collect::architectures()
+    }
+    fn assemble(entries: Vec<Self>) -> Result<ArchitectureRegistry, Vec<RegistryIssue>> {
+        let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
+        let mut issues = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            for name in e.names.iter() {
+                if let Some(&first) = by_name.get(name.as_ref()) {
+                    let f = &entries[first].meta;
+                    issues.push(RegistryIssue::ArchitectureConflict {
+                        name: name.to_string(),
+                        first: f.path.to_string(),
+                        first_at: f.location,
+                        second: e.meta.path.to_string(),
+                        second_at: e.meta.location,
+                    });
+                } else {
+                    by_name.insert(name.to_string(), i);
+                }
+            }
+        }
+        let fallback = entries
+            .iter()
+            .position(|e| e.meta.tier == super::Tier::Fallback);
+        if issues.is_empty() {
+            Ok(ArchitectureRegistry {
+                core: Registry::from_sorted(entries),
+                by_name,
+                fallback,
+            })
+        } else {
+            Err(issues)
+        }
+    }
+}
+
+/// How an architecture was chosen.
+#[derive(Debug, Clone, Copy)]
+pub enum ArchitectureMatch<'r> {
+    /// An entry lists the name.
+    Named(&'r ArchitectureEntry),
+    /// No entry lists it; the first `fallback` entry takes it.
+    Fallback(&'r ArchitectureEntry),
+}
+
+/// The sorted architectures.
+#[derive(Debug)]
+pub struct ArchitectureRegistry {
+    core: Registry<ArchitectureEntry>,
+    by_name: BTreeMap<String, usize>,
+    fallback: Option<usize>,
+}
+
+impl ArchitectureRegistry {
+    /// The architectures in registry order.
+    pub fn entries(&self) -> &[ArchitectureEntry] {
+        self.core.entries()
+    }
+
+    /// The link-time registry, validated and sorted on first use.
+    pub fn try_global() -> Result<&'static ArchitectureRegistry, &'static RegistryError> {
+        static GLOBAL: std::sync::LazyLock<Result<ArchitectureRegistry, RegistryError>> =
+            std::sync::LazyLock::new(super::build_static::<ArchitectureEntry>);
+        GLOBAL.as_ref()
+    }
+
+    /// The family for a `config.json` architecture name, or the fallback, or `None`.
+    pub fn resolve(&self, name: &str) -> Option<ArchitectureMatch<'_>> {
+        match self.by_name.get(name) {
+            Some(&i) => Some(ArchitectureMatch::Named(&self.entries()[i])),
+            None => self
+                .fallback
+                .map(|i| ArchitectureMatch::Fallback(&self.entries()[i])),
+        }
+    }
+}

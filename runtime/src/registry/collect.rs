@@ -1,0 +1,76 @@
+//! Link-time collection of registry entries.
+//!
+//! With the default build the macros emit `linkme` distributed-slice elements; with feature
+//! `inventory` they emit `inventory::submit!` (for targets without linker sections). Only a
+//! crate that is linked contributes entries: a plugin crate that nothing references is
+//! dropped by the linker, so applications write `use my_plugins as _;`.
+
+use super::architectures::ArchitectureEntry;
+use super::exporters::ExporterEntry;
+use super::trainers::TrainerEntry;
+
+#[cfg(not(feature = "inventory"))]
+mod imp {
+    use super::*;
+
+    /// Every `#[exporter]` entry linked into the program.
+    #[linkme::distributed_slice]
+    pub static EXPORTERS: [ExporterEntry];
+
+    /// Every `#[trainer]` entry linked into the program.
+    #[linkme::distributed_slice]
+    pub static TRAINERS: [TrainerEntry];
+
+    /// Every `#[architecture]` entry linked into the program.
+    #[linkme::distributed_slice]
+    pub static ARCHITECTURES: [ArchitectureEntry];
+
+    pub(crate) fn exporters() -> Vec<ExporterEntry> {
+        EXPORTERS.to_vec()
+    }
+    pub(crate) fn trainers() -> Vec<TrainerEntry> {
+        TRAINERS.to_vec()
+    }
+    pub(crate) fn architectures() -> Vec<ArchitectureEntry> {
+        ARCHITECTURES.to_vec()
+    }
+}
+
+#[cfg(feature = "inventory")]
+mod imp {
+    use super::*;
+
+    inventory::collect!(ExporterEntry);
+    inventory::collect!(TrainerEntry);
+    inventory::collect!(ArchitectureEntry);
+
+    pub(crate) fn exporters() -> Vec<ExporterEntry> {
+        inventory::iter::<ExporterEntry>
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+    pub(crate) fn trainers() -> Vec<TrainerEntry> {
+        inventory::iter::<TrainerEntry>
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+    pub(crate) fn architectures() -> Vec<ArchitectureEntry> {
+        inventory::iter::<ArchitectureEntry>
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+}
+
+#[cfg(not(feature = "inventory"))]
+pub use imp::{ARCHITECTURES, EXPORTERS, TRAINERS};
+pub(crate) use imp::{architectures, exporters, trainers};
+
+/// The collection mechanism this build uses: "linkme" or "inventory".
+pub const MECHANISM: &str = if cfg!(feature = "inventory") {
+    "inventory"
+} else {
+    "linkme"
+};

@@ -1,0 +1,74 @@
+//! The `kiln` command line. [`run`] takes the arguments and the output streams, so plugin
+//! binaries (`use my_plugins as _; kiln::cli::main()`) and tests drive the same code.
+
+mod registry;
+mod table;
+
+use clap::{Parser, Subcommand};
+use std::io::Write;
+use std::process::ExitCode;
+
+/// Exit status for an invalid registry or invalid usage.
+pub const EXIT_INVALID: i32 = 2;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kiln",
+    version,
+    about = "Quantized export and fine-tuning of trained models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the registered exporters, trainers and architectures in registry order.
+    Registry(registry::RegistryArgs),
+}
+
+/// Parses `std::env::args` and runs; the process's exit code.
+pub fn main() -> ExitCode {
+    let code = run(
+        std::env::args_os(),
+        &mut std::io::stdout().lock(),
+        &mut std::io::stderr().lock(),
+    );
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+/// Runs the command line `args` (program name first), writing to `out` and `err`;
+/// returns the exit code.
+pub fn run<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = e.exit_code();
+            let text = e.render().ansi().to_string();
+            let _ = if code == 0 {
+                write!(out, "{text}")
+            } else {
+                write!(err, "{text}")
+            };
+            return code;
+        }
+    };
+    let result = match cli.command {
+        Command::Registry(args) => registry::run(&args, out),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let _ = writeln!(err, "error: {e:#}");
+            match e.downcast_ref::<registry::InvalidRegistries>() {
+                Some(_) => EXIT_INVALID,
+                None => 1,
+            }
+        }
+    }
+}

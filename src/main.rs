@@ -1,0 +1,5 @@
+//! The `kiln` command line.
+
+fn main() -> std::process::ExitCode {
+    kiln::cli::main()
+}

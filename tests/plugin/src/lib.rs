@@ -1,0 +1,143 @@
+//! A plugin crate: exporters, a trainer and an architecture registered from outside kiln,
+//! exactly as a user's crate would. kiln's integration tests link it with
+//! `use kiln_test_plugin as _;` and pin the ordering, matching and routing rules on it.
+
+use kiln::{
+    Architecture, ArchitectureError, ExportContext, ExportError, Linear, ModuleExporter, ModuleRef,
+    ModuleTree, TensorInfo, TrainConfig, TrainError, TrainObserver, TrainReport, Trainer,
+    architecture, exporter, trainer,
+};
+
+/// Takes every `Linear` ahead of everything else.
+#[exporter(keys = [Linear], prepend)]
+#[derive(Debug)]
+pub struct PluginLinear;
+
+impl ModuleExporter for PluginLinear {
+    fn export(
+        &self,
+        name: &str,
+        _module: ModuleRef<'_>,
+        ctx: &ExportContext,
+    ) -> Result<(), ExportError> {
+        ctx.note(name, "PluginLinear");
+        Ok(())
+    }
+}
+
+/// Takes MoE routers: a module named `gate` whose parent has `experts` (predicate only).
+#[exporter(predicate = is_router)]
+#[derive(Debug, Default)]
+pub struct PluginRouter {
+    _state: (),
+}
+
+/// Whether `m` is the router of an MoE block.
+pub fn is_router(m: &ModuleRef<'_>) -> bool {
+    m.local_name() == "gate" && m.parent().is_some_and(|p| p.child("experts").is_some())
+}
+
+impl ModuleExporter for PluginRouter {}
+
+/// Takes the experts container of GPT-OSS blocks and prepares their inputs.
+#[exporter(keys = ["GptOssExperts"])]
+#[derive(Debug)]
+pub struct PluginExperts;
+
+impl ModuleExporter for PluginExperts {
+    fn prepare_moe_inputs(
+        &self,
+        name: &str,
+        _block: ModuleRef<'_>,
+        ctx: &ExportContext,
+    ) -> Result<(), ExportError> {
+        ctx.note(name, "PluginExperts::prepare_moe_inputs");
+        Ok(())
+    }
+}
+
+/// Takes anything that has tensors and nothing else took (a broad catch-all).
+#[exporter(predicate = has_tensors, fallback)]
+#[derive(Debug)]
+pub struct PluginCatchAll;
+
+/// Whether `m` owns a tensor.
+pub fn has_tensors(m: &ModuleRef<'_>) -> bool {
+    !m.tensors().is_empty()
+}
+
+impl ModuleExporter for PluginCatchAll {}
+
+/// A supervised fine-tuning trainer that counts steps (a stand-in for a real one).
+#[trainer(task = "sft", backend = "candle")]
+#[derive(Debug)]
+pub struct PluginSft {
+    steps: u64,
+}
+
+impl Trainer for PluginSft {
+    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let steps = config.hyper.max_steps.ok_or_else(|| TrainError::Config {
+            field: "hyper.max_steps".into(),
+            message: "PluginSft needs max_steps".into(),
+        })?;
+        Ok(PluginSft { steps })
+    }
+
+    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+        let mut done = 0;
+        for step in 1..=self.steps {
+            if observer.should_stop() {
+                break;
+            }
+            observer.on_step(&kiln::train::StepMetrics {
+                step,
+                epoch: 0.0,
+                loss: 1.0 / step as f64,
+                learning_rate: 0.0,
+                grad_norm: None,
+                tokens: 0,
+                extra: Default::default(),
+            });
+            done = step;
+        }
+        Ok(TrainReport {
+            task: "sft".into(),
+            backend: "candle".into(),
+            steps: done,
+            final_loss: (done > 0).then(|| 1.0 / done as f64),
+            metrics: Default::default(),
+            output: None,
+            elapsed: Default::default(),
+            stopped_early: done < self.steps,
+        })
+    }
+}
+
+/// A made-up model family.
+#[architecture(names = ["PluginForCausalLM"])]
+#[derive(Debug)]
+pub struct PluginArch;
+
+impl Architecture for PluginArch {
+    fn module_tree(
+        &self,
+        _config: &serde_json::Value,
+        tensors: &[TensorInfo],
+    ) -> Result<ModuleTree, ArchitectureError> {
+        let mut tree = ModuleTree::default();
+        for t in tensors {
+            let (module, local) = t.name.rsplit_once('.').unwrap_or(("", &t.name));
+            let info = TensorInfo {
+                name: local.to_string(),
+                ..t.clone()
+            };
+            tree.add(
+                module,
+                kiln::ClassChain::new([kiln::Class::of::<Linear>()]),
+                vec![info],
+            )?;
+        }
+        Ok(tree)
+    }
+}

@@ -1,0 +1,59 @@
+//! A binary sees a plugin's entries only when it links the plugin crate.
+
+use std::process::Command;
+
+fn registry_json(bin: &str) -> serde_json::Value {
+    let out = Command::new(bin)
+        .args(["registry", "--json"])
+        .output()
+        .expect("run binary");
+    assert!(
+        out.status.success(),
+        "{bin} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("registry --json prints JSON")
+}
+
+fn paths(doc: &serde_json::Value, kind: &str) -> Vec<String> {
+    doc[kind]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn binary_that_references_the_plugin_sees_its_entries_in_order() {
+    let doc = registry_json(env!("CARGO_BIN_EXE_kiln-with-plugins"));
+    assert_eq!(
+        paths(&doc, "exporters"),
+        [
+            "kiln_test_plugin::PluginLinear",
+            "kiln_test_plugin::PluginExperts",
+            "kiln_test_plugin::PluginRouter",
+            "kiln_test_plugin::PluginCatchAll",
+        ]
+    );
+    assert_eq!(paths(&doc, "trainers"), ["kiln_test_plugin::PluginSft"]);
+    assert_eq!(
+        paths(&doc, "architectures"),
+        ["kiln_test_plugin::PluginArch"]
+    );
+    let first = &doc["exporters"][0];
+    assert_eq!(first["tier"], "prepend");
+    assert_eq!(first["keys"][0]["type"], "Linear");
+    assert!(
+        first["file"].as_str().unwrap().ends_with("src/lib.rs"),
+        "{first}"
+    );
+    assert!(first["line"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn binary_that_does_not_reference_the_plugin_sees_nothing() {
+    let doc = registry_json(env!("CARGO_BIN_EXE_kiln-without-plugins"));
+    assert_eq!(paths(&doc, "exporters"), Vec::<String>::new());
+    assert_eq!(paths(&doc, "trainers"), Vec::<String>::new());
+}
