@@ -518,3 +518,6 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
         finish(self.entries, Vec::new())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,109 @@
+//! A program whose registries are invalid: startup validation reports every problem with
+//! both source locations, and `kiln registry` prints them and exits with code 2.
+
+use kiln::{
+    ModuleExporter, TrainConfig, TrainError, TrainObserver, TrainReport, Trainer, TrainerRegistry,
+    exporter, trainer,
+};
+
+macro_rules! stub_trainer {
+    ($name:ident) => {
+        impl Trainer for $name {
+            fn new(_: &TrainConfig) -> Result<Self, TrainError> {
+                Ok($name)
+            }
+            fn train(&mut self, _: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+                unreachable!("never trained")
+            }
+        }
+    };
+}
+
+#[trainer(task = "sft", backend = "candle")]
+struct FirstSft;
+stub_trainer!(FirstSft);
+
+#[trainer(task = "sft", backend = "candle")]
+struct SecondSft;
+stub_trainer!(SecondSft);
+
+/// Implements `Trainer` but is never registered.
+struct Unregistered;
+stub_trainer!(Unregistered);
+
+#[trainer(task = "dpo", backend = "candle", replaces = Unregistered)]
+struct ReplacesNothing;
+stub_trainer!(ReplacesNothing);
+
+#[exporter(keys = ["Linear"])]
+#[exporter(keys = ["Linear"])]
+struct Twice;
+impl ModuleExporter for Twice {}
+
+fn this_file() -> &'static str {
+    file!()
+}
+
+#[test]
+fn trainer_validation_reports_every_problem_with_locations() {
+    let err = TrainerRegistry::try_global().unwrap_err();
+    let text = err.to_string();
+    let f = this_file();
+    assert!(text.starts_with("invalid trainer registry:"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "two trainers for task 'sft' on backend 'candle': `invalid_registry::FirstSft` ({f}:19) and \
+             `invalid_registry::SecondSft` ({f}:23)"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "trainer `invalid_registry::ReplacesNothing` ({f}:31) replaces `Unregistered`, but no trainer is \
+             registered for that type"
+        )),
+        "{text}"
+    );
+    assert_eq!(err.issues.len(), 2);
+    // Routing surfaces the same error instead of guessing.
+    let route = kiln::resolve_trainer(&TrainConfig::new("sft", "candle", "m", "o")).unwrap_err();
+    assert_eq!(route.to_string(), text);
+}
+
+#[test]
+fn a_type_registered_twice_is_a_duplicate_identity_with_both_locations() {
+    let err = kiln::ExporterRegistry::try_global().unwrap_err();
+    let f = this_file();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "invalid exporter registry:\n  - exporter `invalid_registry::Twice` is registered twice: at {f}:35 and at {f}:36"
+        )
+    );
+}
+
+#[test]
+fn kiln_registry_prints_the_errors_and_exits_2() {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = kiln::cli::run(["kiln", "registry"], &mut out, &mut err);
+    let err = String::from_utf8(err).unwrap();
+    assert_eq!(code, 2, "stderr: {err}");
+    assert!(out.is_empty());
+    assert!(
+        err.contains("invalid exporter registry") && err.contains("invalid trainer registry"),
+        "{err}"
+    );
+    assert!(err.contains(&format!("{}:19", this_file())), "{err}");
+
+    // The architecture registry alone is valid.
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    assert_eq!(
+        kiln::cli::run(["kiln", "registry", "architectures"], &mut out, &mut err),
+        0
+    );
+    assert!(
+        String::from_utf8(out)
+            .unwrap()
+            .starts_with("architectures (0)")
+    );
+}

@@ -1,0 +1,7 @@
+use kiln::{exporter, ModuleExporter};
+
+#[exporter(keys = [])]
+struct Empty;
+impl ModuleExporter for Empty {}
+
+fn main() {}

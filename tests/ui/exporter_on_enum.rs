@@ -1,0 +1,8 @@
+use kiln::exporter;
+
+#[exporter(keys = ["Linear"])]
+enum NotAStruct {
+    A,
+}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use kiln::exporter;
+
+#[exporter(keys = ["Linear"])]
+fn not_a_struct() {}
+
+fn main() {}

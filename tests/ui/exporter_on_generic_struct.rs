@@ -1,0 +1,6 @@
+use kiln::exporter;
+
+#[exporter(keys = ["Linear"])]
+struct Generic<T>(T);
+
+fn main() {}

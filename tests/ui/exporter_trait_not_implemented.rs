@@ -1,0 +1,6 @@
+use kiln::exporter;
+
+#[exporter(keys = ["Linear"])]
+struct Forgot;
+
+fn main() {}

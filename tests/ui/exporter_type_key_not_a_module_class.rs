@@ -1,0 +1,7 @@
+use kiln::{exporter, ModuleExporter};
+
+#[exporter(keys = [String])]
+struct NotAClass;
+impl ModuleExporter for NotAClass {}
+
+fn main() {}

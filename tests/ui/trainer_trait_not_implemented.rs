@@ -1,0 +1,6 @@
+use kiln::trainer;
+
+#[trainer(task = "sft", backend = "candle")]
+struct NotATrainer;
+
+fn main() {}
