@@ -44,6 +44,20 @@ fn this_file() -> &'static str {
     file!()
 }
 
+/// The line number of the first line of this file that contains `needle`.
+fn line_of(needle: &str) -> usize {
+    include_str!("invalid_registry.rs")
+        .lines()
+        .position(|l| l.contains(needle))
+        .expect("needle in file")
+        + 1
+}
+
+/// The line of the attribute right above `struct <name>`, `back` lines up.
+fn attr_line(name: &str, back: usize) -> usize {
+    line_of(&format!("struct {name};")) - back
+}
+
 #[test]
 fn trainer_validation_reports_every_problem_with_locations() {
     let err = TrainerRegistry::try_global().unwrap_err();
@@ -52,15 +66,18 @@ fn trainer_validation_reports_every_problem_with_locations() {
     assert!(text.starts_with("invalid trainer registry:"), "{text}");
     assert!(
         text.contains(&format!(
-            "two trainers for task 'sft' on backend 'candle': `invalid_registry::FirstSft` ({f}:19) and \
-             `invalid_registry::SecondSft` ({f}:23)"
+            "two trainers for task 'sft' on backend 'candle': `invalid_registry::FirstSft` ({f}:{}) and \
+             `invalid_registry::SecondSft` ({f}:{})",
+            attr_line("FirstSft", 1),
+            attr_line("SecondSft", 1)
         )),
         "{text}"
     );
     assert!(
         text.contains(&format!(
-            "trainer `invalid_registry::ReplacesNothing` ({f}:31) replaces `Unregistered`, but no trainer is \
-             registered for that type"
+            "trainer `invalid_registry::ReplacesNothing` ({f}:{}) replaces `Unregistered`, but no trainer is \
+             registered for that type",
+            attr_line("ReplacesNothing", 1)
         )),
         "{text}"
     );
@@ -77,7 +94,9 @@ fn a_type_registered_twice_is_a_duplicate_identity_with_both_locations() {
     assert_eq!(
         err.to_string(),
         format!(
-            "invalid exporter registry:\n  - exporter `invalid_registry::Twice` is registered twice: at {f}:35 and at {f}:36"
+            "invalid exporter registry:\n  - exporter `invalid_registry::Twice` is registered twice: at {f}:{} and at {f}:{}",
+            attr_line("Twice", 2),
+            attr_line("Twice", 1)
         )
     );
 }
@@ -93,7 +112,10 @@ fn kiln_registry_prints_the_errors_and_exits_2() {
         err.contains("invalid exporter registry") && err.contains("invalid trainer registry"),
         "{err}"
     );
-    assert!(err.contains(&format!("{}:19", this_file())), "{err}");
+    assert!(
+        err.contains(&format!("{}:{}", this_file(), attr_line("FirstSft", 1))),
+        "{err}"
+    );
 
     // The architecture registry alone is valid.
     let (mut out, mut err) = (Vec::new(), Vec::new());

@@ -20,7 +20,7 @@ pub fn parse(attr: &str, input: TokenStream) -> syn::Result<Target> {
             format!("#[{attr}] applies to a struct, not an enum: put the enum inside a struct"),
         ),
         Item::Fn(f) => syn::Error::new_spanned(
-            &f.sig.fn_token,
+            f.sig.fn_token,
             format!(
                 "#[{attr}] applies to a struct, not a function: implement the trait on a struct"
             ),

@@ -113,10 +113,10 @@ impl ExporterEntry {
         } else {
             Some(self.keys.iter().position(|k| key_in_chain(k, chain))?)
         };
-        if let Some(p) = &self.predicate {
-            if !(p.func)(module) {
-                return None;
-            }
+        if let Some(p) = &self.predicate
+            && !(p.func)(module)
+        {
+            return None;
         }
         Some(MatchReason {
             key,
@@ -223,10 +223,11 @@ struct Plan {
 /// The sorted exporters plus their key index and plan cache.
 pub struct ExporterRegistry {
     core: Registry<ExporterEntry>,
-    /// Type key → (position, key index), positions ascending.
-    by_type: FxHashMap<TypeId, Vec<(u32, u32)>>,
-    /// Name key → (position, key index), positions ascending.
-    by_name: FxHashMap<Box<str>, Vec<(u32, u32)>>,
+    /// Type keys as (type, position, key index), sorted: one array, no per-key allocation.
+    by_type: Box<[(TypeId, u32, u32)]>,
+    /// Name keys as (hash of the name, position, key index), sorted. A hash hit is
+    /// confirmed against the name when a plan is made, so collisions cannot mis-match.
+    by_name: Box<[(u64, u32, u32)]>,
     /// Entries without keys (predicate only), positions ascending.
     predicate_only: Vec<u32>,
     cache: RwLock<FxHashMap<ClassChain, Arc<Plan>>>,
@@ -240,8 +241,8 @@ impl fmt::Debug for ExporterRegistry {
 
 impl ExporterRegistry {
     fn new(core: Registry<ExporterEntry>) -> Self {
-        let mut by_type: FxHashMap<TypeId, Vec<(u32, u32)>> = FxHashMap::default();
-        let mut by_name: FxHashMap<Box<str>, Vec<(u32, u32)>> = FxHashMap::default();
+        let mut by_type = Vec::new();
+        let mut by_name = Vec::new();
         let mut predicate_only = Vec::new();
         for (pos, e) in core.entries().iter().enumerate() {
             let pos = pos as u32;
@@ -249,20 +250,18 @@ impl ExporterRegistry {
                 predicate_only.push(pos);
             }
             for (k, key) in e.keys.iter().enumerate() {
-                let list = match key {
-                    Key::Type { id, .. } => by_type.entry(id()).or_default(),
-                    Key::Name(n) => by_name.entry(n.as_ref().into()).or_default(),
-                };
-                // One entry listing two keys that both hit keeps its first key only.
-                if list.last().is_none_or(|&(p, _)| p != pos) {
-                    list.push((pos, k as u32));
+                match key {
+                    Key::Type { id, .. } => by_type.push((id(), pos, k as u32)),
+                    Key::Name(n) => by_name.push((name_hash(n), pos, k as u32)),
                 }
             }
         }
+        by_type.sort_unstable();
+        by_name.sort_unstable();
         ExporterRegistry {
             core,
-            by_type,
-            by_name,
+            by_type: by_type.into(),
+            by_name: by_name.into(),
             predicate_only,
             cache: RwLock::default(),
         }
@@ -336,9 +335,16 @@ impl ExporterRegistry {
         let mut hits: Vec<(u32, u32)> = Vec::new();
         for class in chain.classes() {
             if let Some(id) = class.type_id() {
-                hits.extend(self.by_type.get(&id).into_iter().flatten());
+                hits.extend(
+                    equal_range(&self.by_type, id)
+                        .iter()
+                        .map(|&(_, p, k)| (p, k)),
+                );
             }
-            hits.extend(self.by_name.get(class.name()).into_iter().flatten());
+            let name = class.name();
+            let same_name = |&&(_, p, k): &&(u64, u32, u32)| matches!(&self.entries()[p as usize].keys[k as usize], Key::Name(n) if n == name);
+            let named = equal_range(&self.by_name, name_hash(name));
+            hits.extend(named.iter().filter(same_name).map(|&(_, p, k)| (p, k)));
         }
         hits.sort_unstable();
         hits.dedup_by_key(|h| h.0);
@@ -400,6 +406,20 @@ impl ExporterRegistry {
         }
         None
     }
+}
+
+fn name_hash(name: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = rustc_hash::FxHasher::default();
+    name.hash(&mut h);
+    h.finish()
+}
+
+/// The run of `sorted` whose first field equals `key`.
+fn equal_range<K: Ord + Copy>(sorted: &[(K, u32, u32)], key: K) -> &[(K, u32, u32)] {
+    let start = sorted.partition_point(|e| e.0 < key);
+    let len = sorted[start..].partition_point(|e| e.0 == key);
+    &sorted[start..start + len]
 }
 
 /// Matches modules against one registry with a private plan cache (no locking).

@@ -400,6 +400,13 @@ fn apply_replaces<E: RegistryEntry>(entries: Vec<E>, issues: &mut Vec<RegistryIs
         .collect()
 }
 
+fn identity_hash(path: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = rustc_hash::FxHasher::default();
+    path.hash(&mut h);
+    h.finish()
+}
+
 /// Builds a registry at run time, starting from the static entries or from none.
 ///
 /// `register` appends, or — when an entry with the same identity is already present —
@@ -409,6 +416,8 @@ fn apply_replaces<E: RegistryEntry>(entries: Vec<E>, issues: &mut Vec<RegistryIs
 #[derive(Debug, Clone)]
 pub struct RegistryBuilder<E> {
     entries: Vec<E>,
+    /// Hashes of the identities present: a miss proves an identity is new without a scan.
+    identities: rustc_hash::FxHashSet<u64>,
 }
 
 impl<E: RegistryEntry> Default for RegistryBuilder<E> {
@@ -420,9 +429,7 @@ impl<E: RegistryEntry> Default for RegistryBuilder<E> {
 impl<E: RegistryEntry> RegistryBuilder<E> {
     /// A builder with no entries.
     pub fn empty() -> Self {
-        RegistryBuilder {
-            entries: Vec::new(),
-        }
+        Self::with_capacity(0)
     }
 
     /// A builder holding the link-time entries, validated and in registry order.
@@ -433,7 +440,14 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
         check_identities(&entries, &mut issues);
         let entries = apply_replaces(entries, &mut issues);
         if issues.is_empty() {
-            Ok(RegistryBuilder { entries })
+            let identities = entries
+                .iter()
+                .map(|e| identity_hash(&e.meta().path))
+                .collect();
+            Ok(RegistryBuilder {
+                entries,
+                identities,
+            })
         } else {
             Err(RegistryError {
                 kind: E::KIND,
@@ -442,10 +456,13 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
         }
     }
 
-    /// Pre-allocates room for `n` more entries.
+    /// An empty builder with room for `n` entries.
     pub fn with_capacity(n: usize) -> Self {
+        let mut identities = rustc_hash::FxHashSet::default();
+        identities.reserve(n);
         RegistryBuilder {
             entries: Vec::with_capacity(n),
+            identities,
         }
     }
 
@@ -453,7 +470,10 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
     pub fn register(&mut self, entry: E) -> &mut Self {
         match self.find(&entry.meta().path) {
             Some(i) => self.entries[i] = entry,
-            None => self.entries.push(entry),
+            None => {
+                self.identities.insert(identity_hash(&entry.meta().path));
+                self.entries.push(entry);
+            }
         }
         self
     }
@@ -464,6 +484,7 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
             self.entries.remove(i);
         }
         entry.meta_mut().tier = Tier::Prepend;
+        self.identities.insert(identity_hash(&entry.meta().path));
         self.entries.insert(0, entry);
         self
     }
@@ -481,6 +502,7 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
                 }],
             });
         };
+        self.identities.insert(identity_hash(&entry.meta().path));
         if let Some(j) = self.find(&entry.meta().path).filter(|&j| j != i) {
             self.entries.remove(j);
             let i = if j < i { i - 1 } else { i };
@@ -508,6 +530,10 @@ impl<E: RegistryEntry> RegistryBuilder<E> {
     }
 
     fn find(&self, path: &str) -> Option<usize> {
+        // Removed identities stay in the set; a stale hit only costs the scan.
+        if !self.identities.contains(&identity_hash(path)) {
+            return None;
+        }
         self.entries.iter().position(|e| e.meta().path == path)
     }
 

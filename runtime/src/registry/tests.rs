@@ -133,15 +133,10 @@ impl ModuleExporter for TypeB {}
 struct TypeC;
 impl ModuleExporter for TypeC {}
 
-fn typed(
-    path: &str,
-    id: fn() -> TypeId,
-    replaces: Option<(fn() -> TypeId, &'static str)>,
-    line: u32,
-) -> ExporterEntry {
+fn typed(path: &str, id: fn() -> TypeId, replaces: Option<Replaces>, line: u32) -> ExporterEntry {
     let mut e = exporter(path, Tier::Normal, 0, vec![Key::name("X")], None);
     e.meta.type_id = Some(id);
-    e.meta.replaces = replaces.map(|(type_id, written)| Replaces { type_id, written });
+    e.meta.replaces = replaces;
     e.meta.location = loc(line);
     e
 }
@@ -153,7 +148,10 @@ fn replaces_removes_the_named_entry() {
         typed(
             "m::B",
             TypeId::of::<TypeB>,
-            Some((TypeId::of::<TypeA>, "A")),
+            Some(Replaces {
+                type_id: TypeId::of::<TypeA>,
+                written: "A",
+            }),
             2,
         ),
     ])
@@ -166,7 +164,10 @@ fn replaces_naming_nothing_itself_or_twice_are_errors() {
     let err = build_from_collected(vec![typed(
         "m::B",
         TypeId::of::<TypeB>,
-        Some((TypeId::of::<TypeA>, "other::A")),
+        Some(Replaces {
+            type_id: TypeId::of::<TypeA>,
+            written: "other::A",
+        }),
         7,
     )])
     .unwrap_err();
@@ -183,7 +184,10 @@ fn replaces_naming_nothing_itself_or_twice_are_errors() {
     let err = build_from_collected(vec![typed(
         "m::A",
         TypeId::of::<TypeA>,
-        Some((TypeId::of::<TypeA>, "A")),
+        Some(Replaces {
+            type_id: TypeId::of::<TypeA>,
+            written: "A",
+        }),
         3,
     )])
     .unwrap_err();
@@ -197,13 +201,19 @@ fn replaces_naming_nothing_itself_or_twice_are_errors() {
         typed(
             "m::B",
             TypeId::of::<TypeB>,
-            Some((TypeId::of::<TypeA>, "A")),
+            Some(Replaces {
+                type_id: TypeId::of::<TypeA>,
+                written: "A",
+            }),
             2,
         ),
         typed(
             "m::C",
             TypeId::of::<TypeC>,
-            Some((TypeId::of::<TypeA>, "A")),
+            Some(Replaces {
+                type_id: TypeId::of::<TypeA>,
+                written: "A",
+            }),
             3,
         ),
     ])
