@@ -49,7 +49,7 @@ where
         Ok(cli) => cli,
         Err(e) => {
             let code = e.exit_code();
-            let text = e.render().ansi().to_string();
+            let text = e.render().to_string();
             let _ = if code == 0 {
                 write!(out, "{text}")
             } else {
