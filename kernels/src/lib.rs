@@ -1,13 +1,17 @@
 //! kiln's number formats and quantization kernels: FP8, FP4 (NVFP4/MXFP4), E8M0 scales,
 //! INT8/INT4, each with a scalar reference and SIMD / CUDA / Metal implementations.
 //!
-//! Kernels know nothing of models, files or registries; exporters call them. The formats
-//! and operations land with the kernels issue (see `../shared/docs/FORMATS.md`); until then
-//! this crate only reserves its place in the workspace.
+//! Kernels know nothing of models, files or registries; exporters call them. The exact
+//! rounding of every format follows `../shared/docs/FORMATS.md`.
 //!
 //! ```
-//! assert!(!kiln_kernels::VERSION.is_empty());
+//! use kiln_kernels::formats::{Overflow, fp8};
+//!
+//! assert_eq!(fp8::f32_to_e4m3(448.0, Overflow::NonSaturating), 0x7e);
+//! assert_eq!(fp8::e4m3_to_f32(0x7e), 448.0);
 //! ```
+
+pub mod formats;
 
 /// This crate's version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
