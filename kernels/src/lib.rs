@@ -11,7 +11,13 @@
 //! assert_eq!(fp8::e4m3_to_f32(0x7e), 448.0);
 //! ```
 
+pub mod element;
+pub mod error;
 pub mod formats;
+pub mod ops;
+
+pub use element::Element;
+pub use error::KernelError;
 
 /// This crate's version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,61 @@
+//! Input element types: bf16, f16 and f32 weights, read as f32.
+
+use half::{bf16, f16};
+
+/// A floating-point element a kernel reads. Widening to f32 is exact for every implementor.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The dtype name as safetensors spells it (`BF16`, `F16`, `F32`).
+    const DTYPE: &'static str;
+    /// Exact widening.
+    fn to_f32(self) -> f32;
+    /// Rounds an f32 to this type (round to nearest even) and widens it back: the value a
+    /// PyTorch op computing in this dtype would produce.
+    fn round_f32(x: f32) -> f32;
+    /// Zero (for scratch buffers).
+    fn from_f32_zero() -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: &'static str = "F32";
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn round_f32(x: f32) -> f32 {
+        x
+    }
+    fn from_f32_zero() -> Self {
+        0.0
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: &'static str = "BF16";
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline]
+    fn round_f32(x: f32) -> f32 {
+        bf16::from_f32(x).to_f32()
+    }
+    fn from_f32_zero() -> Self {
+        bf16::ZERO
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: &'static str = "F16";
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline]
+    fn round_f32(x: f32) -> f32 {
+        f16::from_f32(x).to_f32()
+    }
+    fn from_f32_zero() -> Self {
+        f16::ZERO
+    }
+}

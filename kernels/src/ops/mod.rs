@@ -1,0 +1,16 @@
+//! The quantization operations, as readable scalar code: the ground truth every faster path
+//! (SIMD, CUDA) is tested against, bit for bit. Layouts are row-major `[rows, cols]`, or
+//! `[experts, rows, cols]` where stated; blocks run along `cols` (the input dimension K)
+//! unless a function says otherwise. The formulas and their arithmetic order are FORMATS.md's.
+
+pub mod amax;
+pub mod fp8;
+pub mod int;
+pub mod mx;
+pub mod nvfp4;
+
+/// Rounds to the nearest integer, ties to even (f32; exact for every f32).
+#[inline]
+pub fn round_half_even(x: f32) -> f32 {
+    x.round_ties_even()
+}
