@@ -49,7 +49,7 @@ pub fn amax_blocks<T: Element>(
     block: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if block == 0 || cols % block != 0 {
+    if block == 0 || !cols.is_multiple_of(block) {
         return Err(KernelError::BlockMismatch {
             op: "amax_blocks",
             cols,

@@ -59,14 +59,14 @@ pub fn quantize_int4_groups<T: Element>(
     out: &mut [u8],
 ) -> Result<(), KernelError> {
     let op = "quantize_int4_groups";
-    if group == 0 || cols % group != 0 {
+    if group == 0 || !cols.is_multiple_of(group) {
         return Err(KernelError::BlockMismatch {
             op,
             cols,
             block: group,
         });
     }
-    if rows % 2 != 0 {
+    if !rows.is_multiple_of(2) {
         return Err(KernelError::OddRows { op, rows });
     }
     let groups = cols / group;
@@ -117,14 +117,14 @@ pub fn dequantize_int4_groups(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let op = "dequantize_int4_groups";
-    if group == 0 || cols % group != 0 {
+    if group == 0 || !cols.is_multiple_of(group) {
         return Err(KernelError::BlockMismatch {
             op,
             cols,
             block: group,
         });
     }
-    if rows % 2 != 0 {
+    if !rows.is_multiple_of(2) {
         return Err(KernelError::OddRows { op, rows });
     }
     let groups = cols / group;

@@ -18,7 +18,7 @@ use crate::formats::fp8::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
 pub const MX_BLOCK: usize = 32;
 
 fn check(op: &'static str, n: usize, cols: usize) -> Result<(), KernelError> {
-    if cols == 0 || cols % MX_BLOCK != 0 || n % cols != 0 {
+    if cols == 0 || !cols.is_multiple_of(MX_BLOCK) || !n.is_multiple_of(cols) {
         return Err(KernelError::BlockMismatch {
             op,
             cols,

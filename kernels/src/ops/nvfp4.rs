@@ -62,7 +62,7 @@ pub fn quantize_nvfp4<T: Element>(
 ) -> Result<(), KernelError> {
     let op = "quantize_nvfp4";
     let (e, r, c) = matrix_dims(op, shape)?;
-    if c % NVFP4_BLOCK != 0 {
+    if !c.is_multiple_of(NVFP4_BLOCK) {
         return Err(KernelError::BlockMismatch {
             op,
             cols: c,
@@ -95,7 +95,7 @@ pub fn quantize_nvfp4_transposed<T: Element>(
 ) -> Result<(), KernelError> {
     let op = "quantize_nvfp4_transposed";
     let (e, r, c) = matrix_dims(op, shape)?;
-    if r % NVFP4_BLOCK != 0 {
+    if !r.is_multiple_of(NVFP4_BLOCK) {
         return Err(KernelError::BlockMismatch {
             op,
             cols: r,
