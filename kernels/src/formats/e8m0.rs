@@ -1,4 +1,13 @@
 //! E8M0: an unsigned power-of-two scale, `2^(byte - 127)`; 0xFF is NaN. Used by MXFP4/MXFP8.
+//!
+//! The block exponents reproduce ModelOpt's arithmetic, which is *not* the exact
+//! `ceil(log2(bmax / max))`: MXFP4 computes in the weight's dtype (a bf16 weight's
+//! `log2(amax / 6)` is rounded to bf16 before the ceiling), MXFP8 in f32.
+
+use crate::element::Element;
+
+/// The E8M0 NaN byte.
+pub const E8M0_NAN: u8 = 0xff;
 
 /// The byte for `2^k`, `k` clamped to [-127, 127].
 pub fn e8m0_from_exponent(k: i32) -> u8 {
@@ -7,49 +16,63 @@ pub fn e8m0_from_exponent(k: i32) -> u8 {
 
 /// The scale a byte stands for (`NaN` for 0xFF).
 pub fn e8m0_to_f32(byte: u8) -> f32 {
-    if byte == 0xff {
+    if byte == E8M0_NAN {
         f32::NAN
     } else {
         2f64.powi(byte as i32 - 127) as f32
     }
 }
 
-/// MXFP4's block exponent (ModelOpt): `ceil(max(log2(bmax / 6), -127))` for an E2M1 block
-/// whose largest magnitude is `bmax` (0 → -127).
-pub fn mxfp4_exponent(bmax: f32) -> i32 {
-    exponent_ceil(bmax, 6.0)
-}
-
-/// MXFP8's block exponent (ModelOpt): `ceil(log2(bmax / 448))` if bmax > 0, else -127,
-/// clamped to [-127, 127].
-pub fn mxfp8_exponent(bmax: f32) -> i32 {
-    exponent_ceil(bmax, 448.0)
-}
-
-/// `ceil(log2(bmax / max))` computed exactly from the f64 representation (no `log2` rounding).
-fn exponent_ceil(bmax: f32, max: f64) -> i32 {
-    if bmax.is_nan() || bmax <= 0.0 {
-        return -127;
+/// MXFP4's block exponent for a block of `T` whose largest magnitude is `bmax`
+/// (ModelOpt `MXFP4QTensor.quantize`, all in `T`):
+/// `ceil(maximum(log2(T(bmax / 6)), -127))`. `None` for a NaN block, where ModelOpt's result
+/// is undefined (its uint8 cast of NaN); +Inf clamps to 127 likewise.
+pub fn mxfp4_exponent<T: Element>(bmax: f32) -> Option<i32> {
+    let descale = T::round_f32(bmax / 6.0);
+    let l = T::round_f32(descale.log2()); // log2(0) = -inf
+    if l.is_nan() {
+        return None;
     }
-    let r = f64::from(bmax) / max;
-    let bits = r.to_bits();
-    let e = ((bits >> 52) & 0x7ff) as i32 - 1023; // r is normal: bmax ≥ 2^-149, max ≤ 448
-    let exact_power = bits & ((1u64 << 52) - 1) == 0;
-    (if exact_power { e } else { e + 1 }).clamp(-127, 127)
+    Some(l.max(-127.0).ceil().min(127.0) as i32)
+}
+
+/// MXFP8's block exponent (ModelOpt `MXFP8QTensor._compute_e8m0_exponent`, in f32):
+/// `ceil(log2(bmax / 448))` where `bmax / 448 > 0`, else -127 (zero and NaN), clamped to
+/// [-127, 127] (+Inf → 127).
+pub fn mxfp8_exponent(bmax: f32) -> i32 {
+    let descale = bmax / 448.0;
+    let l = if descale > 0.0 {
+        descale.log2()
+    } else {
+        -127.0
+    };
+    l.ceil().clamp(-127.0, 127.0) as i32
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     #[test]
-    fn exponents_are_exact_ceilings() {
-        assert_eq!(mxfp4_exponent(6.0), 0);
-        assert_eq!(mxfp4_exponent(6.000001), 1);
-        assert_eq!(mxfp4_exponent(3.0), -1);
-        assert_eq!(mxfp4_exponent(0.0), -127);
+    fn exponents_follow_modelopt_arithmetic() {
+        assert_eq!(mxfp4_exponent::<f32>(6.0), Some(0));
+        assert_eq!(mxfp4_exponent::<f32>(6.000001), Some(1));
+        assert_eq!(mxfp4_exponent::<f32>(3.0), Some(-1));
+        assert_eq!(mxfp4_exponent::<f32>(0.0), Some(-127));
+        assert_eq!(mxfp4_exponent::<f32>(f32::NAN), None);
+        assert_eq!(mxfp4_exponent::<f32>(f32::INFINITY), Some(127));
+        // bf16: 6 · 2^20 · (1 + 2^-7) / 6 rounds to bf16 exactly, but its log2 (20.0112…)
+        // rounds to 20.0 in bf16, so the ceiling is 20 where the exact one is 21.
+        let bmax = bf16::from_f32(6.0 * 2f32.powi(20) * (1.0 + 2f32.powi(-7))).to_f32();
+        assert_eq!(mxfp4_exponent::<bf16>(bmax), Some(20));
+        assert_eq!(mxfp4_exponent::<f32>(bmax), Some(21));
+
         assert_eq!(mxfp8_exponent(448.0), 0);
         assert_eq!(mxfp8_exponent(449.0), 1);
+        assert_eq!(mxfp8_exponent(0.0), -127);
+        assert_eq!(mxfp8_exponent(f32::NAN), -127);
+        assert_eq!(mxfp8_exponent(f32::INFINITY), 127);
         assert_eq!(mxfp8_exponent(f32::MAX), 120, "2^128 / 448 ≈ 2^119.2");
         assert_eq!(e8m0_from_exponent(-200), 0);
         assert_eq!(e8m0_to_f32(127), 1.0);

@@ -1,16 +1,19 @@
 //! OCP MX formats: 32-element blocks sharing an E8M0 power-of-two scale.
 //!
-//! MXFP4 (FORMATS.md, ModelOpt `MXFP4QTensor`): `k = ceil(max(log2(bmax / 6), -127))`,
-//! `x = w / 2^k`, code by the MX rule (ties toward zero, an exact zero → 0x8).
-//! MXFP8 (`MXFP8QTensor`): `k = ceil(log2(bmax / 448))` (bmax = 0 → -127), clamped to
-//! [-127, 127]; `q = e4m3(clamp(w · 2^-k, ±448))`.
-//! `k` is computed exactly from bmax (see `formats::e8m0`).
+//! MXFP4 (ModelOpt `MXFP4QTensor`, computed in the weight's dtype `T`):
+//! `k = ceil(max(log2(bmax / 6), -127))`, `x = T(w / 2^k)`, code by the MX rule (ties toward
+//! zero, an exact zero → 0x8). A block containing NaN gets scale 0xFF (E8M0 NaN; ModelOpt's
+//! value is undefined there).
+//! MXFP8 (`MXFP8QTensor`, f32): `k = ceil(log2(bmax / 448))` (bmax = 0 or NaN → -127),
+//! clamped to [-127, 127]; `q = e4m3(clamp(w · 2^-k, ±448))` with the product in f32.
 
 use super::amax::amax;
 use crate::element::Element;
 use crate::error::{KernelError, check_len};
 use crate::formats::Overflow;
-use crate::formats::e8m0::{e8m0_from_exponent, e8m0_to_f32, mxfp4_exponent, mxfp8_exponent};
+use crate::formats::e8m0::{
+    E8M0_NAN, e8m0_from_exponent, e8m0_to_f32, mxfp4_exponent, mxfp8_exponent,
+};
 use crate::formats::fp4::{e2m1_to_f32, f32_to_e2m1_mx};
 use crate::formats::fp8::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
 
@@ -61,12 +64,12 @@ pub fn quantize_mxfp4<T: Element>(
         .zip(packed.chunks_exact_mut(16))
         .zip(scales.iter_mut())
     {
-        let k = mxfp4_exponent(amax(block)).max(-127);
-        *scale = e8m0_from_exponent(k);
-        let divisor = pow2(k);
+        let k = mxfp4_exponent::<T>(amax(block));
+        *scale = k.map_or(E8M0_NAN, e8m0_from_exponent);
+        let divisor = k.map_or(f32::NAN, pow2);
+        let code = |x: T| f32_to_e2m1_mx(T::round_f32(x.to_f32() / divisor));
         for (byte, pair) in out.iter_mut().zip(block.chunks_exact(2)) {
-            *byte = f32_to_e2m1_mx(pair[0].to_f32() / divisor)
-                | f32_to_e2m1_mx(pair[1].to_f32() / divisor) << 4;
+            *byte = code(pair[0]) | code(pair[1]) << 4;
         }
     }
     Ok(())
