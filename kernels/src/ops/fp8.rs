@@ -3,6 +3,10 @@
 //! Scales are f32 `amax / 448`. Casts are PyTorch's: round to nearest even, non-saturating
 //! (the scales keep every value within ±448 before rounding, so no NaN appears from finite
 //! input with a true amax).
+//!
+//! Every quantizer that emits E4M3 writes NaN as 0x7F. The sign of a NaN is an accident of
+//! the machine — x86 makes 0/0 negative and aarch64 positive, PyTorch's vectorized CPU cast
+//! to bf16 writes 0xFFFF, CUDA writes 0x7FFF — and kiln's output bytes must not depend on it.
 
 use crate::element::Element;
 use crate::error::{KernelError, check_len, matrix_dims};
@@ -14,18 +18,26 @@ pub fn fp8_scale(amax: f32) -> f32 {
     amax / E4M3_MAX
 }
 
+/// E4M3 of an f32 as the quantizers write it: round to nearest even, non-saturating, NaN
+/// always 0x7F (the only other NaN code, 0xFF, is folded onto it).
+#[inline]
+pub fn e4m3_out(x: f32) -> u8 {
+    let c = f32_to_e4m3(x, Overflow::NonSaturating);
+    if c == 0xff { 0x7f } else { c }
+}
+
 /// One element, per-tensor, as ModelOpt computes it for a 2-D weight: the quotient is
 /// computed in f32 and rounded to the weight's dtype before the FP8 cast (a bf16 tensor
 /// divided by a 0-d f32 tensor stays bf16 in PyTorch).
 #[inline]
 pub fn fp8_per_tensor_one<T: Element>(w: T, scale: f32) -> u8 {
-    f32_to_e4m3(T::round_f32(w.to_f32() / scale), Overflow::NonSaturating)
+    e4m3_out(T::round_f32(w.to_f32() / scale))
 }
 
 /// One element divided in f32 (dimensioned scales: per channel, per tile, per expert).
 #[inline]
 pub fn fp8_f32_one(w: f32, scale: f32) -> u8 {
-    f32_to_e4m3(w / scale, Overflow::NonSaturating)
+    e4m3_out(w / scale)
 }
 
 /// Per-tensor FP8 of a 2-D weight: `out[i] = e4m3(round_T(w[i] / scale))`.

@@ -8,14 +8,14 @@
 //! clamped to [-127, 127]; `q = e4m3(clamp(w · 2^-k, ±448))` with the product in f32.
 
 use super::amax::amax;
+use super::fp8::e4m3_out;
 use crate::element::Element;
 use crate::error::{KernelError, check_len};
-use crate::formats::Overflow;
 use crate::formats::e8m0::{
     E8M0_NAN, e8m0_from_exponent, e8m0_to_f32, mxfp4_exponent, mxfp8_exponent,
 };
 use crate::formats::fp4::{e2m1_to_f32, f32_to_e2m1_mx};
-use crate::formats::fp8::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
+use crate::formats::fp8::{E4M3_MAX, e4m3_to_f32};
 
 /// Elements per MX block.
 pub const MX_BLOCK: usize = 32;
@@ -101,10 +101,7 @@ pub fn quantize_mxfp8<T: Element>(
         *scale = e8m0_from_exponent(k);
         let factor = pow2(-k);
         for (o, &x) in out.iter_mut().zip(block) {
-            *o = f32_to_e4m3(
-                (x.to_f32() * factor).clamp(-E4M3_MAX, E4M3_MAX),
-                Overflow::NonSaturating,
-            );
+            *o = e4m3_out((x.to_f32() * factor).clamp(-E4M3_MAX, E4M3_MAX));
         }
     }
     Ok(())

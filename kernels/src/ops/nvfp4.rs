@@ -11,11 +11,11 @@
 //! NaN is always written 0x7F, whatever sign the machine's 0/0 gives.
 
 use super::amax::amax;
+use super::fp8::e4m3_out;
 use crate::element::Element;
 use crate::error::{KernelError, check_len, matrix_dims};
-use crate::formats::Overflow;
 use crate::formats::fp4::{e2m1_to_f32, f32_to_e2m1_nvfp4};
-use crate::formats::fp8::{e4m3_to_f32, f32_to_e4m3};
+use crate::formats::fp8::e4m3_to_f32;
 
 /// Elements per NVFP4 block.
 pub const NVFP4_BLOCK: usize = 16;
@@ -29,13 +29,9 @@ pub fn nvfp4_global_scale(amax: f32) -> f32 {
 #[inline]
 pub fn nvfp4_block_scale(bmax: f32, ws2: f32) -> u8 {
     let s = bmax / (6.0 * ws2);
-    if s.is_nan() {
-        // 0/0 carries the sign bit on x86 and not on aarch64 or GPUs: one canonical byte keeps
-        // the output the same on every machine (ModelOpt on a GPU writes this one).
-        return 0x7f;
-    }
     let s = if s == 0.0 { 1.0 } else { s };
-    f32_to_e4m3(s.clamp(2f32.powi(-9), 448.0), Overflow::NonSaturating)
+    // NaN (0/0 from an all-zero weight) is written 0x7F on every machine: see `fp8::e4m3_out`.
+    e4m3_out(s.clamp(2f32.powi(-9), 448.0))
 }
 
 /// Quantizes one block (`w.len()` = 16) into 8 packed bytes; returns the block's scale byte.
