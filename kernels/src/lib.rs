@@ -11,6 +11,7 @@
 //! assert_eq!(fp8::e4m3_to_f32(0x7e), 448.0);
 //! ```
 
+pub mod cpu;
 pub mod element;
 pub mod error;
 pub mod formats;

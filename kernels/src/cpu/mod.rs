@@ -1,0 +1,386 @@
+//! Fast CPU paths. The instruction set is chosen once at run time (AVX2+F16C on x86-64, else
+//! the portable scalar path); large tensors are split into fixed-size chunks over rayon, so
+//! the output is the same bytes whatever the thread count. Every function here equals its
+//! `ops` reference bit for bit (tests/simd_equals_reference.rs).
+//!
+//! `KILN_CPU=scalar` forces the portable path (tests and benchmarks compare the two).
+
+pub mod bits;
+pub mod portable;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+use crate::element::Element;
+use crate::error::{KernelError, check_len, matrix_dims};
+use crate::ops;
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Elements per parallel task: a multiple of every block size (16, 32, 128).
+const CHUNK: usize = 1 << 16;
+
+/// The instruction set the fast paths use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// x86-64 AVX2 with F16C.
+    Avx2,
+    /// Plain Rust on any CPU.
+    Portable,
+}
+
+/// The instruction set chosen for this process.
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        if std::env::var("KILN_CPU").is_ok_and(|v| v == "scalar") {
+            return Isa::Portable;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            return Isa::Avx2;
+        }
+        Isa::Portable
+    })
+}
+
+fn amax_one<T: Element>(x: &[T]) -> f32 {
+    match isa() {
+        // SAFETY: `isa()` returned Avx2 only after detecting AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::amax(x) },
+        _ => portable::amax(x),
+    }
+}
+
+fn fp8_one<T: Element, const ROUND: bool>(w: &[T], scale: f32, out: &mut [u8]) {
+    match isa() {
+        // SAFETY: as above; `out` and `w` have equal lengths (checked by the callers).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::fp8_scaled::<T, ROUND>(w, scale, out) },
+        _ => portable::fp8_scaled::<T, ROUND>(w, scale, out),
+    }
+}
+
+fn nvfp4_one<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]) {
+    match isa() {
+        // SAFETY: as above; whole blocks, buffers sized by the callers.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::nvfp4(w, ws2, packed, scales) },
+        _ => portable::nvfp4(w, ws2, packed, scales),
+    }
+}
+
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// `ops::amax::amax`, in parallel.
+pub fn amax<T: Element>(x: &[T]) -> f32 {
+    x.par_chunks(CHUNK).map(amax_one).reduce(|| 0.0, nan_max)
+}
+
+/// `ops::amax::amax_rows`, in parallel over rows.
+pub fn amax_rows<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("amax_rows", "input", x.len(), rows * cols, &[rows, cols])?;
+    check_len("amax_rows", "output", out.len(), rows, &[rows])?;
+    if cols == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    x.par_chunks(cols)
+        .zip(out.par_iter_mut())
+        .for_each(|(r, o)| *o = amax_one(r));
+    Ok(())
+}
+
+/// `ops::amax::amax_blocks`, in parallel.
+pub fn amax_blocks<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    block: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if block == 0 || !cols.is_multiple_of(block) {
+        return Err(KernelError::BlockMismatch {
+            op: "amax_blocks",
+            cols,
+            block,
+        });
+    }
+    check_len("amax_blocks", "input", x.len(), rows * cols, &[rows, cols])?;
+    check_len(
+        "amax_blocks",
+        "output",
+        out.len(),
+        rows * (cols / block),
+        &[rows, cols / block],
+    )?;
+    x.par_chunks(block)
+        .zip(out.par_iter_mut())
+        .with_min_len(CHUNK / block.max(1))
+        .for_each(|(b, o)| *o = amax_one(b));
+    Ok(())
+}
+
+/// `ops::fp8::quantize_fp8_per_tensor`, fast and parallel.
+pub fn quantize_fp8_per_tensor<T: Element>(
+    w: &[T],
+    scale: f32,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    check_len(
+        "quantize_fp8_per_tensor",
+        "output",
+        out.len(),
+        w.len(),
+        &[w.len()],
+    )?;
+    w.par_chunks(CHUNK)
+        .zip(out.par_chunks_mut(CHUNK))
+        .for_each(|(w, o)| fp8_one::<T, true>(w, scale, o));
+    Ok(())
+}
+
+/// `ops::fp8::quantize_fp8_stacked`, fast and parallel.
+pub fn quantize_fp8_stacked<T: Element>(
+    w: &[T],
+    shape: &[usize],
+    scales: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_fp8_stacked";
+    let (e, r, c) = matrix_dims(op, shape)?;
+    check_len(op, "input", w.len(), e * r * c, shape)?;
+    check_len(op, "scales", scales.len(), e, &[e])?;
+    check_len(op, "output", out.len(), w.len(), shape)?;
+    let per = (r * c).max(1);
+    w.par_chunks(per)
+        .zip(out.par_chunks_mut(per))
+        .zip(scales.par_iter())
+        .for_each(|((w, o), &s)| {
+            w.par_chunks(CHUNK)
+                .zip(o.par_chunks_mut(CHUNK))
+                .for_each(|(w, o)| fp8_one::<T, false>(w, s, o))
+        });
+    Ok(())
+}
+
+/// `ops::fp8::quantize_fp8_per_channel`, fast and parallel over rows.
+pub fn quantize_fp8_per_channel<T: Element>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    scales: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_fp8_per_channel";
+    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
+    check_len(op, "scales", scales.len(), rows, &[rows])?;
+    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    if cols > 0 {
+        w.par_chunks(cols)
+            .zip(out.par_chunks_mut(cols))
+            .zip(scales.par_iter())
+            .for_each(|((w, o), &s)| fp8_one::<T, false>(w, s, o));
+    }
+    Ok(())
+}
+
+/// `ops::fp8::quantize_fp8_tiles`, fast and parallel over rows.
+pub fn quantize_fp8_tiles<T: Element>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    tile: usize,
+    scales: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_fp8_tiles";
+    if tile == 0 {
+        return Err(KernelError::BlockMismatch {
+            op,
+            cols,
+            block: tile,
+        });
+    }
+    let tc = cols.div_ceil(tile);
+    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
+    check_len(
+        op,
+        "scales",
+        scales.len(),
+        rows.div_ceil(tile) * tc,
+        &[rows.div_ceil(tile), tc],
+    )?;
+    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    if cols > 0 {
+        w.par_chunks(cols)
+            .zip(out.par_chunks_mut(cols))
+            .enumerate()
+            .for_each(|(r, (w, o))| {
+                for (t, (w, o)) in w.chunks(tile).zip(o.chunks_mut(tile)).enumerate() {
+                    fp8_one::<T, false>(w, scales[(r / tile) * tc + t], o);
+                }
+            });
+    }
+    Ok(())
+}
+
+/// `ops::nvfp4::quantize_nvfp4`, fast and parallel.
+pub fn quantize_nvfp4<T: Element>(
+    w: &[T],
+    shape: &[usize],
+    ws2: f32,
+    packed: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_nvfp4";
+    let (e, r, c) = matrix_dims(op, shape)?;
+    if !c.is_multiple_of(16) {
+        return Err(KernelError::BlockMismatch {
+            op,
+            cols: c,
+            block: 16,
+        });
+    }
+    let n = e * r * c;
+    check_len(op, "input", w.len(), n, shape)?;
+    check_len(op, "packed output", packed.len(), n / 2, shape)?;
+    check_len(op, "scales", scales.len(), n / 16, shape)?;
+    w.par_chunks(CHUNK)
+        .zip(packed.par_chunks_mut(CHUNK / 2))
+        .zip(scales.par_chunks_mut(CHUNK / 16))
+        .for_each(|((w, p), s)| nvfp4_one(w, ws2, p, s));
+    Ok(())
+}
+
+/// `ops::mx::quantize_mxfp8`, fast and parallel.
+pub fn quantize_mxfp8<T: Element>(
+    w: &[T],
+    cols: usize,
+    q: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_mxfp8";
+    if cols == 0 || !cols.is_multiple_of(32) || !w.len().is_multiple_of(cols) {
+        return Err(KernelError::BlockMismatch {
+            op,
+            cols,
+            block: 32,
+        });
+    }
+    check_len(op, "output", q.len(), w.len(), &[w.len() / cols, cols])?;
+    check_len(
+        op,
+        "scales",
+        scales.len(),
+        w.len() / 32,
+        &[w.len() / cols, cols],
+    )?;
+    w.par_chunks(CHUNK)
+        .zip(q.par_chunks_mut(CHUNK))
+        .zip(scales.par_chunks_mut(CHUNK / 32))
+        .for_each(|((w, q), s)| portable::mxfp8(w, q, s));
+    Ok(())
+}
+
+/// `ops::mx::quantize_mxfp4`, parallel over chunks of whole blocks (the reference per chunk).
+pub fn quantize_mxfp4<T: Element>(
+    w: &[T],
+    cols: usize,
+    packed: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_mxfp4";
+    if cols == 0 || !cols.is_multiple_of(32) || !w.len().is_multiple_of(cols) {
+        return Err(KernelError::BlockMismatch {
+            op,
+            cols,
+            block: 32,
+        });
+    }
+    check_len(
+        op,
+        "packed output",
+        packed.len(),
+        w.len() / 2,
+        &[w.len() / cols, cols],
+    )?;
+    check_len(
+        op,
+        "scales",
+        scales.len(),
+        w.len() / 32,
+        &[w.len() / cols, cols],
+    )?;
+    w.par_chunks(CHUNK)
+        .zip(packed.par_chunks_mut(CHUNK / 2))
+        .zip(scales.par_chunks_mut(CHUNK / 32))
+        .try_for_each(|((w, p), s)| ops::mx::quantize_mxfp4(w, 32, p, s))
+}
+
+/// `ops::int::quantize_int8_per_channel`, parallel over rows.
+pub fn quantize_int8_per_channel<T: Element>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    scales: &[f32],
+    out: &mut [i8],
+) -> Result<(), KernelError> {
+    let op = "quantize_int8_per_channel";
+    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
+    check_len(op, "scales", scales.len(), rows, &[rows])?;
+    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    if cols == 0 {
+        return Ok(());
+    }
+    w.par_chunks(cols)
+        .zip(out.par_chunks_mut(cols))
+        .zip(scales.par_iter())
+        .try_for_each(|((w, o), s)| {
+            ops::int::quantize_int8_per_channel(w, 1, cols, std::slice::from_ref(s), o)
+        })
+}
+
+/// `ops::int::quantize_int4_groups`, parallel over row pairs.
+pub fn quantize_int4_groups<T: Element>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    group: usize,
+    scales: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let op = "quantize_int4_groups";
+    if group == 0 || !cols.is_multiple_of(group) {
+        return Err(KernelError::BlockMismatch {
+            op,
+            cols,
+            block: group,
+        });
+    }
+    if !rows.is_multiple_of(2) {
+        return Err(KernelError::OddRows { op, rows });
+    }
+    let groups = cols / group;
+    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
+    check_len(op, "scales", scales.len(), rows * groups, &[rows, groups])?;
+    check_len(op, "output", out.len(), rows / 2 * cols, &[rows / 2, cols])?;
+    if cols == 0 {
+        return Ok(());
+    }
+    w.par_chunks(2 * cols)
+        .zip(out.par_chunks_mut(cols))
+        .zip(scales.par_chunks(2 * groups))
+        .try_for_each(|((w, o), s)| ops::int::quantize_int4_groups(w, 2, cols, group, s, o))
+}

@@ -1,0 +1,53 @@
+//! The fast scalar path, for every CPU: the bit-level conversions of `bits` in plain loops.
+//! Also the tail handler of the SIMD kernels.
+
+use super::bits;
+use crate::element::Element;
+use crate::formats::e8m0::{e8m0_from_exponent, mxfp8_exponent};
+use crate::formats::fp8::E4M3_MAX;
+
+/// max |x|, NaN winning.
+pub fn amax<T: Element>(x: &[T]) -> f32 {
+    crate::ops::amax::amax(x)
+}
+
+/// `out[i] = e4m3(round?(w[i] / scale))`: with `ROUND`, the quotient is rounded to `T` first
+/// (per-tensor FP8 of a 2-D weight); without, it stays f32 (dimensioned scales).
+pub fn fp8_scaled<T: Element, const ROUND: bool>(w: &[T], scale: f32, out: &mut [u8]) {
+    for (o, &x) in out.iter_mut().zip(w) {
+        let q = x.to_f32() / scale;
+        *o = bits::e4m3_out(if ROUND { T::round_f32(q) } else { q });
+    }
+}
+
+/// NVFP4 of whole 16-element blocks.
+pub fn nvfp4<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]) {
+    for ((block, out), scale) in w
+        .chunks_exact(16)
+        .zip(packed.chunks_exact_mut(8))
+        .zip(scales.iter_mut())
+    {
+        *scale = bits::nvfp4_block_scale(amax(block), ws2);
+        let d = bits::e4m3_to_f32(*scale) * ws2;
+        for (b, pair) in out.iter_mut().zip(block.chunks_exact(2)) {
+            *b = bits::e2m1_nvfp4(pair[0].to_f32() / d)
+                | bits::e2m1_nvfp4(pair[1].to_f32() / d) << 4;
+        }
+    }
+}
+
+/// MXFP8 of whole 32-element blocks.
+pub fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
+    for ((block, out), scale) in w
+        .chunks_exact(32)
+        .zip(q.chunks_exact_mut(32))
+        .zip(scales.iter_mut())
+    {
+        let k = mxfp8_exponent(amax(block));
+        *scale = e8m0_from_exponent(k);
+        let factor = 2f64.powi(-k) as f32;
+        for (o, &x) in out.iter_mut().zip(block) {
+            *o = bits::e4m3_out((x.to_f32() * factor).clamp(-E4M3_MAX, E4M3_MAX));
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! AVX2 (+F16C, FMA) kernels, lane-for-lane the steps of `cpu::bits`. Callers check
+//! `is_x86_feature_detected!` first (see `cpu::dispatch`).
+
+use super::bits;
+use crate::element::Element;
+use half::{bf16, f16};
+use std::any::TypeId;
+use std::arch::x86_64::*;
+
+/// Loads 8 elements of `T` (bf16, f16 or f32) as f32 lanes.
+///
+/// # Safety
+/// AVX2 and F16C must be available; `p` must point to 8 readable elements of `T`.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load8<T: Element>(p: *const T) -> __m256 {
+    let t = TypeId::of::<T>();
+    // SAFETY: the caller guarantees 8 readable elements at `p` and the CPU features; the
+    // TypeId checks make each cast the element's real layout.
+    unsafe {
+        if t == TypeId::of::<bf16>() {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        } else if t == TypeId::of::<f16>() {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            debug_assert!(t == TypeId::of::<f32>());
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+}
+
+/// Rounds f32 lanes to `T` and back (RNE); identity for f32.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn round_to<T: Element>(x: __m256) -> __m256 {
+    let t = TypeId::of::<T>();
+    if t == TypeId::of::<bf16>() {
+        let b = _mm256_castps_si256(x);
+        let odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+        let r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+        let r = _mm256_and_si256(r, _mm256_set1_epi32(0xffff_0000u32 as i32));
+        // NaN: keep the sign, set the quiet bit, truncate (as `half`).
+        let a = _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff));
+        let nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f80_0000));
+        let q = _mm256_and_si256(
+            _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000)),
+            _mm256_set1_epi32(0xffff_0000u32 as i32),
+        );
+        _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan))
+    } else if t == TypeId::of::<f16>() {
+        _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+    } else {
+        x
+    }
+}
+
+/// `bits::e4m3_out` on 8 lanes; the codes in the low byte of each i32 lane.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn e4m3_lanes(x: __m256) -> __m256i {
+    let b = _mm256_castps_si256(x);
+    let sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(0x80));
+    let a = _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff));
+    let nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f80_0000));
+    let big = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43e7_ffff));
+    let tie = _mm256_cmpeq_epi32(a, _mm256_set1_epi32(0x43e8_0000));
+    let sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c80_0000), a);
+    // Subnormal: add 2^14 as a float so the ulp is 2^-9, then subtract its bits.
+    let f = _mm256_add_ps(
+        _mm256_castsi256_ps(a),
+        _mm256_castsi256_ps(_mm256_set1_epi32(141 << 23)),
+    );
+    let subcode = _mm256_sub_epi32(_mm256_castps_si256(f), _mm256_set1_epi32(141 << 23));
+    // Normal: rebias and round the dropped 20 bits to nearest even.
+    let odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+    let bias = _mm256_set1_epi32(((7i32 - 127) << 23).wrapping_add(0x7_ffff));
+    let normcode = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), 20);
+    let code = _mm256_blendv_epi8(normcode, subcode, sub);
+    let over = _mm256_blendv_epi8(_mm256_set1_epi32(0x7f), _mm256_set1_epi32(0x7e), tie);
+    let code = _mm256_blendv_epi8(code, over, big);
+    let is_nan_code = _mm256_or_si256(_mm256_cmpeq_epi32(code, _mm256_set1_epi32(0x7f)), nan);
+    _mm256_blendv_epi8(
+        _mm256_or_si256(code, sign),
+        _mm256_set1_epi32(0x7f),
+        is_nan_code,
+    )
+}
+
+/// Packs the low bytes of 4 × 8 i32 lanes into 32 bytes, in order.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn pack32(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m256i {
+    let ab = _mm256_packus_epi32(a, b); // per 128-bit lane: a0..3 b0..3 | a4..7 b4..7
+    let cd = _mm256_packus_epi32(c, d);
+    let abcd = _mm256_packus_epi16(ab, cd); // a0..3 b0..3 c0..3 d0..3 | a4..7 b4..7 c4..7 d4..7
+    _mm256_permutevar8x32_epi32(abcd, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
+/// max |x| with NaN winning (`ops::amax::amax`).
+///
+/// # Safety
+/// AVX2 and F16C must be available.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn amax<T: Element>(x: &[T]) -> f32 {
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let (mut m0, mut m1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut nan = _mm256_setzero_ps();
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        // SAFETY: `c` has 16 elements: two loads of 8.
+        let (v0, v1) = unsafe { (load8(c.as_ptr()), load8(c.as_ptr().add(8))) };
+        let (v0, v1) = (_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v0, v1));
+        m0 = _mm256_max_ps(m0, v0);
+        m1 = _mm256_max_ps(m1, v1);
+    }
+    let m = _mm256_max_ps(m0, m1);
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    let any_nan = _mm256_movemask_ps(nan) != 0;
+    let head = lanes.iter().fold(0f32, |a, &v| a.max(v));
+    let tail = crate::ops::amax::amax(tail);
+    if any_nan || tail.is_nan() {
+        f32::NAN
+    } else {
+        head.max(tail)
+    }
+}
+
+/// `portable::fp8_scaled`: FP8 of `w / scale`, the quotient rounded to `T` when `ROUND`.
+///
+/// # Safety
+/// AVX2 and F16C must be available; `out.len() == w.len()`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn fp8_scaled<T: Element, const ROUND: bool>(w: &[T], scale: f32, out: &mut [u8]) {
+    let s = _mm256_set1_ps(scale);
+    let n32 = w.len() / 32 * 32;
+    for (c, o) in w[..n32]
+        .chunks_exact(32)
+        .zip(out[..n32].chunks_exact_mut(32))
+    {
+        let p = c.as_ptr();
+        // SAFETY: 32 readable elements at `p`, 32 writable bytes in `o`.
+        unsafe {
+            let q = |i: usize| {
+                let x = _mm256_div_ps(load8(p.add(i)), s);
+                e4m3_lanes(if ROUND { round_to::<T>(x) } else { x })
+            };
+            _mm256_storeu_si256(
+                o.as_mut_ptr() as *mut __m256i,
+                pack32(q(0), q(8), q(16), q(24)),
+            );
+        }
+    }
+    super::portable::fp8_scaled::<T, ROUND>(&w[n32..], scale, &mut out[n32..]);
+}
+
+/// `bits::e2m1_nvfp4` on 8 lanes (codes in i32 lanes).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn e2m1_lanes(x: __m256) -> __m256i {
+    let a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
+    let one = _mm256_set1_epi32(1);
+    let gt = |b: f32| {
+        _mm256_and_si256(
+            _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(b))),
+            one,
+        )
+    };
+    let ge = |b: f32| {
+        _mm256_and_si256(
+            _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(b))),
+            one,
+        )
+    };
+    let idx = _mm256_add_epi32(
+        _mm256_add_epi32(
+            _mm256_add_epi32(gt(0.25), ge(0.75)),
+            _mm256_add_epi32(gt(1.25), ge(1.75)),
+        ),
+        _mm256_add_epi32(_mm256_add_epi32(gt(2.5), ge(3.5)), gt(5.0)),
+    );
+    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
+    let idx = _mm256_blendv_epi8(idx, _mm256_set1_epi32(7), nan);
+    let neg = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_setzero_ps()));
+    _mm256_or_si256(idx, _mm256_and_si256(neg, _mm256_set1_epi32(8)))
+}
+
+/// Packs 8 codes (i32 lanes, even element low) into 4 bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn nibbles4(c: __m256i) -> u32 {
+    // Each 64-bit lane holds (even, odd): even | odd << 4 in its low byte.
+    let pairs = _mm256_or_si256(c, _mm256_srli_epi64(c, 28));
+    let bytes = _mm256_shuffle_epi8(
+        pairs,
+        _mm256_setr_epi8(
+            0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1,
+            -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        ),
+    );
+    let lo = _mm256_extract_epi16::<0>(bytes) as u32 & 0xffff;
+    let hi = _mm256_extract_epi16::<8>(bytes) as u32 & 0xffff;
+    lo | hi << 16
+}
+
+/// NVFP4 of whole 16-element blocks (`ops::nvfp4::quantize_nvfp4` without shape checks).
+///
+/// # Safety
+/// AVX2 and F16C must be available; `w.len()` is a multiple of 16, `packed` half of it,
+/// `scales` a sixteenth.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn nvfp4<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]) {
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    for ((block, out), scale) in w
+        .chunks_exact(16)
+        .zip(packed.chunks_exact_mut(8))
+        .zip(scales.iter_mut())
+    {
+        // SAFETY: 16 readable elements in `block`, 8 writable bytes in `out`.
+        unsafe {
+            let (v0, v1) = (load8(block.as_ptr()), load8(block.as_ptr().add(8)));
+            let (a0, a1) = (_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask));
+            let unord = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a0, a1)) != 0;
+            let m = _mm256_max_ps(a0, a1);
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+            let bmax = if unord { f32::NAN } else { _mm_cvtss_f32(m) };
+            *scale = bits::nvfp4_block_scale(bmax, ws2);
+            let d = _mm256_set1_ps(bits::e4m3_to_f32(*scale) * ws2);
+            let lo = nibbles4(e2m1_lanes(_mm256_div_ps(v0, d)));
+            let hi = nibbles4(e2m1_lanes(_mm256_div_ps(v1, d)));
+            std::ptr::write_unaligned(
+                out.as_mut_ptr() as *mut u64,
+                (lo as u64) | (hi as u64) << 32,
+            );
+        }
+    }
+}

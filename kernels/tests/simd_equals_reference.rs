@@ -1,0 +1,304 @@
+//! Every fast CPU path equals the readable reference, bit for bit: the dispatched function
+//! (AVX2 where the CPU has it), the portable path, and the AVX2 kernels called directly — on
+//! random shapes (tails shorter than a vector included) and values mixing magnitudes, exact
+//! E2M1/E4M3 ties and special values, in bf16, f16 and f32.
+
+use half::{bf16, f16};
+use kiln_kernels::Element;
+use kiln_kernels::cpu::{self, portable};
+use kiln_kernels::ops::{amax as ramax, fp8, int, mx, nvfp4};
+use proptest::prelude::*;
+
+fn value() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        4 => -1.0f32..1.0,
+        2 => -500.0f32..500.0,
+        1 => -1e-3f32..1e-3,
+        1 => prop::sample::select(vec![
+            0.0, -0.0, 0.25, -0.75, 1.25, 1.75, 2.5, -3.5, 5.0, 6.0, 448.0, 464.0, -465.0, 1e30,
+            f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-39, -2e-45,
+        ]),
+        1 => any::<u32>().prop_map(f32::from_bits),
+    ]
+}
+
+fn as_t<T: Element + FromF32>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f32(x)).collect()
+}
+
+trait FromF32 {
+    fn from_f32(x: f32) -> Self;
+}
+impl FromF32 for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+impl FromF32 for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+impl FromF32 for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+fn same_f32(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+fn check_all<T: Element + FromF32>(
+    v: &[f32],
+    rows: usize,
+    cols: usize,
+    blocks16: bool,
+) -> Result<(), TestCaseError> {
+    let w: Vec<T> = as_t(v);
+    let n = w.len();
+
+    // amax: NaN is NaN; otherwise exact.
+    let want = ramax::amax(&w);
+    prop_assert!(same_f32(cpu::amax(&w), want));
+    prop_assert!(same_f32(portable::amax(&w), want));
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+        // SAFETY: features detected just above.
+        let got = unsafe { cpu::x86::amax(&w) };
+        prop_assert!(same_f32(got, want));
+    }
+    let (mut r1, mut r2) = (vec![0f32; rows], vec![0f32; rows]);
+    ramax::amax_rows(&w, rows, cols, &mut r1).unwrap();
+    cpu::amax_rows(&w, rows, cols, &mut r2).unwrap();
+    prop_assert!(r1.iter().zip(&r2).all(|(a, b)| same_f32(*a, *b)));
+
+    // FP8 per tensor (quotient rounded to T) and per channel (f32 quotient).
+    let scale = fp8::fp8_scale(if want.is_finite() && want > 0.0 {
+        want
+    } else {
+        1.0
+    });
+    let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
+    fp8::quantize_fp8_per_tensor(&w, scale, &mut a).unwrap();
+    cpu::quantize_fp8_per_tensor(&w, scale, &mut b).unwrap();
+    prop_assert_eq!(&a, &b);
+    portable::fp8_scaled::<T, true>(&w, scale, &mut b);
+    prop_assert_eq!(&a, &b);
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+        // SAFETY: features detected; equal lengths.
+        unsafe { cpu::x86::fp8_scaled::<T, true>(&w, scale, &mut b) };
+        prop_assert_eq!(&a, &b);
+    }
+    let scales: Vec<f32> = r1
+        .iter()
+        .map(|&m| fp8::fp8_scale(if m.is_finite() && m > 0.0 { m } else { 1.0 }))
+        .collect();
+    fp8::quantize_fp8_per_channel(&w, rows, cols, &scales, &mut a).unwrap();
+    cpu::quantize_fp8_per_channel(&w, rows, cols, &scales, &mut b).unwrap();
+    prop_assert_eq!(&a, &b);
+
+    // FP8 tiles of 4 (small, so edge tiles appear).
+    let t = 4;
+    let ts: Vec<f32> = (0..rows.div_ceil(t) * cols.div_ceil(t))
+        .map(|i| 0.01 + i as f32)
+        .collect();
+    fp8::quantize_fp8_tiles(&w, rows, cols, t, &ts, &mut a).unwrap();
+    cpu::quantize_fp8_tiles(&w, rows, cols, t, &ts, &mut b).unwrap();
+    prop_assert_eq!(&a, &b);
+
+    // INT8 per channel.
+    let (mut qa, mut qb) = (vec![0i8; n], vec![0i8; n]);
+    int::quantize_int8_per_channel(&w, rows, cols, &scales, &mut qa).unwrap();
+    cpu::quantize_int8_per_channel(&w, rows, cols, &scales, &mut qb).unwrap();
+    prop_assert_eq!(&qa, &qb);
+
+    if blocks16 {
+        // NVFP4 (cols % 16 == 0).
+        let ws2 = nvfp4::nvfp4_global_scale(want);
+        let (mut pa, mut sa, mut pb, mut sb) = (
+            vec![0u8; n / 2],
+            vec![0u8; n / 16],
+            vec![0u8; n / 2],
+            vec![0u8; n / 16],
+        );
+        nvfp4::quantize_nvfp4(&w, &[rows, cols], ws2, &mut pa, &mut sa).unwrap();
+        cpu::quantize_nvfp4(&w, &[rows, cols], ws2, &mut pb, &mut sb).unwrap();
+        prop_assert_eq!(&sa, &sb);
+        prop_assert_eq!(&pa, &pb);
+        portable::nvfp4(&w, ws2, &mut pb, &mut sb);
+        prop_assert_eq!((&sa, &pa), (&sb, &pb));
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            // SAFETY: features detected; whole blocks, buffers sized above.
+            unsafe { cpu::x86::nvfp4(&w, ws2, &mut pb, &mut sb) };
+            prop_assert_eq!((&sa, &pa), (&sb, &pb));
+        }
+    }
+    if cols.is_multiple_of(32) {
+        let (mut qa, mut sa, mut qb, mut sb) = (
+            vec![0u8; n],
+            vec![0u8; n / 32],
+            vec![0u8; n],
+            vec![0u8; n / 32],
+        );
+        mx::quantize_mxfp8(&w, cols, &mut qa, &mut sa).unwrap();
+        cpu::quantize_mxfp8(&w, cols, &mut qb, &mut sb).unwrap();
+        prop_assert_eq!((&sa, &qa), (&sb, &qb));
+        let (mut pa, mut pb) = (vec![0u8; n / 2], vec![0u8; n / 2]);
+        mx::quantize_mxfp4(&w, cols, &mut pa, &mut sa).unwrap();
+        cpu::quantize_mxfp4(&w, cols, &mut pb, &mut sb).unwrap();
+        prop_assert_eq!((&sa, &pa), (&sb, &pb));
+    }
+    if rows.is_multiple_of(2) && cols.is_multiple_of(8) {
+        let gs: Vec<f32> = (0..rows * cols / 8)
+            .map(|i| 0.05 + (i % 7) as f32)
+            .collect();
+        let (mut pa, mut pb) = (vec![0u8; n / 2], vec![0u8; n / 2]);
+        int::quantize_int4_groups(&w, rows, cols, 8, &gs, &mut pa).unwrap();
+        cpu::quantize_int4_groups(&w, rows, cols, 8, &gs, &mut pb).unwrap();
+        prop_assert_eq!(&pa, &pb);
+    }
+    Ok(())
+}
+
+fn shape_and_values() -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
+    (
+        1usize..6,
+        prop_oneof![1usize..40, Just(16), Just(32), Just(48), Just(64), Just(96)],
+    )
+        .prop_flat_map(|(r, c)| (Just(r), Just(c), prop::collection::vec(value(), r * c)))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn fast_paths_equal_the_reference_bf16((rows, cols, v) in shape_and_values()) {
+        check_all::<bf16>(&v, rows, cols, cols.is_multiple_of(16))?;
+    }
+
+    #[test]
+    fn fast_paths_equal_the_reference_f16((rows, cols, v) in shape_and_values()) {
+        check_all::<f16>(&v, rows, cols, cols.is_multiple_of(16))?;
+    }
+
+    #[test]
+    fn fast_paths_equal_the_reference_f32((rows, cols, v) in shape_and_values()) {
+        check_all::<f32>(&v, rows, cols, cols.is_multiple_of(16))?;
+    }
+}
+
+#[test]
+fn large_tensors_split_over_threads_give_the_same_bytes() {
+    // 3 × CHUNK + a ragged tail, so several rayon tasks and a SIMD tail are involved.
+    let n = 3 * (1 << 16) + 16 * 37;
+    let w: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32(((i * 7919) % 2003) as f32 / 97.0 - 10.0))
+        .collect();
+    let ws2 = nvfp4::nvfp4_global_scale(ramax::amax(&w));
+    let (mut pa, mut sa, mut pb, mut sb) = (
+        vec![0u8; n / 2],
+        vec![0u8; n / 16],
+        vec![0u8; n / 2],
+        vec![0u8; n / 16],
+    );
+    nvfp4::quantize_nvfp4(&w, &[n / 16, 16], ws2, &mut pa, &mut sa).unwrap();
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| cpu::quantize_nvfp4(&w, &[n / 16, 16], ws2, &mut pb, &mut sb))
+            .unwrap();
+        assert_eq!((&sa, &pa), (&sb, &pb), "{threads} threads");
+        assert_eq!(pool.install(|| cpu::amax(&w)), ramax::amax(&w));
+    }
+}
+
+/// Every f32 whose low 12 mantissa bits are zero, and neighbours: every exponent, sign and
+/// rounding position the 8-bit formats can see.
+fn dense_f32() -> Vec<f32> {
+    (0u32..1 << 20)
+        .flat_map(|hi| {
+            let b = hi << 12;
+            [
+                b,
+                b.wrapping_add(1),
+                b.wrapping_sub(1),
+                b | 0x800,
+                (b | 0x800).wrapping_add(1),
+            ]
+            .map(f32::from_bits)
+        })
+        .collect()
+}
+
+#[test]
+fn fp8_lanes_equal_the_reference_on_a_dense_f32_sweep() {
+    // Scale 1 makes the quotient the input itself: the E4M3 encoder sees every pattern.
+    let x = dense_f32();
+    let (mut want, mut got) = (vec![0u8; x.len()], vec![0u8; x.len()]);
+    fp8::quantize_fp8_stacked(&x, &[1, 1, x.len()], &[1.0], &mut want).unwrap();
+    cpu::quantize_fp8_stacked(&x, &[1, 1, x.len()], &[1.0], &mut got).unwrap();
+    let bad = want.iter().zip(&got).position(|(a, b)| a != b);
+    assert!(
+        bad.is_none(),
+        "x = {:e}: {:#x} vs {:#x}",
+        x[bad.unwrap()],
+        want[bad.unwrap()],
+        got[bad.unwrap()]
+    );
+}
+
+#[test]
+fn bf16_rounding_lanes_equal_the_reference() {
+    // bf16 inputs over several scales: the f32 quotients hit every bf16 rounding case.
+    let w: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+    for scale in [1.0f32, 3.0, 0.1, 7.3e-5, 1e30] {
+        let (mut want, mut got) = (vec![0u8; w.len()], vec![0u8; w.len()]);
+        fp8::quantize_fp8_per_tensor(&w, scale, &mut want).unwrap();
+        cpu::quantize_fp8_per_tensor(&w, scale, &mut got).unwrap();
+        assert_eq!(want, got, "scale {scale}");
+    }
+}
+
+#[test]
+fn e2m1_lanes_equal_the_reference_on_every_tie() {
+    // Blocks whose max is 6 with ws2 = 6/2688: the block scale is 448, the divisor exactly 1,
+    // so the E2M1 encoder sees the values themselves.
+    let mut sweep: Vec<f32> = (0..=6000).map(|i| i as f32 / 1000.0).collect();
+    for t in [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] {
+        sweep.extend([
+            t,
+            f32::from_bits(t.to_bits() - 1),
+            f32::from_bits(t.to_bits() + 1),
+        ]);
+    }
+    sweep.extend([0.0, -0.0, 1e-40]);
+    let mut w = Vec::new();
+    for chunk in sweep.chunks(15) {
+        w.push(6.0f32);
+        w.extend(
+            chunk
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| if i % 2 == 0 { v } else { -v }),
+        );
+        w.resize(w.len().div_ceil(16) * 16, 0.5);
+    }
+    let ws2 = nvfp4::nvfp4_global_scale(6.0);
+    let n = w.len();
+    let (mut pa, mut sa, mut pb, mut sb) = (
+        vec![0u8; n / 2],
+        vec![0u8; n / 16],
+        vec![0u8; n / 2],
+        vec![0u8; n / 16],
+    );
+    nvfp4::quantize_nvfp4(&w, &[n / 16, 16], ws2, &mut pa, &mut sa).unwrap();
+    cpu::quantize_nvfp4(&w, &[n / 16, 16], ws2, &mut pb, &mut sb).unwrap();
+    assert!(sa.iter().all(|&s| s == 0x7e), "divisor is 1");
+    assert_eq!(sa, sb);
+    assert_eq!(pa, pb);
+}
