@@ -302,3 +302,87 @@ fn e2m1_lanes_equal_the_reference_on_every_tie() {
     assert_eq!(sa, sb);
     assert_eq!(pa, pb);
 }
+
+#[test]
+fn int_lanes_round_half_even_clamp_and_zero_nan_like_the_reference() {
+    // Quarter steps over ±150 at scale 1: every .5 tie, both clamps, and specials.
+    let mut v: Vec<f32> = (-600..=600).map(|i| i as f32 / 4.0).collect();
+    v.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40]);
+    v.resize(v.len().div_ceil(256) * 256, 7.5);
+    let (rows, cols) = (v.len() / 256, 256);
+    for w in [as_t::<f32>(&v)] {
+        let ones = vec![1.0f32; rows];
+        let (mut a, mut b) = (vec![0i8; v.len()], vec![0i8; v.len()]);
+        int::quantize_int8_per_channel(&w, rows, cols, &ones, &mut a).unwrap();
+        cpu::quantize_int8_per_channel(&w, rows, cols, &ones, &mut b).unwrap();
+        assert_eq!(a, b);
+        let rows2 = rows / 2 * 2;
+        let n2 = rows2 * cols;
+        let gs = vec![1.0f32; rows2 * 2];
+        let (mut pa, mut pb) = (vec![0u8; n2 / 2], vec![0u8; n2 / 2]);
+        int::quantize_int4_groups(&w[..n2], rows2, cols, 128, &gs, &mut pa).unwrap();
+        cpu::quantize_int4_groups(&w[..n2], rows2, cols, 128, &gs, &mut pb).unwrap();
+        assert_eq!(pa, pb);
+    }
+}
+
+#[test]
+fn mx_lanes_equal_the_reference_across_magnitudes_and_specials() {
+    // Blocks spanning 2^-140 … 2^120, with E2M1 ties, zeros, Inf and NaN sprinkled in.
+    let mut v = Vec::new();
+    for e in (-140..120).step_by(3) {
+        let base = 2f32.powi(e);
+        for i in 0..32 {
+            let x = match i {
+                0 => 6.0 * base,
+                1 => 0.25 * base,
+                2 => -5.0 * base,
+                3 => 0.0,
+                4 if e % 7 == 0 => f32::NAN,
+                5 if e % 11 == 0 => f32::INFINITY,
+                _ => base * (i as f32 / 5.0 - 3.0),
+            };
+            v.push(x);
+        }
+    }
+    // Blocks with max 6 (exponent 0): every bound and its neighbours one ulp away, both signs.
+    let mut near = Vec::new();
+    for b in [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] {
+        near.extend([
+            b,
+            f32::from_bits(b.to_bits() - 1),
+            f32::from_bits(b.to_bits() + 1),
+        ]);
+    }
+    for chunk in near.chunks(15) {
+        v.push(6.0);
+        v.extend(chunk.iter().flat_map(|&x| [x, -x]));
+        v.resize(v.len().div_ceil(32) * 32, 0.0);
+    }
+    for w in [
+        as_t::<bf16>(&v)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect::<Vec<f32>>(),
+        v.clone(),
+    ] {
+        let n = w.len();
+        let (mut qa, mut sa, mut qb, mut sb) = (
+            vec![0u8; n],
+            vec![0u8; n / 32],
+            vec![0u8; n],
+            vec![0u8; n / 32],
+        );
+        mx::quantize_mxfp8(&w, 32, &mut qa, &mut sa).unwrap();
+        cpu::quantize_mxfp8(&w, 32, &mut qb, &mut sb).unwrap();
+        assert_eq!((&sa, &qa), (&sb, &qb));
+        let (mut pa, mut pb) = (vec![0u8; n / 2], vec![0u8; n / 2]);
+        mx::quantize_mxfp4(&w, 32, &mut pa, &mut sa).unwrap();
+        cpu::quantize_mxfp4(&w, 32, &mut pb, &mut sb).unwrap();
+        assert_eq!((&sa, &pa), (&sb, &pb));
+        let wb: Vec<bf16> = as_t(&w);
+        mx::quantize_mxfp4(&wb, 32, &mut pa, &mut sa).unwrap();
+        cpu::quantize_mxfp4(&wb, 32, &mut pb, &mut sb).unwrap();
+        assert_eq!((&sa, &pa), (&sb, &pb));
+    }
+}

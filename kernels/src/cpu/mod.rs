@@ -290,7 +290,14 @@ pub fn quantize_mxfp8<T: Element>(
     w.par_chunks(CHUNK)
         .zip(q.par_chunks_mut(CHUNK))
         .zip(scales.par_chunks_mut(CHUNK / 32))
-        .for_each(|((w, q), s)| portable::mxfp8(w, q, s));
+        .for_each(|((w, q), s)| {
+            match isa() {
+                // SAFETY: features detected by `isa()`; whole blocks, buffers sized above.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { x86::mxfp8(w, q, s) },
+                _ => portable::mxfp8(w, q, s),
+            }
+        });
     Ok(())
 }
 
@@ -326,7 +333,15 @@ pub fn quantize_mxfp4<T: Element>(
     w.par_chunks(CHUNK)
         .zip(packed.par_chunks_mut(CHUNK / 2))
         .zip(scales.par_chunks_mut(CHUNK / 32))
-        .try_for_each(|((w, p), s)| ops::mx::quantize_mxfp4(w, 32, p, s))
+        .try_for_each(|((w, p), s)| match isa() {
+            // SAFETY: features detected by `isa()`; whole blocks, buffers sized above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                unsafe { x86::mxfp4(w, p, s) };
+                Ok(())
+            }
+            _ => ops::mx::quantize_mxfp4(w, 32, p, s),
+        })
 }
 
 /// `ops::int::quantize_int8_per_channel`, parallel over rows.
@@ -382,5 +397,13 @@ pub fn quantize_int4_groups<T: Element>(
     w.par_chunks(2 * cols)
         .zip(out.par_chunks_mut(cols))
         .zip(scales.par_chunks(2 * groups))
-        .try_for_each(|((w, o), s)| ops::int::quantize_int4_groups(w, 2, cols, group, s, o))
+        .try_for_each(|((w, o), s)| match isa() {
+            // SAFETY: features detected by `isa()`; a row pair, its scales and output row.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                unsafe { x86::int4_row_pair(w, group, s, o) };
+                Ok(())
+            }
+            _ => ops::int::quantize_int4_groups(w, 2, cols, group, s, o),
+        })
 }

@@ -241,3 +241,237 @@ pub unsafe fn nvfp4<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &m
         }
     }
 }
+
+/// Rounds half to even and clamps to [lo, hi]; NaN becomes 0 (`ops::int`'s rule). Lanes as i32.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn to_int_lanes(x: __m256, lo: f32, hi: f32) -> __m256i {
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+    let r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+    let r = _mm256_blendv_ps(r, _mm256_setzero_ps(), nan);
+    _mm256_cvtps_epi32(r)
+}
+
+/// Packs 4 × 8 i32 lanes (each in -128..=127) into 32 signed bytes, in order.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn pack32_signed(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m256i {
+    let ab = _mm256_packs_epi32(a, b);
+    let cd = _mm256_packs_epi32(c, d);
+    _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(ab, cd),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+    )
+}
+
+/// INT8 of one row with one scale (`ops::int::quantize_int8_per_channel` for a row).
+///
+/// # Safety
+/// AVX2 and F16C must be available; `out.len() == w.len()`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn int8_row<T: Element>(w: &[T], scale: f32, out: &mut [i8]) {
+    let s = _mm256_set1_ps(scale);
+    let n32 = w.len() / 32 * 32;
+    for (c, o) in w[..n32]
+        .chunks_exact(32)
+        .zip(out[..n32].chunks_exact_mut(32))
+    {
+        let p = c.as_ptr();
+        // SAFETY: 32 readable elements at `p`, 32 writable bytes in `o`.
+        unsafe {
+            let q = |i: usize| to_int_lanes(_mm256_div_ps(load8(p.add(i)), s), -128.0, 127.0);
+            _mm256_storeu_si256(
+                o.as_mut_ptr() as *mut __m256i,
+                pack32_signed(q(0), q(8), q(16), q(24)),
+            );
+        }
+    }
+    let rest = &w[n32..];
+    if !rest.is_empty() {
+        // The reference on the tail (fewer than 32 elements).
+        let _ = crate::ops::int::quantize_int8_per_channel(
+            rest,
+            1,
+            rest.len(),
+            &[scale],
+            &mut out[n32..],
+        );
+    }
+}
+
+/// INT4 of one pair of rows (`ops::int::quantize_int4_groups` with `rows = 2`): `out[c] =
+/// q0[c] & 0xF | (q1[c] & 0xF) << 4`, scales `[2, cols / group]`.
+///
+/// # Safety
+/// AVX2 and F16C must be available; `w.len() == 2 * out.len()`, `group` divides `out.len()`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn int4_row_pair<T: Element>(w: &[T], group: usize, scales: &[f32], out: &mut [u8]) {
+    let cols = out.len();
+    let groups = cols / group;
+    let (r0, r1) = w.split_at(cols);
+    let mask = _mm256_set1_epi32(0xf);
+    let mut c = 0;
+    while c + 32 <= cols && (c % group) + 32 <= group {
+        let (s0, s1) = (
+            _mm256_set1_ps(scales[c / group]),
+            _mm256_set1_ps(scales[groups + c / group]),
+        );
+        // SAFETY: c + 32 ≤ cols: 32 readable elements in each row, 32 writable bytes.
+        unsafe {
+            let q = |i: usize| {
+                let a = to_int_lanes(_mm256_div_ps(load8(r0.as_ptr().add(c + i)), s0), -8.0, 7.0);
+                let b = to_int_lanes(_mm256_div_ps(load8(r1.as_ptr().add(c + i)), s1), -8.0, 7.0);
+                _mm256_or_si256(
+                    _mm256_and_si256(a, mask),
+                    _mm256_slli_epi32(_mm256_and_si256(b, mask), 4),
+                )
+            };
+            _mm256_storeu_si256(
+                out.as_mut_ptr().add(c) as *mut __m256i,
+                pack32(q(0), q(8), q(16), q(24)),
+            );
+        }
+        c += 32;
+    }
+    if c < cols {
+        // Groups narrower than 32, or a ragged end: the reference on what is left, whole groups.
+        let start = c / group * group;
+        let tail_scales: Vec<f32> = scales[start / group..groups]
+            .iter()
+            .chain(&scales[groups + start / group..])
+            .copied()
+            .collect();
+        let mut pair = Vec::with_capacity(2 * (cols - start));
+        pair.extend_from_slice(&r0[start..]);
+        pair.extend_from_slice(&r1[start..]);
+        let _ = crate::ops::int::quantize_int4_groups(
+            &pair,
+            2,
+            cols - start,
+            group,
+            &tail_scales,
+            &mut out[start..],
+        );
+    }
+}
+
+/// max |x| of 32 elements at `p` as (value, any NaN).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn block32_amax<T: Element>(p: *const T) -> (f32, bool) {
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    // SAFETY: the caller guarantees 32 readable elements at `p`.
+    let v = unsafe {
+        [
+            load8(p),
+            load8(p.add(8)),
+            load8(p.add(16)),
+            load8(p.add(24)),
+        ]
+    };
+    let a = v.map(|x| _mm256_and_ps(x, abs_mask));
+    let unord = _mm256_or_ps(
+        _mm256_cmp_ps::<_CMP_UNORD_Q>(a[0], a[1]),
+        _mm256_cmp_ps::<_CMP_UNORD_Q>(a[2], a[3]),
+    );
+    let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+    (_mm_cvtss_f32(m), _mm256_movemask_ps(unord) != 0)
+}
+
+/// MXFP8 of whole 32-element blocks (`portable::mxfp8`).
+///
+/// # Safety
+/// AVX2 and F16C must be available; `w.len()` a multiple of 32, `q.len() == w.len()`,
+/// `scales.len() == w.len() / 32`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
+    use crate::formats::e8m0::{e8m0_from_exponent, mxfp8_exponent};
+    let (lo, hi) = (_mm256_set1_ps(-448.0), _mm256_set1_ps(448.0));
+    for ((block, out), scale) in w
+        .chunks_exact(32)
+        .zip(q.chunks_exact_mut(32))
+        .zip(scales.iter_mut())
+    {
+        let p = block.as_ptr();
+        // SAFETY: 32 readable elements at `p`, 32 writable bytes in `out`.
+        unsafe {
+            let (m, nan) = block32_amax(p);
+            let k = mxfp8_exponent(if nan { f32::NAN } else { m });
+            *scale = e8m0_from_exponent(k);
+            let f = _mm256_set1_ps(2f64.powi(-k) as f32);
+            let e = |i: usize| {
+                let x = _mm256_mul_ps(load8(p.add(i)), f);
+                // clamp keeps NaN (as f32::clamp does): blend it back after min/max.
+                let c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+                e4m3_lanes(_mm256_blendv_ps(c, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x)))
+            };
+            _mm256_storeu_si256(
+                out.as_mut_ptr() as *mut __m256i,
+                pack32(e(0), e(8), e(16), e(24)),
+            );
+        }
+    }
+}
+
+/// E2M1 under the MX rule on 8 lanes: `#(bounds < |x|)`, sign bit unless `x > 0`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn e2m1_mx_lanes(x: __m256) -> __m256i {
+    let a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
+    let one = _mm256_set1_epi32(1);
+    let gt = |b: f32| {
+        _mm256_and_si256(
+            _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(b))),
+            one,
+        )
+    };
+    let idx = _mm256_add_epi32(
+        _mm256_add_epi32(
+            _mm256_add_epi32(gt(0.25), gt(0.75)),
+            _mm256_add_epi32(gt(1.25), gt(1.75)),
+        ),
+        _mm256_add_epi32(_mm256_add_epi32(gt(2.5), gt(3.5)), gt(5.0)),
+    );
+    let positive = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_setzero_ps()));
+    _mm256_or_si256(idx, _mm256_andnot_si256(positive, _mm256_set1_epi32(8)))
+}
+
+/// MXFP4 of whole 32-element blocks (`ops::mx::quantize_mxfp4`).
+///
+/// # Safety
+/// AVX2 and F16C must be available; `w.len()` a multiple of 32, `packed.len() == w.len() / 2`,
+/// `scales.len() == w.len() / 32`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn mxfp4<T: Element>(w: &[T], packed: &mut [u8], scales: &mut [u8]) {
+    use crate::formats::e8m0::{E8M0_NAN, e8m0_from_exponent, mxfp4_exponent};
+    for ((block, out), scale) in w
+        .chunks_exact(32)
+        .zip(packed.chunks_exact_mut(16))
+        .zip(scales.iter_mut())
+    {
+        let p = block.as_ptr();
+        // SAFETY: 32 readable elements at `p`, 16 writable bytes in `out`.
+        unsafe {
+            let (m, nan) = block32_amax(p);
+            let k = mxfp4_exponent::<T>(if nan { f32::NAN } else { m });
+            *scale = k.map_or(E8M0_NAN, e8m0_from_exponent);
+            let d = _mm256_set1_ps(k.map_or(f32::NAN, |k| 2f64.powi(k) as f32));
+            let c = |i: usize| {
+                nibbles4(e2m1_mx_lanes(round_to::<T>(_mm256_div_ps(
+                    load8(p.add(i)),
+                    d,
+                ))))
+            };
+            let (a, b, e, f) = (c(0), c(8), c(16), c(24));
+            std::ptr::write_unaligned(out.as_mut_ptr() as *mut u64, (a as u64) | (b as u64) << 32);
+            std::ptr::write_unaligned(
+                out.as_mut_ptr().add(8) as *mut u64,
+                (e as u64) | (f as u64) << 32,
+            );
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! Kernel throughput: every quantize op and amax on 4096×4096 and 8192×8192 bf16, on one
+//! thread and on all threads, in bytes read + written per second — beside a plain copy of the
+//! input's bytes measured in the same run (the memory ceiling).
+//!
+//! `cargo bench -p kiln-kernels` (`KILN_BENCH_SIZES=4096` to run one size).
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use kiln_kernels::cpu;
+use kiln_kernels::ops::{fp8, int, nvfp4};
+use rayon::ThreadPool;
+use std::hint::black_box;
+use std::time::Duration;
+
+fn weights(n: usize) -> Vec<bf16> {
+    // A deterministic, roughly normal spread (no allocation-heavy RNG needed).
+    (0..n)
+        .map(|i| {
+            let u =
+                ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((u - 0.5) * 0.1 + if i % 997 == 0 { 0.8 } else { 0.0 })
+        })
+        .collect()
+}
+
+fn sizes() -> Vec<usize> {
+    match std::env::var("KILN_BENCH_SIZES") {
+        Ok(s) => s.split(',').filter_map(|v| v.trim().parse().ok()).collect(),
+        Err(_) => vec![4096, 8192],
+    }
+}
+
+fn pools() -> Vec<(String, ThreadPool)> {
+    let all = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut v = vec![(
+        "1t".to_string(),
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap(),
+    )];
+    if all > 1 {
+        v.push((
+            format!("{all}t"),
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(all)
+                .build()
+                .unwrap(),
+        ));
+    }
+    v
+}
+
+fn bench(c: &mut Criterion) {
+    for side in sizes() {
+        let (rows, cols) = (side, side);
+        let n = rows * cols;
+        let w = weights(n);
+        let bytes_in = (n * 2) as u64;
+        let amax = cpu::amax(&w);
+        let mut row_amax = vec![0f32; rows];
+        cpu::amax_rows(&w, rows, cols, &mut row_amax).unwrap();
+        let channel: Vec<f32> = row_amax.iter().map(|&a| fp8::fp8_scale(a)).collect();
+        let int8: Vec<f32> = row_amax.iter().map(|&a| int::int8_scale(a)).collect();
+        let mut g128 = vec![0f32; n / 128];
+        cpu::amax_blocks(&w, rows, cols, 128, &mut g128).unwrap();
+        let int4: Vec<f32> = g128.iter().map(|&a| int::int4_scale(a)).collect();
+        let mut tiles = vec![0f32; rows.div_ceil(128) * cols.div_ceil(128)];
+        kiln_kernels::ops::amax::amax_tiles(&w, rows, cols, 128, &mut tiles).unwrap();
+        let tiles: Vec<f32> = tiles.iter().map(|&a| fp8::fp8_scale(a)).collect();
+        let ws2 = nvfp4::nvfp4_global_scale(amax);
+
+        let mut out = vec![0u8; n];
+        let mut out_i8 = vec![0i8; n];
+        let mut scales = vec![0u8; n / 16];
+        let mut src_copy = vec![0u8; n * 2];
+        let src: &[u8] = bytemuck::cast_slice(&w);
+
+        let mut g = c.benchmark_group(format!("kernels_{side}x{side}"));
+        g.sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_secs(2));
+        for (threads, pool) in pools() {
+            let id = |op: &str| BenchmarkId::new(op, &threads);
+            g.throughput(Throughput::Bytes(bytes_in * 2));
+            g.bench_function(id("copy"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        use rayon::prelude::*;
+                        src_copy
+                            .par_chunks_mut(1 << 17)
+                            .zip(src.par_chunks(1 << 17))
+                            .for_each(|(d, s)| d.copy_from_slice(s))
+                    });
+                    black_box(&src_copy);
+                })
+            });
+            g.throughput(Throughput::Bytes(bytes_in));
+            g.bench_function(id("amax"), |b| {
+                b.iter(|| black_box(pool.install(|| cpu::amax(&w))))
+            });
+            g.throughput(Throughput::Bytes(bytes_in + n as u64));
+            g.bench_function(id("fp8_per_tensor"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        cpu::quantize_fp8_per_tensor(&w, fp8::fp8_scale(amax), &mut out)
+                    })
+                    .unwrap()
+                })
+            });
+            g.bench_function(id("fp8_per_channel"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        cpu::quantize_fp8_per_channel(&w, rows, cols, &channel, &mut out)
+                    })
+                    .unwrap()
+                })
+            });
+            g.bench_function(id("fp8_block128"), |b| {
+                b.iter(|| {
+                    pool.install(|| cpu::quantize_fp8_tiles(&w, rows, cols, 128, &tiles, &mut out))
+                        .unwrap()
+                })
+            });
+            g.bench_function(id("int8_per_channel"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        cpu::quantize_int8_per_channel(&w, rows, cols, &int8, &mut out_i8)
+                    })
+                    .unwrap()
+                })
+            });
+            g.throughput(Throughput::Bytes(bytes_in + n as u64 / 2));
+            g.bench_function(id("int4_g128"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        cpu::quantize_int4_groups(&w, rows, cols, 128, &int4, &mut out[..n / 2])
+                    })
+                    .unwrap()
+                })
+            });
+            g.throughput(Throughput::Bytes(bytes_in + n as u64 / 2 + n as u64 / 16));
+            g.bench_function(id("nvfp4"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        cpu::quantize_nvfp4(&w, &[rows, cols], ws2, &mut out[..n / 2], &mut scales)
+                    })
+                    .unwrap()
+                })
+            });
+            g.throughput(Throughput::Bytes(bytes_in + n as u64 / 2 + n as u64 / 32));
+            g.bench_function(id("mxfp4"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        cpu::quantize_mxfp4(&w, cols, &mut out[..n / 2], &mut scales[..n / 32])
+                    })
+                    .unwrap()
+                })
+            });
+            g.throughput(Throughput::Bytes(bytes_in + n as u64 + n as u64 / 32));
+            g.bench_function(id("mxfp8"), |b| {
+                b.iter(|| {
+                    pool.install(|| cpu::quantize_mxfp8(&w, cols, &mut out, &mut scales[..n / 32]))
+                        .unwrap()
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
