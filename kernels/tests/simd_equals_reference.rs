@@ -309,8 +309,15 @@ fn int_lanes_round_half_even_clamp_and_zero_nan_like_the_reference() {
     let mut v: Vec<f32> = (-600..=600).map(|i| i as f32 / 4.0).collect();
     v.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40]);
     v.resize(v.len().div_ceil(256) * 256, 7.5);
+    int_ties::<f32>(&v);
+    int_ties::<bf16>(&v);
+    int_ties::<f16>(&v);
+}
+
+fn int_ties<T: Element + FromF32>(v: &[f32]) {
     let (rows, cols) = (v.len() / 256, 256);
-    for w in [as_t::<f32>(&v)] {
+    {
+        let w: Vec<T> = as_t(v);
         let ones = vec![1.0f32; rows];
         let (mut a, mut b) = (vec![0i8; v.len()], vec![0i8; v.len()]);
         int::quantize_int8_per_channel(&w, rows, cols, &ones, &mut a).unwrap();
