@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Installs what .ci/run needs beyond the Rust toolchain the machine ships with.
-# Today: only the rustfmt and clippy components (no system packages yet).
+# Installs what .ci/run needs beyond the Rust toolchain the machine ships with:
+# - the rustfmt and clippy components;
+# - NVRTC from PyPI (`nvidia-cuda-nvrtc-cu12`, no GPU needed), so CI compiles every CUDA kernel
+#   to PTX. Prints the folder holding libnvrtc on its last line.
 set -euo pipefail
 need=()
 cargo fmt --version >/dev/null 2>&1 || need+=(rustfmt)
 cargo clippy --version >/dev/null 2>&1 || need+=(clippy)
 if [ ${#need[@]} -gt 0 ]; then
-  echo "ci-deps: installing rust components: ${need[*]}"
-  rustup component add "${need[@]}"
+  echo "ci-deps: installing rust components: ${need[*]}" >&2
+  rustup component add "${need[@]}" >&2
 fi
+nvrtc_dir() {
+  python3 -c "import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null
+}
+if ! nvrtc_dir >/dev/null; then
+  echo "ci-deps: installing nvidia-cuda-nvrtc-cu12 (NVRTC for the PTX compile test)" >&2
+  python3 -m pip install -q --disable-pip-version-check nvidia-cuda-nvrtc-cu12==12.8.93 >&2
+fi
+nvrtc_dir

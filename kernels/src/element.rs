@@ -3,9 +3,11 @@
 use half::{bf16, f16};
 
 /// A floating-point element a kernel reads. Widening to f32 is exact for every implementor.
-pub trait Element: Copy + Send + Sync + 'static {
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     /// The dtype name as safetensors spells it (`BF16`, `F16`, `F32`).
     const DTYPE: &'static str;
+    /// The suffix of this element's GPU kernel names (`bf16`, `f16`, `f32`).
+    const KERNEL_SUFFIX: &'static str;
     /// Exact widening.
     fn to_f32(self) -> f32;
     /// Rounds an f32 to this type (round to nearest even) and widens it back: the value a
@@ -17,6 +19,7 @@ pub trait Element: Copy + Send + Sync + 'static {
 
 impl Element for f32 {
     const DTYPE: &'static str = "F32";
+    const KERNEL_SUFFIX: &'static str = "f32";
     #[inline]
     fn to_f32(self) -> f32 {
         self
@@ -32,6 +35,7 @@ impl Element for f32 {
 
 impl Element for bf16 {
     const DTYPE: &'static str = "BF16";
+    const KERNEL_SUFFIX: &'static str = "bf16";
     #[inline]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
@@ -47,6 +51,7 @@ impl Element for bf16 {
 
 impl Element for f16 {
     const DTYPE: &'static str = "F16";
+    const KERNEL_SUFFIX: &'static str = "f16";
     #[inline]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)

@@ -12,11 +12,19 @@
 //! ```
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda/dummy.rs"]
+pub mod cuda;
+pub mod device;
 pub mod element;
 pub mod error;
 pub mod formats;
+pub mod metal;
 pub mod ops;
 
+pub use device::Device;
 pub use element::Element;
 pub use error::KernelError;
 

@@ -362,8 +362,14 @@ pub fn quantize_int8_per_channel<T: Element>(
     w.par_chunks(cols)
         .zip(out.par_chunks_mut(cols))
         .zip(scales.par_iter())
-        .try_for_each(|((w, o), s)| {
-            ops::int::quantize_int8_per_channel(w, 1, cols, std::slice::from_ref(s), o)
+        .try_for_each(|((w, o), s)| match isa() {
+            // SAFETY: features detected by `isa()`; equal lengths.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                unsafe { x86::int8_row(w, *s, o) };
+                Ok(())
+            }
+            _ => ops::int::quantize_int8_per_channel(w, 1, cols, std::slice::from_ref(s), o),
         })
 }
 

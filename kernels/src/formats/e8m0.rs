@@ -29,7 +29,7 @@ pub fn e8m0_to_f32(byte: u8) -> f32 {
 /// is undefined (its uint8 cast of NaN); +Inf clamps to 127 likewise.
 pub fn mxfp4_exponent<T: Element>(bmax: f32) -> Option<i32> {
     let descale = T::round_f32(bmax / 6.0);
-    let l = T::round_f32(descale.log2()); // log2(0) = -inf
+    let l = T::round_f32(log2_f32(descale)); // log2(0) = -inf
     if l.is_nan() {
         return None;
     }
@@ -47,6 +47,14 @@ pub fn mxfp8_exponent(bmax: f32) -> i32 {
         -127.0
     };
     l.ceil().clamp(-127.0, 127.0) as i32
+}
+
+/// log2 rounded correctly to f32 (through f64, whose log2 is accurate far beyond f32's
+/// precision), so every implementation — CPU, SIMD, CUDA — gets the same value; libm `log2f`s
+/// differ in the last ulp, which can move a ceiling.
+#[inline]
+pub fn log2_f32(x: f32) -> f32 {
+    f64::from(x).log2() as f32
 }
 
 #[cfg(test)]
