@@ -51,6 +51,28 @@ pub fn nvfp4_block_scale(bmax: f32, ws2: f32) -> u8 {
     e4m3_out(s.clamp(1.0 / 512.0, 448.0))
 }
 
+/// `formats::e8m0::mxfp8_exponent` without a `log2` call in the common case. For a normal
+/// `d = bmax / 448 = m · 2^e` (1 ≤ m < 2): `m == 1` gives exactly `e`; `m > 1 + 2^-14` gives
+/// `e + 1`, since `log2 d` then sits further above `e` than half an f32 ulp near any |e| ≤ 149.
+/// Everything else (m within 2^-14 of 1, subnormal, zero, NaN, Inf) takes the reference.
+#[inline]
+pub fn mxfp8_exponent(bmax: f32) -> i32 {
+    let d = bmax / 448.0;
+    let b = d.to_bits();
+    let exp_field = (b >> 23) & 0xff;
+    let man = b & 0x7f_ffff;
+    if d > 0.0 && exp_field != 0 && exp_field != 0xff {
+        let e = exp_field as i32 - 127;
+        if man == 0 {
+            return e.clamp(-127, 127);
+        }
+        if man > (1 << 9) {
+            return (e + 1).clamp(-127, 127);
+        }
+    }
+    crate::formats::e8m0::mxfp8_exponent(bmax)
+}
+
 /// f32 → bf16 → f32, round to nearest even; NaN keeps its sign and becomes quiet (as `half`).
 #[inline]
 pub fn round_bf16(x: f32) -> f32 {
@@ -156,6 +178,31 @@ mod tests {
                     want,
                     "bmax {x:e}, ws2 {ws2:e}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp8_exponent_shortcut_equals_the_reference() {
+        for x in dense_f32() {
+            let x = x.abs();
+            assert_eq!(
+                mxfp8_exponent(x),
+                crate::formats::e8m0::mxfp8_exponent(x),
+                "bmax {x:e}"
+            );
+        }
+        // Right at and around the shortcut's edge, for every binade.
+        for e in -140..128 {
+            for man in [0u32, 1, (1 << 9) - 1, 1 << 9, (1 << 9) + 1, 0x7f_ffff] {
+                let d = f32::from_bits((((e + 127).clamp(1, 254) as u32) << 23) | man);
+                for bmax in [d * 448.0, f32::from_bits((d * 448.0).to_bits() + 1)] {
+                    assert_eq!(
+                        mxfp8_exponent(bmax),
+                        crate::formats::e8m0::mxfp8_exponent(bmax),
+                        "bmax {bmax:e}"
+                    );
+                }
             }
         }
     }

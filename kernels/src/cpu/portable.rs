@@ -3,7 +3,7 @@
 
 use super::bits;
 use crate::element::Element;
-use crate::formats::e8m0::{e8m0_from_exponent, mxfp8_exponent};
+use crate::formats::e8m0::e8m0_from_exponent;
 use crate::formats::fp8::E4M3_MAX;
 
 /// max |x|, NaN winning.
@@ -43,7 +43,7 @@ pub fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
         .zip(q.chunks_exact_mut(32))
         .zip(scales.iter_mut())
     {
-        let k = mxfp8_exponent(amax(block));
+        let k = bits::mxfp8_exponent(amax(block));
         *scale = e8m0_from_exponent(k);
         let factor = 2f64.powi(-k) as f32;
         for (o, &x) in out.iter_mut().zip(block) {

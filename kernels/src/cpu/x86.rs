@@ -207,7 +207,82 @@ fn nibbles4(c: __m256i) -> u32 {
     lo | hi << 16
 }
 
-/// NVFP4 of whole 16-element blocks (`ops::nvfp4::quantize_nvfp4` without shape checks).
+/// `bits::e4m3_to_f32` on 8 lanes of codes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn e4m3_decode_lanes(c: __m256i) -> __m256 {
+    let exp = _mm256_and_si256(_mm256_srli_epi32(c, 3), _mm256_set1_epi32(0xf));
+    let man = _mm256_and_si256(c, _mm256_set1_epi32(7));
+    let normal = _mm256_or_si256(
+        _mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23),
+        _mm256_slli_epi32(man, 20),
+    );
+    let sub = _mm256_castps_si256(_mm256_mul_ps(
+        _mm256_cvtepi32_ps(man),
+        _mm256_set1_ps(1.0 / 512.0),
+    ));
+    let is_sub = _mm256_cmpeq_epi32(exp, _mm256_setzero_si256());
+    let m = _mm256_blendv_epi8(normal, sub, is_sub);
+    let is_nan = _mm256_cmpeq_epi32(
+        _mm256_and_si256(c, _mm256_set1_epi32(0x7f)),
+        _mm256_set1_epi32(0x7f),
+    );
+    let m = _mm256_blendv_epi8(m, _mm256_set1_epi32(0x7fc0_0000), is_nan);
+    let sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    _mm256_castsi256_ps(_mm256_or_si256(m, sign))
+}
+
+/// Lane i = max of the 8 lanes of `m[i]` (an 8×8 transpose-reduce).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hmax8(m: [__m256; 8]) -> __m256 {
+    let pair =
+        |a: __m256, b: __m256| _mm256_max_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    let (x01, x23, x45, x67) = (
+        pair(m[0], m[1]),
+        pair(m[2], m[3]),
+        pair(m[4], m[5]),
+        pair(m[6], m[7]),
+    );
+    let quad = |a: __m256, b: __m256| {
+        _mm256_max_ps(
+            _mm256_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm256_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
+    };
+    let (y0, y1) = (quad(x01, x23), quad(x45, x67));
+    _mm256_max_ps(
+        _mm256_permute2f128_ps::<0x20>(y0, y1),
+        _mm256_permute2f128_ps::<0x31>(y0, y1),
+    )
+}
+
+/// Eight NVFP4 block scales at once from their blocks' `bmax` (NaN lanes where a block has
+/// NaN): `bits::nvfp4_block_scale` on 8 lanes. Returns the codes and the divisors
+/// `e4m3(scale) · ws2`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn nvfp4_scales8(bmax: __m256, ws2: f32) -> (__m256i, __m256) {
+    let s = _mm256_div_ps(bmax, _mm256_set1_ps(6.0 * ws2));
+    let s = _mm256_blendv_ps(
+        s,
+        _mm256_set1_ps(1.0),
+        _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps()),
+    );
+    let c = _mm256_min_ps(
+        _mm256_max_ps(s, _mm256_set1_ps(1.0 / 512.0)),
+        _mm256_set1_ps(448.0),
+    );
+    let c = _mm256_blendv_ps(c, s, _mm256_cmp_ps::<_CMP_UNORD_Q>(s, s)); // clamp keeps NaN
+    let codes = e4m3_lanes(c);
+    (
+        codes,
+        _mm256_mul_ps(e4m3_decode_lanes(codes), _mm256_set1_ps(ws2)),
+    )
+}
+
+/// NVFP4 of whole 16-element blocks (`ops::nvfp4::quantize_nvfp4` without shape checks):
+/// block scales eight at a time, then each block's 16 quotients and codes.
 ///
 /// # Safety
 /// AVX2 and F16C must be available; `w.len()` is a multiple of 16, `packed` half of it,
@@ -215,31 +290,52 @@ fn nibbles4(c: __m256i) -> u32 {
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn nvfp4<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]) {
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    for ((block, out), scale) in w
-        .chunks_exact(16)
-        .zip(packed.chunks_exact_mut(8))
-        .zip(scales.iter_mut())
-    {
-        // SAFETY: 16 readable elements in `block`, 8 writable bytes in `out`.
+    let groups = w.len() / 128;
+    for g in 0..groups {
+        let p = w[g * 128..].as_ptr();
+        // SAFETY: 128 readable elements from `p` (g < groups); 64 packed bytes and 8 scale
+        // bytes at g·64 and g·8 (the caller sized the buffers).
         unsafe {
-            let (v0, v1) = (load8(block.as_ptr()), load8(block.as_ptr().add(8)));
-            let (a0, a1) = (_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask));
-            let unord = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a0, a1)) != 0;
-            let m = _mm256_max_ps(a0, a1);
-            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
-            let bmax = if unord { f32::NAN } else { _mm_cvtss_f32(m) };
-            *scale = bits::nvfp4_block_scale(bmax, ws2);
-            let d = _mm256_set1_ps(bits::e4m3_to_f32(*scale) * ws2);
-            let lo = nibbles4(e2m1_lanes(_mm256_div_ps(v0, d)));
-            let hi = nibbles4(e2m1_lanes(_mm256_div_ps(v1, d)));
-            std::ptr::write_unaligned(
-                out.as_mut_ptr() as *mut u64,
-                (lo as u64) | (hi as u64) << 32,
+            let mut m = [_mm256_setzero_ps(); 8];
+            let mut nan_bits = 0;
+            for (i, mi) in m.iter_mut().enumerate() {
+                let a0 = _mm256_and_ps(load8(p.add(16 * i)), abs_mask);
+                let a1 = _mm256_and_ps(load8(p.add(16 * i + 8)), abs_mask);
+                nan_bits |=
+                    ((_mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a0, a1)) != 0) as i32) << i;
+                *mi = _mm256_max_ps(a0, a1);
+            }
+            let lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            let nan_lanes = _mm256_cmpeq_epi32(
+                _mm256_and_si256(_mm256_set1_epi32(nan_bits), lane_bit),
+                lane_bit,
             );
+            let bmax = _mm256_blendv_ps(
+                hmax8(m),
+                _mm256_set1_ps(f32::NAN),
+                _mm256_castsi256_ps(nan_lanes),
+            );
+            let (codes, divisors) = nvfp4_scales8(bmax, ws2);
+            let mut d = [0f32; 8];
+            _mm256_storeu_ps(d.as_mut_ptr(), divisors);
+            let mut c = [0i32; 8];
+            _mm256_storeu_si256(c.as_mut_ptr() as *mut __m256i, codes);
+            for i in 0..8 {
+                scales[g * 8 + i] = c[i] as u8;
+                let di = _mm256_set1_ps(d[i]);
+                let lo = nibbles4(e2m1_lanes(_mm256_div_ps(load8(p.add(16 * i)), di)));
+                let hi = nibbles4(e2m1_lanes(_mm256_div_ps(load8(p.add(16 * i + 8)), di)));
+                let out = packed.as_mut_ptr().add(g * 64 + i * 8);
+                std::ptr::write_unaligned(out as *mut u64, (lo as u64) | (hi as u64) << 32);
+            }
         }
     }
+    let (w, packed, scales) = (
+        &w[groups * 128..],
+        &mut packed[groups * 64..],
+        &mut scales[groups * 8..],
+    );
+    super::portable::nvfp4(w, ws2, packed, scales);
 }
 
 /// Rounds half to even and clamps to [lo, hi]; NaN becomes 0 (`ops::int`'s rule). Lanes as i32.
@@ -389,7 +485,7 @@ unsafe fn block32_amax<T: Element>(p: *const T) -> (f32, bool) {
 /// `scales.len() == w.len() / 32`.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
-    use crate::formats::e8m0::{e8m0_from_exponent, mxfp8_exponent};
+    use crate::formats::e8m0::e8m0_from_exponent;
     let (lo, hi) = (_mm256_set1_ps(-448.0), _mm256_set1_ps(448.0));
     for ((block, out), scale) in w
         .chunks_exact(32)
@@ -400,7 +496,7 @@ pub unsafe fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
         // SAFETY: 32 readable elements at `p`, 32 writable bytes in `out`.
         unsafe {
             let (m, nan) = block32_amax(p);
-            let k = mxfp8_exponent(if nan { f32::NAN } else { m });
+            let k = bits::mxfp8_exponent(if nan { f32::NAN } else { m });
             *scale = e8m0_from_exponent(k);
             let f = _mm256_set1_ps(2f64.powi(-k) as f32);
             let e = |i: usize| {
