@@ -21,6 +21,7 @@ pub mod device;
 pub mod element;
 pub mod error;
 pub mod formats;
+pub mod layout;
 pub mod metal;
 pub mod ops;
 

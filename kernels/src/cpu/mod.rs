@@ -11,7 +11,8 @@ pub mod portable;
 pub mod x86;
 
 use crate::element::Element;
-use crate::error::{KernelError, check_len, matrix_dims};
+use crate::error::{KernelError, check_len};
+use crate::layout;
 use crate::ops;
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -158,12 +159,14 @@ pub fn quantize_fp8_stacked<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_fp8_stacked";
-    let (e, r, c) = matrix_dims(op, shape)?;
-    check_len(op, "input", w.len(), e * r * c, shape)?;
-    check_len(op, "scales", scales.len(), e, &[e])?;
-    check_len(op, "output", out.len(), w.len(), shape)?;
-    let per = (r * c).max(1);
+    let per = layout::stacked(
+        "quantize_fp8_stacked",
+        shape,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?
+    .max(1);
     w.par_chunks(per)
         .zip(out.par_chunks_mut(per))
         .zip(scales.par_iter())
@@ -183,10 +186,14 @@ pub fn quantize_fp8_per_channel<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_fp8_per_channel";
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows, &[rows])?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    layout::per_row(
+        "quantize_fp8_per_channel",
+        rows,
+        cols,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?;
     if cols > 0 {
         w.par_chunks(cols)
             .zip(out.par_chunks_mut(cols))
@@ -205,24 +212,15 @@ pub fn quantize_fp8_tiles<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_fp8_tiles";
-    if tile == 0 {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: tile,
-        });
-    }
-    let tc = cols.div_ceil(tile);
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(
-        op,
-        "scales",
+    let tc = layout::tiles(
+        "quantize_fp8_tiles",
+        rows,
+        cols,
+        tile,
+        w.len(),
         scales.len(),
-        rows.div_ceil(tile) * tc,
-        &[rows.div_ceil(tile), tc],
+        out.len(),
     )?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
     if cols > 0 {
         w.par_chunks(cols)
             .zip(out.par_chunks_mut(cols))
@@ -244,19 +242,15 @@ pub fn quantize_nvfp4<T: Element>(
     packed: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_nvfp4";
-    let (e, r, c) = matrix_dims(op, shape)?;
-    if !c.is_multiple_of(16) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols: c,
-            block: 16,
-        });
-    }
-    let n = e * r * c;
-    check_len(op, "input", w.len(), n, shape)?;
-    check_len(op, "packed output", packed.len(), n / 2, shape)?;
-    check_len(op, "scales", scales.len(), n / 16, shape)?;
+    layout::blocks(
+        "quantize_nvfp4",
+        shape,
+        16,
+        w.len(),
+        packed.len(),
+        8,
+        scales.len(),
+    )?;
     w.par_chunks(CHUNK)
         .zip(packed.par_chunks_mut(CHUNK / 2))
         .zip(scales.par_chunks_mut(CHUNK / 16))
@@ -271,22 +265,7 @@ pub fn quantize_mxfp8<T: Element>(
     q: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_mxfp8";
-    if cols == 0 || !cols.is_multiple_of(32) || !w.len().is_multiple_of(cols) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: 32,
-        });
-    }
-    check_len(op, "output", q.len(), w.len(), &[w.len() / cols, cols])?;
-    check_len(
-        op,
-        "scales",
-        scales.len(),
-        w.len() / 32,
-        &[w.len() / cols, cols],
-    )?;
+    layout::mx_blocks("quantize_mxfp8", w.len(), cols, q.len(), 32, scales.len())?;
     w.par_chunks(CHUNK)
         .zip(q.par_chunks_mut(CHUNK))
         .zip(scales.par_chunks_mut(CHUNK / 32))
@@ -308,27 +287,13 @@ pub fn quantize_mxfp4<T: Element>(
     packed: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_mxfp4";
-    if cols == 0 || !cols.is_multiple_of(32) || !w.len().is_multiple_of(cols) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: 32,
-        });
-    }
-    check_len(
-        op,
-        "packed output",
+    layout::mx_blocks(
+        "quantize_mxfp4",
+        w.len(),
+        cols,
         packed.len(),
-        w.len() / 2,
-        &[w.len() / cols, cols],
-    )?;
-    check_len(
-        op,
-        "scales",
+        16,
         scales.len(),
-        w.len() / 32,
-        &[w.len() / cols, cols],
     )?;
     w.par_chunks(CHUNK)
         .zip(packed.par_chunks_mut(CHUNK / 2))
@@ -352,10 +317,14 @@ pub fn quantize_int8_per_channel<T: Element>(
     scales: &[f32],
     out: &mut [i8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_int8_per_channel";
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows, &[rows])?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    layout::per_row(
+        "quantize_int8_per_channel",
+        rows,
+        cols,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?;
     if cols == 0 {
         return Ok(());
     }
@@ -382,21 +351,15 @@ pub fn quantize_int4_groups<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_int4_groups";
-    if group == 0 || !cols.is_multiple_of(group) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: group,
-        });
-    }
-    if !rows.is_multiple_of(2) {
-        return Err(KernelError::OddRows { op, rows });
-    }
-    let groups = cols / group;
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows * groups, &[rows, groups])?;
-    check_len(op, "output", out.len(), rows / 2 * cols, &[rows / 2, cols])?;
+    let groups = layout::int4_groups(
+        "quantize_int4_groups",
+        rows,
+        cols,
+        group,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?;
     if cols == 0 {
         return Ok(());
     }

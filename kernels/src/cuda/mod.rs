@@ -4,7 +4,8 @@
 //! on first use of a missing library, so presence is checked first).
 
 use crate::element::Element;
-use crate::error::{KernelError, check_len, matrix_dims};
+use crate::error::{KernelError, check_len};
+use crate::layout;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -233,18 +234,15 @@ impl CudaKernels {
         packed: &mut [u8],
         scales: &mut [u8],
     ) -> Result<(), KernelError> {
-        let op = "quantize_nvfp4";
-        let (_, _, c) = matrix_dims(op, shape)?;
-        if !c.is_multiple_of(16) {
-            return Err(KernelError::BlockMismatch {
-                op,
-                cols: c,
-                block: 16,
-            });
-        }
-        check_len(op, "input", w.len(), shape.iter().product(), shape)?;
-        check_len(op, "packed output", packed.len(), w.len() / 2, shape)?;
-        check_len(op, "scales", scales.len(), w.len() / 16, shape)?;
+        layout::blocks(
+            "quantize_nvfp4",
+            shape,
+            16,
+            w.len(),
+            packed.len(),
+            8,
+            scales.len(),
+        )?;
         self.blocks("nvfp4", w, 16, packed, scales, Some(ws2))
     }
 
@@ -256,22 +254,7 @@ impl CudaKernels {
         q: &mut [u8],
         scales: &mut [u8],
     ) -> Result<(), KernelError> {
-        let op = "quantize_mxfp8";
-        if cols == 0 || !cols.is_multiple_of(32) || !w.len().is_multiple_of(cols) {
-            return Err(KernelError::BlockMismatch {
-                op,
-                cols,
-                block: 32,
-            });
-        }
-        check_len(op, "output", q.len(), w.len(), &[w.len() / cols, cols])?;
-        check_len(
-            op,
-            "scales",
-            scales.len(),
-            w.len() / 32,
-            &[w.len() / cols, cols],
-        )?;
+        layout::mx_blocks("quantize_mxfp8", w.len(), cols, q.len(), 32, scales.len())?;
         self.blocks("mxfp8", w, 32, q, scales, None)
     }
 
@@ -283,27 +266,13 @@ impl CudaKernels {
         packed: &mut [u8],
         scales: &mut [u8],
     ) -> Result<(), KernelError> {
-        let op = "quantize_mxfp4";
-        if cols == 0 || !cols.is_multiple_of(32) || !w.len().is_multiple_of(cols) {
-            return Err(KernelError::BlockMismatch {
-                op,
-                cols,
-                block: 32,
-            });
-        }
-        check_len(
-            op,
-            "packed output",
+        layout::mx_blocks(
+            "quantize_mxfp4",
+            w.len(),
+            cols,
             packed.len(),
-            w.len() / 2,
-            &[w.len() / cols, cols],
-        )?;
-        check_len(
-            op,
-            "scales",
+            16,
             scales.len(),
-            w.len() / 32,
-            &[w.len() / cols, cols],
         )?;
         self.blocks("mxfp4", w, 32, packed, scales, None)
     }
@@ -318,26 +287,15 @@ impl CudaKernels {
         scales: &[f32],
         out: &mut [u8],
     ) -> Result<(), KernelError> {
-        let op = "quantize_int4_groups";
-        if group == 0 || !cols.is_multiple_of(group) {
-            return Err(KernelError::BlockMismatch {
-                op,
-                cols,
-                block: group,
-            });
-        }
-        if !rows.is_multiple_of(2) {
-            return Err(KernelError::OddRows { op, rows });
-        }
-        check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-        check_len(
-            op,
-            "scales",
+        layout::int4_groups(
+            "quantize_int4_groups",
+            rows,
+            cols,
+            group,
+            w.len(),
             scales.len(),
-            rows * (cols / group),
-            &[rows, cols / group],
+            out.len(),
         )?;
-        check_len(op, "output", out.len(), rows / 2 * cols, &[rows / 2, cols])?;
         let input = self.upload(w)?;
         let s = self.stream.clone_htod(scales).map_err(driver)?;
         let mut o = self.stream.alloc_zeros::<u8>(out.len()).map_err(driver)?;

@@ -9,9 +9,10 @@
 //! to bf16 writes 0xFFFF, CUDA writes 0x7FFF — and kiln's output bytes must not depend on it.
 
 use crate::element::Element;
-use crate::error::{KernelError, check_len, matrix_dims};
+use crate::error::{KernelError, check_len};
 use crate::formats::Overflow;
 use crate::formats::fp8::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
+use crate::layout;
 
 /// The per-tensor scale ModelOpt writes: `f32(amax / 448)`.
 pub fn fp8_scale(amax: f32) -> f32 {
@@ -68,14 +69,17 @@ pub fn quantize_fp8_stacked<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_fp8_stacked";
-    let (e, r, c) = matrix_dims(op, shape)?;
-    check_len(op, "input", w.len(), e * r * c, shape)?;
-    check_len(op, "scales", scales.len(), e, &[e])?;
-    check_len(op, "output", out.len(), w.len(), shape)?;
+    let per = layout::stacked(
+        "quantize_fp8_stacked",
+        shape,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?
+    .max(1);
     for ((we, oe), &s) in w
-        .chunks_exact((r * c).max(1))
-        .zip(out.chunks_exact_mut((r * c).max(1)))
+        .chunks_exact(per)
+        .zip(out.chunks_exact_mut(per))
         .zip(scales)
     {
         for (o, &x) in oe.iter_mut().zip(we) {
@@ -93,10 +97,14 @@ pub fn quantize_fp8_per_channel<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_fp8_per_channel";
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows, &[rows])?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    layout::per_row(
+        "quantize_fp8_per_channel",
+        rows,
+        cols,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?;
     for r in 0..rows {
         for c in 0..cols {
             out[r * cols + c] = fp8_f32_one(w[r * cols + c].to_f32(), scales[r]);
@@ -115,24 +123,15 @@ pub fn quantize_fp8_tiles<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_fp8_tiles";
-    if tile == 0 {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: tile,
-        });
-    }
-    let tc = cols.div_ceil(tile);
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(
-        op,
-        "scales",
+    let tc = layout::tiles(
+        "quantize_fp8_tiles",
+        rows,
+        cols,
+        tile,
+        w.len(),
         scales.len(),
-        rows.div_ceil(tile) * tc,
-        &[rows.div_ceil(tile), tc],
+        out.len(),
     )?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
     for r in 0..rows {
         for c in 0..cols {
             out[r * cols + c] =

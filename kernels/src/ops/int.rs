@@ -8,6 +8,7 @@
 use super::round_half_even;
 use crate::element::Element;
 use crate::error::{KernelError, check_len};
+use crate::layout;
 
 #[inline]
 fn to_int(x: f32, lo: f32, hi: f32) -> i8 {
@@ -36,10 +37,14 @@ pub fn quantize_int8_per_channel<T: Element>(
     scales: &[f32],
     out: &mut [i8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_int8_per_channel";
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows, &[rows])?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    layout::per_row(
+        "quantize_int8_per_channel",
+        rows,
+        cols,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?;
     for r in 0..rows {
         for c in 0..cols {
             out[r * cols + c] = to_int(w[r * cols + c].to_f32() / scales[r], -128.0, 127.0);
@@ -58,21 +63,15 @@ pub fn quantize_int4_groups<T: Element>(
     scales: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_int4_groups";
-    if group == 0 || !cols.is_multiple_of(group) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: group,
-        });
-    }
-    if !rows.is_multiple_of(2) {
-        return Err(KernelError::OddRows { op, rows });
-    }
-    let groups = cols / group;
-    check_len(op, "input", w.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows * groups, &[rows, groups])?;
-    check_len(op, "output", out.len(), rows / 2 * cols, &[rows / 2, cols])?;
+    let groups = layout::int4_groups(
+        "quantize_int4_groups",
+        rows,
+        cols,
+        group,
+        w.len(),
+        scales.len(),
+        out.len(),
+    )?;
     let q = |r: usize, c: usize| {
         to_int(
             w[r * cols + c].to_f32() / scales[r * groups + c / group],
@@ -97,10 +96,14 @@ pub fn dequantize_int8_per_channel(
     scales: &[f32],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "dequantize_int8_per_channel";
-    check_len(op, "input", q.len(), rows * cols, &[rows, cols])?;
-    check_len(op, "scales", scales.len(), rows, &[rows])?;
-    check_len(op, "output", out.len(), rows * cols, &[rows, cols])?;
+    layout::per_row(
+        "dequantize_int8_per_channel",
+        rows,
+        cols,
+        q.len(),
+        scales.len(),
+        out.len(),
+    )?;
     for (i, o) in out.iter_mut().enumerate() {
         *o = q[i] as f32 * scales[i / cols.max(1)];
     }

@@ -16,20 +16,10 @@ use crate::formats::e8m0::{
 };
 use crate::formats::fp4::{e2m1_to_f32, f32_to_e2m1_mx};
 use crate::formats::fp8::{E4M3_MAX, e4m3_to_f32};
+use crate::layout;
 
 /// Elements per MX block.
 pub const MX_BLOCK: usize = 32;
-
-fn check(op: &'static str, n: usize, cols: usize) -> Result<(), KernelError> {
-    if cols == 0 || !cols.is_multiple_of(MX_BLOCK) || !n.is_multiple_of(cols) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: MX_BLOCK,
-        });
-    }
-    Ok(())
-}
 
 /// `2^k` as f32 for k in [-127, 127] (exact: 2^-127 is an f32 subnormal).
 fn pow2(k: i32) -> f32 {
@@ -43,21 +33,13 @@ pub fn quantize_mxfp4<T: Element>(
     packed: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_mxfp4";
-    check(op, w.len(), cols)?;
-    check_len(
-        op,
-        "packed output",
+    layout::mx_blocks(
+        "quantize_mxfp4",
+        w.len(),
+        cols,
         packed.len(),
-        w.len() / 2,
-        &[w.len() / cols, cols],
-    )?;
-    check_len(
-        op,
-        "scales",
+        16,
         scales.len(),
-        w.len() / MX_BLOCK,
-        &[w.len() / cols, cols],
     )?;
     for ((block, out), scale) in w
         .chunks_exact(MX_BLOCK)
@@ -82,16 +64,7 @@ pub fn quantize_mxfp8<T: Element>(
     q: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_mxfp8";
-    check(op, w.len(), cols)?;
-    check_len(op, "output", q.len(), w.len(), &[w.len() / cols, cols])?;
-    check_len(
-        op,
-        "scales",
-        scales.len(),
-        w.len() / MX_BLOCK,
-        &[w.len() / cols, cols],
-    )?;
+    layout::mx_blocks("quantize_mxfp8", w.len(), cols, q.len(), 32, scales.len())?;
     for ((block, out), scale) in w
         .chunks_exact(MX_BLOCK)
         .zip(q.chunks_exact_mut(MX_BLOCK))

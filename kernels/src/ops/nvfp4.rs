@@ -16,6 +16,7 @@ use crate::element::Element;
 use crate::error::{KernelError, check_len, matrix_dims};
 use crate::formats::fp4::{e2m1_to_f32, f32_to_e2m1_nvfp4};
 use crate::formats::fp8::e4m3_to_f32;
+use crate::layout;
 
 /// Elements per NVFP4 block.
 pub const NVFP4_BLOCK: usize = 16;
@@ -56,19 +57,15 @@ pub fn quantize_nvfp4<T: Element>(
     packed: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), KernelError> {
-    let op = "quantize_nvfp4";
-    let (e, r, c) = matrix_dims(op, shape)?;
-    if !c.is_multiple_of(NVFP4_BLOCK) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols: c,
-            block: NVFP4_BLOCK,
-        });
-    }
-    let n = e * r * c;
-    check_len(op, "input", w.len(), n, shape)?;
-    check_len(op, "packed output", packed.len(), n / 2, shape)?;
-    check_len(op, "scales", scales.len(), n / NVFP4_BLOCK, shape)?;
+    layout::blocks(
+        "quantize_nvfp4",
+        shape,
+        NVFP4_BLOCK,
+        w.len(),
+        packed.len(),
+        NVFP4_BLOCK / 2,
+        scales.len(),
+    )?;
     for ((block, out), scale) in w
         .chunks_exact(NVFP4_BLOCK)
         .zip(packed.chunks_exact_mut(8))
