@@ -2,6 +2,8 @@
 //! each tested against the readable reference in `formats` (and written so the SIMD versions
 //! are lane-for-lane the same steps).
 
+use crate::element::Element;
+
 /// f32 → E4M3FN, round to nearest even, non-saturating, NaN written 0x7F (the quantizers'
 /// convention, `ops::fp8::e4m3_out`).
 #[inline]
@@ -71,6 +73,25 @@ pub fn mxfp8_exponent(bmax: f32) -> i32 {
         }
     }
     crate::formats::e8m0::mxfp8_exponent(bmax)
+}
+
+/// `formats::e8m0::mxfp4_exponent::<T>` with the bf16 mantissa table instead of a `log2`
+/// call: `descale` is a normal bf16 value `(1 + i/128) · 2^e`, so its log2 is
+/// `f32(e + table[i])`, exactly what the reference computes. Other cases take the reference.
+#[inline]
+pub fn mxfp4_exponent<T: Element>(bmax: f32) -> Option<i32> {
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
+        let descale = round_bf16(bmax / 6.0);
+        let b = descale.to_bits();
+        let exp_field = (b >> 23) & 0xff;
+        if descale > 0.0 && exp_field != 0 && exp_field != 0xff {
+            let table = crate::formats::e8m0::log2_mantissa_bf16();
+            let l = (f64::from(exp_field as i32 - 127) + table[((b >> 16) & 0x7f) as usize]) as f32;
+            let l = round_bf16(l);
+            return Some(l.max(-127.0).ceil().min(127.0) as i32);
+        }
+    }
+    crate::formats::e8m0::mxfp4_exponent::<T>(bmax)
 }
 
 /// f32 → bf16 → f32, round to nearest even; NaN keeps its sign and becomes quiet (as `half`).
@@ -204,6 +225,18 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn mxfp4_exponent_table_equals_the_reference_for_every_bf16() {
+        for b in 0..=u16::MAX {
+            let bmax = bf16::from_bits(b).to_f32().abs();
+            assert_eq!(
+                mxfp4_exponent::<bf16>(bmax),
+                crate::formats::e8m0::mxfp4_exponent::<bf16>(bmax),
+                "bmax {bmax:e}"
+            );
         }
     }
 

@@ -126,11 +126,20 @@ __device__ void nvfp4_blocks(const T* w, u8* packed, u8* scales, u64 nblocks, fl
         packed[b * 8 + i] = (u8)(e2m1_nvfp4(__fdiv_rn(v[2 * i], d)) | (e2m1_nvfp4(__fdiv_rn(v[2 * i + 1], d)) << 4));
 }
 
-// MXFP8 exponent: ceil(log2(bmax / 448)) in f32 (log2 correctly rounded through f64), -127 for
-// zero and NaN, clamped to [-127, 127].
+// log2 rounded to f32 once, as `formats::e8m0::log2_f32`: f32(e + log2_f64(m)) for a normal
+// x = m * 2^e, else through double log2.
+__device__ __forceinline__ float log2_f32(float x) {
+    u32 b = __float_as_uint(x);
+    u32 ef = (b >> 23) & 0xffu;
+    if (x <= 0.0f || ef == 0 || ef == 0xff) return (float)log2((double)x);
+    float m = __uint_as_float((b & 0x7fffffu) | (127u << 23));
+    return (float)__dadd_rn((double)((int)ef - 127), log2((double)m));
+}
+
+// MXFP8 exponent: ceil(log2_f32(bmax / 448)), -127 for zero and NaN, clamped to [-127, 127].
 __device__ __forceinline__ int mxfp8_exponent(float bmax) {
     float d = __fdiv_rn(bmax, 448.0f);
-    float l = d > 0.0f ? (float)log2((double)d) : -127.0f;
+    float l = d > 0.0f ? log2_f32(d) : -127.0f;
     return (int)fminf(fmaxf(ceilf(l), -127.0f), 127.0f);
 }
 
@@ -159,7 +168,7 @@ __device__ void mxfp4_blocks(const T* w, u8* packed, u8* scales, u64 nblocks) {
     float m = 0.0f;
     for (int i = 0; i < 32; i++) m = nan_max(m, to_f32(p[i]));
     float descale = round_as(__fdiv_rn(m, 6.0f), T());
-    float l = round_as((float)log2((double)descale), T());
+    float l = round_as(log2_f32(descale), T());
     float divisor;
     if (l != l) {
         scales[b] = 0xff;

@@ -49,12 +49,27 @@ pub fn mxfp8_exponent(bmax: f32) -> i32 {
     l.ceil().clamp(-127.0, 127.0) as i32
 }
 
-/// log2 rounded correctly to f32 (through f64, whose log2 is accurate far beyond f32's
-/// precision), so every implementation — CPU, SIMD, CUDA — gets the same value; libm `log2f`s
-/// differ in the last ulp, which can move a ceiling.
+/// log2 rounded to f32 once: for a normal `x = m · 2^e` (1 ≤ m < 2), `f32(e + log2_f64(m))`
+/// (zero, subnormals, Inf and NaN through `f64::log2`). f64's log2 is accurate far beyond f32's
+/// precision, so every implementation — CPU, SIMD, CUDA — gets the same value, where libm
+/// `log2f`s differ in the last ulp and can move a ceiling. Splitting off `e` lets the fast
+/// paths take `log2_f64(m)` from a table for bf16 mantissas ([`log2_mantissa_bf16`]).
 #[inline]
 pub fn log2_f32(x: f32) -> f32 {
-    f64::from(x).log2() as f32
+    let bits = x.to_bits();
+    let exp_field = (bits >> 23) & 0xff;
+    if x <= 0.0 || exp_field == 0 || exp_field == 0xff {
+        return f64::from(x).log2() as f32;
+    }
+    let m = f32::from_bits((bits & 0x7f_ffff) | (127 << 23));
+    (f64::from(exp_field as i32 - 127) + f64::from(m).log2()) as f32
+}
+
+/// `log2_f64(1 + i/128)` for the 128 mantissas of a bf16 value: the same `f64::log2` calls
+/// [`log2_f32`] makes, computed once.
+pub fn log2_mantissa_bf16() -> &'static [f64; 128] {
+    static TABLE: std::sync::OnceLock<[f64; 128]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|i| f64::from(1.0f32 + i as f32 / 128.0).log2()))
 }
 
 #[cfg(test)]
