@@ -14,6 +14,7 @@
 //! ```
 
 pub mod architecture;
+pub mod checkpoint;
 pub mod export;
 pub mod module_tree;
 pub mod registry;
