@@ -16,6 +16,7 @@
 pub mod architecture;
 pub mod checkpoint;
 pub mod export;
+pub mod families;
 pub mod module_tree;
 pub mod registry;
 pub mod train;

@@ -37,9 +37,20 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
         ]
     );
     assert_eq!(paths(&doc, "trainers"), ["kiln_test_plugin::PluginSft"]);
+    // The plugin's family sorts among kiln's built-ins by type path; the fallback comes last.
     assert_eq!(
         paths(&doc, "architectures"),
-        ["kiln_test_plugin::PluginArch"]
+        [
+            "kiln_runtime::families::decoder::GptOss",
+            "kiln_runtime::families::decoder::Llama",
+            "kiln_runtime::families::decoder::Mistral",
+            "kiln_runtime::families::decoder::Mixtral",
+            "kiln_runtime::families::decoder::Qwen2",
+            "kiln_runtime::families::decoder::Qwen3",
+            "kiln_runtime::families::decoder::Qwen3Moe",
+            "kiln_test_plugin::PluginArch",
+            "kiln_runtime::families::generic::GenericDecoder",
+        ]
     );
     let first = &doc["exporters"][0];
     assert_eq!(first["tier"], "prepend");

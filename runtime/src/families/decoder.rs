@@ -1,0 +1,301 @@
+//! The decoder-only families (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS): one
+//! builder, parameterized by the class-name prefix and the MoE layout.
+
+use crate::architecture::{Architecture, ArchitectureError};
+use crate::module_tree::{Class, ClassChain, Embedding, Linear, Module, ModuleTree, TensorInfo};
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+/// How a family lays out its mixture-of-experts blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeLayout {
+    /// Dense MLPs only.
+    Dense,
+    /// `mlp` = `{P}SparseMoeBlock` with router `gate` and `experts` (per-expert `{P}MLP`s with
+    /// gate/up/down_proj, or transformers 5's fused `{P}Experts`).
+    SparseMoeBlock,
+    /// Mixtral: `block_sparse_moe` with `gate` and experts `w1`/`w2`/`w3` (transformers 4), or
+    /// `mlp` with fused experts (transformers 5).
+    Mixtral,
+    /// GPT-OSS: `mlp` = `GptOssMLP` with `router` and fused 3-D `experts`.
+    GptOss,
+}
+
+/// A decoder family: its class-name prefix and MoE layout.
+#[derive(Debug, Clone, Copy)]
+pub struct DecoderFamily {
+    pub prefix: &'static str,
+    pub moe: MoeLayout,
+}
+
+fn named(name: String) -> ClassChain {
+    ClassChain::new([Class::named(name), Class::of::<Module>()])
+}
+
+fn linear() -> ClassChain {
+    ClassChain::new([Class::of::<Linear>(), Class::of::<Module>()])
+}
+
+fn embedding() -> ClassChain {
+    ClassChain::new([Class::of::<Embedding>(), Class::of::<Module>()])
+}
+
+/// What a module looks like from the tensor list: its own tensors and its children's names.
+pub struct ModuleShape<'a> {
+    pub tensors: &'a [TensorInfo],
+    pub children: &'a [String],
+}
+
+impl ModuleShape<'_> {
+    fn weight_rank(&self) -> Option<usize> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == "weight")
+            .map(|t| t.shape.len())
+    }
+    fn has_child(&self, name: &str) -> bool {
+        self.children.iter().any(|c| c == name)
+    }
+    fn numbered_children(&self) -> bool {
+        !self.children.is_empty() && self.children.iter().all(|c| c.parse::<usize>().is_ok())
+    }
+}
+
+impl DecoderFamily {
+    /// The class chain of the module at `path` (dot-separated; `""` is the root).
+    pub fn classify(&self, root: &str, path: &str, m: &ModuleShape<'_>) -> ClassChain {
+        let p = self.prefix;
+        let segs: Vec<&str> = if path.is_empty() {
+            vec![]
+        } else {
+            path.split('.').collect()
+        };
+        let is_expert_index = |s: &str| s.parse::<usize>().is_ok();
+        match segs.as_slice() {
+            [] => named(root.to_string()),
+            ["model"] => named(format!("{p}Model")),
+            ["model", "embed_tokens"] => embedding(),
+            ["model", "layers"] => named("ModuleList".into()),
+            ["model", "layers", n] if is_expert_index(n) => named(format!("{p}DecoderLayer")),
+            ["model", "norm"] | [.., "input_layernorm" | "post_attention_layernorm"] => {
+                named(format!("{p}RMSNorm"))
+            }
+            ["model", "rotary_emb"] => named(format!("{p}RotaryEmbedding")),
+            ["lm_head"] => linear(),
+            [.., "self_attn"] => named(format!("{p}Attention")),
+            [.., "self_attn", "q_proj" | "k_proj" | "v_proj" | "o_proj"] => linear(),
+            [.., "self_attn", "q_norm" | "k_norm"] => named(format!("{p}RMSNorm")),
+            _ => self
+                .classify_mlp(&segs, m)
+                .unwrap_or_else(|| generic_class(root, path, m)),
+        }
+    }
+
+    fn classify_mlp(&self, segs: &[&str], m: &ModuleShape<'_>) -> Option<ClassChain> {
+        let p = self.prefix;
+        let experts = |m: &ModuleShape<'_>| {
+            if m.numbered_children() {
+                named("ModuleList".into())
+            } else {
+                named(format!("{p}Experts"))
+            }
+        };
+        let chain = match (self.moe, segs) {
+            (_, [.., "mlp", "gate_proj" | "up_proj" | "down_proj"]) => linear(),
+            (MoeLayout::Dense, [.., "mlp"]) => named(format!("{p}MLP")),
+            (MoeLayout::SparseMoeBlock, [.., "mlp"]) if m.has_child("experts") => {
+                named(format!("{p}SparseMoeBlock"))
+            }
+            (MoeLayout::SparseMoeBlock, [.., "mlp"]) => named(format!("{p}MLP")),
+            (MoeLayout::SparseMoeBlock, [.., "mlp", "gate"]) => linear(),
+            (MoeLayout::SparseMoeBlock, [.., "mlp", "experts"]) => experts(m),
+            (MoeLayout::SparseMoeBlock, [.., "mlp", "experts", _]) => named(format!("{p}MLP")),
+            (
+                MoeLayout::SparseMoeBlock,
+                [.., "experts", _, "gate_proj" | "up_proj" | "down_proj"],
+            ) => linear(),
+            (MoeLayout::Mixtral, [.., "block_sparse_moe" | "mlp"]) => {
+                named("MixtralSparseMoeBlock".into())
+            }
+            (MoeLayout::Mixtral, [.., "block_sparse_moe" | "mlp", "gate"]) => linear(),
+            (MoeLayout::Mixtral, [.., "block_sparse_moe" | "mlp", "experts"]) => experts(m),
+            (MoeLayout::Mixtral, [.., "experts", _]) => named("MixtralBlockSparseTop2MLP".into()),
+            (MoeLayout::Mixtral, [.., "experts", _, "w1" | "w2" | "w3"]) => linear(),
+            (MoeLayout::GptOss, [.., "mlp"]) => named("GptOssMLP".into()),
+            (MoeLayout::GptOss, [.., "mlp", "router"]) => named("GptOssTopKRouter".into()),
+            (MoeLayout::GptOss, [.., "mlp", "experts"]) => named("GptOssExperts".into()),
+            _ => return None,
+        };
+        Some(chain)
+    }
+}
+
+/// The class of a module no family pattern claims: a 2-D `weight` is a `Linear` (`Embedding`
+/// when the path says `embed`), 3-D tensors under `experts` a fused-experts module, numbered
+/// children a `ModuleList`, a 1-D `weight` alone a norm.
+pub fn generic_class(root: &str, path: &str, m: &ModuleShape<'_>) -> ClassChain {
+    if path.is_empty() {
+        return named(root.to_string());
+    }
+    let last = path.rsplit('.').next().unwrap_or(path);
+    match m.weight_rank() {
+        Some(2) if last.contains("embed") => return embedding(),
+        Some(2) => return linear(),
+        Some(1) if m.tensors.len() == 1 => return named("RMSNorm".into()),
+        _ => {}
+    }
+    if last == "experts" && m.tensors.iter().any(|t| t.shape.len() == 3) {
+        return named("FusedExperts".into());
+    }
+    if m.numbered_children() {
+        return named("ModuleList".into());
+    }
+    named("Module".into())
+}
+
+/// Natural order of dotted paths: segment by segment, numbers by value (`layers.2` < `layers.10`).
+fn natural(a: &str, b: &str) -> Ordering {
+    let mut x = a.split('.').filter(|s| !s.is_empty());
+    let mut y = b.split('.').filter(|s| !s.is_empty());
+    loop {
+        match (x.next(), y.next()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(s), Some(t)) => {
+                let o = match (s.parse::<u64>(), t.parse::<u64>()) {
+                    (Ok(i), Ok(j)) => i.cmp(&j),
+                    _ => s.cmp(t),
+                };
+                if o != Ordering::Equal {
+                    return o;
+                }
+            }
+        }
+    }
+}
+
+/// Builds the tree: every module that owns a tensor, and every ancestor, in natural order,
+/// each classified by `classify(path, shape)`. Linear weights must be 2-D and fused experts 3-D.
+pub fn build(
+    tensors: &[TensorInfo],
+    classify: impl Fn(&str, &ModuleShape<'_>) -> ClassChain,
+) -> Result<ModuleTree, ArchitectureError> {
+    let mut own: BTreeMap<String, Vec<TensorInfo>> = BTreeMap::new();
+    for t in tensors {
+        let (module, local) = t.name.rsplit_once('.').unwrap_or(("", &t.name));
+        own.entry(module.to_string()).or_default().push(TensorInfo {
+            name: local.to_string(),
+            ..t.clone()
+        });
+    }
+    let mut children: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut paths: Vec<String> = vec![String::new()];
+    for module in own.keys() {
+        let mut prefix = String::new();
+        for seg in module.split('.').filter(|s| !s.is_empty()) {
+            let parent = prefix.clone();
+            if !prefix.is_empty() {
+                prefix.push('.');
+            }
+            prefix.push_str(seg);
+            let list = children.entry(parent).or_default();
+            if !list.iter().any(|c| c == seg) {
+                list.push(seg.to_string());
+                paths.push(prefix.clone());
+            }
+        }
+    }
+    paths.sort_by(|a, b| natural(a, b));
+    paths.dedup();
+    let mut tree = ModuleTree::default();
+    let empty: Vec<TensorInfo> = Vec::new();
+    let none: Vec<String> = Vec::new();
+    for path in &paths {
+        let mine = own.get(path).unwrap_or(&empty);
+        let shape = ModuleShape {
+            tensors: mine,
+            children: children.get(path).unwrap_or(&none),
+        };
+        let chain = classify(path, &shape);
+        if chain.is::<Linear>() && shape.weight_rank() != Some(2) {
+            return Err(ArchitectureError::Tensor {
+                tensor: format!("{path}.weight"),
+                message: format!(
+                    "a {} module needs a 2-D weight, found {:?}",
+                    chain.name(),
+                    mine.iter().find(|t| t.name == "weight").map(|t| &t.shape)
+                ),
+            });
+        }
+        if chain.name().ends_with("Experts")
+            && let Some(t) = mine
+                .iter()
+                .find(|t| t.name.ends_with("proj") && t.shape.len() != 3)
+        {
+            return Err(ArchitectureError::Tensor {
+                tensor: format!("{path}.{}", t.name),
+                message: format!(
+                    "fused experts need 3-D [experts, out, in] tensors, found {:?}",
+                    t.shape
+                ),
+            });
+        }
+        tree.add(path, chain, mine.clone())?;
+    }
+    Ok(tree)
+}
+
+/// Root class name from `config.architectures[0]`, else the given default.
+fn root_name(config: &serde_json::Value, default: &str) -> String {
+    config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(|a| a.as_str())
+        .unwrap_or(default)
+        .to_string()
+}
+
+impl DecoderFamily {
+    /// Builds the module tree of a checkpoint of this family.
+    pub fn module_tree(
+        &self,
+        config: &serde_json::Value,
+        tensors: &[TensorInfo],
+    ) -> Result<ModuleTree, ArchitectureError> {
+        let root = root_name(config, &format!("{}ForCausalLM", self.prefix));
+        build(tensors, |path, m| self.classify(&root, path, m))
+    }
+}
+
+macro_rules! families {
+    ($($(#[$doc:meta])* $ty:ident => $name:literal, $prefix:literal, $moe:ident;)*) => {$(
+        $(#[$doc])*
+        #[crate::architecture(names = [$name], crate = crate)]
+        #[derive(Debug, Default)]
+        pub struct $ty;
+
+        impl Architecture for $ty {
+            fn module_tree(&self, config: &serde_json::Value, tensors: &[TensorInfo]) -> Result<ModuleTree, ArchitectureError> {
+                DecoderFamily { prefix: $prefix, moe: MoeLayout::$moe }.module_tree(config, tensors)
+            }
+        }
+    )*};
+}
+
+families! {
+    /// Llama (1–3.x).
+    Llama => "LlamaForCausalLM", "Llama", Dense;
+    /// Mistral.
+    Mistral => "MistralForCausalLM", "Mistral", Dense;
+    /// Qwen2 and Qwen2.5.
+    Qwen2 => "Qwen2ForCausalLM", "Qwen2", Dense;
+    /// Qwen3 (q/k norms).
+    Qwen3 => "Qwen3ForCausalLM", "Qwen3", Dense;
+    /// Qwen3-MoE.
+    Qwen3Moe => "Qwen3MoeForCausalLM", "Qwen3Moe", SparseMoeBlock;
+    /// Mixtral.
+    Mixtral => "MixtralForCausalLM", "Mixtral", Mixtral;
+    /// GPT-OSS.
+    GptOss => "GptOssForCausalLM", "GptOss", GptOss;
+}
