@@ -128,3 +128,37 @@ pub fn mx_blocks(
     check_len(op, "output", out, w / 32 * out_per_block, &shape)?;
     check_len(op, "scales", scales, w / 32, &shape)
 }
+
+/// A reduction of `[rows, cols]` to one value per row.
+pub fn row_reduction(
+    op: &'static str,
+    rows: usize,
+    cols: usize,
+    x: usize,
+    out: usize,
+) -> Result<(), KernelError> {
+    check_len(op, "input", x, rows * cols, &[rows, cols])?;
+    check_len(op, "output", out, rows, &[rows])
+}
+
+/// A reduction of `[rows, cols]` to one value per 1×`block` block.
+pub fn block_reduction(
+    op: &'static str,
+    rows: usize,
+    cols: usize,
+    block: usize,
+    x: usize,
+    out: usize,
+) -> Result<(), KernelError> {
+    if block == 0 || !cols.is_multiple_of(block) {
+        return Err(KernelError::BlockMismatch { op, cols, block });
+    }
+    check_len(op, "input", x, rows * cols, &[rows, cols])?;
+    check_len(
+        op,
+        "output",
+        out,
+        rows * (cols / block),
+        &[rows, cols / block],
+    )
+}

@@ -91,8 +91,7 @@ pub fn amax_rows<T: Element>(
     cols: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_len("amax_rows", "input", x.len(), rows * cols, &[rows, cols])?;
-    check_len("amax_rows", "output", out.len(), rows, &[rows])?;
+    layout::row_reduction("amax_rows", rows, cols, x.len(), out.len())?;
     if cols == 0 {
         out.fill(0.0);
         return Ok(());
@@ -111,21 +110,7 @@ pub fn amax_blocks<T: Element>(
     block: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if block == 0 || !cols.is_multiple_of(block) {
-        return Err(KernelError::BlockMismatch {
-            op: "amax_blocks",
-            cols,
-            block,
-        });
-    }
-    check_len("amax_blocks", "input", x.len(), rows * cols, &[rows, cols])?;
-    check_len(
-        "amax_blocks",
-        "output",
-        out.len(),
-        rows * (cols / block),
-        &[rows, cols / block],
-    )?;
+    layout::block_reduction("amax_blocks", rows, cols, block, x.len(), out.len())?;
     x.par_chunks(block)
         .zip(out.par_iter_mut())
         .with_min_len(CHUNK / block.max(1))

@@ -5,6 +5,7 @@
 
 use crate::element::Element;
 use crate::error::{KernelError, check_len};
+use crate::layout;
 
 /// max(a, |x|) with NaN winning.
 #[inline]
@@ -29,8 +30,7 @@ pub fn amax_rows<T: Element>(
     cols: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_len("amax_rows", "input", x.len(), rows * cols, &[rows, cols])?;
-    check_len("amax_rows", "output", out.len(), rows, &[rows])?;
+    layout::row_reduction("amax_rows", rows, cols, x.len(), out.len())?;
     for (row, o) in x.chunks_exact(cols.max(1)).zip(out.iter_mut()) {
         *o = amax(row);
     }
@@ -49,21 +49,7 @@ pub fn amax_blocks<T: Element>(
     block: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if block == 0 || !cols.is_multiple_of(block) {
-        return Err(KernelError::BlockMismatch {
-            op: "amax_blocks",
-            cols,
-            block,
-        });
-    }
-    check_len("amax_blocks", "input", x.len(), rows * cols, &[rows, cols])?;
-    check_len(
-        "amax_blocks",
-        "output",
-        out.len(),
-        rows * (cols / block),
-        &[rows, cols / block],
-    )?;
+    layout::block_reduction("amax_blocks", rows, cols, block, x.len(), out.len())?;
     for (b, o) in x.chunks_exact(block).zip(out.iter_mut()) {
         *o = amax(b);
     }
