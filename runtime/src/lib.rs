@@ -19,6 +19,7 @@ pub mod export;
 pub mod families;
 pub mod module_tree;
 pub mod registry;
+pub mod sink;
 pub mod train;
 
 pub use architecture::{Architecture, ArchitectureError};

@@ -1,0 +1,184 @@
+//! The output folder's transaction and the shard writer, read back independently.
+
+use super::*;
+use safetensors::{Dtype, SafeTensors};
+
+fn tensor(i: u8, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|k| i.wrapping_mul(31).wrapping_add(k as u8))
+        .collect()
+}
+
+fn write_five(dir: &Path, max: u64) -> WrittenShards {
+    let mut w = ShardWriter::new(dir, max);
+    for i in 0..5u8 {
+        w.write(
+            &format!("layer.{i}.weight"),
+            Dtype::BF16,
+            &[4, 5],
+            &tensor(i, 40),
+        )
+        .unwrap();
+    }
+    w.finish().unwrap()
+}
+
+#[test]
+fn shards_split_at_the_size_limit_and_read_back_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = write_five(dir.path(), 100);
+    assert_eq!(
+        written.files,
+        [
+            "model-00001-of-00003.safetensors",
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors"
+        ]
+    );
+    assert_eq!((written.total_bytes, written.tensors), (200, 5));
+    let index: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(index["metadata"]["total_size"], 200);
+    assert_eq!(
+        index["weight_map"]["layer.4.weight"],
+        "model-00003-of-00003.safetensors"
+    );
+    assert_eq!(
+        index["weight_map"]["layer.1.weight"],
+        "model-00001-of-00003.safetensors"
+    );
+    // The safetensors crate, reading independently, sees the same tensors.
+    for (file, names) in [(&written.files[0], [0u8, 1]), (&written.files[1], [2, 3])] {
+        let bytes = fs::read(dir.path().join(file)).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for i in names {
+            let t = st.tensor(&format!("layer.{i}.weight")).unwrap();
+            assert_eq!((t.dtype(), t.shape()), (Dtype::BF16, &[4usize, 5][..]));
+            assert_eq!(t.data(), &tensor(i, 40)[..]);
+        }
+    }
+    // And kiln's own reader opens the folder as a checkpoint.
+    fs::write(dir.path().join("config.json"), r#"{"architectures":["X"]}"#).unwrap();
+    let c = crate::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let mut buf = Vec::new();
+    c.read("layer.4.weight", &mut buf).unwrap();
+    assert_eq!(buf, tensor(4, 40));
+    // No scratch files remain.
+    let leftovers: Vec<_> = fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| {
+            let n = e.unwrap().file_name().to_string_lossy().into_owned();
+            n.starts_with('.').then_some(n)
+        })
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn one_shard_is_model_safetensors_without_an_index_and_big_tensors_get_their_own_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    assert_eq!(write_five(dir.path(), 1 << 20).files, ["model.safetensors"]);
+    assert!(!dir.path().join("model.safetensors.index.json").exists());
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ShardWriter::new(dir.path(), 50);
+    w.write("small", Dtype::U8, &[10], &[1; 10]).unwrap();
+    w.write("big", Dtype::U8, &[80], &[2; 80]).unwrap();
+    w.write("small2", Dtype::U8, &[10], &[3; 10]).unwrap();
+    assert_eq!(w.finish().unwrap().files.len(), 3);
+}
+
+#[test]
+fn the_same_tensors_give_the_same_bytes() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let fa = write_five(a.path(), 100);
+    write_five(b.path(), 100);
+    for f in fa
+        .files
+        .iter()
+        .chain(std::iter::once(&"model.safetensors.index.json".to_string()))
+    {
+        assert_eq!(
+            fs::read(a.path().join(f)).unwrap(),
+            fs::read(b.path().join(f)).unwrap(),
+            "{f}"
+        );
+    }
+}
+
+#[test]
+fn bad_tensors_are_named_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ShardWriter::new(dir.path(), 100);
+    let err = w
+        .write("w", Dtype::F32, &[2, 2], &[0; 15])
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "tensor `w`: 15 bytes, but shape [2, 2] of F32 needs 16"
+    );
+    w.write("w", Dtype::F32, &[2, 2], &[0; 16]).unwrap();
+    assert_eq!(
+        w.write("w", Dtype::F32, &[2, 2], &[0; 16])
+            .unwrap_err()
+            .to_string(),
+        "tensor `w` was written twice"
+    );
+}
+
+#[test]
+fn output_appears_only_on_commit() {
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("out");
+    {
+        let out = OutputDir::create(&target, false).unwrap();
+        fs::write(out.path().join("config.json"), "{}").unwrap();
+        assert!(!target.exists(), "nothing at the target before commit");
+        // Dropped without commit: a failed export leaves nothing behind.
+    }
+    assert!(!target.exists());
+    assert_eq!(
+        fs::read_dir(root.path()).unwrap().count(),
+        0,
+        "the temporary folder is removed"
+    );
+
+    let out = OutputDir::create(&target, false).unwrap();
+    fs::write(out.path().join("config.json"), "{\"v\":1}").unwrap();
+    assert_eq!(out.commit().unwrap(), target);
+    assert_eq!(
+        fs::read_to_string(target.join("config.json")).unwrap(),
+        "{\"v\":1}"
+    );
+    assert_eq!(fs::read_dir(root.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn an_existing_target_is_replaced_only_with_force() {
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("out");
+    fs::create_dir(&target).unwrap();
+    fs::write(target.join("old.txt"), "old").unwrap();
+    let err = OutputDir::create(&target, false).unwrap_err().to_string();
+    assert!(
+        err.ends_with("out already exists (pass --force to replace it)"),
+        "{err}"
+    );
+    assert!(
+        target.join("old.txt").exists(),
+        "the existing folder is untouched"
+    );
+
+    let out = OutputDir::create(&target, true).unwrap();
+    fs::write(out.path().join("new.txt"), "new").unwrap();
+    out.commit().unwrap();
+    assert!(target.join("new.txt").exists() && !target.join("old.txt").exists());
+    assert_eq!(
+        fs::read_dir(root.path()).unwrap().count(),
+        1,
+        "no leftover folders"
+    );
+}
