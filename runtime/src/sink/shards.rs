@@ -135,7 +135,7 @@ impl ShardWriter {
         let mut text =
             serde_json::to_string(&Value::Object(header)).expect("a JSON map serializes");
         // Pad the header with spaces to a multiple of 8 bytes, as the safetensors crate does.
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(' ');
         }
         let path = self
