@@ -54,9 +54,10 @@ fn global_exporter_order_is_tier_priority_path() {
     assert_eq!(
         paths,
         [
-            "kiln_test_plugin::PluginLinear",  // prepend
-            "registry_rules::HighLinear",      // normal, priority 10
-            "kiln_test_plugin::PluginExperts", // normal, priority 0, by path
+            "kiln_test_plugin::PluginLinear",            // prepend
+            "registry_rules::HighLinear",                // normal, priority 10
+            "kiln_runtime::export::linear::QuantLinear", // kiln's built-in: normal, priority 0, by path
+            "kiln_test_plugin::PluginExperts",
             "kiln_test_plugin::PluginRouter",
             "registry_rules::CrateArg",
             "registry_rules::NewMlp", // OldMlp is replaced

@@ -15,6 +15,7 @@
 
 pub mod architecture;
 pub mod checkpoint;
+pub mod demo;
 pub mod export;
 pub mod families;
 pub mod module_tree;

@@ -219,6 +219,20 @@ impl Checkpoint {
         self.shards[s].read(i, buf)
     }
 
+    /// Reads tensor `name` as elements of `T` (its dtype must have `T`'s size), straight into
+    /// a vector of `T` — no intermediate byte buffer.
+    pub fn read_as<T: bytemuck::Pod>(&self, name: &str) -> Result<Vec<T>, CheckpointError> {
+        let &(s, i) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| CheckpointError::Tensor {
+                file: self.dir.clone(),
+                tensor: name.to_string(),
+                message: "no such tensor in the checkpoint".into(),
+            })?;
+        self.shards[s].read_as(i)
+    }
+
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> u64 {
         self.tensors().map(|t| t.byte_len()).sum()

@@ -160,6 +160,24 @@ impl Shard {
         &self.tensors
     }
 
+    /// Reads tensor `i` as elements of `T`.
+    pub fn read_as<T: bytemuck::Pod>(&self, i: usize) -> Result<Vec<T>, CheckpointError> {
+        let t = &self.tensors[i];
+        let size = std::mem::size_of::<T>() as u64;
+        if !t.byte_len().is_multiple_of(size) || t.dtype.bitsize() as u64 != size * 8 {
+            return Err(CheckpointError::Tensor {
+                file: self.path.clone(),
+                tensor: t.name.clone(),
+                message: format!("is {:?}, not readable as {}-byte elements", t.dtype, size),
+            });
+        }
+        let mut out = vec![T::zeroed(); (t.byte_len() / size) as usize];
+        self.file
+            .read_exact_at(bytemuck::cast_slice_mut(&mut out), t.start)
+            .map_err(io(&self.path))?;
+        Ok(out)
+    }
+
     /// Reads tensor `i`'s bytes into `buf`.
     pub fn read(&self, i: usize, buf: &mut Vec<u8>) -> Result<(), CheckpointError> {
         let t = &self.tensors[i];

@@ -153,8 +153,49 @@ pub fn generic_class(root: &str, path: &str, m: &ModuleShape<'_>) -> ClassChain 
     named("Module".into())
 }
 
-/// Natural order of dotted paths: segment by segment, numbers by value (`layers.2` < `layers.10`).
-fn natural(a: &str, b: &str) -> Ordering {
+/// Module names in the order transformers defines them (and so `named_modules()` and state
+/// dicts list them): embeddings, layers, norm; attention before MLP; q, k, v, o; gate, up, down.
+const DEFINITION_ORDER: &[&str] = &[
+    "model",
+    "lm_head",
+    "embed_tokens",
+    "layers",
+    "norm",
+    "rotary_emb",
+    "self_attn",
+    "mlp",
+    "block_sparse_moe",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_norm",
+    "k_norm",
+    "gate",
+    "router",
+    "experts",
+    "shared_expert",
+    "shared_expert_gate",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "w1",
+    "w2",
+    "w3",
+];
+
+/// Order of dotted paths: segment by segment, known names in definition order, numbers by
+/// value (`layers.2` < `layers.10`), anything else by name.
+fn module_order(a: &str, b: &str) -> Ordering {
+    let key = |s: &str| {
+        let rank = DEFINITION_ORDER
+            .iter()
+            .position(|n| *n == s)
+            .unwrap_or(DEFINITION_ORDER.len());
+        (rank, s.parse::<u64>().ok())
+    };
     let mut x = a.split('.').filter(|s| !s.is_empty());
     let mut y = b.split('.').filter(|s| !s.is_empty());
     loop {
@@ -163,10 +204,7 @@ fn natural(a: &str, b: &str) -> Ordering {
             (None, Some(_)) => return Ordering::Less,
             (Some(_), None) => return Ordering::Greater,
             (Some(s), Some(t)) => {
-                let o = match (s.parse::<u64>(), t.parse::<u64>()) {
-                    (Ok(i), Ok(j)) => i.cmp(&j),
-                    _ => s.cmp(t),
-                };
+                let o = key(s).cmp(&key(t)).then_with(|| s.cmp(t));
                 if o != Ordering::Equal {
                     return o;
                 }
@@ -175,7 +213,7 @@ fn natural(a: &str, b: &str) -> Ordering {
     }
 }
 
-/// Builds the tree: every module that owns a tensor, and every ancestor, in natural order,
+/// Builds the tree: every module that owns a tensor, and every ancestor, in definition order,
 /// each classified by `classify(path, shape)`. Linear weights must be 2-D and fused experts 3-D.
 pub fn build(
     tensors: &[TensorInfo],
@@ -206,7 +244,7 @@ pub fn build(
             }
         }
     }
-    paths.sort_by(|a, b| natural(a, b));
+    paths.sort_by(|a, b| module_order(a, b));
     paths.dedup();
     let mut tree = ModuleTree::default();
     let empty: Vec<TensorInfo> = Vec::new();

@@ -118,7 +118,38 @@ fn dense_families_use_transformers_class_names() {
 }
 
 #[test]
-fn modules_come_in_natural_order() {
+fn modules_come_in_transformers_definition_order() {
+    let tr = tree("Qwen3ForCausalLM", &dense_model(1, true));
+    let order: Vec<&str> = tr.walk().map(|m| m.path()).collect();
+    assert_eq!(
+        order,
+        [
+            "",
+            "model",
+            "model.embed_tokens",
+            "model.layers",
+            "model.layers.0",
+            "model.layers.0.self_attn",
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.k_proj",
+            "model.layers.0.self_attn.v_proj",
+            "model.layers.0.self_attn.o_proj",
+            "model.layers.0.self_attn.q_norm",
+            "model.layers.0.self_attn.k_norm",
+            "model.layers.0.mlp",
+            "model.layers.0.mlp.gate_proj",
+            "model.layers.0.mlp.up_proj",
+            "model.layers.0.mlp.down_proj",
+            "model.layers.0.input_layernorm",
+            "model.layers.0.post_attention_layernorm",
+            "model.norm",
+            "lm_head",
+        ]
+    );
+}
+
+#[test]
+fn layers_come_in_numeric_order() {
     let tr = tree("LlamaForCausalLM", &dense_model(12, false));
     let layers: Vec<&str> = tr
         .walk()

@@ -31,6 +31,7 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
         paths(&doc, "exporters"),
         [
             "kiln_test_plugin::PluginLinear",
+            "kiln_runtime::export::linear::QuantLinear",
             "kiln_test_plugin::PluginExperts",
             "kiln_test_plugin::PluginRouter",
             "kiln_test_plugin::PluginCatchAll",
@@ -65,6 +66,10 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
 #[test]
 fn binary_that_does_not_reference_the_plugin_sees_nothing() {
     let doc = registry_json(env!("CARGO_BIN_EXE_kiln-without-plugins"));
-    assert_eq!(paths(&doc, "exporters"), Vec::<String>::new());
+    // Only kiln's own built-ins remain.
+    assert_eq!(
+        paths(&doc, "exporters"),
+        ["kiln_runtime::export::linear::QuantLinear"]
+    );
     assert_eq!(paths(&doc, "trainers"), Vec::<String>::new());
 }

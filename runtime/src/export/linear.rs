@@ -1,0 +1,258 @@
+//! The built-in exporter for `Linear` modules (ModelOpt's `_export_quant_linear`): quantizes
+//! `weight` with the recipe's format and writes ModelOpt's tensors (FORMATS.md §2); excluded
+//! Linears (`lm_head`, routers, `--exclude`) are copied unchanged. Any other tensor the module
+//! owns (`bias`) is copied unchanged.
+
+use super::recipe::Format;
+use super::{ExportContext, ExportError, ModuleExporter, full_name};
+use crate::module_tree::{Linear, ModuleRef};
+use half::{bf16, f16};
+use kiln_kernels::{Element, cpu, ops};
+use safetensors::Dtype;
+
+/// Quantizes every `Linear` the recipe selects.
+#[crate::exporter(keys = [Linear], crate = crate)]
+#[derive(Debug, Default)]
+pub struct QuantLinear;
+
+/// Siblings that receive the same input and so share `input_scale` and `weight_scale_2` in the
+/// NVFP4 family (FORMATS.md §4.2): q/k/v; gate/up; Mixtral's w1/w3.
+const SHARED_INPUT_GROUPS: [&[&str]; 3] = [
+    &["q_proj", "k_proj", "v_proj"],
+    &["gate_proj", "up_proj"],
+    &["w1", "w3"],
+];
+
+/// The quantized siblings of `module` (itself included) that share its input.
+pub fn input_group(module: ModuleRef<'_>, quantized: impl Fn(&str) -> bool) -> Vec<String> {
+    let me = module.local_name();
+    let Some(parent) = module.parent() else {
+        return vec![module.path().to_string()];
+    };
+    match SHARED_INPUT_GROUPS.iter().find(|g| g.contains(&me)) {
+        Some(group) => group
+            .iter()
+            .filter_map(|n| parent.child(n))
+            .filter(|m| m.tensor("weight").is_some() && quantized(m.path()))
+            .map(|m| m.path().to_string())
+            .collect(),
+        None => vec![module.path().to_string()],
+    }
+}
+
+impl ModuleExporter for QuantLinear {
+    fn export(
+        &self,
+        name: &str,
+        module: ModuleRef<'_>,
+        ctx: &ExportContext,
+    ) -> Result<(), ExportError> {
+        if !ctx.is_exporting() {
+            return Ok(());
+        }
+        let recipe = ctx.recipe()?;
+        if !recipe.quantizes(name) || module.tensor("weight").is_none() {
+            return ctx.copy_module(module);
+        }
+        for t in module.tensors().iter().filter(|t| t.name != "weight") {
+            ctx.copy_tensor(&full_name(name, &t.name))?;
+        }
+        let weight = full_name(name, "weight");
+        let c = ctx.checkpoint()?;
+        let meta = c
+            .tensor(&weight)
+            .ok_or_else(|| ExportError::Invalid(format!("no tensor `{weight}`")))?;
+        let (rows, cols) = match meta.shape[..] {
+            [r, k] => (r, k),
+            ref s => {
+                return Err(ExportError::Invalid(format!(
+                    "tensor `{weight}`: a Linear weight must be 2-D, found {s:?}"
+                )));
+            }
+        };
+        let format = recipe.format;
+        let q = Quantize {
+            ctx,
+            module,
+            name,
+            weight: &weight,
+            rows,
+            cols,
+            format,
+        };
+        match meta.dtype {
+            Dtype::BF16 => q.run(&c.read_as::<bf16>(&weight)?)?,
+            Dtype::F16 => q.run(&c.read_as::<f16>(&weight)?)?,
+            Dtype::F32 => q.run(&c.read_as::<f32>(&weight)?)?,
+            Dtype::F8_E4M3 if format == Format::Fp8 => {
+                // Already FP8 (FORMATS.md: "weights already in float8_e4m3fn pass through").
+                ctx.copy_tensor(&weight)?;
+            }
+            dtype => {
+                return Err(ExportError::Dtype {
+                    tensor: weight,
+                    dtype,
+                });
+            }
+        }
+        ctx.record_quantized(name, format)
+    }
+}
+
+/// One Linear's quantization.
+struct Quantize<'a> {
+    ctx: &'a ExportContext,
+    module: ModuleRef<'a>,
+    name: &'a str,
+    weight: &'a str,
+    rows: usize,
+    cols: usize,
+    format: Format,
+}
+
+fn scalar(v: f32) -> Vec<u8> {
+    v.to_le_bytes().to_vec()
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl Quantize<'_> {
+    fn kernel(&self, r: Result<(), kiln_kernels::KernelError>) -> Result<(), ExportError> {
+        r.map_err(|source| ExportError::Kernel {
+            tensor: self.weight.to_string(),
+            source,
+        })
+    }
+
+    fn emit(
+        &self,
+        tensor: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<(), ExportError> {
+        self.ctx
+            .emit(&full_name(self.name, tensor), dtype, shape, data)
+    }
+
+    /// The input scale: `amax / divisor`, where a missing-from-the-file amax is an error and a
+    /// zero or NaN amax becomes the quantizer's bound (ModelOpt's `export_amax`). With shared
+    /// groups, the amax is the max over the group.
+    fn input_scale(&self, group: &[String]) -> Result<f32, ExportError> {
+        let (bound, divisor) = self.format.input_bound_and_divisor();
+        let mut amax = 0f32;
+        for m in group {
+            let a = self
+                .ctx
+                .input_amax(m)?
+                .ok_or_else(|| ExportError::MissingActAmax {
+                    format: self.format,
+                    modules: vec![m.clone()],
+                })?;
+            amax = amax.max(a);
+        }
+        let amax = if amax == 0.0 || amax.is_nan() {
+            bound
+        } else {
+            amax
+        };
+        Ok(amax / divisor)
+    }
+
+    /// Per-row scales `amax_row / divisor`, a zero or NaN row amax giving scale 1.
+    fn row_scales<T: Element>(&self, w: &[T], divisor: f32) -> Result<Vec<f32>, ExportError> {
+        let mut a = vec![0f32; self.rows];
+        self.kernel(cpu::amax_rows(w, self.rows, self.cols, &mut a))?;
+        Ok(a.iter()
+            .map(|&x| {
+                if x == 0.0 || x.is_nan() {
+                    1.0
+                } else {
+                    x / divisor
+                }
+            })
+            .collect())
+    }
+
+    fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
+        let (n, shape) = (w.len(), [self.rows, self.cols]);
+        match self.format {
+            Format::Fp8 => {
+                // FORMATS.md: the raw weight amax (a zero amax gives a zero scale), the quotient
+                // rounded to the weight's dtype before the cast.
+                let s = ops::fp8::fp8_scale(self.ctx.weight_amax(self.weight)?);
+                let mut q = vec![0u8; n];
+                self.kernel(cpu::quantize_fp8_per_tensor(w, s, &mut q))?;
+                let input = self.input_scale(&[self.name.to_string()])?;
+                self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
+                self.emit("weight_scale", Dtype::F32, &[], &scalar(s))?;
+                self.emit("input_scale", Dtype::F32, &[], &scalar(input))
+            }
+            Format::Fp8PerChannel => {
+                let s = self.row_scales(w, 448.0)?;
+                let mut q = vec![0u8; n];
+                self.kernel(cpu::quantize_fp8_per_channel(
+                    w, self.rows, self.cols, &s, &mut q,
+                ))?;
+                self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
+                self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))
+            }
+            Format::Int8Wo => {
+                let s = self.row_scales(w, 127.0)?;
+                let mut q = vec![0i8; n];
+                self.kernel(cpu::quantize_int8_per_channel(
+                    w, self.rows, self.cols, &s, &mut q,
+                ))?;
+                self.emit("weight", Dtype::I8, &shape, bytemuck::cast_slice(&q))?;
+                self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))
+            }
+            Format::Nvfp4 | Format::W4a16Nvfp4 => {
+                let recipe = self.ctx.recipe()?;
+                let group = input_group(self.module, |p| recipe.quantizes(p));
+                let mut amax = 0f32;
+                for m in &group {
+                    amax = amax.max(self.ctx.weight_amax(&full_name(m, "weight"))?);
+                }
+                let ws2 = ops::nvfp4::nvfp4_global_scale(amax);
+                let (mut packed, mut scales) = (vec![0u8; n / 2], vec![0u8; n / 16]);
+                self.kernel(cpu::quantize_nvfp4(
+                    w,
+                    &shape,
+                    ws2,
+                    &mut packed,
+                    &mut scales,
+                ))?;
+                self.emit("weight", Dtype::U8, &[self.rows, self.cols / 2], &packed)?;
+                self.emit(
+                    "weight_scale",
+                    Dtype::F8_E4M3,
+                    &[self.rows, self.cols / 16],
+                    &scales,
+                )?;
+                self.emit("weight_scale_2", Dtype::F32, &[], &scalar(ws2))?;
+                if self.format == Format::Nvfp4 {
+                    let input = self.input_scale(&group)?;
+                    self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
+                }
+                Ok(())
+            }
+            Format::Mxfp8 => {
+                let (mut q, mut s) = (vec![0u8; n], vec![0u8; n / 32]);
+                self.kernel(cpu::quantize_mxfp8(w, self.cols, &mut q, &mut s))?;
+                self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
+                self.emit("weight_scale", Dtype::U8, &[self.rows, self.cols / 32], &s)
+            }
+            Format::Mxfp4 => {
+                let (mut q, mut s) = (vec![0u8; n / 2], vec![0u8; n / 32]);
+                self.kernel(cpu::quantize_mxfp4(w, self.cols, &mut q, &mut s))?;
+                self.emit("weight", Dtype::U8, &[self.rows, self.cols / 2], &q)?;
+                self.emit("weight_scale", Dtype::U8, &[self.rows, self.cols / 32], &s)
+            }
+            other => Err(ExportError::Invalid(format!(
+                "format {other} is not implemented yet"
+            ))),
+        }
+    }
+}

@@ -1,0 +1,452 @@
+//! The exporter hooks, the per-call export context, and the module walk.
+//!
+//! An export call creates one [`ExportContext`], walks the module tree in pre-order, calls
+//! `prepare_moe_inputs` for every MoE block whose experts container an exporter takes, then
+//! `export` for every module with the first matching exporter (DESIGN.md §4). Exporters are
+//! constructed once per call, on first use; nothing about an export outlives the call.
+
+pub mod act_amax;
+pub mod files;
+pub mod linear;
+pub mod recipe;
+pub mod run;
+
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::module_tree::{ModuleRef, ModuleTree};
+use crate::registry::exporters::ExporterRegistry;
+use crate::sink::{ShardWriter, SinkError};
+use act_amax::ActAmax;
+use recipe::{Format, Recipe};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Mutex;
+
+/// An error raised by an exporter or by the walk, naming the module involved.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// An MoE block whose experts container no exporter takes (ModelOpt:
+    /// `NotImplementedError("MoE model with experts type … not supported")`).
+    #[error(
+        "MoE block `{block}`: no exporter takes its experts container (class {experts_class}); register one"
+    )]
+    UnsupportedMoe {
+        block: String,
+        experts_class: String,
+    },
+    /// An exporter failed on a module.
+    #[error("module `{module}`: {message}")]
+    Module { module: String, message: String },
+    /// The exporter registry is invalid.
+    #[error(transparent)]
+    InvalidRegistry(#[from] crate::registry::RegistryError),
+    /// Reading the input checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// Writing the output failed.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// A kernel refused a tensor.
+    #[error("tensor `{tensor}`: {source}")]
+    Kernel {
+        tensor: String,
+        source: kiln_kernels::KernelError,
+    },
+    /// The format needs activation statistics that were not given.
+    #[error("{format} needs activation scales, and none are given for {}{} (pass --act-amax FILE or --calib FILE)",
+        modules.iter().take(3).map(|m| format!("`{m}.input_quantizer`")).collect::<Vec<_>>().join(", "),
+        if modules.len() > 3 { format!(" and {} more", modules.len() - 3) } else { String::new() })]
+    MissingActAmax {
+        format: Format,
+        modules: Vec<String>,
+    },
+    /// A tensor's dtype cannot be quantized.
+    #[error("tensor `{tensor}`: dtype {dtype:?} cannot be quantized (expected BF16, F16 or F32)")]
+    Dtype {
+        tensor: String,
+        dtype: safetensors::Dtype,
+    },
+    /// The architecture could not be built, or the request cannot be met.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The two hooks of an exporter. Both default to doing nothing.
+pub trait ModuleExporter: Send + Sync {
+    /// Called once per MoE block whose experts container this exporter matched, before any
+    /// `export`: fill missing expert input statistics and the like.
+    fn prepare_moe_inputs(
+        &self,
+        name: &str,
+        moe_block: ModuleRef<'_>,
+        ctx: &ExportContext,
+    ) -> Result<(), ExportError> {
+        let _ = (name, moe_block, ctx);
+        Ok(())
+    }
+
+    /// Emits the module's output into `ctx`.
+    fn export(
+        &self,
+        name: &str,
+        module: ModuleRef<'_>,
+        ctx: &ExportContext,
+    ) -> Result<(), ExportError> {
+        let _ = (name, module, ctx);
+        Ok(())
+    }
+}
+
+/// What happened to one module during the walk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModuleOutcome {
+    /// Exported by the exporter with this type path, matched for this reason.
+    Exported { exporter: String, reason: String },
+    /// No exporter matched: the module is kept as it is.
+    Unchanged,
+}
+
+/// The record of one export call.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportReport {
+    /// Every module visited, in walk order.
+    pub modules: Vec<(String, ModuleOutcome)>,
+    /// MoE blocks prepared, in walk order, with the exporter that prepared them.
+    pub moe_prepared: Vec<(String, String)>,
+    /// Free-form notes exporters left, per module.
+    pub notes: Vec<(String, String)>,
+}
+
+impl ExportReport {
+    /// Modules per exporter type path (`None` = unchanged), sorted.
+    pub fn counts(&self) -> BTreeMap<Option<&str>, usize> {
+        let mut counts = BTreeMap::new();
+        for (_, o) in &self.modules {
+            let k = match o {
+                ModuleOutcome::Exported { exporter, .. } => Some(exporter.as_str()),
+                ModuleOutcome::Unchanged => None,
+            };
+            *counts.entry(k).or_default() += 1;
+        }
+        counts
+    }
+}
+
+/// The state of one export call. Shared by reference with every hook, so exporters may run
+/// in parallel; created per call and dropped after it. A bare context ([`ExportContext::new`])
+/// only records the walk; one made with [`ExportContext::for_export`] also reads the checkpoint
+/// and writes the output.
+#[derive(Default)]
+pub struct ExportContext {
+    report: Mutex<ExportReport>,
+    job: Option<Job>,
+}
+
+impl std::fmt::Debug for ExportContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportContext")
+            .field("report", &self.report)
+            .field("exporting", &self.job.is_some())
+            .finish()
+    }
+}
+
+struct Job {
+    checkpoint: std::sync::Arc<Checkpoint>,
+    recipe: Recipe,
+    act: Mutex<ActAmax>,
+    writer: Mutex<ShardWriter>,
+    /// Output tensors not written: aliases of tied weights (FORMATS.md §4.1).
+    dropped: BTreeSet<String>,
+    /// Module → format, for every module quantized.
+    quantized: Mutex<BTreeMap<String, Format>>,
+    /// Weight amax by tensor name, computed once.
+    weight_amax: Mutex<HashMap<String, f32>>,
+    bytes_out: Mutex<u64>,
+}
+
+impl ExportContext {
+    /// A fresh context for one walk that records what happens and writes nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A context for exporting `checkpoint` with `recipe` into `writer`; `dropped` names
+    /// output tensors to leave out (tied-weight aliases).
+    pub fn for_export(
+        checkpoint: std::sync::Arc<Checkpoint>,
+        recipe: Recipe,
+        act: ActAmax,
+        writer: ShardWriter,
+        dropped: BTreeSet<String>,
+    ) -> Self {
+        ExportContext {
+            report: Mutex::default(),
+            job: Some(Job {
+                checkpoint,
+                recipe,
+                act: Mutex::new(act),
+                writer: Mutex::new(writer),
+                dropped,
+                quantized: Mutex::default(),
+                weight_amax: Mutex::default(),
+                bytes_out: Mutex::default(),
+            }),
+        }
+    }
+
+    fn job(&self) -> Result<&Job, ExportError> {
+        self.job.as_ref().ok_or_else(|| {
+            ExportError::Invalid("this export context has no checkpoint or output".into())
+        })
+    }
+
+    /// Whether this context reads a checkpoint and writes an output.
+    pub fn is_exporting(&self) -> bool {
+        self.job.is_some()
+    }
+
+    /// The input checkpoint.
+    pub fn checkpoint(&self) -> Result<&Checkpoint, ExportError> {
+        Ok(&self.job()?.checkpoint)
+    }
+
+    /// The export's recipe.
+    pub fn recipe(&self) -> Result<&Recipe, ExportError> {
+        Ok(&self.job()?.recipe)
+    }
+
+    /// The input amax of the Linear at `module`, if known.
+    pub fn input_amax(&self, module: &str) -> Result<Option<f32>, ExportError> {
+        Ok(lock(&self.job()?.act).input(module))
+    }
+
+    /// Sets the input amax of the Linear at `module` (MoE preparation).
+    pub fn set_input_amax(&self, module: &str, amax: f32) -> Result<(), ExportError> {
+        lock(&self.job()?.act).set_input(module, amax);
+        Ok(())
+    }
+
+    /// The K or V amax of an attention module.
+    pub fn kv_amax(&self, attention: &str, which: char) -> Result<Option<f32>, ExportError> {
+        Ok(lock(&self.job()?.act).kv(attention, which))
+    }
+
+    /// Writes one output tensor (skipped when it is a dropped alias).
+    pub fn emit(
+        &self,
+        name: &str,
+        dtype: safetensors::Dtype,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<(), ExportError> {
+        let job = self.job()?;
+        if job.dropped.contains(name) {
+            return Ok(());
+        }
+        lock(&job.writer).write(name, dtype, shape, data)?;
+        *lock(&job.bytes_out) += data.len() as u64;
+        Ok(())
+    }
+
+    /// Copies input tensor `name` to the output unchanged.
+    pub fn copy_tensor(&self, name: &str) -> Result<(), ExportError> {
+        let job = self.job()?;
+        if job.dropped.contains(name) {
+            return Ok(());
+        }
+        let meta = job
+            .checkpoint
+            .tensor(name)
+            .ok_or_else(|| ExportError::Invalid(format!("no tensor `{name}` in the checkpoint")))?;
+        let mut buf = Vec::new();
+        job.checkpoint.read(name, &mut buf)?;
+        self.emit(name, meta.dtype, &meta.shape.clone(), &buf)
+    }
+
+    /// Copies every tensor `module` owns unchanged.
+    pub fn copy_module(&self, module: ModuleRef<'_>) -> Result<(), ExportError> {
+        for t in module.tensors() {
+            self.copy_tensor(&full_name(module.path(), &t.name))?;
+        }
+        Ok(())
+    }
+
+    /// max |w| of input tensor `name`, computed once per export.
+    pub fn weight_amax(&self, name: &str) -> Result<f32, ExportError> {
+        let job = self.job()?;
+        if let Some(&a) = lock(&job.weight_amax).get(name) {
+            return Ok(a);
+        }
+        let c = &job.checkpoint;
+        let meta = c
+            .tensor(name)
+            .ok_or_else(|| ExportError::Invalid(format!("no tensor `{name}` in the checkpoint")))?;
+        let amax = match meta.dtype {
+            safetensors::Dtype::BF16 => kiln_kernels::cpu::amax(&c.read_as::<half::bf16>(name)?),
+            safetensors::Dtype::F16 => kiln_kernels::cpu::amax(&c.read_as::<half::f16>(name)?),
+            safetensors::Dtype::F32 => kiln_kernels::cpu::amax(&c.read_as::<f32>(name)?),
+            dtype => {
+                return Err(ExportError::Dtype {
+                    tensor: name.to_string(),
+                    dtype,
+                });
+            }
+        };
+        lock(&job.weight_amax).insert(name.to_string(), amax);
+        Ok(amax)
+    }
+
+    /// Records that `module` was quantized to `format` (for `hf_quant_config.json`).
+    pub fn record_quantized(&self, module: &str, format: Format) -> Result<(), ExportError> {
+        lock(&self.job()?.quantized).insert(module.to_string(), format);
+        Ok(())
+    }
+
+    /// Every module quantized so far, with its format.
+    pub fn quantized(&self) -> BTreeMap<String, Format> {
+        self.job
+            .as_ref()
+            .map(|j| lock(&j.quantized).clone())
+            .unwrap_or_default()
+    }
+
+    /// Bytes written so far.
+    pub fn bytes_out(&self) -> u64 {
+        self.job.as_ref().map_or(0, |j| *lock(&j.bytes_out))
+    }
+
+    /// Takes the shard writer out to finish it (ends the export's writing).
+    pub fn finish_writer(self) -> Result<(ShardWriter, ExportReport), ExportError> {
+        let report = self.report.into_inner().unwrap_or_else(|p| p.into_inner());
+        let job = self
+            .job
+            .ok_or_else(|| ExportError::Invalid("no output to finish".into()))?;
+        Ok((
+            job.writer.into_inner().unwrap_or_else(|p| p.into_inner()),
+            report,
+        ))
+    }
+
+    /// Leaves a note about `module` in the report.
+    pub fn note(&self, module: &str, message: impl Into<String>) {
+        lock(&self.report)
+            .notes
+            .push((module.to_string(), message.into()));
+    }
+
+    /// A copy of the report so far.
+    pub fn report(&self) -> ExportReport {
+        lock(&self.report).clone()
+    }
+
+    /// Ends the call, returning its report.
+    pub fn into_report(self) -> ExportReport {
+        self.report.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A poisoned lock still holds usable state: a panicking exporter must not hide the rest.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `module.tensor`, or `tensor` at the root.
+pub fn full_name(module: &str, tensor: &str) -> String {
+    if module.is_empty() {
+        tensor.to_string()
+    } else {
+        format!("{module}.{tensor}")
+    }
+}
+
+/// Whether a module is an MoE block, by ModelOpt's rule (`is_moe`): the class name ends in
+/// `sparsemoeblock` or contains `moelayer`, `arcticmoe`, `deepseekmoe`, `dbrxffn` or
+/// `nemotronhmoe` (case-insensitive), or the module has both a `router` and `experts`.
+pub fn is_moe(module: &ModuleRef<'_>) -> bool {
+    let name = module.class_name().to_ascii_lowercase();
+    name.ends_with("sparsemoeblock")
+        || [
+            "moelayer",
+            "arcticmoe",
+            "deepseekmoe",
+            "dbrxffn",
+            "nemotronhmoe",
+        ]
+        .iter()
+        .any(|s| name.contains(s))
+        || (module.child("router").is_some() && module.child("experts").is_some())
+}
+
+/// Walks `tree` with `registry` into `ctx`: MoE preparation first, then one `export` per
+/// matched module, in pre-order. Each exporter is constructed once, on first use.
+pub fn walk(
+    tree: &ModuleTree,
+    registry: &ExporterRegistry,
+    ctx: &ExportContext,
+) -> Result<(), ExportError> {
+    let mut matcher = registry.matcher();
+    let mut instances = Instances::new(registry);
+
+    for block in tree.walk().filter(is_moe) {
+        let Some(experts) = block.child("experts") else {
+            continue;
+        };
+        let Some(m) = matcher.find(&experts) else {
+            return Err(ExportError::UnsupportedMoe {
+                block: block.path().to_string(),
+                experts_class: experts.class_chain().to_string(),
+            });
+        };
+        instances
+            .get(m.position)
+            .prepare_moe_inputs(block.path(), block, ctx)?;
+        lock(&ctx.report)
+            .moe_prepared
+            .push((block.path().to_string(), m.entry.meta.path.to_string()));
+    }
+
+    for module in tree.walk() {
+        let outcome = match matcher.find(&module) {
+            Some(m) => {
+                instances
+                    .get(m.position)
+                    .export(module.path(), module, ctx)?;
+                ModuleOutcome::Exported {
+                    exporter: m.entry.meta.path.to_string(),
+                    reason: m.describe(),
+                }
+            }
+            None => {
+                if ctx.is_exporting() {
+                    ctx.copy_module(module)?;
+                }
+                ModuleOutcome::Unchanged
+            }
+        };
+        lock(&ctx.report)
+            .modules
+            .push((module.path().to_string(), outcome));
+    }
+    Ok(())
+}
+
+/// The exporters of one call, each constructed on first use.
+struct Instances<'r> {
+    registry: &'r ExporterRegistry,
+    made: Vec<Option<Box<dyn ModuleExporter>>>,
+}
+
+impl<'r> Instances<'r> {
+    fn new(registry: &'r ExporterRegistry) -> Self {
+        let mut made = Vec::new();
+        made.resize_with(registry.len(), || None);
+        Instances { registry, made }
+    }
+
+    fn get(&mut self, position: usize) -> &dyn ModuleExporter {
+        let construct = self.registry.entries()[position].construct;
+        &**self.made[position].get_or_insert_with(construct)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,248 @@
+//! One export, end to end (DESIGN.md §4): open the checkpoint, build its module tree, check
+//! the recipe's needs, walk the exporters into a temporary folder, write the JSON files, copy
+//! the tokenizer, and move the folder into place. Any error leaves nothing at the target.
+
+use super::act_amax::ActAmax;
+use super::files;
+use super::linear::input_group;
+use super::recipe::Recipe;
+use super::{ExportContext, ExportError, ExportReport, ModuleOutcome, walk};
+use crate::checkpoint::Checkpoint;
+use crate::module_tree::{Embedding, Linear, ModuleTree, TensorInfo};
+use crate::registry::architectures::{ArchitectureMatch, ArchitectureRegistry};
+use crate::registry::exporters::ExporterRegistry;
+use crate::sink::{OutputDir, ShardWriter};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to export, where.
+#[derive(Debug, Clone)]
+pub struct ExportOptions {
+    pub model: PathBuf,
+    pub out: PathBuf,
+    pub recipe: Recipe,
+    pub act_amax: Option<ActAmax>,
+    /// Tensor bytes per output shard (transformers' `max_shard_size`).
+    pub max_shard_bytes: u64,
+    /// Replace an existing `out`.
+    pub force: bool,
+}
+
+/// What an export did, for the report.
+#[derive(Debug, Clone)]
+pub struct ExportSummary {
+    pub out: PathBuf,
+    pub architecture: String,
+    /// Set when no family claimed the architecture and the generic tree was used.
+    pub generic_fallback: bool,
+    pub report: ExportReport,
+    /// Modules per exporter type path (`None`: copied unchanged).
+    pub modules_per_exporter: BTreeMap<Option<String>, usize>,
+    pub quantized_modules: usize,
+    pub excluded: Vec<String>,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub files: Vec<String>,
+    pub elapsed: Duration,
+}
+
+/// The module tree of `checkpoint`, through the architecture registry.
+pub fn module_tree(checkpoint: &Checkpoint) -> Result<(ModuleTree, String, bool), ExportError> {
+    let registry =
+        ArchitectureRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
+    let config = checkpoint.config();
+    let name = config
+        .architecture()
+        .or_else(|| config.raw().get("model_type").and_then(Value::as_str))
+        .unwrap_or("")
+        .to_string();
+    let (entry, fallback) = match registry.resolve(&name) {
+        Some(ArchitectureMatch::Named(e)) => (e, false),
+        Some(ArchitectureMatch::Fallback(e)) => (e, true),
+        None => {
+            return Err(ExportError::Invalid(format!(
+                "no architecture registered for `{name}` and no fallback"
+            )));
+        }
+    };
+    let tensors: Vec<TensorInfo> = checkpoint
+        .tensors()
+        .map(|t| TensorInfo {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            dtype: format!("{:?}", t.dtype),
+        })
+        .collect();
+    let tree = (entry.construct)()
+        .module_tree(&Value::Object(config.raw().clone()), &tensors)
+        .map_err(|e| ExportError::Invalid(format!("{}: {e}", checkpoint.dir().display())))?;
+    Ok((tree, name, fallback))
+}
+
+/// Tied-weight aliases to drop: `lm_head.weight` when `tie_word_embeddings` is set and it
+/// equals `model.embed_tokens.weight` byte for byte (FORMATS.md §4.1). A quantized `lm_head`
+/// keeps both (its exporter writes it, not a copy).
+fn tied_aliases(checkpoint: &Checkpoint) -> Result<BTreeSet<String>, ExportError> {
+    let tied = checkpoint
+        .config()
+        .raw()
+        .get("tie_word_embeddings")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let (alias, canonical) = ("lm_head.weight", "model.embed_tokens.weight");
+    let mut dropped = BTreeSet::new();
+    if tied && checkpoint.tensor(alias).is_some() && checkpoint.tensor(canonical).is_some() {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        checkpoint.read(alias, &mut a)?;
+        checkpoint.read(canonical, &mut b)?;
+        if a != b {
+            return Err(ExportError::Invalid(format!(
+                "config.json says tie_word_embeddings, but `{alias}` and `{canonical}` differ"
+            )));
+        }
+        dropped.insert(alias.to_string());
+    }
+    Ok(dropped)
+}
+
+/// Checks, before writing anything, that every quantized Linear has the activation statistics
+/// its format needs.
+fn check_act_amax(tree: &ModuleTree, recipe: &Recipe, act: &ActAmax) -> Result<(), ExportError> {
+    if !recipe.format.needs_input_scale() {
+        return Ok(());
+    }
+    let missing: Vec<String> = tree
+        .walk()
+        .filter(|m| {
+            m.class_chain().is::<Linear>()
+                && m.tensor("weight").is_some()
+                && recipe.quantizes(m.path())
+        })
+        .filter(|m| {
+            // In shared-input groups one member's amax is enough (the max is taken).
+            let group = if recipe.format.shares_group_scales() {
+                input_group(*m, |p| recipe.quantizes(p))
+            } else {
+                vec![m.path().to_string()]
+            };
+            group.iter().all(|g| act.input(g).is_none())
+        })
+        .map(|m| m.path().to_string())
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(ExportError::MissingActAmax {
+            format: recipe.format,
+            modules: missing,
+        })
+    }
+}
+
+/// Runs one export.
+pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
+    let started = Instant::now();
+    let recipe = &options.recipe;
+    if !recipe.format.implemented() {
+        return Err(ExportError::Invalid(format!(
+            "format {} is not implemented yet (implemented: fp8, fp8-per-channel, int8-wo, nvfp4, w4a16-nvfp4, mxfp4, mxfp8)",
+            recipe.format
+        )));
+    }
+    if recipe.kv_cache.is_some() {
+        return Err(ExportError::Invalid(
+            "--kv-cache is not implemented yet".into(),
+        ));
+    }
+    let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
+    let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
+    let act = options.act_amax.clone().unwrap_or_default();
+    check_act_amax(&tree, recipe, &act)?;
+    let dropped = tied_aliases(&checkpoint)?;
+
+    let out = OutputDir::create(&options.out, options.force)?;
+    let writer = ShardWriter::new(out.path(), options.max_shard_bytes);
+    let ctx = ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped);
+    let registry =
+        ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
+    walk(&tree, registry, &ctx)?;
+    let quantized = ctx.quantized();
+    let bytes_out = ctx.bytes_out();
+    let (writer, report) = ctx.finish_writer()?;
+    let written = writer.finish()?;
+
+    // Modules recorded for exclude_modules: every Linear and Embedding (ModelOpt gives each a
+    // quantizer); the unquantized ones are summarised by prefix wildcards.
+    let recorded: BTreeSet<String> = tree
+        .walk()
+        .filter(|m| m.class_chain().is::<Linear>() || m.class_chain().is::<Embedding>())
+        .map(|m| m.path().to_string())
+        .collect();
+    let quantized_names: BTreeSet<String> = quantized.keys().cloned().collect();
+    let unquantized: BTreeSet<String> = recorded.difference(&quantized_names).cloned().collect();
+    let excluded = files::exclude_summary(&unquantized, &quantized_names);
+    let hf = files::hf_quant_config(&quantized, &excluded, recipe.kv_cache);
+    write_json(&out.path().join("hf_quant_config.json"), &hf, 4)?;
+    let mut config = checkpoint.config().raw().clone();
+    config.insert(
+        "quantization_config".into(),
+        files::quantization_config(&hf, &quantized.values().copied().collect()),
+    );
+    write_json(&out.path().join("config.json"), &Value::Object(config), 2)?;
+    for name in files::COPIED_FILES {
+        let src = options.model.join(name);
+        if src.is_file() {
+            let dest = out.path().join(name);
+            std::fs::copy(&src, &dest)
+                .map_err(|source| crate::sink::SinkError::Io { path: dest, source })?;
+        }
+    }
+    let out_path = out.commit()?;
+
+    let mut modules_per_exporter = BTreeMap::new();
+    for (_, outcome) in &report.modules {
+        let key = match outcome {
+            ModuleOutcome::Exported { exporter, .. } => Some(exporter.clone()),
+            ModuleOutcome::Unchanged => None,
+        };
+        *modules_per_exporter.entry(key).or_insert(0) += 1;
+    }
+    let mut files_written = written.files.clone();
+    if written.files.len() > 1 {
+        files_written.push("model.safetensors.index.json".into());
+    }
+    files_written.extend(["config.json".into(), "hf_quant_config.json".into()]);
+    Ok(ExportSummary {
+        out: out_path,
+        architecture,
+        generic_fallback,
+        report,
+        modules_per_exporter,
+        quantized_modules: quantized.len(),
+        excluded,
+        bytes_in: checkpoint.data_bytes(),
+        bytes_out,
+        files: files_written,
+        elapsed: started.elapsed(),
+    })
+}
+
+fn write_json(path: &Path, value: &Value, indent: usize) -> Result<(), ExportError> {
+    let mut buf = Vec::new();
+    let pad = vec![b' '; indent];
+    let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
+    let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
+    serde::Serialize::serialize(value, &mut ser)
+        .map_err(|e| ExportError::Invalid(format!("{}: {e}", path.display())))?;
+    buf.push(b'\n');
+    std::fs::write(path, buf).map_err(|source| {
+        crate::sink::SinkError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+        .into()
+    })
+}

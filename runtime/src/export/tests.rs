@@ -1,0 +1,352 @@
+//! Exports of the demo model, end to end, checked against FORMATS.md's table and against
+//! values recomputed here from the input bytes.
+
+use super::act_amax::ActAmax;
+use super::recipe::{Format, Recipe};
+use super::run::{ExportOptions, run};
+use crate::checkpoint::{Checkpoint, Dtype};
+use crate::demo::{DemoConfig, write_demo_model};
+use half::bf16;
+use std::path::Path;
+
+const SMALL: DemoConfig = DemoConfig {
+    hidden: 64,
+    intermediate: 128,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    vocab: 96,
+};
+
+fn demo(dir: &Path) -> ActAmax {
+    write_demo_model(dir, SMALL).unwrap()
+}
+
+fn options(model: &Path, out: &Path, format: Format, act: Option<ActAmax>) -> ExportOptions {
+    ExportOptions {
+        model: model.into(),
+        out: out.into(),
+        recipe: Recipe::new(format),
+        act_amax: act,
+        max_shard_bytes: 1 << 30,
+        force: false,
+    }
+}
+
+fn meta(c: &Checkpoint, name: &str) -> (Dtype, Vec<usize>) {
+    let t = c
+        .tensor(name)
+        .unwrap_or_else(|| panic!("output lacks `{name}`"));
+    (t.dtype, t.shape.clone())
+}
+
+fn f32_scalar(c: &Checkpoint, name: &str) -> f32 {
+    let v = c.read_as::<f32>(name).unwrap();
+    assert_eq!(v.len(), 1, "{name} is a scalar");
+    v[0]
+}
+
+fn input_amax(model: &Checkpoint, name: &str) -> f32 {
+    model
+        .read_as::<bf16>(name)
+        .unwrap()
+        .iter()
+        .fold(0f32, |a, x| a.max(x.to_f32().abs()))
+}
+
+#[test]
+fn nvfp4_writes_modelopt_tensors_with_shared_group_scales() {
+    let root = tempfile::tempdir().unwrap();
+    let (model, out) = (root.path().join("model"), root.path().join("out"));
+    std::fs::create_dir(&model).unwrap();
+    let act = demo(&model);
+    let summary = run(&options(&model, &out, Format::Nvfp4, Some(act.clone()))).unwrap();
+    assert_eq!(summary.architecture, "LlamaForCausalLM");
+    assert!(!summary.generic_fallback);
+    assert_eq!(
+        summary.quantized_modules, 14,
+        "7 Linears per layer; lm_head excluded"
+    );
+    assert_eq!(summary.excluded, ["lm_head", "model.embed_tokens"]);
+
+    let (input, output) = (
+        Checkpoint::open(&model).unwrap(),
+        Checkpoint::open(&out).unwrap(),
+    );
+    let q = "model.layers.1.self_attn.q_proj";
+    assert_eq!(
+        meta(&output, &format!("{q}.weight")),
+        (Dtype::U8, vec![64, 32])
+    );
+    assert_eq!(
+        meta(&output, &format!("{q}.weight_scale")),
+        (Dtype::F8_E4M3, vec![64, 4])
+    );
+    assert_eq!(
+        meta(&output, &format!("{q}.weight_scale_2")),
+        (Dtype::F32, vec![])
+    );
+    assert_eq!(
+        meta(&output, &format!("{q}.input_scale")),
+        (Dtype::F32, vec![])
+    );
+    // q/k/v share weight_scale_2 (max of their amax / 2688) and input_scale (max / 2688).
+    let p = "model.layers.1.self_attn";
+    let group_amax = ["q_proj", "k_proj", "v_proj"]
+        .map(|n| input_amax(&input, &format!("{p}.{n}.weight")))
+        .into_iter()
+        .fold(0f32, f32::max);
+    let act_max = ["q_proj", "k_proj", "v_proj"]
+        .map(|n| act.input(&format!("{p}.{n}")).unwrap())
+        .into_iter()
+        .fold(0f32, f32::max);
+    for n in ["q_proj", "k_proj", "v_proj"] {
+        assert_eq!(
+            f32_scalar(&output, &format!("{p}.{n}.weight_scale_2")),
+            group_amax / 2688.0,
+            "{n}"
+        );
+        assert_eq!(
+            f32_scalar(&output, &format!("{p}.{n}.input_scale")),
+            act_max / 2688.0,
+            "{n}"
+        );
+    }
+    // o_proj is alone: its own amax.
+    let o = format!("{p}.o_proj");
+    assert_eq!(
+        f32_scalar(&output, &format!("{o}.weight_scale_2")),
+        input_amax(&input, &format!("{o}.weight")) / 2688.0
+    );
+    // gate/up share; down does not.
+    let m = "model.layers.0.mlp";
+    assert_eq!(
+        f32_scalar(&output, &format!("{m}.gate_proj.weight_scale_2")),
+        f32_scalar(&output, &format!("{m}.up_proj.weight_scale_2"))
+    );
+    // The packed weight decodes close to the input (NVFP4 keeps ~1 significant bit per element
+    // relative to its block scale: check a loose relative RMS bound).
+    let packed = output.read_as::<u8>(&format!("{q}.weight")).unwrap();
+    let scales = output.read_as::<u8>(&format!("{q}.weight_scale")).unwrap();
+    let ws2 = f32_scalar(&output, &format!("{q}.weight_scale_2"));
+    let mut deq = vec![0f32; 64 * 64];
+    kiln_kernels::ops::nvfp4::dequantize_nvfp4(&packed, &scales, ws2, &mut deq).unwrap();
+    let orig: Vec<f32> = input
+        .read_as::<bf16>(&format!("{q}.weight"))
+        .unwrap()
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    let err = orig
+        .iter()
+        .zip(&deq)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f32>()
+        .sqrt();
+    let norm = orig.iter().map(|a| a * a).sum::<f32>().sqrt();
+    assert!(err / norm < 0.2, "relative error {}", err / norm);
+    // Unquantized tensors are copied byte for byte, in their dtype.
+    for name in [
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ] {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        input.read(name, &mut a).unwrap();
+        output.read(name, &mut b).unwrap();
+        assert_eq!(a, b, "{name}");
+        assert_eq!(meta(&output, name).0, Dtype::BF16);
+    }
+    // Every input tensor is accounted for, and nothing else appears.
+    let per_linear = ["weight", "weight_scale", "weight_scale_2", "input_scale"].len();
+    assert_eq!(output.len(), input.len() - 14 + 14 * per_linear);
+
+    // config.json: the input plus exactly one key.
+    let in_cfg = input.config().raw();
+    let out_cfg = output.config().raw();
+    assert_eq!(out_cfg.len(), in_cfg.len() + 1);
+    assert!(in_cfg.iter().all(|(k, v)| out_cfg.get(k) == Some(v)));
+    let qc = &out_cfg["quantization_config"];
+    assert_eq!(qc["quant_algo"], "NVFP4");
+    assert_eq!(
+        qc["ignore"],
+        serde_json::json!(["lm_head", "model.embed_tokens"])
+    );
+    assert_eq!(
+        qc["config_groups"]["group_0"]["targets"],
+        serde_json::json!(["Linear"])
+    );
+    assert_eq!(qc["quant_method"], "modelopt");
+    let hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(hf["producer"]["name"], "kiln");
+    assert_eq!(hf["quantization"]["group_size"], 16);
+    assert!(out.join("generation_config.json").exists());
+}
+
+#[test]
+fn fp8_scales_are_the_raw_amax_and_the_weight_matches_the_kernel() {
+    let root = tempfile::tempdir().unwrap();
+    let (model, out) = (root.path().join("model"), root.path().join("out"));
+    std::fs::create_dir(&model).unwrap();
+    let act = demo(&model);
+    run(&options(&model, &out, Format::Fp8, Some(act.clone()))).unwrap();
+    let (input, output) = (
+        Checkpoint::open(&model).unwrap(),
+        Checkpoint::open(&out).unwrap(),
+    );
+    let d = "model.layers.0.mlp.down_proj";
+    let s = f32_scalar(&output, &format!("{d}.weight_scale"));
+    assert_eq!(s, input_amax(&input, &format!("{d}.weight")) / 448.0);
+    assert_eq!(
+        f32_scalar(&output, &format!("{d}.input_scale")),
+        act.input(d).unwrap() / 448.0
+    );
+    let w = input.read_as::<bf16>(&format!("{d}.weight")).unwrap();
+    let mut want = vec![0u8; w.len()];
+    kiln_kernels::ops::fp8::quantize_fp8_per_tensor(&w, s, &mut want).unwrap();
+    assert_eq!(
+        output.read_as::<u8>(&format!("{d}.weight")).unwrap(),
+        want,
+        "the reference kernel's bytes"
+    );
+    assert_eq!(
+        meta(&output, &format!("{d}.weight")),
+        (Dtype::F8_E4M3, vec![64, 128])
+    );
+    let hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap())
+            .unwrap();
+    assert!(hf["quantization"].get("group_size").is_none());
+}
+
+/// A tensor a format must write: local name, dtype, shape.
+type ExpectedTensor = (&'static str, Dtype, &'static [usize]);
+
+#[test]
+fn weight_only_formats_have_their_tensor_layouts() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    demo(&model);
+    let d = "model.layers.0.mlp.down_proj"; // [64, 128]
+    let cases: [(Format, &[ExpectedTensor]); 5] = [
+        (
+            Format::Fp8PerChannel,
+            &[
+                ("weight", Dtype::F8_E4M3, &[64, 128]),
+                ("weight_scale", Dtype::F32, &[64]),
+            ],
+        ),
+        (
+            Format::Int8Wo,
+            &[
+                ("weight", Dtype::I8, &[64, 128]),
+                ("weight_scale", Dtype::F32, &[64]),
+            ],
+        ),
+        (
+            Format::W4a16Nvfp4,
+            &[
+                ("weight", Dtype::U8, &[64, 64]),
+                ("weight_scale", Dtype::F8_E4M3, &[64, 8]),
+                ("weight_scale_2", Dtype::F32, &[]),
+            ],
+        ),
+        (
+            Format::Mxfp4,
+            &[
+                ("weight", Dtype::U8, &[64, 64]),
+                ("weight_scale", Dtype::U8, &[64, 4]),
+            ],
+        ),
+        (
+            Format::Mxfp8,
+            &[
+                ("weight", Dtype::F8_E4M3, &[64, 128]),
+                ("weight_scale", Dtype::U8, &[64, 4]),
+            ],
+        ),
+    ];
+    for (format, tensors) in cases {
+        let out = root.path().join(format.cli_name());
+        run(&options(&model, &out, format, None)).unwrap();
+        let output = Checkpoint::open(&out).unwrap();
+        for (t, dtype, shape) in tensors {
+            assert_eq!(
+                meta(&output, &format!("{d}.{t}")),
+                (*dtype, shape.to_vec()),
+                "{format} {t}"
+            );
+        }
+        assert!(
+            output.tensor(&format!("{d}.input_scale")).is_none(),
+            "{format}: weight-only"
+        );
+        assert_eq!(
+            output.config().raw()["quantization_config"]["quant_algo"],
+            format.quant_algo()
+        );
+    }
+}
+
+#[test]
+fn failures_leave_no_output() {
+    let root = tempfile::tempdir().unwrap();
+    let (model, out) = (root.path().join("model"), root.path().join("out"));
+    std::fs::create_dir(&model).unwrap();
+    demo(&model);
+    let err = run(&options(&model, &out, Format::Nvfp4, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("nvfp4 needs activation scales, and none are given for `model.layers.0.self_attn.q_proj.input_quantizer`, ")
+            && err.ends_with("(pass --act-amax FILE or --calib FILE)"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let err = run(&options(&model, &out, Format::Int4Awq, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("format int4-awq is not implemented yet"),
+        "{err}"
+    );
+    std::fs::create_dir(&out).unwrap();
+    let err = run(&options(&model, &out, Format::Mxfp8, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.ends_with("already exists (pass --force to replace it)"),
+        "{err}"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        2,
+        "model and the pre-existing out only: {leftovers:?}"
+    );
+}
+
+#[test]
+fn the_output_is_the_same_bytes_every_time() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    let act = demo(&model);
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    run(&options(&model, &a, Format::Nvfp4, Some(act.clone()))).unwrap();
+    run(&options(&model, &b, Format::Nvfp4, Some(act))).unwrap();
+    for f in ["model.safetensors", "config.json", "hf_quant_config.json"] {
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+}
