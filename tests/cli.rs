@@ -47,3 +47,108 @@ fn bad_usage_exits_2_with_a_message() {
     assert!(err.contains("invalid value 'modules'"), "{err}");
     assert!(err.contains("exporters, trainers, architectures"), "{err}");
 }
+
+#[test]
+fn export_without_a_model_exports_the_demo_and_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("out");
+    let out = kiln(&[
+        "export",
+        "--format",
+        "fp8",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("using kiln's built-in demo model"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("exported LlamaForCausalLM (known family) as fp8"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("quantized modules: 28; left unquantized: lm_head, model.embed_tokens"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(copied unchanged)"), "{stdout}");
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "hf_quant_config.json",
+        "generation_config.json",
+    ] {
+        assert!(out_dir.join(f).exists(), "{f}");
+    }
+    // A second run into the same folder is refused without --force, and leaves it intact.
+    let again = kiln(&[
+        "export",
+        "--format",
+        "fp8",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        String::from_utf8(again.stderr)
+            .unwrap()
+            .contains("already exists (pass --force to replace it)")
+    );
+    assert!(out_dir.join("model.safetensors").exists());
+}
+
+#[test]
+fn export_errors_are_clear_and_nonzero() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let cases: [(Vec<&str>, &str); 4] = [
+        (
+            vec!["export", "--model", missing.to_str().unwrap(), "--out", "x"],
+            "missing/config.json: No such file or directory (os error 2)\n",
+        ),
+        (
+            vec!["export", "--model", missing.to_str().unwrap()],
+            "--out is required with --model",
+        ),
+        (
+            vec!["export", "--calib", "c.jsonl"],
+            "--calib: calibration is not implemented yet",
+        ),
+        (
+            vec!["export", "--format", "int4-awq"],
+            "format int4-awq is not implemented yet",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = kiln(&args);
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+    let bad = kiln(&["export", "--max-shard-size", "5XB"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8(bad.stderr)
+            .unwrap()
+            .contains("unknown unit `XB`")
+    );
+}
+
+#[test]
+fn explain_lists_each_module_with_its_exporter_and_why() {
+    let out = kiln(&["explain", "--format", "nvfp4"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.starts_with("LlamaForCausalLM: "), "{stdout}");
+    assert!(stdout.contains("model.layers.0.self_attn.q_proj [Linear]: kiln_runtime::export::linear::QuantLinear (key Linear) → nvfp4"), "{stdout}");
+    assert!(stdout.contains("lm_head [Linear]: kiln_runtime::export::linear::QuantLinear (key Linear) → excluded, copied unchanged"), "{stdout}");
+    assert!(
+        stdout.contains("model.norm [LlamaRMSNorm]: unchanged (no exporter matches)"),
+        "{stdout}"
+    );
+}

@@ -1,6 +1,7 @@
 //! The `kiln` command line. [`run`] takes the arguments and the output streams, so plugin
 //! binaries (`use my_plugins as _; kiln::cli::main()`) and tests drive the same code.
 
+mod export;
 mod registry;
 mod table;
 
@@ -24,6 +25,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Quantize a model into a ModelOpt-format checkpoint (vLLM, SGLang, TensorRT-LLM).
+    Export(export::ExportArgs),
+    /// Show which exporter takes each module of a model, and why.
+    Explain(export::ExplainArgs),
     /// List the registered exporters, trainers and architectures in registry order.
     Registry(registry::RegistryArgs),
 }
@@ -59,12 +64,23 @@ where
         }
     };
     let result = match cli.command {
+        Command::Export(args) => export::export(&args, out, err),
+        Command::Explain(args) => export::explain(&args, out, err),
         Command::Registry(args) => registry::run(&args, out),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
-            let _ = writeln!(err, "error: {e:#}");
+            // The cause chain, skipping causes an error's own message already quotes.
+            let mut msg = e.to_string();
+            for cause in e.chain().skip(1) {
+                let c = cause.to_string();
+                if !msg.contains(&c) {
+                    msg.push_str(": ");
+                    msg.push_str(&c);
+                }
+            }
+            let _ = writeln!(err, "error: {msg}");
             match e.downcast_ref::<registry::InvalidRegistries>() {
                 Some(_) => EXIT_INVALID,
                 None => 1,

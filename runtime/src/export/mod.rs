@@ -138,7 +138,11 @@ impl ExportReport {
 pub struct ExportContext {
     report: Mutex<ExportReport>,
     job: Option<Job>,
+    progress: Option<ProgressFn>,
 }
+
+/// Called after each module of the walk with (modules done, modules in total, module path).
+pub type ProgressFn = std::sync::Arc<dyn Fn(usize, usize, &str) + Send + Sync>;
 
 impl std::fmt::Debug for ExportContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -180,6 +184,7 @@ impl ExportContext {
     ) -> Self {
         ExportContext {
             report: Mutex::default(),
+            progress: None,
             job: Some(Job {
                 checkpoint,
                 recipe,
@@ -191,6 +196,12 @@ impl ExportContext {
                 bytes_out: Mutex::default(),
             }),
         }
+    }
+
+    /// Reports progress through `f` after each module of the walk.
+    pub fn with_progress(mut self, f: ProgressFn) -> Self {
+        self.progress = Some(f);
+        self
     }
 
     fn job(&self) -> Result<&Job, ExportError> {
@@ -404,7 +415,8 @@ pub fn walk(
             .push((block.path().to_string(), m.entry.meta.path.to_string()));
     }
 
-    for module in tree.walk() {
+    let total = tree.len();
+    for (done, module) in tree.walk().enumerate() {
         let outcome = match matcher.find(&module) {
             Some(m) => {
                 instances
@@ -425,6 +437,9 @@ pub fn walk(
         lock(&ctx.report)
             .modules
             .push((module.path().to_string(), outcome));
+        if let Some(f) = &ctx.progress {
+            f(done + 1, total, module.path());
+        }
     }
     Ok(())
 }

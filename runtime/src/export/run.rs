@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What to export, where.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ExportOptions {
     pub model: PathBuf,
     pub out: PathBuf,
@@ -29,6 +29,20 @@ pub struct ExportOptions {
     pub max_shard_bytes: u64,
     /// Replace an existing `out`.
     pub force: bool,
+    /// Called after each module.
+    pub progress: Option<super::ProgressFn>,
+}
+
+impl std::fmt::Debug for ExportOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportOptions")
+            .field("model", &self.model)
+            .field("out", &self.out)
+            .field("recipe", &self.recipe)
+            .field("max_shard_bytes", &self.max_shard_bytes)
+            .field("force", &self.force)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What an export did, for the report.
@@ -165,7 +179,11 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
 
     let out = OutputDir::create(&options.out, options.force)?;
     let writer = ShardWriter::new(out.path(), options.max_shard_bytes);
-    let ctx = ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped);
+    let mut ctx =
+        ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped);
+    if let Some(p) = &options.progress {
+        ctx = ctx.with_progress(p.clone());
+    }
     let registry =
         ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
     walk(&tree, registry, &ctx)?;
@@ -192,20 +210,26 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         files::quantization_config(&hf, &quantized.values().copied().collect()),
     );
     write_json(&out.path().join("config.json"), &Value::Object(config), 2)?;
+    let mut copied = Vec::new();
     for name in files::COPIED_FILES {
         let src = options.model.join(name);
         if src.is_file() {
             let dest = out.path().join(name);
             std::fs::copy(&src, &dest)
                 .map_err(|source| crate::sink::SinkError::Io { path: dest, source })?;
+            copied.push(name.to_string());
         }
     }
     let out_path = out.commit()?;
 
     let mut modules_per_exporter = BTreeMap::new();
-    for (_, outcome) in &report.modules {
+    for (path, outcome) in &report.modules {
         let key = match outcome {
             ModuleOutcome::Exported { exporter, .. } => Some(exporter.clone()),
+            // Containers without tensors are not "copied"; count only modules with data.
+            ModuleOutcome::Unchanged if tree.find(path).is_some_and(|m| m.tensors().is_empty()) => {
+                continue;
+            }
             ModuleOutcome::Unchanged => None,
         };
         *modules_per_exporter.entry(key).or_insert(0) += 1;
@@ -215,6 +239,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         files_written.push("model.safetensors.index.json".into());
     }
     files_written.extend(["config.json".into(), "hf_quant_config.json".into()]);
+    files_written.extend(copied);
     Ok(ExportSummary {
         out: out_path,
         architecture,

@@ -30,6 +30,7 @@ fn options(model: &Path, out: &Path, format: Format, act: Option<ActAmax>) -> Ex
         act_amax: act,
         max_shard_bytes: 1 << 30,
         force: false,
+        progress: None,
     }
 }
 

@@ -1,0 +1,267 @@
+//! `kiln export` and `kiln explain`.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kiln_runtime::checkpoint::Checkpoint;
+use kiln_runtime::demo::{DemoConfig, write_demo_model};
+use kiln_runtime::export::act_amax::ActAmax;
+use kiln_runtime::export::recipe::{Format, KvCache, Recipe};
+use kiln_runtime::export::run::{ExportOptions, ExportSummary, module_tree, run};
+use kiln_runtime::export::{ExportContext, ModuleOutcome, walk};
+use kiln_runtime::{ExporterRegistry, Linear};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What both commands take to choose the model and the recipe.
+#[derive(Debug, Args)]
+pub struct RecipeArgs {
+    /// The Hugging Face model folder (config.json + safetensors). Without it, kiln builds a small
+    /// random Llama-family demo model and uses it.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The quantization format.
+    #[arg(long, default_value = "nvfp4")]
+    format: Format,
+    /// Leave modules matching this glob unquantized (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    exclude: Vec<String>,
+    /// Quantize modules matching this glob even if excluded by default (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    include: Vec<String>,
+    /// Quantize the KV cache too (`fp8` or `nvfp4`).
+    #[arg(long, value_name = "FORMAT")]
+    kv_cache: Option<KvCache>,
+}
+
+impl RecipeArgs {
+    fn recipe(&self) -> Recipe {
+        Recipe {
+            format: self.format,
+            exclude: self.exclude.clone(),
+            include: self.include.clone(),
+            kv_cache: self.kv_cache,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    #[command(flatten)]
+    recipe: RecipeArgs,
+    /// The output folder (written beside itself and renamed into place at the end).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Activation statistics: a JSON object keyed by ModelOpt quantizer names
+    /// (`<module>.input_quantizer`, `<attention>.k_bmm_quantizer`, ...).
+    #[arg(long, value_name = "FILE")]
+    act_amax: Option<PathBuf>,
+    /// Calibration data (JSONL of {"text"} or {"input_ids"}).
+    #[arg(long, value_name = "FILE")]
+    calib: Option<PathBuf>,
+    /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    max_shard_size: u64,
+    /// Replace an existing output folder.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    recipe: RecipeArgs,
+}
+
+/// `5GB` (decimal, as transformers), `10GiB` (binary), `512MB`, `1024`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size such as 5GB, 500MB or 10GiB"))?;
+    let mult: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit `{unit}` (B, KB, MB, GB, TB, KiB, MiB, GiB)"
+            ));
+        }
+    };
+    let bytes = n * mult;
+    if bytes < 1.0 {
+        return Err(format!("`{s}` is smaller than one byte"));
+    }
+    Ok(bytes as u64)
+}
+
+/// The model folder to use: the given one, or a freshly written demo (kept alive by the
+/// returned guard) with its activation statistics.
+fn model_dir(
+    args: &RecipeArgs,
+    err: &mut dyn Write,
+) -> Result<(PathBuf, Option<tempfile::TempDir>, Option<ActAmax>)> {
+    match &args.model {
+        Some(m) => Ok((m.clone(), None, None)),
+        None => {
+            let dir =
+                tempfile::tempdir().context("creating a temporary folder for the demo model")?;
+            let act = write_demo_model(dir.path(), DemoConfig::default())
+                .context("writing the demo model")?;
+            writeln!(
+                err,
+                "no --model given: using kiln's built-in demo model (a random Llama, {})",
+                dir.path().display()
+            )?;
+            Ok((dir.path().to_path_buf(), Some(dir), Some(act)))
+        }
+    }
+}
+
+pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
+    if args.calib.is_some() {
+        bail!(
+            "--calib: calibration is not implemented yet (it arrives with model execution); pass --act-amax FILE"
+        );
+    }
+    let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
+    let act = match &args.act_amax {
+        Some(path) => Some(ActAmax::read(path)?),
+        None => demo_act,
+    };
+    // The demo's output goes to a kiln-owned folder under the temporary directory, replaced on
+    // every run; a real model's output needs --out.
+    let (out_dir, force) = match (&args.out, &args.recipe.model) {
+        (Some(o), _) => (o.clone(), args.force),
+        (None, None) => (
+            std::env::temp_dir().join(format!("kiln-demo-{}", args.recipe.format)),
+            true,
+        ),
+        (None, Some(_)) => bail!("--out is required with --model"),
+    };
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} modules {msg}")
+            .expect("a valid template"),
+    );
+    let progress_bar = bar.clone();
+    let options = ExportOptions {
+        model,
+        out: out_dir,
+        recipe: args.recipe.recipe(),
+        act_amax: act,
+        max_shard_bytes: args.max_shard_size,
+        force,
+        progress: Some(Arc::new(move |done, total, _path: &str| {
+            progress_bar.set_length(total as u64);
+            progress_bar.set_position(done as u64);
+        })),
+    };
+    let result = run(&options);
+    bar.finish_and_clear();
+    let summary = result?;
+    print_report(&summary, args.recipe.format, out)?;
+    Ok(0)
+}
+
+fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Result<()> {
+    let secs = s.elapsed.as_secs_f64();
+    writeln!(
+        out,
+        "exported {} ({}) as {} to {}",
+        s.architecture,
+        if s.generic_fallback {
+            "generic tree"
+        } else {
+            "known family"
+        },
+        format,
+        s.out.display()
+    )?;
+    if s.generic_fallback {
+        writeln!(
+            out,
+            "warning: no family is registered for {}; the module tree was inferred from tensor names",
+            s.architecture
+        )?;
+    }
+    writeln!(out, "modules per exporter:")?;
+    for (exporter, n) in &s.modules_per_exporter {
+        writeln!(
+            out,
+            "  {:>5}  {}",
+            n,
+            exporter.as_deref().unwrap_or("(copied unchanged)")
+        )?;
+    }
+    writeln!(
+        out,
+        "quantized modules: {}; left unquantized: {}",
+        s.quantized_modules,
+        s.excluded.join(", ")
+    )?;
+    writeln!(
+        out,
+        "bytes in: {:.1} MB, out: {:.1} MB ({:.2}×); {:.2} s; {:.2} GB/s of input",
+        s.bytes_in as f64 / 1e6,
+        s.bytes_out as f64 / 1e6,
+        s.bytes_out as f64 / s.bytes_in.max(1) as f64,
+        secs,
+        s.bytes_in as f64 / secs.max(1e-9) / 1e9
+    )?;
+    writeln!(out, "files: {}", s.files.join(", "))?;
+    Ok(())
+}
+
+pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
+    let (model, _demo, _) = model_dir(&args.recipe, err)?;
+    let checkpoint = Checkpoint::open(&model)?;
+    let (tree, architecture, fallback) = module_tree(&checkpoint)?;
+    let recipe = args.recipe.recipe();
+    let registry = ExporterRegistry::try_global().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let ctx = ExportContext::new();
+    walk(&tree, registry, &ctx)?;
+    writeln!(
+        out,
+        "{architecture}{}: {} modules, format {}",
+        if fallback { " (generic tree)" } else { "" },
+        tree.len(),
+        recipe.format
+    )?;
+    for (path, outcome) in ctx.into_report().modules {
+        let module = tree.find(&path).expect("walked modules exist");
+        let name = if path.is_empty() {
+            "(root)"
+        } else {
+            path.as_str()
+        };
+        let what = match outcome {
+            ModuleOutcome::Exported { exporter, reason } => {
+                let detail =
+                    if module.class_chain().is::<Linear>() && exporter.ends_with("::QuantLinear") {
+                        if recipe.quantizes(&path) {
+                            format!(" → {}", recipe.format)
+                        } else {
+                            " → excluded, copied unchanged".into()
+                        }
+                    } else {
+                        String::new()
+                    };
+                format!("{exporter} ({reason}){detail}")
+            }
+            ModuleOutcome::Unchanged if module.tensors().is_empty() => continue,
+            ModuleOutcome::Unchanged => "unchanged (no exporter matches)".into(),
+        };
+        writeln!(out, "{name} [{}]: {what}", module.class_name())?;
+    }
+    Ok(0)
+}
