@@ -2,8 +2,6 @@
 //! each tested against the readable reference in `formats` (and written so the SIMD versions
 //! are lane-for-lane the same steps).
 
-use crate::element::Element;
-
 /// f32 → E4M3FN, round to nearest even, non-saturating, NaN written 0x7F (the quantizers'
 /// convention, `ops::fp8::e4m3_out`).
 #[inline]
@@ -59,39 +57,35 @@ pub fn nvfp4_block_scale(bmax: f32, ws2: f32) -> u8 {
 /// Everything else (m within 2^-14 of 1, subnormal, zero, NaN, Inf) takes the reference.
 #[inline]
 pub fn mxfp8_exponent(bmax: f32) -> i32 {
-    let d = bmax / 448.0;
+    ceil_log2_shortcut(bmax / 448.0).unwrap_or_else(|| crate::formats::e8m0::mxfp8_exponent(bmax))
+}
+
+/// `formats::e8m0::mxfp4_exponent` with the same shortcut (`bmax / 6`).
+#[inline]
+pub fn mxfp4_exponent(bmax: f32) -> Option<i32> {
+    match ceil_log2_shortcut(bmax / 6.0) {
+        Some(k) => Some(k),
+        None => crate::formats::e8m0::mxfp4_exponent(bmax),
+    }
+}
+
+/// `ceil(log2_f32(d))` clamped to [-127, 127] from `d`'s bits alone, when that is provably the
+/// answer: `d` normal and its mantissa either exactly 1 or more than `1 + 2^-14` above it.
+#[inline]
+fn ceil_log2_shortcut(d: f32) -> Option<i32> {
     let b = d.to_bits();
     let exp_field = (b >> 23) & 0xff;
     let man = b & 0x7f_ffff;
     if d > 0.0 && exp_field != 0 && exp_field != 0xff {
         let e = exp_field as i32 - 127;
         if man == 0 {
-            return e.clamp(-127, 127);
+            return Some(e.clamp(-127, 127));
         }
         if man > (1 << 9) {
-            return (e + 1).clamp(-127, 127);
+            return Some((e + 1).clamp(-127, 127));
         }
     }
-    crate::formats::e8m0::mxfp8_exponent(bmax)
-}
-
-/// `formats::e8m0::mxfp4_exponent::<T>` with the bf16 mantissa table instead of a `log2`
-/// call: `descale` is a normal bf16 value `(1 + i/128) · 2^e`, so its log2 is
-/// `f32(e + table[i])`, exactly what the reference computes. Other cases take the reference.
-#[inline]
-pub fn mxfp4_exponent<T: Element>(bmax: f32) -> Option<i32> {
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
-        let descale = round_bf16(bmax / 6.0);
-        let b = descale.to_bits();
-        let exp_field = (b >> 23) & 0xff;
-        if descale > 0.0 && exp_field != 0 && exp_field != 0xff {
-            let table = crate::formats::e8m0::log2_mantissa_bf16();
-            let l = (f64::from(exp_field as i32 - 127) + table[((b >> 16) & 0x7f) as usize]) as f32;
-            let l = round_bf16(l);
-            return Some(l.max(-127.0).ceil().min(127.0) as i32);
-        }
-    }
-    crate::formats::e8m0::mxfp4_exponent::<T>(bmax)
+    None
 }
 
 /// f32 → bf16 → f32, round to nearest even; NaN keeps its sign and becomes quiet (as `half`).
@@ -229,13 +223,13 @@ mod tests {
     }
 
     #[test]
-    fn mxfp4_exponent_table_equals_the_reference_for_every_bf16() {
-        for b in 0..=u16::MAX {
-            let bmax = bf16::from_bits(b).to_f32().abs();
+    fn mxfp4_exponent_shortcut_equals_the_reference() {
+        for x in dense_f32() {
+            let x = x.abs();
             assert_eq!(
-                mxfp4_exponent::<bf16>(bmax),
-                crate::formats::e8m0::mxfp4_exponent::<bf16>(bmax),
-                "bmax {bmax:e}"
+                mxfp4_exponent(x),
+                crate::formats::e8m0::mxfp4_exponent(x),
+                "bmax {x:e}"
             );
         }
     }

@@ -553,17 +553,12 @@ pub unsafe fn mxfp4<T: Element>(w: &[T], packed: &mut [u8], scales: &mut [u8]) {
         // SAFETY: 32 readable elements at `p`, 16 writable bytes in `out`.
         unsafe {
             let (m, nan) = block32_amax(p);
-            let k = bits::mxfp4_exponent::<T>(if nan { f32::NAN } else { m });
+            let k = bits::mxfp4_exponent(if nan { f32::NAN } else { m });
             *scale = k.map_or(E8M0_NAN, e8m0_from_exponent);
             // w / 2^k and w · 2^-k are the same exact value rounded once (2^-k is exact for
             // every k in [-127, 127]), so the multiply gives the reference's bits.
             let f = _mm256_set1_ps(k.map_or(f32::NAN, |k| 2f64.powi(-k) as f32));
-            let c = |i: usize| {
-                nibbles4(e2m1_mx_lanes(round_to::<T>(_mm256_mul_ps(
-                    load8(p.add(i)),
-                    f,
-                ))))
-            };
+            let c = |i: usize| nibbles4(e2m1_mx_lanes(_mm256_mul_ps(load8(p.add(i)), f)));
             let (a, b, e, f) = (c(0), c(8), c(16), c(24));
             std::ptr::write_unaligned(out.as_mut_ptr() as *mut u64, (a as u64) | (b as u64) << 32);
             std::ptr::write_unaligned(

@@ -167,8 +167,7 @@ __device__ void mxfp4_blocks(const T* w, u8* packed, u8* scales, u64 nblocks) {
     const T* p = w + b * 32;
     float m = 0.0f;
     for (int i = 0; i < 32; i++) m = nan_max(m, to_f32(p[i]));
-    float descale = round_as(__fdiv_rn(m, 6.0f), T());
-    float l = round_as(log2_f32(descale), T());
+    float l = log2_f32(__fdiv_rn(m, 6.0f));
     float divisor;
     if (l != l) {
         scales[b] = 0xff;
@@ -179,8 +178,8 @@ __device__ void mxfp4_blocks(const T* w, u8* packed, u8* scales, u64 nblocks) {
         divisor = (float)ldexp(1.0, k);
     }
     for (int i = 0; i < 16; i++) {
-        u32 lo = e2m1_mx(round_as(__fdiv_rn(to_f32(p[2 * i]), divisor), T()));
-        u32 hi = e2m1_mx(round_as(__fdiv_rn(to_f32(p[2 * i + 1]), divisor), T()));
+        u32 lo = e2m1_mx(__fdiv_rn(to_f32(p[2 * i]), divisor));
+        u32 hi = e2m1_mx(__fdiv_rn(to_f32(p[2 * i + 1]), divisor));
         packed[b * 16 + i] = (u8)(lo | (hi << 4));
     }
 }

@@ -1,10 +1,8 @@
 //! E8M0: an unsigned power-of-two scale, `2^(byte - 127)`; 0xFF is NaN. Used by MXFP4/MXFP8.
 //!
-//! The block exponents reproduce ModelOpt's arithmetic, which is *not* the exact
-//! `ceil(log2(bmax / max))`: MXFP4 computes in the weight's dtype (a bf16 weight's
-//! `log2(amax / 6)` is rounded to bf16 before the ceiling), MXFP8 in f32.
-
-use crate::element::Element;
+//! The block exponents reproduce ModelOpt 0.47's arithmetic: `ceil(log2(amax / max))` with
+//! the amax in f32 and the logarithm rounded to f32 (so not the exact ceiling when `amax / max`
+//! sits within an f32 rounding of a power of two).
 
 /// The E8M0 NaN byte.
 pub const E8M0_NAN: u8 = 0xff;
@@ -23,13 +21,11 @@ pub fn e8m0_to_f32(byte: u8) -> f32 {
     }
 }
 
-/// MXFP4's block exponent for a block of `T` whose largest magnitude is `bmax`
-/// (ModelOpt `MXFP4QTensor.quantize`, all in `T`):
-/// `ceil(maximum(log2(T(bmax / 6)), -127))`. `None` for a NaN block, where ModelOpt's result
-/// is undefined (its uint8 cast of NaN); +Inf clamps to 127 likewise.
-pub fn mxfp4_exponent<T: Element>(bmax: f32) -> Option<i32> {
-    let descale = T::round_f32(bmax / 6.0);
-    let l = T::round_f32(log2_f32(descale)); // log2(0) = -inf
+/// MXFP4's block exponent (ModelOpt 0.47 `MXFP4QTensor.quantize`, in f32: it casts the block
+/// to float first): `ceil(maximum(log2(bmax / 6), -127))`. `None` for a NaN block, where
+/// ModelOpt's uint8 cast of NaN is undefined; +Inf clamps to 127.
+pub fn mxfp4_exponent(bmax: f32) -> Option<i32> {
+    let l = log2_f32(bmax / 6.0); // log2(0) = -inf
     if l.is_nan() {
         return None;
     }
@@ -52,8 +48,7 @@ pub fn mxfp8_exponent(bmax: f32) -> i32 {
 /// log2 rounded to f32 once: for a normal `x = m · 2^e` (1 ≤ m < 2), `f32(e + log2_f64(m))`
 /// (zero, subnormals, Inf and NaN through `f64::log2`). f64's log2 is accurate far beyond f32's
 /// precision, so every implementation — CPU, SIMD, CUDA — gets the same value, where libm
-/// `log2f`s differ in the last ulp and can move a ceiling. Splitting off `e` lets the fast
-/// paths take `log2_f64(m)` from a table for bf16 mantissas ([`log2_mantissa_bf16`]).
+/// `log2f`s differ in the last ulp and can move a ceiling.
 #[inline]
 pub fn log2_f32(x: f32) -> f32 {
     let bits = x.to_bits();
@@ -65,31 +60,20 @@ pub fn log2_f32(x: f32) -> f32 {
     (f64::from(exp_field as i32 - 127) + f64::from(m).log2()) as f32
 }
 
-/// `log2_f64(1 + i/128)` for the 128 mantissas of a bf16 value: the same `f64::log2` calls
-/// [`log2_f32`] makes, computed once.
-pub fn log2_mantissa_bf16() -> &'static [f64; 128] {
-    static TABLE: std::sync::OnceLock<[f64; 128]> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| std::array::from_fn(|i| f64::from(1.0f32 + i as f32 / 128.0).log2()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::bf16;
-
     #[test]
     fn exponents_follow_modelopt_arithmetic() {
-        assert_eq!(mxfp4_exponent::<f32>(6.0), Some(0));
-        assert_eq!(mxfp4_exponent::<f32>(6.000001), Some(1));
-        assert_eq!(mxfp4_exponent::<f32>(3.0), Some(-1));
-        assert_eq!(mxfp4_exponent::<f32>(0.0), Some(-127));
-        assert_eq!(mxfp4_exponent::<f32>(f32::NAN), None);
-        assert_eq!(mxfp4_exponent::<f32>(f32::INFINITY), Some(127));
-        // bf16: 6 · 2^20 · (1 + 2^-7) / 6 rounds to bf16 exactly, but its log2 (20.0112…)
-        // rounds to 20.0 in bf16, so the ceiling is 20 where the exact one is 21.
-        let bmax = bf16::from_f32(6.0 * 2f32.powi(20) * (1.0 + 2f32.powi(-7))).to_f32();
-        assert_eq!(mxfp4_exponent::<bf16>(bmax), Some(20));
-        assert_eq!(mxfp4_exponent::<f32>(bmax), Some(21));
+        assert_eq!(mxfp4_exponent(6.0), Some(0));
+        assert_eq!(mxfp4_exponent(6.000001), Some(1));
+        assert_eq!(mxfp4_exponent(3.0), Some(-1));
+        assert_eq!(mxfp4_exponent(0.0), Some(-127));
+        assert_eq!(mxfp4_exponent(f32::NAN), None);
+        assert_eq!(mxfp4_exponent(f32::INFINITY), Some(127));
+        // A bf16 block max whose log2(amax / 6) ≈ -6.99: the f32 ceiling is -6 (ModelOpt 0.47;
+        // computing in bf16 would round the logarithm to -7.0).
+        assert_eq!(mxfp4_exponent(f32::from_bits(0x3d42_0000)), Some(-6)); // bf16 0x3d42 = 0.0473633
 
         assert_eq!(mxfp8_exponent(448.0), 0);
         assert_eq!(mxfp8_exponent(449.0), 1);

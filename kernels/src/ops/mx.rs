@@ -1,8 +1,7 @@
 //! OCP MX formats: 32-element blocks sharing an E8M0 power-of-two scale.
 //!
-//! MXFP4 (ModelOpt `MXFP4QTensor`, computed in the weight's dtype `T`):
-//! `k = ceil(max(log2(bmax / 6), -127))`, `x = T(w / 2^k)`, code by the MX rule (ties toward
-//! zero, an exact zero → 0x8). A block containing NaN gets scale 0xFF (E8M0 NaN; ModelOpt's
+//! MXFP4 (ModelOpt 0.47 `MXFP4QTensor`, in f32): `k = ceil(max(log2(bmax / 6), -127))`,
+//! `x = w / 2^k`, code by the MX rule (ties toward zero, an exact zero → 0x8). A block containing NaN gets scale 0xFF (E8M0 NaN; ModelOpt's
 //! value is undefined there).
 //! MXFP8 (`MXFP8QTensor`, f32): `k = ceil(log2(bmax / 448))` (bmax = 0 or NaN → -127),
 //! clamped to [-127, 127]; `q = e4m3(clamp(w · 2^-k, ±448))` with the product in f32.
@@ -46,10 +45,10 @@ pub fn quantize_mxfp4<T: Element>(
         .zip(packed.chunks_exact_mut(16))
         .zip(scales.iter_mut())
     {
-        let k = mxfp4_exponent::<T>(amax(block));
+        let k = mxfp4_exponent(amax(block));
         *scale = k.map_or(E8M0_NAN, e8m0_from_exponent);
         let divisor = k.map_or(f32::NAN, pow2);
-        let code = |x: T| f32_to_e2m1_mx(T::round_f32(x.to_f32() / divisor));
+        let code = |x: T| f32_to_e2m1_mx(x.to_f32() / divisor);
         for (byte, pair) in out.iter_mut().zip(block.chunks_exact(2)) {
             *byte = code(pair[0]) | code(pair[1]) << 4;
         }

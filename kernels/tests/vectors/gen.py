@@ -151,9 +151,9 @@ def quant_cases() -> None:
         pt = (ct[..., 1::2] << 4) | ct[..., 0::2]  # pairs along rows
         add("nvfp4_transposed", name, {"q": pt.transpose(1, 2), "scales": wst_bytes.reshape(2, 32, 2).transpose(1, 2), "ws2": ws2.reshape(1)})
         if finite(name):
-            # MXFP4: ModelOpt's arithmetic, in the weight's dtype.
+            # MXFP4: ModelOpt 0.47's arithmetic: the block amax in f32, so f32 throughout.
             v = w.view(-1, 32)
-            descale = v.abs().max(dim=-1, keepdim=True).values / 6.0
+            descale = v.float().abs().max(dim=-1, keepdim=True).values / 6.0
             e = torch.ceil(torch.maximum(torch.log2(descale), torch.tensor(-127.0)))
             xm = (v / torch.exp2(e)).view(shape)
             sign_bit = (2 - torch.sign(xm)) // 2

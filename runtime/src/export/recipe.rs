@@ -137,11 +137,13 @@ impl Format {
     /// The per-layer dict of `hf_quant_config.json` (FORMATS.md §3.2).
     pub fn layer_config(self) -> Value {
         match self {
+            // Unmapped formats (`mxfp4`, `fp8_pb_wo`) record the raw name only, like FP8/INT8.
             Format::Fp8
             | Format::Fp8PerChannel
             | Format::Int8Wo
             | Format::Int8Sq
-            | Format::Fp8Block => {
+            | Format::Fp8Block
+            | Format::Mxfp4 => {
                 json!({"quant_algo": self.quant_algo()})
             }
             Format::Int4Awq | Format::Nvfp4Awq => {

@@ -1,0 +1,144 @@
+//! Compatibility with ModelOpt 0.47: kiln exports the same tiny Llama that
+//! `tests/compat/modelopt_ref.py` exported with ModelOpt (feeding ModelOpt's calibrated amax
+//! through `--act-amax`), and every tensor — name, dtype, shape, bytes — and both JSON files
+//! must match. The only allowed difference is the producer (`kiln` instead of `modelopt`).
+
+use kiln::checkpoint::Checkpoint;
+use kiln::export::act_amax::ActAmax;
+use kiln::export::recipe::{Format, Recipe};
+use kiln::export::run::{ExportOptions, run};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn compat_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny")
+}
+
+fn without_producer(mut v: Value) -> Value {
+    if let Some(o) = v.as_object_mut() {
+        o.remove("producer");
+        for child in o.values_mut() {
+            if let Some(c) = child.as_object_mut() {
+                c.remove("producer");
+            }
+        }
+    }
+    v
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
+}
+
+fn check_format(format: Format) {
+    let root = compat_dir();
+    let reference = root.join(format.cli_name()).join("modelopt");
+    let out_root = tempfile::tempdir().unwrap();
+    let out = out_root.path().join("kiln");
+    let options = ExportOptions {
+        model: root.join("model"),
+        out: out.clone(),
+        recipe: Recipe::new(format),
+        act_amax: Some(ActAmax::read(&root.join(format.cli_name()).join("amax.json")).unwrap()),
+        max_shard_bytes: 5_000_000_000,
+        force: false,
+        progress: None,
+    };
+    run(&options).unwrap_or_else(|e| panic!("{format}: {e}"));
+
+    let (ours, theirs) = (
+        Checkpoint::open(&out).unwrap(),
+        Checkpoint::open(&reference).unwrap(),
+    );
+    let names = |c: &Checkpoint| c.tensors().map(|t| t.name.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&ours), names(&theirs), "{format}: tensor names");
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for t in theirs.tensors() {
+        let o = ours.tensor(&t.name).unwrap();
+        assert_eq!(
+            (o.dtype, &o.shape),
+            (t.dtype, &t.shape),
+            "{format}: `{}` dtype and shape",
+            t.name
+        );
+        ours.read(&t.name, &mut a).unwrap();
+        theirs.read(&t.name, &mut b).unwrap();
+        let differ = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        assert_eq!(
+            differ,
+            0,
+            "{format}: `{}`: {differ} of {} bytes differ from ModelOpt",
+            t.name,
+            b.len()
+        );
+    }
+    assert_eq!(
+        without_producer(json(&out.join("hf_quant_config.json"))),
+        without_producer(json(&reference.join("hf_quant_config.json"))),
+        "{format}: hf_quant_config.json"
+    );
+    let mut ours_cfg = json(&out.join("config.json"));
+    let mut theirs_cfg = json(&reference.join("config.json"));
+    for cfg in [&mut ours_cfg, &mut theirs_cfg] {
+        let qc = cfg["quantization_config"].take();
+        cfg["quantization_config"] = without_producer(qc);
+    }
+    // ModelOpt re-saves config.json through transformers, which adds its own bookkeeping keys
+    // (`transformers_version`, `dtype`); everything else must agree.
+    let (o, t) = (
+        ours_cfg.as_object().unwrap(),
+        theirs_cfg.as_object().unwrap(),
+    );
+    for (k, v) in o {
+        assert_eq!(Some(v), t.get(k), "{format}: config.json `{k}`");
+    }
+    let missing: Vec<&String> = t
+        .keys()
+        .filter(|k| {
+            !o.contains_key(*k)
+                && !matches!(k.as_str(), "transformers_version" | "dtype" | "torch_dtype")
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{format}: config.json keys only ModelOpt writes: {missing:?}"
+    );
+}
+
+#[test]
+fn fp8_matches_modelopt_bit_for_bit() {
+    check_format(Format::Fp8);
+}
+
+#[test]
+fn nvfp4_matches_modelopt_bit_for_bit() {
+    check_format(Format::Nvfp4);
+}
+
+#[test]
+fn w4a16_nvfp4_matches_modelopt_bit_for_bit() {
+    check_format(Format::W4a16Nvfp4);
+}
+
+#[test]
+fn fp8_per_channel_matches_modelopt_bit_for_bit() {
+    check_format(Format::Fp8PerChannel);
+}
+
+#[test]
+fn int8_wo_matches_modelopt_bit_for_bit() {
+    check_format(Format::Int8Wo);
+}
+
+#[test]
+fn mxfp8_matches_modelopt_bit_for_bit() {
+    check_format(Format::Mxfp8);
+}
+
+#[test]
+fn mxfp4_matches_modelopt_bit_for_bit() {
+    check_format(Format::Mxfp4);
+}

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""ModelOpt reference exports for kiln's compatibility tests (tests/compat.rs).
+
+Builds a tiny random Llama (bf16, fixed seed), calibrates it with ModelOpt on fixed token ids,
+dumps every input quantizer's amax under ModelOpt's quantizer names, and exports it with
+ModelOpt for each format kiln implements. Everything it writes is small and committed:
+
+    tests/compat/llama-tiny/model/              the input checkpoint
+    tests/compat/llama-tiny/<format>/amax.json  ModelOpt's calibrated input amax
+    tests/compat/llama-tiny/<format>/modelopt/  ModelOpt's export
+
+    python3 -m venv --system-site-packages .venv && .venv/bin/pip install -r requirements.txt
+    .venv/bin/python tests/compat/modelopt_ref.py
+Runs on the CPU (a few seconds per format).
+"""
+import json
+import pathlib
+import shutil
+
+import torch
+import transformers
+import modelopt
+import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parent / "llama-tiny"
+
+FORMATS = {
+    "fp8": mtq.FP8_DEFAULT_CFG,
+    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    "w4a16-nvfp4": mtq.W4A16_NVFP4_CFG,
+    "fp8-per-channel": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
+    "int8-wo": mtq.INT8_WEIGHT_ONLY_CFG,
+    "mxfp8": mtq.MXFP8_DEFAULT_CFG,
+    "mxfp4": mtq.MXFP4_DEFAULT_CFG,
+}
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    return model
+
+
+def calibration_ids():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (4, 32), generator=g)
+
+
+def main():
+    print("modelopt", modelopt.__version__, "transformers", transformers.__version__, "torch", torch.__version__)
+    input_dir = ROOT / "model"
+    if input_dir.exists():
+        shutil.rmtree(input_dir)
+    tiny_llama().save_pretrained(input_dir, safe_serialization=True)
+    ids = calibration_ids()
+    for name, cfg in FORMATS.items():
+        model = transformers.LlamaForCausalLM.from_pretrained(input_dir, torch_dtype=torch.bfloat16).eval()
+
+        def forward_loop(m):
+            with torch.no_grad():
+                for row in ids:
+                    m(row[None, :])
+
+        mtq.quantize(model, cfg, forward_loop)
+        amax = {}
+        for mod_name, module in model.named_modules():
+            q = getattr(module, "input_quantizer", None)
+            if q is not None and getattr(q, "amax", None) is not None and q.amax.numel() == 1:
+                amax[f"{mod_name}.input_quantizer"] = float(q.amax.float())
+        out = ROOT / name
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        (out / "amax.json").write_text(json.dumps(amax, indent=1, sort_keys=True) + "\n")
+        try:
+            export_hf_checkpoint(model, export_dir=out / "modelopt")
+            print(f"{name}: exported ({len(amax)} input amax)")
+        except Exception as e:  # a format ModelOpt cannot export on the CPU
+            shutil.rmtree(out)
+            print(f"{name}: ModelOpt failed: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
