@@ -60,7 +60,8 @@ def ops(w):
         return (c[:, 1::2] << 4) | c[:, 0::2], ws
 
     def mxfp4():
-        v = w.view(-1, 32)
+        # ModelOpt 0.47: the block amax in f32, so f32 throughout.
+        v = w.view(-1, 32).float()
         e = torch.ceil(torch.maximum(torch.log2(v.abs().max(dim=-1, keepdim=True).values / 6.0), torch.tensor(-127.0)))
         x = v / torch.exp2(e)
         sign = (2 - torch.sign(x)) // 2
