@@ -1,7 +1,7 @@
-//! Compatibility with ModelOpt 0.47: kiln exports the same tiny Llama that
-//! `tests/compat/modelopt_ref.py` exported with ModelOpt (feeding ModelOpt's calibrated amax
-//! through `--act-amax`), and every tensor — name, dtype, shape, bytes — and both JSON files
-//! must match. The only allowed difference is the producer (`kiln` instead of `modelopt`).
+//! Compatibility with ModelOpt 0.47: kiln exports the same tiny models (a Llama and a
+//! Qwen3-MoE) that `tests/compat/modelopt_ref.py` exported with ModelOpt (feeding ModelOpt's
+//! calibrated amax through `--act-amax`), and every tensor — name, dtype, shape, bytes — and
+//! both JSON files must match. The only allowed difference is the producer (`kiln`).
 
 use kiln::checkpoint::Checkpoint;
 use kiln::export::act_amax::ActAmax;
@@ -10,8 +10,10 @@ use kiln::export::run::{ExportOptions, run};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-fn compat_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny")
+fn compat_dir(model: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/compat")
+        .join(model)
 }
 
 fn without_producer(mut v: Value) -> Value {
@@ -34,7 +36,11 @@ fn json(path: &Path) -> Value {
 }
 
 fn check_format(format: Format) {
-    let root = compat_dir();
+    check("llama-tiny", format);
+}
+
+fn check(model: &str, format: Format) {
+    let root = compat_dir(model);
     let reference = root.join(format.cli_name()).join("modelopt");
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
@@ -141,4 +147,68 @@ fn mxfp8_matches_modelopt_bit_for_bit() {
 #[test]
 fn mxfp4_matches_modelopt_bit_for_bit() {
     check_format(Format::Mxfp4);
+}
+
+#[test]
+fn qwen3_moe_matches_modelopt_bit_for_bit_in_every_format() {
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::W4a16Nvfp4,
+        Format::Fp8PerChannel,
+        Format::Int8Wo,
+        Format::Mxfp8,
+    ] {
+        check("qwen3-moe-tiny", format);
+    }
+}
+
+#[test]
+fn experts_without_calibration_get_the_max_over_their_siblings() {
+    // ModelOpt calibrates every expert on every token, so its dumps never miss one; remove some
+    // to exercise the fill: expert 3's gate_proj loses its amax, and every expert's down_proj.
+    let root = compat_dir("qwen3-moe-tiny");
+    let full: serde_json::Map<String, Value> =
+        serde_json::from_value(json(&root.join("fp8/amax.json"))).unwrap();
+    let experts = "model.layers.0.mlp.experts";
+    let kept: Vec<(String, f32)> = full
+        .iter()
+        .filter(|(k, _)| {
+            *k != &format!("{experts}.3.gate_proj.input_quantizer") && !k.contains(".down_proj.")
+        })
+        .map(|(k, v)| (k.clone(), v.as_f64().unwrap() as f32))
+        .collect();
+    let out_root = tempfile::tempdir().unwrap();
+    let out = out_root.path().join("kiln");
+    let options = ExportOptions {
+        model: root.join("model"),
+        out: out.clone(),
+        recipe: Recipe::new(Format::Fp8),
+        act_amax: Some(ActAmax::from_values(kept.clone())),
+        max_shard_bytes: 5_000_000_000,
+        force: false,
+        progress: None,
+    };
+    run(&options).unwrap();
+    let c = Checkpoint::open(&out).unwrap();
+    let scale = |m: &str| c.read_as::<f32>(&format!("{m}.input_scale")).unwrap()[0];
+    let max_gate = (0..8)
+        .filter(|&e| e != 3)
+        .map(|e| {
+            full[&format!("{experts}.{e}.gate_proj.input_quantizer")]
+                .as_f64()
+                .unwrap() as f32
+        })
+        .fold(0f32, f32::max);
+    assert_eq!(scale(&format!("{experts}.3.gate_proj")), max_gate / 448.0);
+    assert_eq!(
+        scale(&format!("{experts}.5.down_proj")),
+        0.5 / 448.0,
+        "no expert has one: 0.5"
+    );
+    // Calibrated experts keep their own.
+    let own = full[&format!("{experts}.2.gate_proj.input_quantizer")]
+        .as_f64()
+        .unwrap() as f32;
+    assert_eq!(scale(&format!("{experts}.2.gate_proj")), own / 448.0);
 }

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """ModelOpt reference exports for kiln's compatibility tests (tests/compat.rs).
 
-Builds a tiny random Llama (bf16, fixed seed), calibrates it with ModelOpt on fixed token ids,
-dumps every input quantizer's amax under ModelOpt's quantizer names, and exports it with
+Builds tiny random models (bf16, fixed seeds) — a Llama and a Qwen3-MoE whose 8 experts see
+few calibration tokens, so some see none — calibrates them with ModelOpt on fixed token ids,
+dumps every input quantizer's amax under ModelOpt's quantizer names, and exports them with
 ModelOpt for each format kiln implements. Everything it writes is small and committed:
 
-    tests/compat/llama-tiny/model/              the input checkpoint
-    tests/compat/llama-tiny/<format>/amax.json  ModelOpt's calibrated input amax
-    tests/compat/llama-tiny/<format>/modelopt/  ModelOpt's export
+    tests/compat/<model>/model/              the input checkpoint
+    tests/compat/<model>/<format>/amax.json  ModelOpt's calibrated input amax
+    tests/compat/<model>/<format>/modelopt/  ModelOpt's export
 
     python3 -m venv --system-site-packages .venv && .venv/bin/pip install -r requirements.txt
     .venv/bin/python tests/compat/modelopt_ref.py
@@ -23,7 +24,7 @@ import modelopt
 import modelopt.torch.quantization as mtq
 from modelopt.torch.export import export_hf_checkpoint
 
-ROOT = pathlib.Path(__file__).resolve().parent / "llama-tiny"
+HERE = pathlib.Path(__file__).resolve().parent
 
 FORMATS = {
     "fp8": mtq.FP8_DEFAULT_CFG,
@@ -50,20 +51,51 @@ def tiny_llama():
     return model
 
 
-def calibration_ids():
+def tiny_qwen3_moe():
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, num_experts=8,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    return model
+
+
+# model name → (constructor, transformers class, calibration shape, formats)
+MODELS = {
+    "llama-tiny": (tiny_llama, transformers.LlamaForCausalLM, (4, 32), list(FORMATS)),
+    # Few tokens over 8 experts: some experts get none and ModelOpt fills their input amax.
+    "qwen3-moe-tiny": (tiny_qwen3_moe, transformers.Qwen3MoeForCausalLM, (1, 6),
+                       ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8"]),
+}
+
+
+def calibration_ids(shape):
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 256, (4, 32), generator=g)
+    return torch.randint(0, 256, shape, generator=g)
 
 
 def main():
     print("modelopt", modelopt.__version__, "transformers", transformers.__version__, "torch", torch.__version__)
-    input_dir = ROOT / "model"
+    for model_name, (make, cls, calib_shape, formats) in MODELS.items():
+        export_model(HERE / model_name, make, cls, calibration_ids(calib_shape), formats)
+
+
+def export_model(root, make, cls, ids, formats):
+    input_dir = root / "model"
     if input_dir.exists():
         shutil.rmtree(input_dir)
-    tiny_llama().save_pretrained(input_dir, safe_serialization=True)
-    ids = calibration_ids()
-    for name, cfg in FORMATS.items():
-        model = transformers.LlamaForCausalLM.from_pretrained(input_dir, torch_dtype=torch.bfloat16).eval()
+    make().save_pretrained(input_dir, safe_serialization=True)
+    for name in formats:
+        cfg = FORMATS[name]
+        # Loaded from disk so config.torch_dtype is set (ModelOpt's MoE export needs it).
+        model = cls.from_pretrained(input_dir, torch_dtype=torch.bfloat16).eval()
 
         def forward_loop(m):
             with torch.no_grad():
@@ -76,17 +108,17 @@ def main():
             q = getattr(module, "input_quantizer", None)
             if q is not None and getattr(q, "amax", None) is not None and q.amax.numel() == 1:
                 amax[f"{mod_name}.input_quantizer"] = float(q.amax.float())
-        out = ROOT / name
+        out = root / name
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         (out / "amax.json").write_text(json.dumps(amax, indent=1, sort_keys=True) + "\n")
         try:
             export_hf_checkpoint(model, export_dir=out / "modelopt")
-            print(f"{name}: exported ({len(amax)} input amax)")
+            print(f"{root.name} {name}: exported ({len(amax)} input amax)")
         except Exception as e:  # a format ModelOpt cannot export on the CPU
             shutil.rmtree(out)
-            print(f"{name}: ModelOpt failed: {type(e).__name__}: {e}")
+            print(f"{root.name} {name}: ModelOpt failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

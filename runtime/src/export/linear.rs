@@ -3,6 +3,7 @@
 //! Linears (`lm_head`, routers, `--exclude`) are copied unchanged. Any other tensor the module
 //! owns (`bias`) is copied unchanged.
 
+use super::moe::expert_gate_up;
 use super::recipe::Format;
 use super::{ExportContext, ExportError, ModuleExporter, full_name};
 use crate::module_tree::{Linear, ModuleRef};
@@ -137,22 +138,21 @@ impl Quantize<'_> {
             .emit(&full_name(self.name, tensor), dtype, shape, data)
     }
 
-    /// The input scale: `amax / divisor`, where a missing-from-the-file amax is an error and a
-    /// zero or NaN amax becomes the quantizer's bound (ModelOpt's `export_amax`). With shared
-    /// groups, the amax is the max over the group.
+    /// The input scale: `amax / divisor`, with the amax the max over the group members that have
+    /// one (an error when none has); a zero or NaN amax becomes the quantizer's bound
+    /// (ModelOpt's `export_amax`).
     fn input_scale(&self, group: &[String]) -> Result<f32, ExportError> {
         let (bound, divisor) = self.format.input_bound_and_divisor();
-        let mut amax = 0f32;
+        let mut found = None;
         for m in group {
-            let a = self
-                .ctx
-                .input_amax(m)?
-                .ok_or_else(|| ExportError::MissingActAmax {
-                    format: self.format,
-                    modules: vec![m.clone()],
-                })?;
-            amax = amax.max(a);
+            if let Some(a) = self.ctx.input_amax(m)? {
+                found = Some(found.map_or(a, |f: f32| f.max(a)));
+            }
         }
+        let amax = found.ok_or_else(|| ExportError::MissingActAmax {
+            format: self.format,
+            modules: group.to_vec(),
+        })?;
         let amax = if amax == 0.0 || amax.is_nan() {
             bound
         } else {
@@ -161,10 +161,53 @@ impl Quantize<'_> {
         Ok(amax / divisor)
     }
 
-    /// Per-row scales `amax_row / divisor`, a zero or NaN row amax giving scale 1.
+    /// Per-row scales `amax_row / divisor`, a zero or NaN row amax giving scale 1. An expert's
+    /// gate/up take the element-wise max of both row amax (`sync_moe_gate_up_amax`).
     fn row_scales<T: Element>(&self, w: &[T], divisor: f32) -> Result<Vec<f32>, ExportError> {
         let mut a = vec![0f32; self.rows];
         self.kernel(cpu::amax_rows(w, self.rows, self.cols, &mut a))?;
+        if let Some(pair) = expert_gate_up(self.module) {
+            let other = if pair[0] == self.name {
+                &pair[1]
+            } else {
+                &pair[0]
+            };
+            let mut b = vec![0f32; self.rows];
+            let c = self.ctx.checkpoint()?;
+            let name = full_name(other, "weight");
+            match c.tensor(&name).map(|t| t.dtype) {
+                Some(Dtype::BF16) => self.kernel(cpu::amax_rows(
+                    &c.read_as::<bf16>(&name)?,
+                    self.rows,
+                    self.cols,
+                    &mut b,
+                ))?,
+                Some(Dtype::F16) => self.kernel(cpu::amax_rows(
+                    &c.read_as::<f16>(&name)?,
+                    self.rows,
+                    self.cols,
+                    &mut b,
+                ))?,
+                Some(Dtype::F32) => self.kernel(cpu::amax_rows(
+                    &c.read_as::<f32>(&name)?,
+                    self.rows,
+                    self.cols,
+                    &mut b,
+                ))?,
+                other => {
+                    return Err(ExportError::Invalid(format!(
+                        "tensor `{name}`: cannot sync gate/up amax with dtype {other:?}"
+                    )));
+                }
+            }
+            for (x, y) in a.iter_mut().zip(&b) {
+                *x = if x.is_nan() || y.is_nan() {
+                    f32::NAN
+                } else {
+                    x.max(*y)
+                };
+            }
+        }
         Ok(a.iter()
             .map(|&x| {
                 if x == 0.0 || x.is_nan() {
@@ -181,8 +224,15 @@ impl Quantize<'_> {
         match self.format {
             Format::Fp8 => {
                 // FORMATS.md: the raw weight amax (a zero amax gives a zero scale), the quotient
-                // rounded to the weight's dtype before the cast.
-                let s = ops::fp8::fp8_scale(self.ctx.weight_amax(self.weight)?);
+                // rounded to the weight's dtype before the cast; an expert's gate/up share it.
+                let amax = match expert_gate_up(self.module) {
+                    Some(pair) => self
+                        .ctx
+                        .weight_amax(&full_name(&pair[0], "weight"))?
+                        .max(self.ctx.weight_amax(&full_name(&pair[1], "weight"))?),
+                    None => self.ctx.weight_amax(self.weight)?,
+                };
+                let s = ops::fp8::fp8_scale(amax);
                 let mut q = vec![0u8; n];
                 self.kernel(cpu::quantize_fp8_per_tensor(w, s, &mut q))?;
                 let input = self.input_scale(&[self.name.to_string()])?;

@@ -8,6 +8,7 @@
 pub mod act_amax;
 pub mod files;
 pub mod linear;
+pub mod moe;
 pub mod recipe;
 pub mod run;
 

@@ -135,6 +135,8 @@ fn check_act_amax(tree: &ModuleTree, recipe: &Recipe, act: &ActAmax) -> Result<(
                 && m.tensor("weight").is_some()
                 && recipe.quantizes(m.path())
         })
+        // Experts' inputs are filled from their siblings (or 0.5) by `prepare_moe_inputs`.
+        .filter(|m| !super::moe::in_iterable_expert(*m))
         .filter(|m| {
             // In shared-input groups one member's amax is enough (the max is taken).
             let group = if recipe.format.shares_group_scales() {

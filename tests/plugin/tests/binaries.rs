@@ -24,14 +24,21 @@ fn paths(doc: &serde_json::Value, kind: &str) -> Vec<String> {
         .collect()
 }
 
+/// The entries that are not kiln's own built-ins.
+fn foreign(doc: &serde_json::Value, kind: &str) -> Vec<String> {
+    paths(doc, kind)
+        .into_iter()
+        .filter(|p| !p.starts_with("kiln_runtime::"))
+        .collect()
+}
+
 #[test]
 fn binary_that_references_the_plugin_sees_its_entries_in_order() {
     let doc = registry_json(env!("CARGO_BIN_EXE_kiln-with-plugins"));
     assert_eq!(
-        paths(&doc, "exporters"),
+        foreign(&doc, "exporters"),
         [
             "kiln_test_plugin::PluginLinear",
-            "kiln_runtime::export::linear::QuantLinear",
             "kiln_test_plugin::PluginExperts",
             "kiln_test_plugin::PluginRouter",
             "kiln_test_plugin::PluginCatchAll",
@@ -67,9 +74,7 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
 fn binary_that_does_not_reference_the_plugin_sees_nothing() {
     let doc = registry_json(env!("CARGO_BIN_EXE_kiln-without-plugins"));
     // Only kiln's own built-ins remain.
-    assert_eq!(
-        paths(&doc, "exporters"),
-        ["kiln_runtime::export::linear::QuantLinear"]
-    );
+    assert_eq!(foreign(&doc, "exporters"), Vec::<String>::new());
+    assert!(!paths(&doc, "exporters").is_empty());
     assert_eq!(paths(&doc, "trainers"), Vec::<String>::new());
 }
