@@ -5,7 +5,7 @@
 
 use kiln::checkpoint::Checkpoint;
 use kiln::export::act_amax::ActAmax;
-use kiln::export::recipe::{Format, Recipe};
+use kiln::export::recipe::{Format, KvCache, Recipe};
 use kiln::export::run::{ExportOptions, run};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -40,15 +40,21 @@ fn check_format(format: Format) {
 }
 
 fn check(model: &str, format: Format) {
+    check_recipe(model, format.cli_name(), Recipe::new(format));
+}
+
+/// `model`'s export `dir` (its `amax.json` and `modelopt/`) against kiln with `recipe`.
+fn check_recipe(model: &str, dir: &str, recipe: Recipe) {
+    let format = recipe.format;
     let root = compat_dir(model);
-    let reference = root.join(format.cli_name()).join("modelopt");
+    let reference = root.join(dir).join("modelopt");
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
     let options = ExportOptions {
         model: root.join("model"),
         out: out.clone(),
-        recipe: Recipe::new(format),
-        act_amax: Some(ActAmax::read(&root.join(format.cli_name()).join("amax.json")).unwrap()),
+        recipe,
+        act_amax: Some(ActAmax::read(&root.join(dir).join("amax.json")).unwrap()),
         max_shard_bytes: 5_000_000_000,
         force: false,
         progress: None,
@@ -147,6 +153,20 @@ fn mxfp8_matches_modelopt_bit_for_bit() {
 #[test]
 fn mxfp4_matches_modelopt_bit_for_bit() {
     check_format(Format::Mxfp4);
+}
+
+#[test]
+fn kv_cache_scales_match_modelopt_bit_for_bit() {
+    for (dir, format) in [("fp8+kv-fp8", Format::Fp8), ("nvfp4+kv-fp8", Format::Nvfp4)] {
+        check_recipe(
+            "llama-tiny",
+            dir,
+            Recipe {
+                kv_cache: Some(KvCache::Fp8),
+                ..Recipe::new(format)
+            },
+        );
+    }
 }
 
 #[test]

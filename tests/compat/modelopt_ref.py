@@ -14,6 +14,7 @@ ModelOpt for each format kiln implements. Everything it writes is small and comm
     .venv/bin/python tests/compat/modelopt_ref.py
 Runs on the CPU (a few seconds per format).
 """
+import copy
 import json
 import pathlib
 import shutil
@@ -26,8 +27,21 @@ from modelopt.torch.export import export_hf_checkpoint
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+def with_fp8_kv(cfg):
+    """`cfg` plus ModelOpt's FP8 KV-cache quantizers (calibrated k/v BMM amax)."""
+    cfg = copy.deepcopy(cfg)
+    kv = mtq.FP8_KV_CFG["quant_cfg"]
+    if isinstance(cfg["quant_cfg"], dict):
+        cfg["quant_cfg"].update(kv)
+    else:
+        cfg["quant_cfg"].extend(kv)
+    return cfg
+
+
 FORMATS = {
     "fp8": mtq.FP8_DEFAULT_CFG,
+    "fp8+kv-fp8": with_fp8_kv(mtq.FP8_DEFAULT_CFG),
+    "nvfp4+kv-fp8": with_fp8_kv(mtq.NVFP4_DEFAULT_CFG),
     "nvfp4": mtq.NVFP4_DEFAULT_CFG,
     "w4a16-nvfp4": mtq.W4A16_NVFP4_CFG,
     "fp8-per-channel": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
@@ -105,9 +119,10 @@ def export_model(root, make, cls, ids, formats):
         mtq.quantize(model, cfg, forward_loop)
         amax = {}
         for mod_name, module in model.named_modules():
-            q = getattr(module, "input_quantizer", None)
-            if q is not None and getattr(q, "amax", None) is not None and q.amax.numel() == 1:
-                amax[f"{mod_name}.input_quantizer"] = float(q.amax.float())
+            for quantizer in ("input_quantizer", "k_bmm_quantizer", "v_bmm_quantizer"):
+                q = getattr(module, quantizer, None)
+                if q is not None and getattr(q, "amax", None) is not None and q.amax.numel() == 1:
+                    amax[f"{mod_name}.{quantizer}"] = float(q.amax.float())
         out = root / name
         if out.exists():
             shutil.rmtree(out)

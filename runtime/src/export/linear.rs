@@ -52,6 +52,7 @@ impl ModuleExporter for QuantLinear {
             return Ok(());
         }
         let recipe = ctx.recipe()?;
+        kv_cache_scale(name, module, ctx)?;
         if !recipe.quantizes(name) || module.tensor("weight").is_none() {
             return ctx.copy_module(module);
         }
@@ -98,6 +99,40 @@ impl ModuleExporter for QuantLinear {
         }
         ctx.record_quantized(name, format)
     }
+}
+
+/// With `--kv-cache`, an attention's `k_proj` / `v_proj` carry the KV-cache scale:
+/// `<attention>.k_proj.k_scale = k_bmm amax / 448` (likewise `v`), the same formula for FP8 and
+/// NVFP4 KV (FORMATS.md "KV cache"). Without a calibrated amax no scale is written — ModelOpt's
+/// constant-amax default — while `kv_cache_quant_algo` still names the format.
+fn kv_cache_scale(
+    name: &str,
+    module: ModuleRef<'_>,
+    ctx: &ExportContext,
+) -> Result<(), ExportError> {
+    if ctx.recipe()?.kv_cache.is_none() {
+        return Ok(());
+    }
+    let which = match module.local_name() {
+        "k_proj" => 'k',
+        "v_proj" => 'v',
+        _ => return Ok(()),
+    };
+    let Some(attention) = module
+        .parent()
+        .filter(|p| p.class_name().ends_with("Attention"))
+    else {
+        return Ok(());
+    };
+    if let Some(amax) = ctx.kv_amax(attention.path(), which)? {
+        ctx.emit(
+            &full_name(name, &format!("{which}_scale")),
+            Dtype::F32,
+            &[],
+            &scalar(amax / 448.0),
+        )?;
+    }
+    Ok(())
 }
 
 /// One Linear's quantization.

@@ -168,11 +168,6 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
             recipe.format
         )));
     }
-    if recipe.kv_cache.is_some() {
-        return Err(ExportError::Invalid(
-            "--kv-cache is not implemented yet".into(),
-        ));
-    }
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
     let act = options.act_amax.clone().unwrap_or_default();
