@@ -31,6 +31,46 @@ impl Default for DemoConfig {
     }
 }
 
+impl DemoConfig {
+    /// The named sizes `kiln demo-model --size` offers: `small` (the default, 17M parameters),
+    /// `254m` (the export benchmark's Llama: hidden 1024, 12 layers, vocab 32000) and `8gb`
+    /// (3.8B parameters, ~7.6 GB in bf16, for the memory benchmark).
+    pub fn preset(name: &str) -> Option<Self> {
+        match name {
+            "small" => Some(Self::default()),
+            "254m" => Some(DemoConfig {
+                hidden: 1024,
+                intermediate: 4096,
+                layers: 12,
+                heads: 16,
+                kv_heads: 8,
+                vocab: 32000,
+            }),
+            "8gb" => Some(DemoConfig {
+                hidden: 3072,
+                intermediate: 8192,
+                layers: 36,
+                heads: 24,
+                kv_heads: 8,
+                vocab: 32000,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The number of parameters.
+    pub fn parameters(&self) -> u64 {
+        let (h, i, l, v) = (
+            self.hidden as u64,
+            self.intermediate as u64,
+            self.layers as u64,
+            self.vocab as u64,
+        );
+        let kv = (self.kv_heads * (self.hidden / self.heads)) as u64;
+        2 * v * h + h + l * (2 * h * h + 2 * kv * h + 3 * h * i + 2 * h)
+    }
+}
+
 /// SplitMix64: a tiny, well-known generator — the demo needs determinism, not quality.
 struct Rng(u64);
 
@@ -54,10 +94,21 @@ impl Rng {
     }
 }
 
-fn bf16_bytes(n: usize, std: f32, rng: &mut Rng) -> Vec<u8> {
-    (0..n)
-        .flat_map(|_| half::bf16::from_f32(rng.normal() * std).to_le_bytes())
-        .collect()
+/// `n` bf16 values ~ N(0, std²), generated in fixed 64 Ki-element chunks each seeded from
+/// `seed` and its index: the same bytes whatever the thread count, in parallel.
+fn bf16_bytes(n: usize, std: f32, seed: u64) -> Vec<u8> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let mut out = vec![0u8; n * 2];
+    out.par_chunks_mut(CHUNK * 2)
+        .enumerate()
+        .for_each(|(c, bytes)| {
+            let mut rng = Rng(seed ^ (c as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            for pair in bytes.chunks_exact_mut(2) {
+                pair.copy_from_slice(&half::bf16::from_f32(rng.normal() * std).to_le_bytes());
+            }
+        });
+    out
 }
 
 /// Writes the demo checkpoint into `dir` (config.json, model.safetensors, generation_config.json)
@@ -92,17 +143,19 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
         "{\n  \"bos_token_id\": 1,\n  \"eos_token_id\": 2\n}\n".into(),
     )?;
 
-    let mut rng = Rng(0x6b69_6c6e); // "kiln"
+    let mut seeds = Rng(0x6b69_6c6e); // "kiln"
+    let mut amax_rng = Rng(0x616d_6178); // "amax"
     let mut w = ShardWriter::new(dir, u64::MAX);
     let mut amax = Vec::new();
     let ones: Vec<u8> = (0..c.hidden)
         .flat_map(|_| half::bf16::ONE.to_le_bytes())
         .collect();
+    let random = |seeds: &mut Rng, n: usize| bf16_bytes(n, 0.02, seeds.next());
     w.write(
         "model.embed_tokens.weight",
         Dtype::BF16,
         &[c.vocab, c.hidden],
-        &bf16_bytes(c.vocab * c.hidden, 0.02, &mut rng),
+        &random(&mut seeds, c.vocab * c.hidden),
     )?;
     for l in 0..c.layers {
         let p = format!("model.layers.{l}");
@@ -120,11 +173,11 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
                 &format!("{p}.{name}.weight"),
                 Dtype::BF16,
                 &[out, inp],
-                &bf16_bytes(out * inp, 0.02, &mut rng),
+                &random(&mut seeds, out * inp),
             )?;
             amax.push((
                 format!("{p}.{name}.input_quantizer"),
-                1.0 + 4.0 * rng.unit() as f32,
+                1.0 + 4.0 * amax_rng.unit() as f32,
             ));
         }
         w.write(
@@ -145,9 +198,49 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
         "lm_head.weight",
         Dtype::BF16,
         &[c.vocab, c.hidden],
-        &bf16_bytes(c.vocab * c.hidden, 0.02, &mut rng),
+        &random(&mut seeds, c.vocab * c.hidden),
     )?;
     amax.push(("lm_head.input_quantizer".into(), 8.0));
     w.finish()?;
     Ok(ActAmax::from_values(amax))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_documented_sizes() {
+        assert_eq!(
+            DemoConfig::preset("254m").unwrap().parameters(),
+            254_305_280
+        );
+        let big = DemoConfig::preset("8gb").unwrap().parameters();
+        assert!((3_700_000_000..3_900_000_000).contains(&big), "{big}");
+        assert!(DemoConfig::preset("huge").is_none());
+    }
+
+    #[test]
+    fn the_demo_model_is_the_same_bytes_whatever_the_thread_count() {
+        let c = DemoConfig {
+            hidden: 64,
+            intermediate: 128,
+            layers: 1,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 2000,
+        };
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        one.install(|| write_demo_model(a.path(), c)).unwrap();
+        write_demo_model(b.path(), c).unwrap();
+        let f = "model.safetensors";
+        assert_eq!(
+            std::fs::read(a.path().join(f)).unwrap(),
+            std::fs::read(b.path().join(f)).unwrap()
+        );
+    }
 }

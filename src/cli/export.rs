@@ -265,3 +265,38 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
     }
     Ok(0)
 }
+
+#[derive(Debug, Args)]
+pub struct DemoModelArgs {
+    /// Where to write the model folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// `small` (17M parameters), `254m` (the export benchmark's Llama) or `8gb` (3.8B parameters).
+    #[arg(long, default_value = "small")]
+    size: String,
+    /// Replace an existing folder.
+    #[arg(long)]
+    force: bool,
+}
+
+/// `kiln demo-model`: a deterministic random Llama checkpoint plus `amax.json` (activation
+/// statistics for `--act-amax`), for trying kiln and for the benchmarks.
+pub fn demo_model(args: &DemoModelArgs, out: &mut dyn Write) -> Result<i32> {
+    let config = DemoConfig::preset(&args.size).ok_or_else(|| {
+        anyhow::anyhow!(
+            "unknown --size `{}` (expected small, 254m or 8gb)",
+            args.size
+        )
+    })?;
+    let dir = kiln_runtime::sink::OutputDir::create(&args.out, args.force)?;
+    let act = write_demo_model(dir.path(), config)?;
+    act.write(&dir.path().join("amax.json"))?;
+    dir.commit()?;
+    writeln!(
+        out,
+        "wrote a random LlamaForCausalLM with {} parameters to {} (activation amax for --act-amax in amax.json)",
+        config.parameters(),
+        args.out.display()
+    )?;
+    Ok(0)
+}

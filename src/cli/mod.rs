@@ -29,6 +29,8 @@ enum Command {
     Export(export::ExportArgs),
     /// Show which exporter takes each module of a model, and why.
     Explain(export::ExplainArgs),
+    /// Write a random Llama-family checkpoint (to try kiln, and for the benchmarks).
+    DemoModel(export::DemoModelArgs),
     /// List the registered exporters, trainers and architectures in registry order.
     Registry(registry::RegistryArgs),
 }
@@ -66,6 +68,7 @@ where
     let result = match cli.command {
         Command::Export(args) => export::export(&args, out, err),
         Command::Explain(args) => export::explain(&args, out, err),
+        Command::DemoModel(args) => export::demo_model(&args, out),
         Command::Registry(args) => registry::run(&args, out),
     };
     match result {

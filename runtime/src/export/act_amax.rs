@@ -78,6 +78,16 @@ impl ActAmax {
             .copied()
     }
 
+    /// Writes the values as `--act-amax` reads them (sorted keys).
+    pub fn write(&self, path: &Path) -> Result<(), ActAmaxError> {
+        let text =
+            serde_json::to_string_pretty(&self.values).expect("a map of floats serializes") + "\n";
+        std::fs::write(path, text).map_err(|e| ActAmaxError {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
     /// Whether no value is present.
     pub fn is_empty(&self) -> bool {
         self.values.is_empty()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The export benchmark (BENCHMARKS.md "Export"): whole-process wall time and peak RSS of
+# `kiln export` on a generated 254M-parameter Llama (fp8, nvfp4), beside ModelOpt on the CPU on
+# the same model when a Python with ModelOpt is given, and of `kiln export` on a generated
+# ~7.6 GB model (peak memory must not grow with the model).
+#
+#   bash benches/export.sh [WORKDIR] [PYTHON_WITH_MODELOPT]
+# WORKDIR needs ~25 GB free; PYTHON_WITH_MODELOPT (e.g. a venv made from
+# tests/compat/requirements.txt) is optional.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=${1:-target/export-bench}
+py=${2:-}
+mkdir -p "$work"
+cargo build --release --quiet
+kiln=target/release/kiln
+
+measure() { # label, command...
+  local label=$1; shift
+  /usr/bin/time -v "$@" > "$work/$label.out" 2> "$work/$label.time"
+  local wall rss
+  wall=$(grep 'Elapsed (wall clock)' "$work/$label.time" | awk '{print $NF}')
+  rss=$(grep 'Maximum resident set size' "$work/$label.time" | awk '{print $NF}')
+  printf '| %s | %s | %s MB |\n' "$label" "$wall" "$(awk -v k="$rss" 'BEGIN { printf "%.0f", k / 1024 }')"
+}
+
+[ -d "$work/llama-254m" ] || $kiln demo-model --size 254m --out "$work/llama-254m"
+[ -d "$work/llama-8gb" ] || $kiln demo-model --size 8gb --out "$work/llama-8gb"
+du -sh "$work/llama-254m" "$work/llama-8gb"
+
+echo "| run | wall (m:ss) | peak RSS |"
+echo "|---|---:|---:|"
+for fmt in fp8 nvfp4; do
+  measure "kiln $fmt 254M" $kiln export --model "$work/llama-254m" --format $fmt \
+    --act-amax "$work/llama-254m/amax.json" --out "$work/kiln-254m-$fmt" --force
+done
+if [ -n "$py" ]; then
+  for fmt in fp8 nvfp4; do
+    rm -rf "$work/modelopt-254m-$fmt"
+    measure "modelopt $fmt 254M" "$py" benches/peers/modelopt_export.py --model "$work/llama-254m" \
+      --format $fmt --out "$work/modelopt-254m-$fmt"
+  done
+fi
+for fmt in fp8 nvfp4; do
+  measure "kiln $fmt 7.6GB" $kiln export --model "$work/llama-8gb" --format $fmt \
+    --act-amax "$work/llama-8gb/amax.json" --out "$work/kiln-8gb-$fmt" --force
+done

@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""ModelOpt 0.47 on the CPU as the peer of `kiln export` (benches/export.sh): load a model folder,
+calibrate on fixed random token ids (8 × 64), quantize and export to the ModelOpt HF layout.
+The whole process is timed from outside (`/usr/bin/time -v`).
+
+    python3 benches/peers/modelopt_export.py --model DIR --format fp8|nvfp4 --out DIR
+(needs tests/compat/requirements.txt)
+"""
+import argparse
+
+import torch
+import transformers
+import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
+
+CONFIGS = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--format", choices=sorted(CONFIGS), required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16).eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (8, 64), generator=torch.Generator().manual_seed(0))
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for row in ids:
+                m(row[None, :])
+
+    mtq.quantize(model, CONFIGS[args.format], forward_loop)
+    export_hf_checkpoint(model, export_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
