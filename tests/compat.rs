@@ -58,6 +58,7 @@ fn check_recipe(model: &str, dir: &str, recipe: Recipe) {
         max_shard_bytes: 5_000_000_000,
         force: false,
         progress: None,
+        cancel: None,
     };
     run(&options).unwrap_or_else(|e| panic!("{format}: {e}"));
 
@@ -208,6 +209,7 @@ fn experts_without_calibration_get_the_max_over_their_siblings() {
         max_shard_bytes: 5_000_000_000,
         force: false,
         progress: None,
+        cancel: None,
     };
     run(&options).unwrap();
     let c = Checkpoint::open(&out).unwrap();

@@ -13,6 +13,22 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// A flag set by Ctrl-C (SIGINT): the export stops between modules and removes its partial
+/// output instead of dying with it in place.
+fn cancel_flag() -> Arc<std::sync::atomic::AtomicBool> {
+    static FLAG: std::sync::OnceLock<Arc<std::sync::atomic::AtomicBool>> =
+        std::sync::OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let f = flag.clone();
+        // If a handler is already installed (a host program's), keep it; Ctrl-C then ends the
+        // process as before and only errors clean up.
+        let _ = ctrlc::set_handler(move || f.store(true, std::sync::atomic::Ordering::Relaxed));
+        flag
+    })
+    .clone()
+}
+
 /// What both commands take to choose the model and the recipe.
 #[derive(Debug, Args)]
 pub struct RecipeArgs {
@@ -165,8 +181,18 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
             progress_bar.set_length(total as u64);
             progress_bar.set_position(done as u64);
         })),
+        cancel: Some(cancel_flag()),
     };
     let result = run(&options);
+    if matches!(result, Err(kiln_runtime::ExportError::Cancelled)) {
+        bar.finish_and_clear();
+        writeln!(
+            err,
+            "cancelled: nothing was written to {}",
+            options.out.display()
+        )?;
+        return Ok(130);
+    }
     bar.finish_and_clear();
     let summary = result?;
     print_report(&summary, args.recipe.format, out)?;

@@ -59,6 +59,9 @@ pub enum ExportError {
         format: Format,
         modules: Vec<String>,
     },
+    /// The export was cancelled (Ctrl-C); nothing was left at the target.
+    #[error("cancelled; no output was written")]
+    Cancelled,
     /// A tensor's dtype cannot be quantized.
     #[error("tensor `{tensor}`: dtype {dtype:?} cannot be quantized (expected BF16, F16 or F32)")]
     Dtype {
@@ -140,6 +143,7 @@ pub struct ExportContext {
     report: Mutex<ExportReport>,
     job: Option<Job>,
     progress: Option<ProgressFn>,
+    cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Called after each module of the walk with (modules done, modules in total, module path).
@@ -186,6 +190,7 @@ impl ExportContext {
         ExportContext {
             report: Mutex::default(),
             progress: None,
+            cancel: None,
             job: Some(Job {
                 checkpoint,
                 recipe,
@@ -197,6 +202,18 @@ impl ExportContext {
                 bytes_out: Mutex::default(),
             }),
         }
+    }
+
+    /// Stops the walk with [`ExportError::Cancelled`] once `flag` is set (checked between modules).
+    pub fn with_cancel(mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Self {
+        self.cancel = Some(flag);
+        self
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Reports progress through `f` after each module of the walk.
@@ -418,6 +435,9 @@ pub fn walk(
 
     let total = tree.len();
     for (done, module) in tree.walk().enumerate() {
+        if ctx.cancelled() {
+            return Err(ExportError::Cancelled);
+        }
         let outcome = match matcher.find(&module) {
             Some(m) => {
                 instances

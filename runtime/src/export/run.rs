@@ -31,6 +31,8 @@ pub struct ExportOptions {
     pub force: bool,
     /// Called after each module.
     pub progress: Option<super::ProgressFn>,
+    /// Set to stop the export (Ctrl-C); the partial output is removed.
+    pub cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl std::fmt::Debug for ExportOptions {
@@ -180,6 +182,9 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped);
     if let Some(p) = &options.progress {
         ctx = ctx.with_progress(p.clone());
+    }
+    if let Some(c) = &options.cancel {
+        ctx = ctx.with_cancel(c.clone());
     }
     let registry =
         ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;

@@ -31,6 +31,7 @@ fn options(model: &Path, out: &Path, format: Format, act: Option<ActAmax>) -> Ex
         max_shard_bytes: 1 << 30,
         force: false,
         progress: None,
+        cancel: None,
     }
 }
 
@@ -350,4 +351,23 @@ fn the_output_is_the_same_bytes_every_time() {
             "{f}"
         );
     }
+}
+
+#[test]
+fn a_cancelled_export_leaves_nothing_behind() {
+    let root = tempfile::tempdir().unwrap();
+    let (model, out) = (root.path().join("model"), root.path().join("out"));
+    std::fs::create_dir(&model).unwrap();
+    demo(&model);
+    let mut o = options(&model, &out, Format::Mxfp8, None);
+    o.cancel = Some(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+        true,
+    )));
+    assert!(matches!(run(&o), Err(super::ExportError::Cancelled)));
+    assert!(!out.exists());
+    assert_eq!(
+        std::fs::read_dir(root.path()).unwrap().count(),
+        1,
+        "only the model folder"
+    );
 }
