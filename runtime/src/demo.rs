@@ -145,7 +145,7 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
 
     let mut seeds = Rng(0x6b69_6c6e); // "kiln"
     let mut amax_rng = Rng(0x616d_6178); // "amax"
-    let mut w = ShardWriter::new(dir, u64::MAX);
+    let mut w = ShardWriter::new(dir, 5_000_000_000);
     let mut amax = Vec::new();
     let ones: Vec<u8> = (0..c.hidden)
         .flat_map(|_| half::bf16::ONE.to_le_bytes())

@@ -177,7 +177,14 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let dropped = tied_aliases(&checkpoint)?;
 
     let out = OutputDir::create(&options.out, options.force)?;
-    let writer = ShardWriter::new(out.path(), options.max_shard_bytes);
+    // Header room: about four output tensors per input tensor (weight and its scales), each
+    // entry its name plus ~120 bytes of JSON — so shards are written in place, not copied.
+    let header_estimate: u64 = checkpoint
+        .tensors()
+        .map(|t| 4 * (t.name.len() as u64 + 120))
+        .sum();
+    let writer = ShardWriter::new(out.path(), options.max_shard_bytes)
+        .with_header_room(header_estimate.clamp(4096, 8 << 20));
     let mut ctx =
         ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped);
     if let Some(p) = &options.progress {

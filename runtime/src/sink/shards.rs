@@ -2,15 +2,19 @@
 //! with the names transformers' `save_pretrained` uses.
 //!
 //! A safetensors header must precede its data, and a shard's header is known only when the
-//! shard is full: each shard's data is streamed to a scratch file and copied in behind the
-//! header when the shard closes (`std::io::copy`, `copy_file_range` on Linux). Memory holds one
-//! tensor at a time, never a shard.
+//! shard is full. Each shard reserves room for its header, streams its data right after it,
+//! and writes the header into the room when it closes, padded with spaces to the reserved
+//! length (trailing whitespace is valid JSON; the header length field covers it). A header that
+//! outgrows its room — more tensors than the reservation allows for — is written into a new
+//! file with the data copied behind it (`std::io::copy`, `copy_file_range` on Linux). Memory
+//! holds one tensor at a time, never a shard.
 
 use super::{SinkError, io};
 use safetensors::Dtype;
 use serde_json::{Map, Value, json};
 use std::fs::{self, File};
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 struct Entry {
@@ -22,7 +26,7 @@ struct Entry {
 }
 
 struct OpenShard {
-    data_path: PathBuf,
+    path: PathBuf,
     data: BufWriter<File>,
     entries: Vec<Entry>,
     len: u64,
@@ -44,6 +48,8 @@ pub struct WrittenShards {
 pub struct ShardWriter {
     dir: PathBuf,
     max_shard_bytes: u64,
+    /// Bytes reserved for each shard's header (8-byte length excluded).
+    header_room: u64,
     open: Option<OpenShard>,
     closed: Vec<(PathBuf, Vec<String>)>,
     names: std::collections::HashSet<String>,
@@ -51,16 +57,27 @@ pub struct ShardWriter {
 }
 
 impl ShardWriter {
-    /// A writer into `dir` (normally an [`super::OutputDir`]'s temporary folder).
+    /// A writer into `dir` (normally an [`super::OutputDir`]'s temporary folder); each shard
+    /// reserves 64 KiB for its header (see [`ShardWriter::with_header_room`]).
     pub fn new(dir: impl Into<PathBuf>, max_shard_bytes: u64) -> Self {
+        let max_shard_bytes = max_shard_bytes.max(1);
+        let header_room = 64 << 10;
         ShardWriter {
             dir: dir.into(),
-            max_shard_bytes: max_shard_bytes.max(1),
+            max_shard_bytes,
+            header_room,
             open: None,
             closed: Vec::new(),
             names: Default::default(),
             total: 0,
         }
+    }
+
+    /// Reserves `bytes` (rounded up to a multiple of 8, at least 64) for each shard's header.
+    /// Enough room lets every shard be written in place; too little only costs a copy.
+    pub fn with_header_room(mut self, bytes: u64) -> Self {
+        self.header_room = bytes.max(64).div_ceil(8) * 8;
+        self
     }
 
     /// Appends one tensor. `data` must hold exactly `shape × dtype` bytes.
@@ -93,19 +110,21 @@ impl ShardWriter {
             self.close_shard()?;
         }
         if self.open.is_none() {
-            let data_path = self
+            let path = self
                 .dir
-                .join(format!(".shard-{:05}.data", self.closed.len() + 1));
-            let file = File::create(&data_path).map_err(io(&data_path))?;
+                .join(format!(".shard-{:05}.safetensors", self.closed.len() + 1));
+            let mut file = File::create(&path).map_err(io(&path))?;
+            file.seek(SeekFrom::Start(8 + self.header_room))
+                .map_err(io(&path))?;
             self.open = Some(OpenShard {
-                data_path,
-                data: BufWriter::new(file),
+                path,
+                data: BufWriter::with_capacity(1 << 20, file),
                 entries: Vec::new(),
                 len: 0,
             });
         }
         let shard = self.open.as_mut().expect("opened above");
-        shard.data.write_all(data).map_err(io(&shard.data_path))?;
+        shard.data.write_all(data).map_err(io(&shard.path))?;
         shard.entries.push(Entry {
             name: name.to_string(),
             dtype,
@@ -119,11 +138,14 @@ impl ShardWriter {
     }
 
     fn close_shard(&mut self) -> Result<(), SinkError> {
-        let Some(mut shard) = self.open.take() else {
+        let Some(shard) = self.open.take() else {
             return Ok(());
         };
-        shard.data.flush().map_err(io(&shard.data_path))?;
-        drop(shard.data);
+        let path = shard.path.clone();
+        let file = shard.data.into_inner().map_err(|e| SinkError::Io {
+            path: path.clone(),
+            source: e.into_error(),
+        })?;
         let mut header = Map::new();
         header.insert("__metadata__".into(), json!({"format": "pt"}));
         for e in &shard.entries {
@@ -134,20 +156,31 @@ impl ShardWriter {
         }
         let mut text =
             serde_json::to_string(&Value::Object(header)).expect("a JSON map serializes");
-        // Pad the header with spaces to a multiple of 8 bytes, as the safetensors crate does.
-        while !text.len().is_multiple_of(8) {
-            text.push(' ');
+        if text.len() as u64 <= self.header_room {
+            // Fill the reserved room: the header, then spaces.
+            text.extend(std::iter::repeat_n(
+                ' ',
+                (self.header_room - text.len() as u64) as usize,
+            ));
+            let mut head = (text.len() as u64).to_le_bytes().to_vec();
+            head.extend_from_slice(text.as_bytes());
+            file.write_all_at(&head, 0).map_err(io(&path))?;
+        } else {
+            // Too many tensors for the room: a new file, header first, data copied behind it.
+            while !text.len().is_multiple_of(8) {
+                text.push(' ');
+            }
+            let moved = path.with_extension("tmp");
+            let mut out = File::create(&moved).map_err(io(&moved))?;
+            out.write_all(&(text.len() as u64).to_le_bytes())
+                .map_err(io(&moved))?;
+            out.write_all(text.as_bytes()).map_err(io(&moved))?;
+            let mut data = File::open(&path).map_err(io(&path))?;
+            data.seek(SeekFrom::Start(8 + self.header_room))
+                .map_err(io(&path))?;
+            std::io::copy(&mut data, &mut out).map_err(io(&moved))?;
+            fs::rename(&moved, &path).map_err(io(&path))?;
         }
-        let path = self
-            .dir
-            .join(format!(".shard-{:05}.safetensors", self.closed.len() + 1));
-        let mut out = File::create(&path).map_err(io(&path))?;
-        out.write_all(&(text.len() as u64).to_le_bytes())
-            .map_err(io(&path))?;
-        out.write_all(text.as_bytes()).map_err(io(&path))?;
-        let mut data = File::open(&shard.data_path).map_err(io(&shard.data_path))?;
-        std::io::copy(&mut data, &mut out).map_err(io(&path))?;
-        fs::remove_file(&shard.data_path).map_err(io(&shard.data_path))?;
         self.closed
             .push((path, shard.entries.into_iter().map(|e| e.name).collect()));
         Ok(())
@@ -186,7 +219,7 @@ impl ShardWriter {
         })
     }
 
-    /// A fresh writer's directory (for messages).
+    /// The directory shards are written into.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

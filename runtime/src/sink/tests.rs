@@ -182,3 +182,23 @@ fn an_existing_target_is_replaced_only_with_force() {
         "no leftover folders"
     );
 }
+
+#[test]
+fn a_header_larger_than_its_room_still_gives_a_valid_shard() {
+    // 4 KiB of room; 200 tensors with long names need more.
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ShardWriter::new(dir.path(), 1 << 20).with_header_room(4096);
+    let long = "x".repeat(60);
+    for i in 0..200u8 {
+        w.write(&format!("{long}.{i}.weight"), Dtype::U8, &[3], &[i, i, i])
+            .unwrap();
+    }
+    assert_eq!(w.finish().unwrap().files, ["model.safetensors"]);
+    let bytes = fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(
+        st.tensor(&format!("{long}.199.weight")).unwrap().data(),
+        &[199, 199, 199]
+    );
+    assert_eq!(st.len(), 200);
+}
