@@ -77,6 +77,10 @@ fn export_without_a_model_exports_the_demo_and_reports() {
         "{stdout}"
     );
     assert!(stdout.contains("(copied unchanged)"), "{stdout}");
+    assert!(
+        stdout.contains("fp8 error vs the original weights: max |Δ| "),
+        "{stdout}"
+    );
     for f in [
         "model.safetensors",
         "config.json",

@@ -235,6 +235,16 @@ fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Resul
         s.quantized_modules,
         s.excluded.join(", ")
     )?;
+    for (format, e) in &s.errors {
+        writeln!(
+            out,
+            "{format} error vs the original weights: max |Δ| {:.3e}, mean |Δ| {:.3e} over {} weights in {} modules",
+            e.max_abs,
+            e.mean_abs(),
+            e.count,
+            e.modules
+        )?;
+    }
     writeln!(
         out,
         "bytes in: {:.1} MB, out: {:.1} MB ({:.2}×); {:.2} s; {:.2} GB/s of input",

@@ -5,6 +5,7 @@
 
 use super::moe::expert_gate_up;
 use super::recipe::Format;
+use super::stats::ErrorStats;
 use super::{ExportContext, ExportError, ModuleExporter, full_name};
 use crate::module_tree::{Linear, ModuleRef};
 use half::{bf16, f16};
@@ -255,8 +256,12 @@ impl Quantize<'_> {
     }
 
     fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
-        let (n, shape) = (w.len(), [self.rows, self.cols]);
-        match self.format {
+        use kiln_kernels::cpu::bits::e4m3_to_f32;
+        use kiln_kernels::formats::e8m0::e8m0_to_f32;
+        use kiln_kernels::formats::fp4::e2m1_to_f32;
+        let (n, cols, shape) = (w.len(), self.cols, [self.rows, self.cols]);
+        let nibble = |p: &[u8], i: usize| (p[i / 2] >> (4 * (i % 2))) & 0xf;
+        let error = match self.format {
             Format::Fp8 => {
                 // FORMATS.md: the raw weight amax (a zero amax gives a zero scale), the quotient
                 // rounded to the weight's dtype before the cast; an expert's gate/up share it.
@@ -273,25 +278,28 @@ impl Quantize<'_> {
                 let input = self.input_scale(&[self.name.to_string()])?;
                 self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
                 self.emit("weight_scale", Dtype::F32, &[], &scalar(s))?;
-                self.emit("input_scale", Dtype::F32, &[], &scalar(input))
+                self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
+                ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * s)
             }
             Format::Fp8PerChannel => {
                 let s = self.row_scales(w, 448.0)?;
                 let mut q = vec![0u8; n];
                 self.kernel(cpu::quantize_fp8_per_channel(
-                    w, self.rows, self.cols, &s, &mut q,
+                    w, self.rows, cols, &s, &mut q,
                 ))?;
                 self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
-                self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))
+                self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))?;
+                ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * s[i / cols])
             }
             Format::Int8Wo => {
                 let s = self.row_scales(w, 127.0)?;
                 let mut q = vec![0i8; n];
                 self.kernel(cpu::quantize_int8_per_channel(
-                    w, self.rows, self.cols, &s, &mut q,
+                    w, self.rows, cols, &s, &mut q,
                 ))?;
                 self.emit("weight", Dtype::I8, &shape, bytemuck::cast_slice(&q))?;
-                self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))
+                self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))?;
+                ErrorStats::measure(w, |i| f32::from(q[i]) * s[i / cols])
             }
             Format::Nvfp4 | Format::W4a16Nvfp4 => {
                 let recipe = self.ctx.recipe()?;
@@ -309,11 +317,11 @@ impl Quantize<'_> {
                     &mut packed,
                     &mut scales,
                 ))?;
-                self.emit("weight", Dtype::U8, &[self.rows, self.cols / 2], &packed)?;
+                self.emit("weight", Dtype::U8, &[self.rows, cols / 2], &packed)?;
                 self.emit(
                     "weight_scale",
                     Dtype::F8_E4M3,
-                    &[self.rows, self.cols / 16],
+                    &[self.rows, cols / 16],
                     &scales,
                 )?;
                 self.emit("weight_scale_2", Dtype::F32, &[], &scalar(ws2))?;
@@ -321,23 +329,30 @@ impl Quantize<'_> {
                     let input = self.input_scale(&group)?;
                     self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
                 }
-                Ok(())
+                ErrorStats::measure(w, |i| {
+                    e2m1_to_f32(nibble(&packed, i)) * (e4m3_to_f32(scales[i / 16]) * ws2)
+                })
             }
             Format::Mxfp8 => {
                 let (mut q, mut s) = (vec![0u8; n], vec![0u8; n / 32]);
-                self.kernel(cpu::quantize_mxfp8(w, self.cols, &mut q, &mut s))?;
+                self.kernel(cpu::quantize_mxfp8(w, cols, &mut q, &mut s))?;
                 self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
-                self.emit("weight_scale", Dtype::U8, &[self.rows, self.cols / 32], &s)
+                self.emit("weight_scale", Dtype::U8, &[self.rows, cols / 32], &s)?;
+                ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * e8m0_to_f32(s[i / 32]))
             }
             Format::Mxfp4 => {
                 let (mut q, mut s) = (vec![0u8; n / 2], vec![0u8; n / 32]);
-                self.kernel(cpu::quantize_mxfp4(w, self.cols, &mut q, &mut s))?;
-                self.emit("weight", Dtype::U8, &[self.rows, self.cols / 2], &q)?;
-                self.emit("weight_scale", Dtype::U8, &[self.rows, self.cols / 32], &s)
+                self.kernel(cpu::quantize_mxfp4(w, cols, &mut q, &mut s))?;
+                self.emit("weight", Dtype::U8, &[self.rows, cols / 2], &q)?;
+                self.emit("weight_scale", Dtype::U8, &[self.rows, cols / 32], &s)?;
+                ErrorStats::measure(w, |i| e2m1_to_f32(nibble(&q, i)) * e8m0_to_f32(s[i / 32]))
             }
-            other => Err(ExportError::Invalid(format!(
-                "format {other} is not implemented yet"
-            ))),
-        }
+            other => {
+                return Err(ExportError::Invalid(format!(
+                    "format {other} is not implemented yet"
+                )));
+            }
+        };
+        self.ctx.record_error(self.format, &error)
     }
 }

@@ -11,6 +11,7 @@ pub mod linear;
 pub mod moe;
 pub mod recipe;
 pub mod run;
+pub mod stats;
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::module_tree::{ModuleRef, ModuleTree};
@@ -169,6 +170,8 @@ struct Job {
     quantized: Mutex<BTreeMap<String, Format>>,
     /// Weight amax by tensor name, computed once.
     weight_amax: Mutex<HashMap<String, f32>>,
+    /// Quantization error per format.
+    errors: Mutex<BTreeMap<Format, stats::ErrorStats>>,
     bytes_out: Mutex<u64>,
 }
 
@@ -199,6 +202,7 @@ impl ExportContext {
                 dropped,
                 quantized: Mutex::default(),
                 weight_amax: Mutex::default(),
+                errors: Mutex::default(),
                 bytes_out: Mutex::default(),
             }),
         }
@@ -328,6 +332,27 @@ impl ExportContext {
     pub fn record_quantized(&self, module: &str, format: Format) -> Result<(), ExportError> {
         lock(&self.job()?.quantized).insert(module.to_string(), format);
         Ok(())
+    }
+
+    /// Adds one module's quantization error to its format's statistics.
+    pub fn record_error(
+        &self,
+        format: Format,
+        stats: &stats::ErrorStats,
+    ) -> Result<(), ExportError> {
+        lock(&self.job()?.errors)
+            .entry(format)
+            .or_default()
+            .merge(stats);
+        Ok(())
+    }
+
+    /// Quantization error per format so far.
+    pub fn errors(&self) -> BTreeMap<Format, stats::ErrorStats> {
+        self.job
+            .as_ref()
+            .map(|j| lock(&j.errors).clone())
+            .unwrap_or_default()
     }
 
     /// Every module quantized so far, with its format.

@@ -58,6 +58,8 @@ pub struct ExportSummary {
     /// Modules per exporter type path (`None`: copied unchanged).
     pub modules_per_exporter: BTreeMap<Option<String>, usize>,
     pub quantized_modules: usize,
+    /// Quantization error per format (max / mean |w − dequant(w)|).
+    pub errors: BTreeMap<super::recipe::Format, super::stats::ErrorStats>,
     pub excluded: Vec<String>,
     pub bytes_in: u64,
     pub bytes_out: u64,
@@ -197,6 +199,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
     walk(&tree, registry, &ctx)?;
     let quantized = ctx.quantized();
+    let errors = ctx.errors();
     let bytes_out = ctx.bytes_out();
     let (writer, report) = ctx.finish_writer()?;
     let written = writer.finish()?;
@@ -256,6 +259,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         report,
         modules_per_exporter,
         quantized_modules: quantized.len(),
+        errors,
         excluded,
         bytes_in: checkpoint.data_bytes(),
         bytes_out,

@@ -70,6 +70,17 @@ fn nvfp4_writes_modelopt_tensors_with_shared_group_scales() {
         "7 Linears per layer; lm_head excluded"
     );
     assert_eq!(summary.excluded, ["lm_head", "model.embed_tokens"]);
+    let e = summary.errors[&Format::Nvfp4];
+    assert_eq!(
+        (e.modules, e.count),
+        (14, 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128))
+    );
+    // Weights ~ N(0, 0.02²): NVFP4 keeps ~1 bit per element, so errors are a sizeable fraction
+    // of 0.02 but bounded by half a block step of the largest block (~0.1 · 0.5).
+    assert!(
+        e.mean_abs() > 1e-4 && e.mean_abs() < 5e-3 && e.max_abs < 0.05,
+        "{e:?}"
+    );
 
     let (input, output) = (
         Checkpoint::open(&model).unwrap(),
