@@ -25,6 +25,8 @@
 //! Entries are collected at link time: a plugin crate that nothing references is not linked
 //! and its entries vanish. Reference it from your binary with `use my_plugins as _;`.
 
+#![warn(missing_docs)]
+
 pub mod cli;
 
 pub use kiln_kernels as kernels;

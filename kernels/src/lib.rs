@@ -11,6 +11,8 @@
 //! assert_eq!(fp8::e4m3_to_f32(0x7e), 448.0);
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -19,6 +19,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 mod architecture;
 mod args;
 mod emit;

@@ -7,10 +7,20 @@ use crate::module_tree::{ModuleTree, TensorInfo};
 pub enum ArchitectureError {
     /// A `config.json` field is missing or has the wrong type or value.
     #[error("config.json field `{field}`: {message}")]
-    Config { field: String, message: String },
+    Config {
+        /// The field at fault.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
     /// A tensor is missing, unexpected, or has the wrong shape.
     #[error("tensor `{tensor}`: {message}")]
-    Tensor { tensor: String, message: String },
+    Tensor {
+        /// The tensor at fault.
+        tensor: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The tree itself could not be built.
     #[error(transparent)]
     Tree(#[from] crate::module_tree::ModuleTreeError),

@@ -10,11 +10,17 @@ use std::path::Path;
 /// The demo model's size.
 #[derive(Debug, Clone, Copy)]
 pub struct DemoConfig {
+    /// `hidden_size`.
     pub hidden: usize,
+    /// `intermediate_size`.
     pub intermediate: usize,
+    /// `num_hidden_layers`.
     pub layers: usize,
+    /// `num_attention_heads`.
     pub heads: usize,
+    /// `num_key_value_heads`.
     pub kv_heads: usize,
+    /// `vocab_size`.
     pub vocab: usize,
 }
 

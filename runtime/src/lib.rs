@@ -13,6 +13,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod architecture;
 pub mod checkpoint;
 pub mod demo;

@@ -147,8 +147,11 @@ impl fmt::Display for ClassChain {
 /// A tensor a module owns directly: its local name (`weight`), shape and dtype name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
+    /// The local name (`weight`).
     pub name: String,
+    /// The shape.
     pub shape: Vec<usize>,
+    /// The dtype name (`BF16`).
     pub dtype: String,
 }
 

@@ -33,6 +33,7 @@ pub struct TrainConfig {
     #[serde(default = "default_device")]
     pub device: String,
     #[serde(default)]
+    /// Optimisation settings.
     pub hyper: Hyperparameters,
     /// LoRA adapters on Linear layers; `None` = full fine-tuning.
     #[serde(default)]
@@ -96,19 +97,29 @@ impl TrainConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Hyperparameters {
+    /// Peak learning rate.
     pub learning_rate: f64,
+    /// Passes over the data.
     pub num_train_epochs: f64,
     /// Overrides `num_train_epochs` when set.
     pub max_steps: Option<u64>,
+    /// Examples per micro-batch.
     pub per_device_train_batch_size: usize,
+    /// Micro-batches per optimisation step.
     pub gradient_accumulation_steps: usize,
+    /// Linear warm-up steps.
     pub warmup_steps: u64,
+    /// AdamW weight decay.
     pub weight_decay: f64,
+    /// Gradient-norm clip (`None`: no clipping).
     pub max_grad_norm: Option<f64>,
+    /// Truncate sequences to this many tokens.
     pub max_length: Option<usize>,
     /// `linear`, `cosine`, `constant`.
     pub lr_scheduler_type: String,
+    /// Seed for shuffling and initialisation.
     pub seed: u64,
+    /// Report metrics every N steps.
     pub logging_steps: u64,
     /// Save a checkpoint every N steps (`None`: only at the end).
     pub save_steps: Option<u64>,
@@ -138,8 +149,11 @@ impl Default for Hyperparameters {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoraConfig {
+    /// Adapter rank.
     pub r: usize,
+    /// Scaling numerator (`alpha / r`).
     pub lora_alpha: f64,
+    /// Dropout on the adapter input.
     pub lora_dropout: f64,
     /// Module names (`q_proj`, ...) or `all-linear`.
     pub target_modules: Vec<String>,
@@ -159,19 +173,28 @@ impl Default for LoraConfig {
 /// What a run will do, announced before the first step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainPlan {
+    /// Optimisation steps planned.
     pub total_steps: u64,
+    /// Training examples.
     pub examples: u64,
+    /// Parameters that receive gradients.
     pub trainable_parameters: u64,
 }
 
 /// One optimisation step's figures.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepMetrics {
+    /// The step, from 1.
     pub step: u64,
+    /// Fractional epoch.
     pub epoch: f64,
+    /// The step's mean loss.
     pub loss: f64,
+    /// The learning rate used for the step.
     pub learning_rate: f64,
+    /// Gradient norm before clipping.
     pub grad_norm: Option<f64>,
+    /// Tokens seen so far.
     pub tokens: u64,
     /// Task-specific figures by TRL's names (`rewards/chosen`, `kl`, ...).
     pub extra: BTreeMap<String, f64>,
@@ -180,14 +203,19 @@ pub struct StepMetrics {
 /// The outcome of a run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainReport {
+    /// The task name (`sft`, `dpo`, ...).
     pub task: String,
+    /// The backend name (`candle`, `mlx`, ...).
     pub backend: String,
+    /// Steps run.
     pub steps: u64,
+    /// The last step's loss.
     pub final_loss: Option<f64>,
     /// Final figures by name (`eval_loss`, `rewards/accuracies`, ...).
     pub metrics: BTreeMap<String, f64>,
     /// The written checkpoint or adapter.
     pub output: Option<PathBuf>,
+    /// Wall time of the run.
     pub elapsed: Duration,
     /// Whether the observer stopped the run before its planned end.
     pub stopped_early: bool,
@@ -195,18 +223,23 @@ pub struct TrainReport {
 
 /// Progress callbacks. Every method has a default, so an observer implements what it needs.
 pub trait TrainObserver {
+    /// Called once, before the first step.
     fn on_start(&mut self, plan: &TrainPlan) {
         let _ = plan;
     }
+    /// Called after each optimisation step.
     fn on_step(&mut self, metrics: &StepMetrics) {
         let _ = metrics;
     }
+    /// Called after each evaluation.
     fn on_eval(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
         let _ = (step, metrics);
     }
+    /// Called after each checkpoint is written.
     fn on_checkpoint(&mut self, step: u64, path: &std::path::Path) {
         let _ = (step, path);
     }
+    /// Called once, at the end.
     fn on_end(&mut self, report: &TrainReport) {
         let _ = report;
     }
@@ -226,21 +259,36 @@ impl TrainObserver for NoopObserver {}
 pub enum TrainError {
     /// A configuration field is missing or invalid.
     #[error("config field `{field}`: {message}")]
-    Config { field: String, message: String },
+    Config {
+        /// The field at fault.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
     /// Training data is unreadable or malformed.
     #[error("{}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
     Data {
+        /// The file involved.
         path: PathBuf,
+        /// The 1-based line, when known.
         line: Option<usize>,
+        /// What is wrong.
         message: String,
     },
     /// The backend failed (device, kernel, runtime).
     #[error("backend '{backend}': {message}")]
-    Backend { backend: String, message: String },
+    Backend {
+        /// The backend name (`candle`, `mlx`, ...).
+        backend: String,
+        /// What is wrong.
+        message: String,
+    },
     /// Reading or writing a file failed.
     #[error("{}: {source}", path.display())]
     Io {
+        /// The file involved.
         path: PathBuf,
+        /// The underlying error.
         source: std::io::Error,
     },
 }

@@ -10,7 +10,10 @@ use super::Overflow;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Specials {
     /// IEEE-like: the top exponent holds Inf (mantissa 0) and NaN (the given mantissa).
-    Ieee { nan_mantissa: u8 },
+    Ieee {
+        /// The mantissa bits of the canonical NaN.
+        nan_mantissa: u8,
+    },
     /// "fn" formats (E4M3FN): no Inf; only all-ones exponent and mantissa is NaN.
     FiniteNanAllOnes,
     /// No Inf, no NaN (E2M1).
@@ -20,9 +23,13 @@ pub enum Specials {
 /// A sign bit, `exp_bits` exponent bits with `bias`, `man_bits` mantissa bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MiniFloat {
+    /// Exponent field width.
     pub exp_bits: u32,
+    /// Mantissa field width.
     pub man_bits: u32,
+    /// Exponent bias.
     pub bias: i32,
+    /// How Inf and NaN are spelled.
     pub specials: Specials,
 }
 

@@ -28,28 +28,51 @@ pub enum CheckpointError {
     /// A file could not be opened or read.
     #[error("{}: {source}", path.display())]
     Io {
+        /// The file or folder involved.
         path: PathBuf,
+        /// The underlying error.
         source: std::io::Error,
     },
     /// The folder has neither `model.safetensors` nor `model.safetensors.index.json`.
     #[error("{}: no model.safetensors or model.safetensors.index.json", dir.display())]
-    NoWeights { dir: PathBuf },
+    NoWeights {
+        /// The folder searched.
+        dir: PathBuf,
+    },
     /// A safetensors header is malformed (too short, length past the end, not JSON).
     #[error("{}: {message}", file.display())]
-    Header { file: PathBuf, message: String },
+    Header {
+        /// The file involved.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// A tensor's entry is malformed (dtype, shape, byte length).
     #[error("{}: tensor `{tensor}`: {message}", file.display())]
     Tensor {
+        /// The file involved.
         file: PathBuf,
+        /// The tensor at fault.
         tensor: String,
+        /// What is wrong.
         message: String,
     },
     /// The index file is malformed or contradicts the shards.
     #[error("{}: {message}", file.display())]
-    Index { file: PathBuf, message: String },
+    Index {
+        /// The file involved.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// `config.json` is missing, malformed, or has a missing or contradictory field.
     #[error("{}: {message}", file.display())]
-    Config { file: PathBuf, message: String },
+    Config {
+        /// The file involved.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {

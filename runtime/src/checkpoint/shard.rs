@@ -15,11 +15,15 @@ const MAX_HEADER: u64 = 100_000_000;
 /// A tensor's entry in a safetensors header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorMeta {
+    /// The tensor's name.
     pub name: String,
+    /// Its element type.
     pub dtype: Dtype,
+    /// Its shape.
     pub shape: Vec<usize>,
     /// Absolute byte range in the file.
     pub start: u64,
+    /// End of the byte range (exclusive).
     pub end: u64,
 }
 

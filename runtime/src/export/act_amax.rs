@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {message}", path.display())]
 pub struct ActAmaxError {
+    /// The statistics file.
     pub path: PathBuf,
+    /// What is wrong.
     pub message: String,
 }
 

@@ -31,12 +31,19 @@ pub enum ExportError {
         "MoE block `{block}`: no exporter takes its experts container (class {experts_class}); register one"
     )]
     UnsupportedMoe {
+        /// The MoE block's path.
         block: String,
+        /// The class of its experts container.
         experts_class: String,
     },
     /// An exporter failed on a module.
     #[error("module `{module}`: {message}")]
-    Module { module: String, message: String },
+    Module {
+        /// The module's path.
+        module: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The exporter registry is invalid.
     #[error(transparent)]
     InvalidRegistry(#[from] crate::registry::RegistryError),
@@ -49,7 +56,9 @@ pub enum ExportError {
     /// A kernel refused a tensor.
     #[error("tensor `{tensor}`: {source}")]
     Kernel {
+        /// The tensor at fault.
         tensor: String,
+        /// The underlying error.
         source: kiln_kernels::KernelError,
     },
     /// The format needs activation statistics that were not given.
@@ -57,7 +66,9 @@ pub enum ExportError {
         modules.iter().take(3).map(|m| format!("`{m}.input_quantizer`")).collect::<Vec<_>>().join(", "),
         if modules.len() > 3 { format!(" and {} more", modules.len() - 3) } else { String::new() })]
     MissingActAmax {
+        /// The quantization format.
         format: Format,
+        /// The modules lacking statistics.
         modules: Vec<String>,
     },
     /// The export was cancelled (Ctrl-C); nothing was left at the target.
@@ -66,7 +77,9 @@ pub enum ExportError {
     /// A tensor's dtype cannot be quantized.
     #[error("tensor `{tensor}`: dtype {dtype:?} cannot be quantized (expected BF16, F16 or F32)")]
     Dtype {
+        /// The tensor at fault.
         tensor: String,
+        /// The element type.
         dtype: safetensors::Dtype,
     },
     /// The architecture could not be built, or the request cannot be met.
@@ -104,7 +117,12 @@ pub trait ModuleExporter: Send + Sync {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModuleOutcome {
     /// Exported by the exporter with this type path, matched for this reason.
-    Exported { exporter: String, reason: String },
+    Exported {
+        /// The exporter's type path.
+        exporter: String,
+        /// Why it matched.
+        reason: String,
+    },
     /// No exporter matched: the module is kept as it is.
     Unchanged,
 }

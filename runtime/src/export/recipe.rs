@@ -203,7 +203,9 @@ impl std::fmt::Display for Format {
 /// A KV-cache format (`--kv-cache`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvCache {
+    /// FP8 E4M3 keys and values.
     Fp8,
+    /// NVFP4 keys and values.
     Nvfp4,
 }
 
@@ -266,11 +268,13 @@ pub fn excluded_by_default(path: &str) -> bool {
 /// The export's settings.
 #[derive(Debug, Clone)]
 pub struct Recipe {
+    /// The weight format.
     pub format: Format,
     /// Extra modules to leave unquantized (globs).
     pub exclude: Vec<String>,
     /// Modules to quantize even if excluded by default (globs; they win over `exclude`).
     pub include: Vec<String>,
+    /// The KV-cache format, if any (`--kv-cache`).
     pub kv_cache: Option<KvCache>,
 }
 

@@ -21,9 +21,13 @@ use std::time::{Duration, Instant};
 /// What to export, where.
 #[derive(Clone)]
 pub struct ExportOptions {
+    /// The input model folder (never modified).
     pub model: PathBuf,
+    /// The output folder.
     pub out: PathBuf,
+    /// Format, exclusions and KV-cache settings.
     pub recipe: Recipe,
+    /// Activation statistics, for formats that need them.
     pub act_amax: Option<ActAmax>,
     /// Tensor bytes per output shard (transformers' `max_shard_size`).
     pub max_shard_bytes: u64,
@@ -50,20 +54,29 @@ impl std::fmt::Debug for ExportOptions {
 /// What an export did, for the report.
 #[derive(Debug, Clone)]
 pub struct ExportSummary {
+    /// The output folder.
     pub out: PathBuf,
+    /// The `config.json` architecture name.
     pub architecture: String,
     /// Set when no family claimed the architecture and the generic tree was used.
     pub generic_fallback: bool,
+    /// What happened to each module.
     pub report: ExportReport,
     /// Modules per exporter type path (`None`: copied unchanged).
     pub modules_per_exporter: BTreeMap<Option<String>, usize>,
+    /// Modules whose weights were quantized.
     pub quantized_modules: usize,
     /// Quantization error per format (max / mean |w − dequant(w)|).
     pub errors: BTreeMap<super::recipe::Format, super::stats::ErrorStats>,
+    /// Modules left unquantized by the recipe.
     pub excluded: Vec<String>,
+    /// Tensor bytes read.
     pub bytes_in: u64,
+    /// Tensor bytes written.
     pub bytes_out: u64,
+    /// The files written, relative to `out`.
     pub files: Vec<String>,
+    /// Wall time of the export.
     pub elapsed: Duration,
 }
 

@@ -8,8 +8,11 @@ use rayon::prelude::*;
 /// Absolute-error statistics over many weights.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ErrorStats {
+    /// The largest absolute error.
     pub max_abs: f64,
+    /// The sum of absolute errors.
     pub sum_abs: f64,
+    /// Weights measured.
     pub count: u64,
     /// Modules measured.
     pub modules: u64,

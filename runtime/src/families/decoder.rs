@@ -24,7 +24,9 @@ pub enum MoeLayout {
 /// A decoder family: its class-name prefix and MoE layout.
 #[derive(Debug, Clone, Copy)]
 pub struct DecoderFamily {
+    /// The class-name prefix (`Llama`, `Qwen3Moe`, ...).
     pub prefix: &'static str,
+    /// How the MoE block names its router and experts.
     pub moe: MoeLayout,
 }
 

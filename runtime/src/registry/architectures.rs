@@ -10,9 +10,11 @@ use std::fmt;
 /// One architecture registration.
 #[derive(Clone)]
 pub struct ArchitectureEntry {
+    /// Identity, ordering and source location.
     pub meta: EntryMeta,
     /// The `config.json` architecture names this family builds (empty for a pure fallback).
     pub names: Cow<'static, [Cow<'static, str>]>,
+    /// Makes the architecture.
     pub construct: fn() -> Box<dyn Architecture>,
 }
 

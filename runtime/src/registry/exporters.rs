@@ -27,7 +27,9 @@ pub type PredicateFn = fn(&ModuleRef<'_>) -> bool;
 pub enum Key {
     /// Matches a module whose chain contains this Rust type.
     Type {
+        /// The type's `TypeId`.
         id: fn() -> TypeId,
+        /// The type's name, for listings.
         name: Cow<'static, str>,
     },
     /// Matches a module whose chain contains a class of this name.
@@ -60,15 +62,20 @@ impl Key {
 /// A predicate and its path as written, for listings.
 #[derive(Debug, Clone)]
 pub struct Predicate {
+    /// The predicate.
     pub func: PredicateFn,
+    /// The predicate's path as written.
     pub name: Cow<'static, str>,
 }
 
 /// One exporter registration.
 #[derive(Clone)]
 pub struct ExporterEntry {
+    /// Identity, ordering and source location.
     pub meta: EntryMeta,
+    /// The match keys (any one matches).
     pub keys: Cow<'static, [Key]>,
+    /// A predicate the module must also satisfy.
     pub predicate: Option<Predicate>,
     /// Makes the exporter; called once per export call that uses it.
     pub construct: fn() -> Box<dyn ModuleExporter>,
@@ -169,7 +176,9 @@ impl RegistryEntry for ExporterEntry {
 /// Why an entry matched: which of its keys (index into `keys`) and whether a predicate held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatchReason {
+    /// The key that matched, if any.
     pub key: Option<usize>,
+    /// Whether a predicate held.
     pub predicate: bool,
 }
 
@@ -178,7 +187,9 @@ pub struct MatchReason {
 pub struct Match<'r> {
     /// The position in registry order.
     pub position: usize,
+    /// The matching entry.
     pub entry: &'r ExporterEntry,
+    /// Why it matched.
     pub reason: MatchReason,
 }
 

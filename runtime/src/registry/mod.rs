@@ -24,7 +24,9 @@ use std::fmt;
 /// the [`RegistryBuilder`] method that created it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SourceLocation {
+    /// The source file.
     pub file: &'static str,
+    /// The line in it.
     pub line: u32,
 }
 
@@ -84,9 +86,13 @@ pub struct EntryMeta {
     pub path: Cow<'static, str>,
     /// The annotated type, when the entry has one (used to resolve `replaces`).
     pub type_id: Option<fn() -> TypeId>,
+    /// Built-in, user, or `prepend`.
     pub tier: Tier,
+    /// Higher sorts first within a tier.
     pub priority: i32,
+    /// The entry this one supersedes, if any.
     pub replaces: Option<Replaces>,
+    /// Where the entry is declared.
     pub location: SourceLocation,
 }
 
@@ -117,7 +123,9 @@ pub trait RegistryEntry: Clone + Send + Sync + 'static {
     const KIND: &'static str;
     /// The finished registry built from sorted entries.
     type Registry;
+    /// The entry's identity and ordering.
     fn meta(&self) -> &EntryMeta;
+    /// The same, mutable (the builder sets tier and priority).
     fn meta_mut(&mut self) -> &mut EntryMeta;
     /// The entries collected at link time, in link order (arbitrary).
     fn collected() -> Vec<Self>;
@@ -166,48 +174,76 @@ impl<E: RegistryEntry> Registry<E> {
 pub enum RegistryIssue {
     /// Two entries share one identity (the same type registered twice).
     DuplicateIdentity {
+        /// The registry kind: "exporter", "trainer" or "architecture".
         kind: &'static str,
+        /// The registered type's path.
         path: String,
+        /// The first entry's type path.
         first: SourceLocation,
+        /// The second entry's type path.
         second: SourceLocation,
     },
     /// `replaces` names a type that has no entry of this kind.
     ReplacesUnknown {
+        /// The registry kind: "exporter", "trainer" or "architecture".
         kind: &'static str,
+        /// The registered type's path.
         path: String,
+        /// Where the entry is declared.
         location: SourceLocation,
+        /// The type path named in `replaces`.
         target: String,
     },
     /// An entry names itself in `replaces`.
     ReplacesItself {
+        /// The registry kind: "exporter", "trainer" or "architecture".
         kind: &'static str,
+        /// The registered type's path.
         path: String,
+        /// Where the entry is declared.
         location: SourceLocation,
     },
     /// Two entries replace the same entry.
     ReplacedTwice {
+        /// The registry kind: "exporter", "trainer" or "architecture".
         kind: &'static str,
+        /// The type path named in `replaces`.
         target: String,
+        /// The first entry's type path.
         first: String,
+        /// Where the first entry is declared.
         first_at: SourceLocation,
+        /// The second entry's type path.
         second: String,
+        /// Where the second entry is declared.
         second_at: SourceLocation,
     },
     /// Two trainers for one `(task, backend)`, neither replacing the other.
     TrainerConflict {
+        /// The task name (`sft`, `dpo`, ...).
         task: String,
+        /// The backend name (`candle`, `mlx`, ...).
         backend: String,
+        /// The first entry's type path.
         first: String,
+        /// Where the first entry is declared.
         first_at: SourceLocation,
+        /// The second entry's type path.
         second: String,
+        /// Where the second entry is declared.
         second_at: SourceLocation,
     },
     /// Two architectures claim one `config.json` architecture name.
     ArchitectureConflict {
+        /// The `config.json` architecture name.
         name: String,
+        /// The first entry's type path.
         first: String,
+        /// Where the first entry is declared.
         first_at: SourceLocation,
+        /// The second entry's type path.
         second: String,
+        /// Where the second entry is declared.
         second_at: SourceLocation,
     },
 }
@@ -282,7 +318,9 @@ impl fmt::Display for RegistryIssue {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {kind} registry:{}", list(.issues))]
 pub struct RegistryError {
+    /// The registry kind: "exporter", "trainer" or "architecture".
     pub kind: &'static str,
+    /// Every problem found.
     pub issues: Vec<RegistryIssue>,
 }
 

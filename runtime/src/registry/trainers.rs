@@ -10,8 +10,11 @@ use std::fmt;
 /// One trainer registration.
 #[derive(Clone)]
 pub struct TrainerEntry {
+    /// Identity, ordering and source location.
     pub meta: EntryMeta,
+    /// The task name (`sft`, `dpo`, ...).
     pub task: Cow<'static, str>,
+    /// The backend name (`candle`, `mlx`, ...).
     pub backend: Cow<'static, str>,
     /// Makes the trainer from a configuration; runs only after resolution.
     pub construct: fn(&TrainConfig) -> Result<Box<dyn Trainer>, TrainError>,
@@ -51,9 +54,11 @@ impl fmt::Debug for TrainerEntry {
 /// A training backend this build knows of, whether or not it was compiled in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackendInfo {
+    /// The backend's name.
     pub name: &'static str,
     /// The cargo feature that enables it (`None`: always built).
     pub feature: Option<&'static str>,
+    /// Whether this build includes it.
     pub enabled: bool,
 }
 
@@ -128,7 +133,9 @@ pub enum RouteError {
         full_coverage.as_ref().map(|b| format!(" Use backend={b} for full task coverage.")).unwrap_or_default()
     )]
     UnsupportedTask {
+        /// The backend name (`candle`, `mlx`, ...).
         backend: String,
+        /// The task name (`sft`, `dpo`, ...).
         task: String,
         /// The backend's tasks, sorted.
         supported: Vec<String>,
@@ -140,10 +147,20 @@ pub enum RouteError {
         "backend '{backend}' is not available: kiln was built without the '{feature}' feature \
          (rebuild with `--features {feature}`)"
     )]
-    BackendNotBuilt { backend: String, feature: String },
+    BackendNotBuilt {
+        /// The backend name (`candle`, `mlx`, ...).
+        backend: String,
+        /// The cargo feature to rebuild with.
+        feature: String,
+    },
     /// Nobody knows this backend.
     #[error("unknown backend '{backend}'. Known backends: {}.", known.join(", "))]
-    UnknownBackend { backend: String, known: Vec<String> },
+    UnknownBackend {
+        /// The backend name (`candle`, `mlx`, ...).
+        backend: String,
+        /// The backends this build knows of.
+        known: Vec<String>,
+    },
     /// The trainer registry itself is invalid.
     #[error(transparent)]
     InvalidRegistry(#[from] RegistryError),

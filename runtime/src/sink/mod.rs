@@ -17,22 +17,32 @@ pub enum SinkError {
     /// A file or folder could not be written.
     #[error("{}: {source}", path.display())]
     Io {
+        /// The file or folder.
         path: PathBuf,
+        /// The underlying error.
         source: std::io::Error,
     },
     /// The target exists and `force` was not given.
     #[error("{} already exists (pass --force to replace it)", path.display())]
-    Exists { path: PathBuf },
+    Exists {
+        /// The file or folder.
+        path: PathBuf,
+    },
     /// The same tensor name was written twice.
     #[error("tensor `{0}` was written twice")]
     DuplicateTensor(String),
     /// A tensor's bytes disagree with its dtype and shape.
     #[error("tensor `{name}`: {got} bytes, but shape {shape:?} of {dtype:?} needs {expected}")]
     TensorSize {
+        /// The tensor's name.
         name: String,
+        /// The element type.
         dtype: safetensors::Dtype,
+        /// The shape.
         shape: Vec<usize>,
+        /// Bytes given.
         got: usize,
+        /// Bytes the shape needs.
         expected: usize,
     },
 }
