@@ -157,6 +157,11 @@ fn mxfp4_matches_modelopt_bit_for_bit() {
 }
 
 #[test]
+fn fp8_block_matches_modelopt_bit_for_bit() {
+    check_format(Format::Fp8Block);
+}
+
+#[test]
 fn kv_cache_scales_match_modelopt_bit_for_bit() {
     for (dir, format) in [("fp8+kv-fp8", Format::Fp8), ("nvfp4+kv-fp8", Format::Nvfp4)] {
         check_recipe(
@@ -179,6 +184,7 @@ fn qwen3_moe_matches_modelopt_bit_for_bit_in_every_format() {
         Format::Fp8PerChannel,
         Format::Int8Wo,
         Format::Mxfp8,
+        Format::Fp8Block,
     ] {
         check("qwen3-moe-tiny", format);
     }

@@ -11,13 +11,14 @@ ModelOpt for each format kiln implements. Everything it writes is small and comm
     tests/compat/<model>/<format>/modelopt/  ModelOpt's export
 
     python3 -m venv --system-site-packages .venv && .venv/bin/pip install -r requirements.txt
-    .venv/bin/python tests/compat/modelopt_ref.py
+    .venv/bin/python tests/compat/modelopt_ref.py [FORMAT ...]   # all formats by default
 Runs on the CPU (a few seconds per format).
 """
 import copy
 import json
 import pathlib
 import shutil
+import sys
 
 import torch
 import transformers
@@ -48,6 +49,7 @@ FORMATS = {
     "int8-wo": mtq.INT8_WEIGHT_ONLY_CFG,
     "mxfp8": mtq.MXFP8_DEFAULT_CFG,
     "mxfp4": mtq.MXFP4_DEFAULT_CFG,
+    "fp8-block": mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
 }
 
 
@@ -86,7 +88,7 @@ MODELS = {
     "llama-tiny": (tiny_llama, transformers.LlamaForCausalLM, (4, 32), list(FORMATS)),
     # Few tokens over 8 experts: some experts get none and ModelOpt fills their input amax.
     "qwen3-moe-tiny": (tiny_qwen3_moe, transformers.Qwen3MoeForCausalLM, (1, 6),
-                       ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8"]),
+                       ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block"]),
 }
 
 
@@ -97,7 +99,9 @@ def calibration_ids(shape):
 
 def main():
     print("modelopt", modelopt.__version__, "transformers", transformers.__version__, "torch", torch.__version__)
+    only = set(sys.argv[1:])  # optional: regenerate only these formats
     for model_name, (make, cls, calib_shape, formats) in MODELS.items():
+        formats = [f for f in formats if not only or f in only]
         export_model(HERE / model_name, make, cls, calibration_ids(calib_shape), formats)
 
 

@@ -102,6 +102,16 @@ impl ModuleExporter for QuantLinear {
     }
 }
 
+/// `amax / divisor` with the amax exported as ModelOpt's `export_amax` does: zero or NaN
+/// becomes the bound (scale 1), and a subnormal is raised to `f32::MIN_POSITIVE`.
+fn export_scale(amax: f32, divisor: f32) -> f32 {
+    if amax == 0.0 || amax.is_nan() {
+        1.0
+    } else {
+        amax.max(f32::MIN_POSITIVE) / divisor
+    }
+}
+
 /// With `--kv-cache`, an attention's `k_proj` / `v_proj` carry the KV-cache scale:
 /// `<attention>.k_proj.k_scale = k_bmm amax / 448` (likewise `v`), the same formula for FP8 and
 /// NVFP4 KV (FORMATS.md "KV cache"). Without a calibrated amax no scale is written — ModelOpt's
@@ -197,39 +207,54 @@ impl Quantize<'_> {
         Ok(amax / divisor)
     }
 
-    /// Per-row scales `amax_row / divisor`, a zero or NaN row amax giving scale 1. An expert's
-    /// gate/up take the element-wise max of both row amax (`sync_moe_gate_up_amax`).
-    fn row_scales<T: Element>(&self, w: &[T], divisor: f32) -> Result<Vec<f32>, ExportError> {
-        let mut a = vec![0f32; self.rows];
-        self.kernel(cpu::amax_rows(w, self.rows, self.cols, &mut a))?;
+    /// Per-row (`tile = None`) or per-tile scales `amax / divisor`, the amax exported as
+    /// ModelOpt's `export_amax` does: zero or NaN becomes the bound (scale 1), and a subnormal
+    /// is raised to `f32::MIN_POSITIVE`. An expert's gate/up take the element-wise max of both
+    /// amax (`sync_moe_gate_up_amax`).
+    fn amax_scales<T: Element>(
+        &self,
+        w: &[T],
+        tile: Option<usize>,
+        divisor: f32,
+    ) -> Result<Vec<f32>, ExportError> {
+        let (rows, cols) = (self.rows, self.cols);
+        let len = match tile {
+            None => rows,
+            Some(t) => rows.div_ceil(t) * cols.div_ceil(t),
+        };
+        fn reduce<T: Element>(
+            x: &[T],
+            rows: usize,
+            cols: usize,
+            tile: Option<usize>,
+            out: &mut [f32],
+        ) -> Result<(), kiln_kernels::KernelError> {
+            match tile {
+                None => cpu::amax_rows(x, rows, cols, out),
+                Some(t) => ops::amax::amax_tiles(x, rows, cols, t, out),
+            }
+        }
+        let mut a = vec![0f32; len];
+        self.kernel(reduce(w, rows, cols, tile, &mut a))?;
         if let Some(pair) = expert_gate_up(self.module) {
             let other = if pair[0] == self.name {
                 &pair[1]
             } else {
                 &pair[0]
             };
-            let mut b = vec![0f32; self.rows];
+            let mut b = vec![0f32; len];
             let c = self.ctx.checkpoint()?;
             let name = full_name(other, "weight");
             match c.tensor(&name).map(|t| t.dtype) {
-                Some(Dtype::BF16) => self.kernel(cpu::amax_rows(
-                    &c.read_as::<bf16>(&name)?,
-                    self.rows,
-                    self.cols,
-                    &mut b,
-                ))?,
-                Some(Dtype::F16) => self.kernel(cpu::amax_rows(
-                    &c.read_as::<f16>(&name)?,
-                    self.rows,
-                    self.cols,
-                    &mut b,
-                ))?,
-                Some(Dtype::F32) => self.kernel(cpu::amax_rows(
-                    &c.read_as::<f32>(&name)?,
-                    self.rows,
-                    self.cols,
-                    &mut b,
-                ))?,
+                Some(Dtype::BF16) => {
+                    self.kernel(reduce(&c.read_as::<bf16>(&name)?, rows, cols, tile, &mut b))?
+                }
+                Some(Dtype::F16) => {
+                    self.kernel(reduce(&c.read_as::<f16>(&name)?, rows, cols, tile, &mut b))?
+                }
+                Some(Dtype::F32) => {
+                    self.kernel(reduce(&c.read_as::<f32>(&name)?, rows, cols, tile, &mut b))?
+                }
                 other => {
                     return Err(ExportError::Invalid(format!(
                         "tensor `{name}`: cannot sync gate/up amax with dtype {other:?}"
@@ -244,15 +269,7 @@ impl Quantize<'_> {
                 };
             }
         }
-        Ok(a.iter()
-            .map(|&x| {
-                if x == 0.0 || x.is_nan() {
-                    1.0
-                } else {
-                    x / divisor
-                }
-            })
-            .collect())
+        Ok(a.iter().map(|&x| export_scale(x, divisor)).collect())
     }
 
     fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
@@ -282,7 +299,7 @@ impl Quantize<'_> {
                 ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * s)
             }
             Format::Fp8PerChannel => {
-                let s = self.row_scales(w, 448.0)?;
+                let s = self.amax_scales(w, None, 448.0)?;
                 let mut q = vec![0u8; n];
                 self.kernel(cpu::quantize_fp8_per_channel(
                     w, self.rows, cols, &s, &mut q,
@@ -291,8 +308,47 @@ impl Quantize<'_> {
                 self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))?;
                 ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * s[i / cols])
             }
+            Format::Fp8Block => {
+                // FORMATS.md fp8_pb_wo: one f32 scale per 128×128 tile (edge tiles partial),
+                // stored [N/128, 1, K/128, 1] — a 0-d tensor when there is one tile.
+                const TILE: usize = 128;
+                let mut s = self.amax_scales(w, Some(TILE), 448.0)?;
+                // `preprocess_linear_fusion`: when a shared-input group (q/k/v, gate/up) has
+                // one tile each, its amax is a scalar and the group shares the max.
+                let recipe = self.ctx.recipe()?;
+                let group = input_group(self.module, |p| recipe.quantizes(p));
+                let c = self.ctx.checkpoint()?;
+                let one_tile = |m: &String| {
+                    c.tensor(&full_name(m, "weight"))
+                        .is_some_and(|t| t.shape.iter().all(|&d| d <= TILE))
+                };
+                if group.len() > 1 && group.iter().all(one_tile) {
+                    let mut amax = 0f32;
+                    for m in &group {
+                        let a = self.ctx.weight_amax(&full_name(m, "weight"))?;
+                        amax = if a.is_nan() || amax.is_nan() {
+                            f32::NAN
+                        } else {
+                            amax.max(a)
+                        };
+                    }
+                    s = vec![export_scale(amax, 448.0)];
+                }
+                let (tr, tc) = (self.rows.div_ceil(TILE), cols.div_ceil(TILE));
+                let mut q = vec![0u8; n];
+                self.kernel(cpu::quantize_fp8_tiles(
+                    w, self.rows, cols, TILE, &s, &mut q,
+                ))?;
+                let scale_shape: &[usize] = if s.len() == 1 { &[] } else { &[tr, 1, tc, 1] };
+                self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
+                self.emit("weight_scale", Dtype::F32, scale_shape, &f32s(&s))?;
+                ErrorStats::measure(w, |i| {
+                    let (r, c) = (i / cols, i % cols);
+                    e4m3_to_f32(q[i]) * s[(r / TILE) * tc + c / TILE]
+                })
+            }
             Format::Int8Wo => {
-                let s = self.row_scales(w, 127.0)?;
+                let s = self.amax_scales(w, None, 127.0)?;
                 let mut q = vec![0i8; n];
                 self.kernel(cpu::quantize_int8_per_channel(
                     w, self.rows, cols, &s, &mut q,

@@ -126,6 +126,7 @@ impl Format {
             self,
             Format::Fp8
                 | Format::Fp8PerChannel
+                | Format::Fp8Block
                 | Format::Int8Wo
                 | Format::Nvfp4
                 | Format::W4a16Nvfp4

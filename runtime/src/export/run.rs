@@ -181,7 +181,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let recipe = &options.recipe;
     if !recipe.format.implemented() {
         return Err(ExportError::Invalid(format!(
-            "format {} is not implemented yet (implemented: fp8, fp8-per-channel, int8-wo, nvfp4, w4a16-nvfp4, mxfp4, mxfp8)",
+            "format {} is not implemented yet (implemented: fp8, fp8-per-channel, fp8-block, int8-wo, nvfp4, w4a16-nvfp4, mxfp4, mxfp8)",
             recipe.format
         )));
     }

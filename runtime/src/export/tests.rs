@@ -382,3 +382,87 @@ fn a_cancelled_export_leaves_nothing_behind() {
         "only the model folder"
     );
 }
+
+/// FP8 128×128 tiles, recomputed here from the input with plain loops.
+#[test]
+fn fp8_block_scales_cover_partial_tiles_and_single_tile_groups_share_one() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    // hidden 192, intermediate 320: down_proj [192, 320] has 2 × 3 tiles, the last ones partial.
+    let cfg = DemoConfig {
+        hidden: 192,
+        intermediate: 320,
+        heads: 3,
+        kv_heads: 1,
+        ..SMALL
+    };
+    write_demo_model(&model, cfg).unwrap();
+    let out = root.path().join("out");
+    run(&options(&model, &out, Format::Fp8Block, None)).unwrap();
+    let (input, output) = (
+        Checkpoint::open(&model).unwrap(),
+        Checkpoint::open(&out).unwrap(),
+    );
+    let d = "model.layers.1.mlp.down_proj";
+    assert_eq!(
+        meta(&output, &format!("{d}.weight_scale")),
+        (Dtype::F32, vec![2, 1, 3, 1])
+    );
+    let w: Vec<f32> = input
+        .read_as::<bf16>(&format!("{d}.weight"))
+        .unwrap()
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    let (rows, cols) = (192, 320);
+    let mut want_s = [0f32; 6];
+    for r in 0..rows {
+        for c in 0..cols {
+            let t = (r / 128) * 3 + c / 128;
+            want_s[t] = want_s[t].max(w[r * cols + c].abs());
+        }
+    }
+    for s in &mut want_s {
+        *s /= 448.0;
+    }
+    let got_s = output.read_as::<f32>(&format!("{d}.weight_scale")).unwrap();
+    assert_eq!(got_s, want_s);
+    let q = output.read_as::<u8>(&format!("{d}.weight")).unwrap();
+    for (i, &b) in q.iter().enumerate() {
+        let s = want_s[(i / cols / 128) * 3 + (i % cols) / 128];
+        assert_eq!(
+            b,
+            kiln_kernels::ops::fp8::fp8_f32_one(w[i], s),
+            "element {i}"
+        );
+    }
+    assert!(output.tensor(&format!("{d}.input_scale")).is_none());
+
+    // The small demo's q/k/v and gate/up are one tile each: each group shares its max amax.
+    let small = root.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    demo(&small);
+    let out = root.path().join("small-out");
+    run(&options(&small, &out, Format::Fp8Block, None)).unwrap();
+    let (input, output) = (
+        Checkpoint::open(&small).unwrap(),
+        Checkpoint::open(&out).unwrap(),
+    );
+    let a = "model.layers.0.self_attn";
+    let amax = ["q_proj", "k_proj", "v_proj"]
+        .iter()
+        .map(|p| input_amax(&input, &format!("{a}.{p}.weight")))
+        .fold(0f32, f32::max);
+    for p in ["q_proj", "k_proj", "v_proj"] {
+        let name = format!("{a}.{p}.weight_scale");
+        assert_eq!(meta(&output, &name), (Dtype::F32, vec![]), "{name}");
+        assert_eq!(f32_scalar(&output, &name), amax / 448.0, "{name}");
+    }
+    // o_proj is alone in its group: its own amax.
+    let o = format!("{a}.o_proj");
+    assert_eq!(
+        f32_scalar(&output, &format!("{o}.weight_scale")),
+        input_amax(&input, &format!("{o}.weight")) / 448.0
+    );
+}
