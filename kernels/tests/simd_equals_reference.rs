@@ -101,6 +101,11 @@ fn check_all<T: Element + FromF32>(
 
     // FP8 tiles of 4 (small, so edge tiles appear).
     let t = 4;
+    let nt = rows.div_ceil(t) * cols.div_ceil(t);
+    let (mut t1, mut t2) = (vec![0f32; nt], vec![1f32; nt]);
+    ramax::amax_tiles(&w, rows, cols, t, &mut t1).unwrap();
+    cpu::amax_tiles(&w, rows, cols, t, &mut t2).unwrap();
+    prop_assert!(t1.iter().zip(&t2).all(|(a, b)| same_f32(*a, *b)));
     let ts: Vec<f32> = (0..rows.div_ceil(t) * cols.div_ceil(t))
         .map(|i| 0.01 + i as f32)
         .collect();

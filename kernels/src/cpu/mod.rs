@@ -118,6 +118,35 @@ pub fn amax_blocks<T: Element>(
     Ok(())
 }
 
+/// `ops::amax::amax_tiles`, in parallel over bands of `tile` rows.
+pub fn amax_tiles<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    tile: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if tile == 0 || cols == 0 || rows == 0 {
+        // The reference names every bad shape and handles the empty ones.
+        return crate::ops::amax::amax_tiles(x, rows, cols, tile, out);
+    }
+    let tc = cols.div_ceil(tile);
+    crate::error::check_len("amax_tiles", "input", x.len(), rows * cols, &[rows, cols])?;
+    let tr = rows.div_ceil(tile);
+    crate::error::check_len("amax_tiles", "output", out.len(), tr * tc, &[tr, tc])?;
+    x.par_chunks(tile * cols)
+        .zip(out.par_chunks_mut(tc))
+        .for_each(|(band, o)| {
+            o.fill(0.0);
+            for row in band.chunks(cols) {
+                for (t, part) in row.chunks(tile).enumerate() {
+                    o[t] = nan_max(o[t], amax_one(part));
+                }
+            }
+        });
+    Ok(())
+}
+
 /// `ops::fp8::quantize_fp8_per_tensor`, fast and parallel.
 pub fn quantize_fp8_per_tensor<T: Element>(
     w: &[T],

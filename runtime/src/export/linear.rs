@@ -231,7 +231,7 @@ impl Quantize<'_> {
         ) -> Result<(), kiln_kernels::KernelError> {
             match tile {
                 None => cpu::amax_rows(x, rows, cols, out),
-                Some(t) => ops::amax::amax_tiles(x, rows, cols, t, out),
+                Some(t) => cpu::amax_tiles(x, rows, cols, t, out),
             }
         }
         let mut a = vec![0f32; len];
