@@ -66,7 +66,8 @@ fn bench(c: &mut Criterion) {
         cpu::amax_blocks(&w, rows, cols, 128, &mut g128).unwrap();
         let int4: Vec<f32> = g128.iter().map(|&a| int::int4_scale(a)).collect();
         let mut tiles = vec![0f32; rows.div_ceil(128) * cols.div_ceil(128)];
-        kiln_kernels::ops::amax::amax_tiles(&w, rows, cols, 128, &mut tiles).unwrap();
+        cpu::amax_tiles(&w, rows, cols, 128, &mut tiles).unwrap();
+        let mut tile_amax = tiles.clone();
         let tiles: Vec<f32> = tiles.iter().map(|&a| fp8::fp8_scale(a)).collect();
         let ws2 = nvfp4::nvfp4_global_scale(amax);
 
@@ -98,6 +99,12 @@ fn bench(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(bytes_in));
             g.bench_function(id("amax"), |b| {
                 b.iter(|| black_box(pool.install(|| cpu::amax(&w))))
+            });
+            g.bench_function(id("amax_tiles128"), |b| {
+                b.iter(|| {
+                    pool.install(|| cpu::amax_tiles(&w, rows, cols, 128, &mut tile_amax))
+                        .unwrap()
+                })
             });
             g.throughput(Throughput::Bytes(bytes_in + n as u64));
             g.bench_function(id("fp8_per_tensor"), |b| {
