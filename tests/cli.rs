@@ -156,3 +156,45 @@ fn explain_lists_each_module_with_its_exporter_and_why() {
         "{stdout}"
     );
 }
+
+/// Every implemented format exports the demo from the command line, and names itself as
+/// ModelOpt 0.47 does (the `quant_algo` of the committed ModelOpt export of the same format).
+#[test]
+fn every_format_exports_the_demo_with_modelopts_quant_algo() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
+    let algo = |path: &std::path::Path| -> serde_json::Value {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["quantization"]["quant_algo"].clone()
+    };
+    for format in [
+        "fp8",
+        "fp8-per-channel",
+        "fp8-block",
+        "int8-wo",
+        "nvfp4",
+        "w4a16-nvfp4",
+        "mxfp4",
+        "mxfp8",
+    ] {
+        let out_dir = dir.path().join(format);
+        let out = kiln(&[
+            "export",
+            "--format",
+            format,
+            "--out",
+            out_dir.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{format}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            algo(&out_dir.join("hf_quant_config.json")),
+            algo(&compat.join(format).join("modelopt/hf_quant_config.json")),
+            "{format}"
+        );
+    }
+}
