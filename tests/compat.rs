@@ -191,6 +191,27 @@ fn qwen3_moe_matches_modelopt_bit_for_bit_in_every_format() {
 }
 
 #[test]
+fn mixtral_matches_modelopt_bit_for_bit() {
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::Fp8PerChannel,
+        Format::Int8Wo,
+        Format::Mxfp8,
+        Format::Fp8Block,
+    ] {
+        check("mixtral-tiny", format);
+    }
+}
+
+#[test]
+fn qwen2_with_attention_biases_matches_modelopt_bit_for_bit() {
+    for format in [Format::Fp8, Format::Nvfp4, Format::Int8Wo, Format::Fp8Block] {
+        check("qwen2-tiny", format);
+    }
+}
+
+#[test]
 fn experts_without_calibration_get_the_max_over_their_siblings() {
     // ModelOpt calibrates every expert on every token, so its dumps never miss one; remove some
     // to exercise the fill: expert 3's gate_proj loses its amax, and every expert's down_proj.

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """ModelOpt reference exports for kiln's compatibility tests (tests/compat.rs).
 
-Builds tiny random models (bf16, fixed seeds) — a Llama and a Qwen3-MoE whose 8 experts see
-few calibration tokens, so some see none — calibrates them with ModelOpt on fixed token ids,
+Builds tiny random models (bf16, fixed seeds) — a Llama, a Qwen2 with attention biases, a
+Mixtral (per-expert w1/w2/w3) and a Qwen3-MoE whose 8 experts see few calibration tokens, so
+some see none — calibrates them with ModelOpt on fixed token ids,
 dumps every input quantizer's amax under ModelOpt's quantizer names, and exports them with
 ModelOpt for each format kiln implements. Everything it writes is small and committed:
 
@@ -83,12 +84,51 @@ def tiny_qwen3_moe():
     return model
 
 
+
+def tiny_mixtral():
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    return _random_norms(transformers.MixtralForCausalLM(config))
+
+
+def tiny_qwen2():
+    """Qwen2: q/k/v carry biases, which are copied unquantized."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    model = _random_norms(transformers.Qwen2ForCausalLM(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    return model
+
+
+def _random_norms(model):
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    return model
+
+
 # model name → (constructor, transformers class, calibration shape, formats)
 MODELS = {
     "llama-tiny": (tiny_llama, transformers.LlamaForCausalLM, (4, 32), list(FORMATS)),
     # Few tokens over 8 experts: some experts get none and ModelOpt fills their input amax.
     "qwen3-moe-tiny": (tiny_qwen3_moe, transformers.Qwen3MoeForCausalLM, (1, 6),
                        ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block"]),
+    "mixtral-tiny": (tiny_mixtral, transformers.MixtralForCausalLM, (2, 16),
+                     ["fp8", "nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block"]),
+    "qwen2-tiny": (tiny_qwen2, transformers.Qwen2ForCausalLM, (2, 16),
+                   ["fp8", "nvfp4", "int8-wo", "fp8-block"]),
 }
 
 
