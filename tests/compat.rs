@@ -212,6 +212,18 @@ fn qwen2_with_attention_biases_matches_modelopt_bit_for_bit() {
 }
 
 #[test]
+fn qwen3_dense_with_qk_norms_matches_modelopt_bit_for_bit() {
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::W4a16Nvfp4,
+        Format::Mxfp4,
+    ] {
+        check("qwen3-tiny", format);
+    }
+}
+
+#[test]
 fn experts_without_calibration_get_the_max_over_their_siblings() {
     // ModelOpt calibrates every expert on every token, so its dumps never miss one; remove some
     // to exercise the fill: expert 3's gate_proj loses its amax, and every expert's down_proj.
