@@ -224,6 +224,18 @@ fn qwen3_dense_with_qk_norms_matches_modelopt_bit_for_bit() {
 }
 
 #[test]
+fn mistral_matches_modelopt_bit_for_bit() {
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::Fp8PerChannel,
+        Format::Mxfp8,
+    ] {
+        check("mistral-tiny", format);
+    }
+}
+
+#[test]
 fn experts_without_calibration_get_the_max_over_their_siblings() {
     // ModelOpt calibrates every expert on every token, so its dumps never miss one; remove some
     // to exercise the fill: expert 3's gate_proj loses its amax, and every expert's down_proj.

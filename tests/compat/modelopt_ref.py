@@ -2,7 +2,7 @@
 """ModelOpt reference exports for kiln's compatibility tests (tests/compat.rs).
 
 Builds tiny random models (bf16, fixed seeds) — a Llama, a Qwen2 with attention biases, a
-Qwen3 with q/k norms, a Mixtral (per-expert w1/w2/w3) and a Qwen3-MoE whose 8 experts see few calibration tokens, so
+Qwen3 with q/k norms, a Mistral, a Mixtral (per-expert w1/w2/w3) and a Qwen3-MoE whose 8 experts see few calibration tokens, so
 some see none — calibrates them with ModelOpt on fixed token ids,
 dumps every input quantizer's amax under ModelOpt's quantizer names, and exports them with
 ModelOpt for each format kiln implements. Everything it writes is small and committed:
@@ -121,6 +121,15 @@ def tiny_qwen3():
     )
     return _random_norms(transformers.Qwen3ForCausalLM(config))
 
+
+def tiny_mistral():
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    return _random_norms(transformers.MistralForCausalLM(config))
+
 def _random_norms(model):
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -142,6 +151,8 @@ MODELS = {
                    ["fp8", "nvfp4", "int8-wo", "fp8-block"]),
     "qwen3-tiny": (tiny_qwen3, transformers.Qwen3ForCausalLM, (2, 16),
                    ["fp8", "nvfp4", "w4a16-nvfp4", "mxfp4"]),
+    "mistral-tiny": (tiny_mistral, transformers.MistralForCausalLM, (2, 16),
+                     ["fp8", "nvfp4", "fp8-per-channel", "mxfp8"]),
 }
 
 
