@@ -130,9 +130,8 @@ pub fn amax_tiles<T: Element>(
         // The reference names every bad shape and handles the empty ones.
         return crate::ops::amax::amax_tiles(x, rows, cols, tile, out);
     }
-    let tc = cols.div_ceil(tile);
+    let (tr, tc) = (rows.div_ceil(tile), cols.div_ceil(tile));
     crate::error::check_len("amax_tiles", "input", x.len(), rows * cols, &[rows, cols])?;
-    let tr = rows.div_ceil(tile);
     crate::error::check_len("amax_tiles", "output", out.len(), tr * tc, &[tr, tc])?;
     x.par_chunks(tile * cols)
         .zip(out.par_chunks_mut(tc))
