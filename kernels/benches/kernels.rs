@@ -4,31 +4,15 @@
 //!
 //! `cargo bench -p kiln-kernels` (`KILN_BENCH_SIZES=4096` to run one size).
 
+mod common;
+
+use common::{sizes, weights};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use half::bf16;
 use kiln_kernels::cpu;
 use kiln_kernels::ops::{fp8, int, nvfp4};
 use rayon::ThreadPool;
 use std::hint::black_box;
 use std::time::Duration;
-
-fn weights(n: usize) -> Vec<bf16> {
-    // A deterministic, roughly normal spread (no allocation-heavy RNG needed).
-    (0..n)
-        .map(|i| {
-            let u =
-                ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 24) as f32;
-            bf16::from_f32((u - 0.5) * 0.1 + if i % 997 == 0 { 0.8 } else { 0.0 })
-        })
-        .collect()
-}
-
-fn sizes() -> Vec<usize> {
-    match std::env::var("KILN_BENCH_SIZES") {
-        Ok(s) => s.split(',').filter_map(|v| v.trim().parse().ok()).collect(),
-        Err(_) => vec![4096, 8192],
-    }
-}
 
 fn pools() -> Vec<(String, ThreadPool)> {
     let all = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -52,7 +36,7 @@ fn pools() -> Vec<(String, ThreadPool)> {
 }
 
 fn bench(c: &mut Criterion) {
-    for side in sizes() {
+    for side in sizes(&[4096, 8192]) {
         let (rows, cols) = (side, side);
         let n = rows * cols;
         let w = weights(n);
