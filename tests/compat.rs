@@ -1,7 +1,9 @@
-//! Compatibility with ModelOpt 0.47: kiln exports the same tiny models (a Llama and a
-//! Qwen3-MoE) that `tests/compat/modelopt_ref.py` exported with ModelOpt (feeding ModelOpt's
-//! calibrated amax through `--act-amax`), and every tensor — name, dtype, shape, bytes — and
-//! both JSON files must match. The only allowed difference is the producer (`kiln`).
+//! Compatibility with ModelOpt 0.47: kiln exports the same tiny models (Llama, Mistral,
+//! Qwen2, Qwen3, Qwen3-MoE and Mixtral with per-expert Linears, GPT-OSS with 3-D BMM experts,
+//! and Qwen3-MoE with transformers 5's fused 3-D experts) that `tests/compat/modelopt_ref.py`
+//! exported with ModelOpt (feeding ModelOpt's calibrated amax through `--act-amax`), and every
+//! tensor — name, dtype, shape, bytes — and both JSON files must match. The only allowed
+//! difference is the producer (`kiln`).
 
 use kiln::checkpoint::Checkpoint;
 use kiln::export::act_amax::ActAmax;
@@ -43,6 +45,20 @@ fn check(model: &str, format: Format) {
     check_recipe(model, format.cli_name(), Recipe::new(format));
 }
 
+/// Export options for the compat model at `root` into `out`.
+fn options(root: &Path, out: &Path, recipe: Recipe, act: ActAmax) -> ExportOptions {
+    ExportOptions {
+        model: root.join("model"),
+        out: out.to_path_buf(),
+        recipe,
+        act_amax: Some(act),
+        max_shard_bytes: 5_000_000_000,
+        force: false,
+        progress: None,
+        cancel: None,
+    }
+}
+
 /// `model`'s export `dir` (its `amax.json` and `modelopt/`) against kiln with `recipe`.
 fn check_recipe(model: &str, dir: &str, recipe: Recipe) {
     let format = recipe.format;
@@ -50,17 +66,8 @@ fn check_recipe(model: &str, dir: &str, recipe: Recipe) {
     let reference = root.join(dir).join("modelopt");
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
-    let options = ExportOptions {
-        model: root.join("model"),
-        out: out.clone(),
-        recipe,
-        act_amax: Some(ActAmax::read(&root.join(dir).join("amax.json")).unwrap()),
-        max_shard_bytes: 5_000_000_000,
-        force: false,
-        progress: None,
-        cancel: None,
-    };
-    run(&options).unwrap_or_else(|e| panic!("{format}: {e}"));
+    let act = ActAmax::read(&root.join(dir).join("amax.json")).unwrap();
+    run(&options(&root, &out, recipe, act)).unwrap_or_else(|e| panic!("{format}: {e}"));
 
     let (ours, theirs) = (
         Checkpoint::open(&out).unwrap(),
@@ -252,17 +259,13 @@ fn experts_without_calibration_get_the_max_over_their_siblings() {
         .collect();
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
-    let options = ExportOptions {
-        model: root.join("model"),
-        out: out.clone(),
-        recipe: Recipe::new(Format::Fp8),
-        act_amax: Some(ActAmax::from_values(kept.clone())),
-        max_shard_bytes: 5_000_000_000,
-        force: false,
-        progress: None,
-        cancel: None,
-    };
-    run(&options).unwrap();
+    run(&options(
+        &root,
+        &out,
+        Recipe::new(Format::Fp8),
+        ActAmax::from_values(kept.clone()),
+    ))
+    .unwrap();
     let c = Checkpoint::open(&out).unwrap();
     let scale = |m: &str| c.read_as::<f32>(&format!("{m}.input_scale")).unwrap()[0];
     let max_gate = (0..8)
@@ -284,4 +287,88 @@ fn experts_without_calibration_get_the_max_over_their_siblings() {
         .as_f64()
         .unwrap() as f32;
     assert_eq!(scale(&format!("{experts}.2.gate_proj")), own / 448.0);
+}
+
+#[test]
+fn gpt_oss_bmm_experts_match_modelopt_bit_for_bit() {
+    // 3-D experts that stay 3-D: per-tensor scales across experts, NVFP4 transposed, MX along
+    // the output dimension, FP8 per-channel per expert; attention sinks and router biases
+    // copied. ModelOpt 0.47 cannot export int8-wo here.
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::W4a16Nvfp4,
+        Format::Fp8PerChannel,
+        Format::Mxfp8,
+        Format::Mxfp4,
+        Format::Fp8Block,
+    ] {
+        check("gpt-oss-tiny", format);
+    }
+}
+
+#[test]
+fn fused_experts_of_transformers_5_match_modelopt_bit_for_bit() {
+    // A checkpoint in transformers 5's in-memory layout (`gate_up_proj [E, 2I, H]`,
+    // `down_proj [E, H, I]`) against ModelOpt 0.47 under transformers 5.24: per-expert 2-D
+    // Linears, one input scale per projection for every expert.
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::W4a16Nvfp4,
+        Format::Fp8PerChannel,
+        Format::Int8Wo,
+        Format::Mxfp8,
+        Format::Mxfp4,
+        Format::Fp8Block,
+    ] {
+        check("qwen3-moe-fused-tiny", format);
+    }
+}
+
+/// kiln's export of `model` with `recipe` and input amax `act`, expected to fail: its message.
+fn export_error(model: &str, recipe: Recipe, act: ActAmax) -> String {
+    let root = compat_dir(model);
+    let out_root = tempfile::tempdir().unwrap();
+    let out = out_root.path().join("kiln");
+    let e = run(&options(&root, &out, recipe, act))
+        .expect_err("the export must fail")
+        .to_string();
+    assert!(!out.exists(), "a failed export left {}", out.display());
+    e
+}
+
+#[test]
+fn three_d_experts_name_what_they_cannot_do() {
+    // FP8 needs the experts' per-projection input quantizers; without them the export stops
+    // before writing anything and names them.
+    let root = compat_dir("qwen3-moe-fused-tiny");
+    let all = json(&root.join("fp8/amax.json"));
+    let without_experts = all
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| !k.contains(".experts."))
+        .map(|(k, v)| (k.clone(), v.as_f64().unwrap() as f32));
+    let e = export_error(
+        "qwen3-moe-fused-tiny",
+        Recipe::new(Format::Fp8),
+        ActAmax::from_values(without_experts),
+    );
+    assert!(
+        e.contains("`model.layers.0.mlp.experts.gate_up_proj_input_quantizer`")
+            && e.contains("`model.layers.0.mlp.experts.down_proj_input_quantizer`"),
+        "{e}"
+    );
+    // INT8 per channel cannot take BMM experts (nor can ModelOpt 0.47).
+    let e = export_error(
+        "gpt-oss-tiny",
+        Recipe::new(Format::Int8Wo),
+        ActAmax::from_values([]),
+    );
+    assert!(
+        e.contains("`model.layers.0.mlp.experts.gate_up_proj`")
+            && e.contains("int8-wo cannot quantize BMM experts"),
+        "{e}"
+    );
 }

@@ -61,10 +61,10 @@ fn global_exporter_order_is_tier_priority_path() {
     assert_eq!(
         paths,
         [
+            "kiln_test_plugin::PluginExperts", // prepend (ahead of the built-in BmmExperts)
             "kiln_test_plugin::PluginLinear",  // prepend
             "registry_rules::HighLinear",      // normal, priority 10
-            "kiln_test_plugin::PluginExperts", // normal, priority 0, by path
-            "kiln_test_plugin::PluginRouter",
+            "kiln_test_plugin::PluginRouter",  // normal, priority 0, by path
             "registry_rules::CrateArg",
             "registry_rules::NewMlp", // OldMlp is replaced
             "registry_rules::QuantProj",
@@ -78,7 +78,9 @@ fn global_exporter_order_is_tier_priority_path() {
     let quant_linear = pos("kiln_runtime::export::linear::QuantLinear");
     assert!(
         pos("registry_rules::HighLinear") < quant_linear
-            && quant_linear < pos("kiln_test_plugin::PluginExperts")
+            && quant_linear < pos("kiln_test_plugin::PluginRouter")
+            && pos("kiln_test_plugin::PluginExperts")
+                < pos("kiln_runtime::export::experts::BmmExperts")
     );
     let high = &r.entries()[pos("registry_rules::HighLinear")];
     assert!(high.meta.location.file.ends_with("registry_rules.rs"));

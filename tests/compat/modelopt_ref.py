@@ -2,8 +2,8 @@
 """ModelOpt reference exports for kiln's compatibility tests (tests/compat.rs).
 
 Builds tiny random models (bf16, fixed seeds) — a Llama, a Qwen2 with attention biases, a
-Qwen3 with q/k norms, a Mistral, a Mixtral (per-expert w1/w2/w3) and a Qwen3-MoE whose 8 experts see few calibration tokens, so
-some see none — calibrates them with ModelOpt on fixed token ids,
+Qwen3 with q/k norms, a Mistral, a Mixtral (per-expert w1/w2/w3), a Qwen3-MoE whose 8 experts see few calibration tokens, so
+some see none, and a GPT-OSS (3-D BMM experts) — calibrates them with ModelOpt on fixed token ids,
 dumps every input quantizer's amax under ModelOpt's quantizer names, and exports them with
 ModelOpt for each format kiln implements. Everything it writes is small and committed:
 
@@ -12,7 +12,9 @@ ModelOpt for each format kiln implements. Everything it writes is small and comm
     tests/compat/<model>/<format>/modelopt/  ModelOpt's export
 
     python3 -m venv --system-site-packages .venv && .venv/bin/pip install -r requirements.txt
-    .venv/bin/python tests/compat/modelopt_ref.py [FORMAT ...]   # all formats by default
+    .venv/bin/python tests/compat/modelopt_ref.py [MODEL ...] [FORMAT ...]   # all by default
+    # and, for the transformers-5 models (fused experts), the same in a second venv:
+    python3 -m venv --system-site-packages .venv5 && .venv5/bin/pip install -r requirements-tf5.txt
 Runs on the CPU (a few seconds per format).
 """
 import copy
@@ -130,6 +132,55 @@ def tiny_mistral():
     )
     return _random_norms(transformers.MistralForCausalLM(config))
 
+def tiny_gpt_oss():
+    """GPT-OSS: BMM experts (3-D `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`, with biases)
+    that stay 3-D, attention sinks, a router with a bias."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = _random_norms(transformers.GptOssForCausalLM(config))
+    with torch.no_grad():
+        # transformers initialises the experts to zeros: give them (and biases) values.
+        for name, p in model.named_parameters():
+            if p.dim() == 3 or (p.dim() == 2 and name.endswith("_bias")):
+                p.copy_((0.02 * torch.randn_like(p, dtype=torch.float32)).to(p.dtype))
+    return model
+
+
+def tiny_qwen3_moe_fused():
+    """Qwen3-MoE as transformers 5 holds it in memory: fused experts `gate_up_proj [E, 2I, H]`
+    and `down_proj [E, H, I]` (one input quantizer per projection in ModelOpt)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = _random_norms(transformers.Qwen3MoeForCausalLM(config))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.copy_((0.02 * torch.randn_like(p, dtype=torch.float32)).to(p.dtype))
+    return model
+
+
+def save_in_memory_layout(model, path):
+    """Writes the state dict as transformers 5 holds it (fused 3-D experts) — what a checkpoint
+    saved without transformers' reverse conversion contains."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _random_norms(model):
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -153,6 +204,17 @@ MODELS = {
                    ["fp8", "nvfp4", "w4a16-nvfp4", "mxfp4"]),
     "mistral-tiny": (tiny_mistral, transformers.MistralForCausalLM, (2, 16),
                      ["fp8", "nvfp4", "fp8-per-channel", "mxfp8"]),
+    # ModelOpt 0.47 fails on int8-wo for these experts (a shape error in its exporter).
+    "gpt-oss-tiny": (tiny_gpt_oss, transformers.GptOssForCausalLM, (2, 16),
+                     ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "mxfp8", "mxfp4", "fp8-block"]),
+}
+
+# Models that need transformers 5 (run the script a second time in a venv from
+# requirements-tf5.txt): name → (constructor, class, calibration shape, formats, saver).
+MODELS_TF5 = {
+    "qwen3-moe-fused-tiny": (tiny_qwen3_moe_fused, "Qwen3MoeForCausalLM", (2, 16),
+                             ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8",
+                              "mxfp4", "fp8-block"], save_in_memory_layout),
 }
 
 
@@ -163,21 +225,43 @@ def calibration_ids(shape):
 
 def main():
     print("modelopt", modelopt.__version__, "transformers", transformers.__version__, "torch", torch.__version__)
-    only = set(sys.argv[1:])  # optional: regenerate only these formats
-    for model_name, (make, cls, calib_shape, formats) in MODELS.items():
+    # Optional arguments: regenerate only these models and/or formats. Each transformers major
+    # version makes its own models (transformers 5 holds MoE experts fused).
+    major = int(transformers.__version__.split(".")[0])
+    if major >= 5:
+        models = {k: (m, getattr(transformers, c), sh, f, save) for k, (m, c, sh, f, save) in MODELS_TF5.items()}
+    else:
+        models = {k: (m, c, sh, f, None) for k, (m, c, sh, f) in MODELS.items()}
+    names = set(MODELS) | set(MODELS_TF5)
+    only_models = {a for a in sys.argv[1:] if a in names}
+    only = {a for a in sys.argv[1:] if a not in names}
+    for model_name, (make, cls, calib_shape, formats, save) in models.items():
+        if only_models and model_name not in only_models:
+            continue
         formats = [f for f in formats if not only or f in only]
-        export_model(HERE / model_name, make, cls, calibration_ids(calib_shape), formats)
+        export_model(HERE / model_name, make, cls, calibration_ids(calib_shape), formats, save)
 
 
-def export_model(root, make, cls, ids, formats):
+def export_model(root, make, cls, ids, formats, save=None):
     input_dir = root / "model"
     if input_dir.exists():
         shutil.rmtree(input_dir)
-    make().save_pretrained(input_dir, safe_serialization=True)
+    load_dir = input_dir
+    if save is None:
+        make().save_pretrained(input_dir, safe_serialization=True)
+    else:
+        # kiln reads `save`'s layout; ModelOpt loads the same weights from transformers' own
+        # (hub) layout, which it handles — in memory the two are the same model.
+        model = make()
+        save(model, input_dir)
+        load_dir = root / ".hub-layout"
+        if load_dir.exists():
+            shutil.rmtree(load_dir)
+        model.save_pretrained(load_dir, safe_serialization=True)
     for name in formats:
         cfg = FORMATS[name]
         # Loaded from disk so config.torch_dtype is set (ModelOpt's MoE export needs it).
-        model = cls.from_pretrained(input_dir, torch_dtype=torch.bfloat16).eval()
+        model = cls.from_pretrained(load_dir, torch_dtype=torch.bfloat16).eval()
 
         def forward_loop(m):
             with torch.no_grad():
@@ -186,11 +270,13 @@ def export_model(root, make, cls, ids, formats):
 
         mtq.quantize(model, cfg, forward_loop)
         amax = {}
-        for mod_name, module in model.named_modules():
-            for quantizer in ("input_quantizer", "k_bmm_quantizer", "v_bmm_quantizer"):
-                q = getattr(module, quantizer, None)
-                if q is not None and getattr(q, "amax", None) is not None and q.amax.numel() == 1:
-                    amax[f"{mod_name}.{quantizer}"] = float(q.amax.float())
+        # Every per-tensor input / KV quantizer under its module name: `<linear>.input_quantizer`,
+        # `<experts>.<param>_input_quantizer` (3-D experts), `<attention>.{k,v}_bmm_quantizer`.
+        for q_name, q in model.named_modules():
+            if not q_name.endswith(("input_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")):
+                continue
+            if getattr(q, "amax", None) is not None and q.amax.numel() == 1:
+                amax[q_name] = float(q.amax.float())
         out = root / name
         if out.exists():
             shutil.rmtree(out)
@@ -202,6 +288,8 @@ def export_model(root, make, cls, ids, formats):
         except Exception as e:  # a format ModelOpt cannot export on the CPU
             shutil.rmtree(out)
             print(f"{root.name} {name}: ModelOpt failed: {type(e).__name__}: {e}")
+    if load_dir != input_dir:
+        shutil.rmtree(load_dir)
 
 
 if __name__ == "__main__":

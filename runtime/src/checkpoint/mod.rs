@@ -229,31 +229,40 @@ impl Checkpoint {
         self.tensors.is_empty()
     }
 
-    /// Reads tensor `name`'s bytes into `buf` (resized to fit).
-    pub fn read(&self, name: &str, buf: &mut Vec<u8>) -> Result<(), CheckpointError> {
-        let &(s, i) = self
-            .tensors
+    /// The shard and index of tensor `name`, or a named error.
+    fn locate(&self, name: &str) -> Result<(usize, usize), CheckpointError> {
+        self.tensors
             .get(name)
+            .copied()
             .ok_or_else(|| CheckpointError::Tensor {
                 file: self.dir.clone(),
                 tensor: name.to_string(),
                 message: "no such tensor in the checkpoint".into(),
-            })?;
+            })
+    }
+
+    /// Reads tensor `name`'s bytes into `buf` (resized to fit).
+    pub fn read(&self, name: &str, buf: &mut Vec<u8>) -> Result<(), CheckpointError> {
+        let (s, i) = self.locate(name)?;
         self.shards[s].read(i, buf)
     }
 
     /// Reads tensor `name` as elements of `T` (its dtype must have `T`'s size), straight into
     /// a vector of `T` — no intermediate byte buffer.
     pub fn read_as<T: bytemuck::Pod>(&self, name: &str) -> Result<Vec<T>, CheckpointError> {
-        let &(s, i) = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| CheckpointError::Tensor {
-                file: self.dir.clone(),
-                tensor: name.to_string(),
-                message: "no such tensor in the checkpoint".into(),
-            })?;
+        let (s, i) = self.locate(name)?;
         self.shards[s].read_as(i)
+    }
+
+    /// Reads elements `start..start + len` (flat, row-major) of tensor `name` as `T`.
+    pub fn read_range_as<T: bytemuck::Pod>(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+    ) -> Result<Vec<T>, CheckpointError> {
+        let (s, i) = self.locate(name)?;
+        self.shards[s].read_range_as(i, start, len)
     }
 
     /// Total bytes of tensor data.

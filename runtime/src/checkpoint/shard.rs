@@ -168,16 +168,43 @@ impl Shard {
     pub fn read_as<T: bytemuck::Pod>(&self, i: usize) -> Result<Vec<T>, CheckpointError> {
         let t = &self.tensors[i];
         let size = std::mem::size_of::<T>() as u64;
+        self.read_range_as(i, 0, (t.byte_len() / size) as usize)
+    }
+
+    /// Reads elements `start..start + len` of tensor `i` (flat, row-major) as `T`: one expert
+    /// of a 3-D tensor without reading the others.
+    pub fn read_range_as<T: bytemuck::Pod>(
+        &self,
+        i: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Vec<T>, CheckpointError> {
+        let t = &self.tensors[i];
+        let size = std::mem::size_of::<T>() as u64;
+        let fail = |message: String| CheckpointError::Tensor {
+            file: self.path.clone(),
+            tensor: t.name.clone(),
+            message,
+        };
         if !t.byte_len().is_multiple_of(size) || t.dtype.bitsize() as u64 != size * 8 {
-            return Err(CheckpointError::Tensor {
-                file: self.path.clone(),
-                tensor: t.name.clone(),
-                message: format!("is {:?}, not readable as {}-byte elements", t.dtype, size),
-            });
+            return Err(fail(format!(
+                "is {:?}, not readable as {}-byte elements",
+                t.dtype, size
+            )));
         }
-        let mut out = vec![T::zeroed(); (t.byte_len() / size) as usize];
+        let count = t.byte_len() / size;
+        if start as u64 + len as u64 > count {
+            return Err(fail(format!(
+                "elements {start}..{} are past its {count}",
+                start + len
+            )));
+        }
+        let mut out = vec![T::zeroed(); len];
         self.file
-            .read_exact_at(bytemuck::cast_slice_mut(&mut out), t.start)
+            .read_exact_at(
+                bytemuck::cast_slice_mut(&mut out),
+                t.start + start as u64 * size,
+            )
             .map_err(io(&self.path))?;
         Ok(out)
     }

@@ -73,6 +73,12 @@ impl ActAmax {
             .insert(format!("{module}.input_quantizer"), amax);
     }
 
+    /// The amax of the quantizer named `quantizer` (ModelOpt's module name, e.g.
+    /// `<experts>.gate_up_proj_input_quantizer` for 3-D experts).
+    pub fn quantizer(&self, quantizer: &str) -> Option<f32> {
+        self.values.get(quantizer).copied()
+    }
+
     /// The K or V amax of the attention module at `attention` (`which` is `k` or `v`).
     pub fn kv(&self, attention: &str, which: char) -> Option<f32> {
         self.values

@@ -74,10 +74,11 @@ impl ModuleExporter for QuantLinear {
             }
         };
         let format = recipe.format;
+        let scales = TreeScales { ctx, module, name };
         let q = Quantize {
             ctx,
-            module,
-            name,
+            scales: &scales,
+            out: name,
             weight: &weight,
             rows,
             cols,
@@ -104,12 +105,24 @@ impl ModuleExporter for QuantLinear {
 
 /// `amax / divisor` with the amax exported as ModelOpt's `export_amax` does: zero or NaN
 /// becomes the bound (scale 1), and a subnormal is raised to `f32::MIN_POSITIVE`.
-fn export_scale(amax: f32, divisor: f32) -> f32 {
+pub(crate) fn export_scale(amax: f32, divisor: f32) -> f32 {
     if amax == 0.0 || amax.is_nan() {
         1.0
     } else {
         amax.max(f32::MIN_POSITIVE) / divisor
     }
+}
+
+/// The input scale of `format` for an input amax: `amax / divisor`, a zero or NaN amax
+/// becoming the quantizer's bound (ModelOpt's `export_amax`).
+pub(crate) fn input_scale_of(format: Format, amax: f32) -> f32 {
+    let (bound, divisor) = format.input_bound_and_divisor();
+    let amax = if amax == 0.0 || amax.is_nan() {
+        bound
+    } else {
+        amax
+    };
+    amax / divisor
 }
 
 /// With `--kv-cache`, an attention's `k_proj` / `v_proj` carry the KV-cache scale:
@@ -146,22 +159,188 @@ fn kv_cache_scale(
     Ok(())
 }
 
-/// One Linear's quantization.
-struct Quantize<'a> {
-    ctx: &'a ExportContext,
-    module: ModuleRef<'a>,
-    name: &'a str,
-    weight: &'a str,
-    rows: usize,
-    cols: usize,
-    format: Format,
+/// Where the scales a weight shares with other weights come from (FORMATS.md §4): a Linear
+/// of the module tree takes them from its siblings ([`TreeScales`]); one expert of fused 3-D
+/// experts from its expert and the experts' single input quantizer per projection.
+pub(crate) trait ScaleSource {
+    /// The amax behind the per-tensor FP8 weight scale and NVFP4's `weight_scale_2`: the
+    /// weight's max |w|, or the max over every weight that shares the scale.
+    fn tensor_amax(&self, format: Format) -> Result<f32, ExportError>;
+    /// The input amax (the max over every Linear sharing the input scale), raw;
+    /// [`ExportError::MissingActAmax`] when none is known.
+    fn input_amax(&self, format: Format) -> Result<f32, ExportError>;
+    /// Per-row (`tile = None`) or per-tile amax of a partner weight whose amax this one's is
+    /// synced with element-wise (an expert's gate/up), if any.
+    fn partner_amax(
+        &self,
+        tile: Option<usize>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<f32>>, ExportError>;
+    /// FP8 128×128 blocks: the one amax a shared-input group shares when every member is a
+    /// single tile (ModelOpt's `preprocess_linear_fusion`), if that applies.
+    fn shared_tile_amax(&self) -> Result<Option<f32>, ExportError>;
 }
 
-fn scalar(v: f32) -> Vec<u8> {
+/// The scales of a Linear in the module tree.
+pub(crate) struct TreeScales<'a> {
+    pub ctx: &'a ExportContext,
+    pub module: ModuleRef<'a>,
+    pub name: &'a str,
+}
+
+/// Per-row or per-tile amax of `x`.
+fn reduce_amax<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    tile: Option<usize>,
+    out: &mut [f32],
+) -> Result<(), kiln_kernels::KernelError> {
+    match tile {
+        None => cpu::amax_rows(x, rows, cols, out),
+        Some(t) => cpu::amax_tiles(x, rows, cols, t, out),
+    }
+}
+
+/// max, NaN-propagating.
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+impl ScaleSource for TreeScales<'_> {
+    fn tensor_amax(&self, format: Format) -> Result<f32, ExportError> {
+        let members = if format.shares_group_scales() {
+            // NVFP4 family: q/k/v and gate/up share `weight_scale_2` (the max).
+            let recipe = self.ctx.recipe()?;
+            input_group(self.module, |p| recipe.quantizes(p))
+        } else {
+            // FP8: an expert's gate/up share the weight scale (`sync_moe_gate_up_amax`).
+            expert_gate_up(self.module).map_or_else(|| vec![self.name.to_string()], |p| p.to_vec())
+        };
+        let mut amax = 0f32;
+        for m in &members {
+            amax = amax.max(self.ctx.weight_amax(&full_name(m, "weight"))?);
+        }
+        Ok(amax)
+    }
+
+    fn input_amax(&self, format: Format) -> Result<f32, ExportError> {
+        let group = if format.shares_group_scales() {
+            let recipe = self.ctx.recipe()?;
+            input_group(self.module, |p| recipe.quantizes(p))
+        } else {
+            vec![self.name.to_string()]
+        };
+        let mut found = None;
+        for m in &group {
+            if let Some(a) = self.ctx.input_amax(m)? {
+                found = Some(found.map_or(a, |f: f32| f.max(a)));
+            }
+        }
+        found.ok_or_else(|| ExportError::MissingActAmax {
+            format,
+            quantizers: group
+                .iter()
+                .map(|m| format!("{m}.input_quantizer"))
+                .collect(),
+        })
+    }
+
+    fn partner_amax(
+        &self,
+        tile: Option<usize>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<f32>>, ExportError> {
+        let Some(pair) = expert_gate_up(self.module) else {
+            return Ok(None);
+        };
+        let other = if pair[0] == self.name {
+            &pair[1]
+        } else {
+            &pair[0]
+        };
+        let len = match tile {
+            None => rows,
+            Some(t) => rows.div_ceil(t) * cols.div_ceil(t),
+        };
+        let mut b = vec![0f32; len];
+        let c = self.ctx.checkpoint()?;
+        let name = full_name(other, "weight");
+        let kernel = |r: Result<(), kiln_kernels::KernelError>| {
+            r.map_err(|source| ExportError::Kernel {
+                tensor: name.clone(),
+                source,
+            })
+        };
+        fn read<T: Element>(
+            c: &crate::checkpoint::Checkpoint,
+            name: &str,
+            rows: usize,
+            cols: usize,
+            tile: Option<usize>,
+            out: &mut [f32],
+        ) -> Result<Result<(), kiln_kernels::KernelError>, ExportError> {
+            Ok(reduce_amax(&c.read_as::<T>(name)?, rows, cols, tile, out))
+        }
+        let reduced = match c.tensor(&name).map(|t| t.dtype) {
+            Some(Dtype::BF16) => read::<bf16>(c, &name, rows, cols, tile, &mut b)?,
+            Some(Dtype::F16) => read::<f16>(c, &name, rows, cols, tile, &mut b)?,
+            Some(Dtype::F32) => read::<f32>(c, &name, rows, cols, tile, &mut b)?,
+            other => {
+                return Err(ExportError::Invalid(format!(
+                    "tensor `{name}`: cannot sync gate/up amax with dtype {other:?}"
+                )));
+            }
+        };
+        kernel(reduced)?;
+        Ok(Some(b))
+    }
+
+    fn shared_tile_amax(&self) -> Result<Option<f32>, ExportError> {
+        const TILE: usize = 128;
+        let recipe = self.ctx.recipe()?;
+        let group = input_group(self.module, |p| recipe.quantizes(p));
+        let c = self.ctx.checkpoint()?;
+        let one_tile = |m: &String| {
+            c.tensor(&full_name(m, "weight"))
+                .is_some_and(|t| t.shape.iter().all(|&d| d <= TILE))
+        };
+        if group.len() < 2 || !group.iter().all(one_tile) {
+            return Ok(None);
+        }
+        let mut amax = 0f32;
+        for m in &group {
+            amax = nan_max(amax, self.ctx.weight_amax(&full_name(m, "weight"))?);
+        }
+        Ok(Some(amax))
+    }
+}
+
+/// One Linear-shaped weight's quantization: reads nothing itself, takes the weight's values
+/// and where its shared scales come from, and writes `<out>.weight`, `<out>.weight_scale`, ….
+pub(crate) struct Quantize<'a> {
+    pub ctx: &'a ExportContext,
+    pub scales: &'a dyn ScaleSource,
+    /// The output module path.
+    pub out: &'a str,
+    /// The input tensor, for error messages.
+    pub weight: &'a str,
+    pub rows: usize,
+    pub cols: usize,
+    pub format: Format,
+}
+
+pub(crate) fn scalar(v: f32) -> Vec<u8> {
     v.to_le_bytes().to_vec()
 }
 
-fn f32s(v: &[f32]) -> Vec<u8> {
+pub(crate) fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
@@ -181,30 +360,16 @@ impl Quantize<'_> {
         data: &[u8],
     ) -> Result<(), ExportError> {
         self.ctx
-            .emit(&full_name(self.name, tensor), dtype, shape, data)
+            .emit(&full_name(self.out, tensor), dtype, shape, data)
     }
 
-    /// The input scale: `amax / divisor`, with the amax the max over the group members that have
-    /// one (an error when none has); a zero or NaN amax becomes the quantizer's bound
+    /// The input scale `amax / divisor`; a zero or NaN amax becomes the quantizer's bound
     /// (ModelOpt's `export_amax`).
-    fn input_scale(&self, group: &[String]) -> Result<f32, ExportError> {
-        let (bound, divisor) = self.format.input_bound_and_divisor();
-        let mut found = None;
-        for m in group {
-            if let Some(a) = self.ctx.input_amax(m)? {
-                found = Some(found.map_or(a, |f: f32| f.max(a)));
-            }
-        }
-        let amax = found.ok_or_else(|| ExportError::MissingActAmax {
-            format: self.format,
-            modules: group.to_vec(),
-        })?;
-        let amax = if amax == 0.0 || amax.is_nan() {
-            bound
-        } else {
-            amax
-        };
-        Ok(amax / divisor)
+    fn input_scale(&self) -> Result<f32, ExportError> {
+        Ok(input_scale_of(
+            self.format,
+            self.scales.input_amax(self.format)?,
+        ))
     }
 
     /// Per-row (`tile = None`) or per-tile scales `amax / divisor`, the amax exported as
@@ -222,57 +387,18 @@ impl Quantize<'_> {
             None => rows,
             Some(t) => rows.div_ceil(t) * cols.div_ceil(t),
         };
-        fn reduce<T: Element>(
-            x: &[T],
-            rows: usize,
-            cols: usize,
-            tile: Option<usize>,
-            out: &mut [f32],
-        ) -> Result<(), kiln_kernels::KernelError> {
-            match tile {
-                None => cpu::amax_rows(x, rows, cols, out),
-                Some(t) => cpu::amax_tiles(x, rows, cols, t, out),
-            }
-        }
         let mut a = vec![0f32; len];
-        self.kernel(reduce(w, rows, cols, tile, &mut a))?;
-        if let Some(pair) = expert_gate_up(self.module) {
-            let other = if pair[0] == self.name {
-                &pair[1]
-            } else {
-                &pair[0]
-            };
-            let mut b = vec![0f32; len];
-            let c = self.ctx.checkpoint()?;
-            let name = full_name(other, "weight");
-            match c.tensor(&name).map(|t| t.dtype) {
-                Some(Dtype::BF16) => {
-                    self.kernel(reduce(&c.read_as::<bf16>(&name)?, rows, cols, tile, &mut b))?
-                }
-                Some(Dtype::F16) => {
-                    self.kernel(reduce(&c.read_as::<f16>(&name)?, rows, cols, tile, &mut b))?
-                }
-                Some(Dtype::F32) => {
-                    self.kernel(reduce(&c.read_as::<f32>(&name)?, rows, cols, tile, &mut b))?
-                }
-                other => {
-                    return Err(ExportError::Invalid(format!(
-                        "tensor `{name}`: cannot sync gate/up amax with dtype {other:?}"
-                    )));
-                }
-            }
+        self.kernel(reduce_amax(w, rows, cols, tile, &mut a))?;
+        if let Some(b) = self.scales.partner_amax(tile, rows, cols)? {
             for (x, y) in a.iter_mut().zip(&b) {
-                *x = if x.is_nan() || y.is_nan() {
-                    f32::NAN
-                } else {
-                    x.max(*y)
-                };
+                *x = nan_max(*x, *y);
             }
         }
         Ok(a.iter().map(|&x| export_scale(x, divisor)).collect())
     }
 
-    fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
+    /// Quantizes `w` (`rows × cols`, row-major) and writes the tensors and error statistics.
+    pub(crate) fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
         use kiln_kernels::cpu::bits::e4m3_to_f32;
         use kiln_kernels::formats::e8m0::e8m0_to_f32;
         use kiln_kernels::formats::fp4::e2m1_to_f32;
@@ -282,17 +408,10 @@ impl Quantize<'_> {
             Format::Fp8 => {
                 // FORMATS.md: the raw weight amax (a zero amax gives a zero scale), the quotient
                 // rounded to the weight's dtype before the cast; an expert's gate/up share it.
-                let amax = match expert_gate_up(self.module) {
-                    Some(pair) => self
-                        .ctx
-                        .weight_amax(&full_name(&pair[0], "weight"))?
-                        .max(self.ctx.weight_amax(&full_name(&pair[1], "weight"))?),
-                    None => self.ctx.weight_amax(self.weight)?,
-                };
-                let s = ops::fp8::fp8_scale(amax);
+                let s = ops::fp8::fp8_scale(self.scales.tensor_amax(self.format)?);
                 let mut q = vec![0u8; n];
                 self.kernel(cpu::quantize_fp8_per_tensor(w, s, &mut q))?;
-                let input = self.input_scale(&[self.name.to_string()])?;
+                let input = self.input_scale()?;
                 self.emit("weight", Dtype::F8_E4M3, &shape, &q)?;
                 self.emit("weight_scale", Dtype::F32, &[], &scalar(s))?;
                 self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
@@ -315,23 +434,7 @@ impl Quantize<'_> {
                 let mut s = self.amax_scales(w, Some(TILE), 448.0)?;
                 // `preprocess_linear_fusion`: when a shared-input group (q/k/v, gate/up) has
                 // one tile each, its amax is a scalar and the group shares the max.
-                let recipe = self.ctx.recipe()?;
-                let group = input_group(self.module, |p| recipe.quantizes(p));
-                let c = self.ctx.checkpoint()?;
-                let one_tile = |m: &String| {
-                    c.tensor(&full_name(m, "weight"))
-                        .is_some_and(|t| t.shape.iter().all(|&d| d <= TILE))
-                };
-                if group.len() > 1 && group.iter().all(one_tile) {
-                    let mut amax = 0f32;
-                    for m in &group {
-                        let a = self.ctx.weight_amax(&full_name(m, "weight"))?;
-                        amax = if a.is_nan() || amax.is_nan() {
-                            f32::NAN
-                        } else {
-                            amax.max(a)
-                        };
-                    }
+                if let Some(amax) = self.scales.shared_tile_amax()? {
                     s = vec![export_scale(amax, 448.0)];
                 }
                 let (tr, tc) = (self.rows.div_ceil(TILE), cols.div_ceil(TILE));
@@ -358,13 +461,7 @@ impl Quantize<'_> {
                 ErrorStats::measure(w, |i| f32::from(q[i]) * s[i / cols])
             }
             Format::Nvfp4 | Format::W4a16Nvfp4 => {
-                let recipe = self.ctx.recipe()?;
-                let group = input_group(self.module, |p| recipe.quantizes(p));
-                let mut amax = 0f32;
-                for m in &group {
-                    amax = amax.max(self.ctx.weight_amax(&full_name(m, "weight"))?);
-                }
-                let ws2 = ops::nvfp4::nvfp4_global_scale(amax);
+                let ws2 = ops::nvfp4::nvfp4_global_scale(self.scales.tensor_amax(self.format)?);
                 let (mut packed, mut scales) = (vec![0u8; n / 2], vec![0u8; n / 16]);
                 self.kernel(cpu::quantize_nvfp4(
                     w,
@@ -382,7 +479,7 @@ impl Quantize<'_> {
                 )?;
                 self.emit("weight_scale_2", Dtype::F32, &[], &scalar(ws2))?;
                 if self.format == Format::Nvfp4 {
-                    let input = self.input_scale(&group)?;
+                    let input = self.input_scale()?;
                     self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
                 }
                 ErrorStats::measure(w, |i| {

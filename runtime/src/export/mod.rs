@@ -6,6 +6,7 @@
 //! constructed once per call, on first use; nothing about an export outlives the call.
 
 pub mod act_amax;
+pub mod experts;
 pub mod files;
 pub mod linear;
 pub mod moe;
@@ -63,13 +64,14 @@ pub enum ExportError {
     },
     /// The format needs activation statistics that were not given.
     #[error("{format} needs activation scales, and none are given for {}{} (pass --act-amax FILE or --calib FILE)",
-        modules.iter().take(3).map(|m| format!("`{m}.input_quantizer`")).collect::<Vec<_>>().join(", "),
-        if modules.len() > 3 { format!(" and {} more", modules.len() - 3) } else { String::new() })]
+        quantizers.iter().take(3).map(|m| format!("`{m}`")).collect::<Vec<_>>().join(", "),
+        if quantizers.len() > 3 { format!(" and {} more", quantizers.len() - 3) } else { String::new() })]
     MissingActAmax {
         /// The quantization format.
         format: Format,
-        /// The modules lacking statistics.
-        modules: Vec<String>,
+        /// The input quantizers lacking statistics, by ModelOpt's names
+        /// (`<linear>.input_quantizer`, `<experts>.gate_up_proj_input_quantizer`).
+        quantizers: Vec<String>,
     },
     /// The export was cancelled (Ctrl-C); nothing was left at the target.
     #[error("cancelled; no output was written")]
@@ -274,6 +276,11 @@ impl ExportContext {
     pub fn set_input_amax(&self, module: &str, amax: f32) -> Result<(), ExportError> {
         lock(&self.job()?.act).set_input(module, amax);
         Ok(())
+    }
+
+    /// The amax of the quantizer with ModelOpt's module name `quantizer`, if known.
+    pub fn quantizer_amax(&self, quantizer: &str) -> Result<Option<f32>, ExportError> {
+        Ok(lock(&self.job()?.act).quantizer(quantizer))
     }
 
     /// The K or V amax of an attention module.

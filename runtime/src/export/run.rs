@@ -163,14 +163,15 @@ fn check_act_amax(tree: &ModuleTree, recipe: &Recipe, act: &ActAmax) -> Result<(
             };
             group.iter().all(|g| act.input(g).is_none())
         })
-        .map(|m| m.path().to_string())
+        .map(|m| format!("{}.input_quantizer", m.path()))
+        .chain(super::experts::missing_input_amax(tree, recipe, act))
         .collect();
     if missing.is_empty() {
         Ok(())
     } else {
         Err(ExportError::MissingActAmax {
             format: recipe.format,
-            modules: missing,
+            quantizers: missing,
         })
     }
 }
@@ -217,11 +218,16 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let (writer, report) = ctx.finish_writer()?;
     let written = writer.finish()?;
 
-    // Modules recorded for exclude_modules: every Linear and Embedding (ModelOpt gives each a
-    // quantizer); the unquantized ones are summarised by prefix wildcards.
+    // Modules recorded for exclude_modules: every Linear and Embedding, and routers with a
+    // weight (GPT-OSS's `GptOssTopKRouter`) — ModelOpt gives each a quantizer; the unquantized
+    // ones are summarised by prefix wildcards.
     let recorded: BTreeSet<String> = tree
         .walk()
-        .filter(|m| m.class_chain().is::<Linear>() || m.class_chain().is::<Embedding>())
+        .filter(|m| {
+            m.class_chain().is::<Linear>()
+                || m.class_chain().is::<Embedding>()
+                || (m.class_name().ends_with("Router") && m.tensor("weight").is_some())
+        })
         .map(|m| m.path().to_string())
         .collect();
     let quantized_names: BTreeSet<String> = quantized.keys().cloned().collect();

@@ -146,6 +146,10 @@ pub fn generic_class(root: &str, path: &str, m: &ModuleShape<'_>) -> ClassChain 
         Some(1) if m.tensors.len() == 1 => return named("RMSNorm".into()),
         _ => {}
     }
+    if m.has_child("experts") && (m.has_child("gate") || m.has_child("router")) {
+        // A router and experts: an MoE block by ModelOpt's `is_moe` rule (class name).
+        return named("SparseMoeBlock".into());
+    }
     if last == "experts" && m.tensors.iter().any(|t| t.shape.len() == 3) {
         return named("FusedExperts".into());
     }
@@ -309,9 +313,11 @@ impl DecoderFamily {
 }
 
 macro_rules! families {
-    ($($(#[$doc:meta])* $ty:ident => $name:literal, $prefix:literal, $moe:ident;)*) => {$(
+    ($($(#[$doc:meta])* $ty:ident => $name:literal | $model_type:literal, $prefix:literal, $moe:ident;)*) => {$(
         $(#[$doc])*
-        #[crate::architecture(names = [$name], crate = crate)]
+        // The class name, and `config.json`'s `model_type` for checkpoints without
+        // `architectures`.
+        #[crate::architecture(names = [$name, $model_type], crate = crate)]
         #[derive(Debug, Default)]
         pub struct $ty;
 
@@ -325,17 +331,17 @@ macro_rules! families {
 
 families! {
     /// Llama (1–3.x).
-    Llama => "LlamaForCausalLM", "Llama", Dense;
+    Llama => "LlamaForCausalLM" | "llama", "Llama", Dense;
     /// Mistral.
-    Mistral => "MistralForCausalLM", "Mistral", Dense;
+    Mistral => "MistralForCausalLM" | "mistral", "Mistral", Dense;
     /// Qwen2 and Qwen2.5.
-    Qwen2 => "Qwen2ForCausalLM", "Qwen2", Dense;
+    Qwen2 => "Qwen2ForCausalLM" | "qwen2", "Qwen2", Dense;
     /// Qwen3 (q/k norms).
-    Qwen3 => "Qwen3ForCausalLM", "Qwen3", Dense;
+    Qwen3 => "Qwen3ForCausalLM" | "qwen3", "Qwen3", Dense;
     /// Qwen3-MoE.
-    Qwen3Moe => "Qwen3MoeForCausalLM", "Qwen3Moe", SparseMoeBlock;
+    Qwen3Moe => "Qwen3MoeForCausalLM" | "qwen3_moe", "Qwen3Moe", SparseMoeBlock;
     /// Mixtral.
-    Mixtral => "MixtralForCausalLM", "Mixtral", Mixtral;
+    Mixtral => "MixtralForCausalLM" | "mixtral", "Mixtral", Mixtral;
     /// GPT-OSS.
-    GptOss => "GptOssForCausalLM", "GptOss", GptOss;
+    GptOss => "GptOssForCausalLM" | "gpt_oss", "GptOss", GptOss;
 }

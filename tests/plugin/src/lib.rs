@@ -39,8 +39,9 @@ pub fn is_router(m: &ModuleRef<'_>) -> bool {
 
 impl ModuleExporter for PluginRouter {}
 
-/// Takes the experts container of GPT-OSS blocks and prepares their inputs.
-#[exporter(keys = ["GptOssExperts"])]
+/// Takes the experts container of GPT-OSS blocks and prepares their inputs — ahead of the
+/// built-in `BmmExperts`, which is what `prepend` is for.
+#[exporter(keys = ["GptOssExperts"], prepend)]
 #[derive(Debug)]
 pub struct PluginExperts;
 

@@ -38,8 +38,8 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
     assert_eq!(
         foreign(&doc, "exporters"),
         [
-            "kiln_test_plugin::PluginLinear",
             "kiln_test_plugin::PluginExperts",
+            "kiln_test_plugin::PluginLinear",
             "kiln_test_plugin::PluginRouter",
             "kiln_test_plugin::PluginCatchAll",
         ]
@@ -62,7 +62,8 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
     );
     let first = &doc["exporters"][0];
     assert_eq!(first["tier"], "prepend");
-    assert_eq!(first["keys"][0]["type"], "Linear");
+    assert_eq!(first["path"], "kiln_test_plugin::PluginExperts");
+    assert_eq!(first["keys"][0]["name"], "GptOssExperts");
     assert!(
         first["file"].as_str().unwrap().ends_with("src/lib.rs"),
         "{first}"
