@@ -124,8 +124,8 @@ fn export_errors_are_clear_and_nonzero() {
             "--calib: calibration is not implemented yet",
         ),
         (
-            vec!["export", "--format", "int4-awq"],
-            "format int4-awq is not implemented yet",
+            vec!["export", "--format", "nvfp4-awq"],
+            "format nvfp4-awq is not implemented yet",
         ),
     ];
     for (args, want) in cases {
@@ -173,6 +173,9 @@ fn every_format_exports_the_demo_with_modelopts_quant_algo() {
         "fp8-per-channel",
         "fp8-block",
         "int8-wo",
+        "int8-sq",
+        "int4-awq",
+        "w4a8-awq",
         "nvfp4",
         "w4a16-nvfp4",
         "mxfp4",

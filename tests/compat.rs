@@ -372,3 +372,25 @@ fn three_d_experts_name_what_they_cannot_do() {
         "{e}"
     );
 }
+
+#[test]
+fn awq_and_smoothquant_with_given_scales_match_modelopt_bit_for_bit() {
+    // ModelOpt's calibrated pre-quant scales (`_pre_quant_scale` in amax.json) as given
+    // scales: kiln smooths, resmooths q/k/v and gate/up to their mean, folds it into the norms
+    // (AWQ) or keeps it on every Linear (SmoothQuant), and packs — every byte as ModelOpt.
+    check("llama-tiny", Format::Int4Awq);
+    check("llama-tiny", Format::W4a8Awq);
+    check("llama-tiny", Format::Int8Sq);
+}
+
+#[test]
+fn awq_without_pre_quant_scales_names_them() {
+    let root = compat_dir("llama-tiny");
+    let fp8_only = ActAmax::read(&root.join("fp8/amax.json")).unwrap();
+    let e = export_error("llama-tiny", Recipe::new(Format::Int4Awq), fp8_only);
+    assert!(
+        e.starts_with("int4-awq needs activation scales")
+            && e.contains("`model.layers.0.self_attn.q_proj.input_quantizer._pre_quant_scale`"),
+        "{e}"
+    );
+}

@@ -15,6 +15,8 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     fn round_f32(x: f32) -> f32;
     /// Zero (for scratch buffers).
     fn from_f32_zero() -> Self;
+    /// Rounds an f32 to this type (round to nearest even).
+    fn from_f32(x: f32) -> Self;
 }
 
 impl Element for f32 {
@@ -30,6 +32,10 @@ impl Element for f32 {
     }
     fn from_f32_zero() -> Self {
         0.0
+    }
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        x
     }
 }
 
@@ -47,6 +53,10 @@ impl Element for bf16 {
     fn from_f32_zero() -> Self {
         bf16::ZERO
     }
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
 }
 
 impl Element for f16 {
@@ -62,5 +72,9 @@ impl Element for f16 {
     }
     fn from_f32_zero() -> Self {
         f16::ZERO
+    }
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
     }
 }

@@ -22,34 +22,15 @@ fn value() -> impl Strategy<Value = f32> {
     ]
 }
 
-fn as_t<T: Element + FromF32>(v: &[f32]) -> Vec<T> {
+fn as_t<T: Element>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
-}
-
-trait FromF32 {
-    fn from_f32(x: f32) -> Self;
-}
-impl FromF32 for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-}
-impl FromF32 for bf16 {
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-}
-impl FromF32 for f16 {
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
 }
 
 fn same_f32(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
 
-fn check_all<T: Element + FromF32>(
+fn check_all<T: Element>(
     v: &[f32],
     rows: usize,
     cols: usize,
@@ -319,7 +300,7 @@ fn int_lanes_round_half_even_clamp_and_zero_nan_like_the_reference() {
     int_ties::<f16>(&v);
 }
 
-fn int_ties<T: Element + FromF32>(v: &[f32]) {
+fn int_ties<T: Element>(v: &[f32]) {
     let (rows, cols) = (v.len() / 256, 256);
     {
         let w: Vec<T> = as_t(v);

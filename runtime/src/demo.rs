@@ -153,6 +153,10 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
     let mut amax_rng = Rng(0x616d_6178); // "amax"
     let mut w = ShardWriter::new(dir, 5_000_000_000);
     let mut amax = Vec::new();
+    // AWQ / SmoothQuant scales, one per input channel, in [0.5, 2): what a scale search would
+    // hand the AWQ and SmoothQuant formats.
+    let mut pqs_rng = Rng(0x7071_7321); // "pqs!"
+    let mut pqs = Vec::new();
     let ones: Vec<u8> = (0..c.hidden)
         .flat_map(|_| half::bf16::ONE.to_le_bytes())
         .collect();
@@ -185,6 +189,12 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
                 format!("{p}.{name}.input_quantizer"),
                 1.0 + 4.0 * amax_rng.unit() as f32,
             ));
+            pqs.push((
+                format!("{p}.{name}"),
+                (0..inp)
+                    .map(|_| half::bf16::from_f64(0.5 + 1.5 * pqs_rng.unit()).to_f32())
+                    .collect::<Vec<f32>>(),
+            ));
         }
         w.write(
             &format!("{p}.input_layernorm.weight"),
@@ -208,7 +218,11 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
     )?;
     amax.push(("lm_head.input_quantizer".into(), 8.0));
     w.finish()?;
-    Ok(ActAmax::from_values(amax))
+    let mut act = ActAmax::from_values(amax);
+    for (module, scales) in pqs {
+        act.set_pre_quant_scale(&module, scales);
+    }
+    Ok(act)
 }
 
 #[cfg(test)]

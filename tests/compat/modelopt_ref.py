@@ -42,6 +42,26 @@ def with_fp8_kv(cfg):
     return cfg
 
 
+def bf16_exact_smoothing():
+    """AWQ and SmoothQuant smooth a weight by an f32 scale but store that scale as bf16
+    (`pre_quant_scale`). Round the scale to bf16 before it is applied, so the dumped
+    `pre_quant_scale` is exactly what smoothed the weights: kiln takes the dump as its given
+    scales (the scale search itself belongs to calibration)."""
+    import modelopt.torch.quantization.model_calib as calib
+
+    original = calib.apply_pre_quant_scale_and_smooth
+
+    def rounded(linear, pre_quant_scale=None):
+        if pre_quant_scale is not None:
+            pre_quant_scale = pre_quant_scale.to(torch.bfloat16).to(torch.float32)
+        return original(linear, pre_quant_scale)
+
+    calib.apply_pre_quant_scale_and_smooth = rounded
+
+
+bf16_exact_smoothing()
+
+
 FORMATS = {
     "fp8": mtq.FP8_DEFAULT_CFG,
     "fp8+kv-fp8": with_fp8_kv(mtq.FP8_DEFAULT_CFG),
@@ -53,6 +73,9 @@ FORMATS = {
     "mxfp8": mtq.MXFP8_DEFAULT_CFG,
     "mxfp4": mtq.MXFP4_DEFAULT_CFG,
     "fp8-block": mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
+    "int4-awq": mtq.INT4_AWQ_CFG,
+    "w4a8-awq": mtq.W4A8_AWQ_BETA_CFG,
+    "int8-sq": mtq.INT8_SMOOTHQUANT_CFG,
 }
 
 
@@ -277,6 +300,10 @@ def export_model(root, make, cls, ids, formats, save=None):
                 continue
             if getattr(q, "amax", None) is not None and q.amax.numel() == 1:
                 amax[q_name] = float(q.amax.float())
+            # AWQ / SmoothQuant: the per-input-channel scale the weight was smoothed by.
+            pqs = getattr(q, "_pre_quant_scale", None)
+            if pqs is not None:
+                amax[f"{q_name}._pre_quant_scale"] = [float(v) for v in pqs.float().flatten()]
         out = root / name
         if out.exists():
             shutil.rmtree(out)

@@ -1,7 +1,9 @@
 //! Activation statistics given on the command line (`--act-amax FILE`): a JSON object keyed by
 //! ModelOpt's quantizer names, so a ModelOpt calibration can be reused —
 //! `"<module>.input_quantizer": amax` for Linear inputs and
-//! `"<attention>.k_bmm_quantizer"` / `"<attention>.v_bmm_quantizer"` for KV-cache scales.
+//! `"<attention>.k_bmm_quantizer"` / `"<attention>.v_bmm_quantizer"` for KV-cache scales — and,
+//! for the AWQ and SmoothQuant formats, `"<module>.input_quantizer._pre_quant_scale": [...]`,
+//! the per-input-channel scale the calibration chose (ModelOpt's state-dict name).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,7 +22,12 @@ pub struct ActAmaxError {
 #[derive(Debug, Clone, Default)]
 pub struct ActAmax {
     values: BTreeMap<String, f32>,
+    /// `<module>.input_quantizer._pre_quant_scale` → one positive finite value per input channel.
+    pre_quant_scales: BTreeMap<String, Vec<f32>>,
 }
+
+/// The key suffix of a pre-quant scale vector.
+const PQS: &str = "._pre_quant_scale";
 
 impl ActAmax {
     /// Reads `path`: an object of non-negative finite numbers (one-element lists are accepted,
@@ -34,7 +41,27 @@ impl ActAmax {
         let doc: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
             .map_err(|e| bad(format!("expected a JSON object of amax values: {e}")))?;
         let mut values = BTreeMap::new();
+        let mut pre_quant_scales = BTreeMap::new();
         for (key, v) in doc {
+            if key.ends_with(PQS) {
+                let scales: Option<Vec<f32>> = v.as_array().and_then(|a| {
+                    a.iter()
+                        .map(|x| x.as_f64().filter(|x| x.is_finite() && *x > 0.0))
+                        .map(|x| x.map(|x| x as f32))
+                        .collect()
+                });
+                match scales {
+                    Some(s) if !s.is_empty() => {
+                        pre_quant_scales.insert(key, s);
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "`{key}`: expected a list of positive numbers (one per input channel)"
+                        )));
+                    }
+                }
+                continue;
+            }
             let n = match &v {
                 serde_json::Value::Array(a) if a.len() == 1 => a[0].as_f64(),
                 other => other.as_f64(),
@@ -50,13 +77,17 @@ impl ActAmax {
                 }
             }
         }
-        Ok(ActAmax { values })
+        Ok(ActAmax {
+            values,
+            pre_quant_scales,
+        })
     }
 
     /// From explicit values (tests, the demo model, calibration).
     pub fn from_values(values: impl IntoIterator<Item = (String, f32)>) -> Self {
         ActAmax {
             values: values.into_iter().collect(),
+            pre_quant_scales: BTreeMap::new(),
         }
     }
 
@@ -71,6 +102,19 @@ impl ActAmax {
     pub fn set_input(&mut self, module: &str, amax: f32) {
         self.values
             .insert(format!("{module}.input_quantizer"), amax);
+    }
+
+    /// Sets the AWQ / SmoothQuant pre-quant scale of the Linear at `module`.
+    pub fn set_pre_quant_scale(&mut self, module: &str, scales: Vec<f32>) {
+        self.pre_quant_scales
+            .insert(format!("{module}.input_quantizer{PQS}"), scales);
+    }
+
+    /// The AWQ / SmoothQuant pre-quant scale of the Linear at `module` (one per input channel).
+    pub fn pre_quant_scale(&self, module: &str) -> Option<&[f32]> {
+        self.pre_quant_scales
+            .get(&format!("{module}.input_quantizer{PQS}"))
+            .map(Vec::as_slice)
     }
 
     /// The amax of the quantizer named `quantizer` (ModelOpt's module name, e.g.
@@ -88,8 +132,15 @@ impl ActAmax {
 
     /// Writes the values as `--act-amax` reads them (sorted keys).
     pub fn write(&self, path: &Path) -> Result<(), ActAmaxError> {
-        let text =
-            serde_json::to_string_pretty(&self.values).expect("a map of floats serializes") + "\n";
+        let mut doc: BTreeMap<&str, serde_json::Value> = self
+            .values
+            .iter()
+            .map(|(k, v)| (k.as_str(), serde_json::json!(v)))
+            .collect();
+        for (k, v) in &self.pre_quant_scales {
+            doc.insert(k, serde_json::json!(v));
+        }
+        let text = serde_json::to_string_pretty(&doc).expect("a map of numbers serializes") + "\n";
         std::fs::write(path, text).map_err(|e| ActAmaxError {
             path: path.to_path_buf(),
             message: e.to_string(),
@@ -98,7 +149,7 @@ impl ActAmax {
 
     /// Whether no value is present.
     pub fn is_empty(&self) -> bool {
-        self.values.is_empty()
+        self.values.is_empty() && self.pre_quant_scales.is_empty()
     }
 }
 
@@ -126,6 +177,17 @@ mod tests {
             err.ends_with("`x.input_quantizer`: expected a non-negative number, found -1"),
             "{err}"
         );
+        std::fs::write(
+            &p,
+            r#"{"m.input_quantizer._pre_quant_scale": [0.5, 2.0], "m.input_quantizer": 1}"#,
+        )
+        .unwrap();
+        let a = ActAmax::read(&p).unwrap();
+        assert_eq!(a.pre_quant_scale("m"), Some(&[0.5f32, 2.0][..]));
+        assert_eq!(a.input("m"), Some(1.0));
+        std::fs::write(&p, r#"{"m.input_quantizer._pre_quant_scale": [0.5, 0]}"#).unwrap();
+        let err = ActAmax::read(&p).unwrap_err().to_string();
+        assert!(err.contains("expected a list of positive numbers"), "{err}");
         std::fs::write(&p, "[1]").unwrap();
         assert!(
             ActAmax::read(&p)

@@ -85,9 +85,9 @@ impl ModuleExporter for QuantLinear {
             format,
         };
         match meta.dtype {
-            Dtype::BF16 => q.run(&c.read_as::<bf16>(&weight)?)?,
-            Dtype::F16 => q.run(&c.read_as::<f16>(&weight)?)?,
-            Dtype::F32 => q.run(&c.read_as::<f32>(&weight)?)?,
+            Dtype::BF16 => q.run_smoothed(c.read_as::<bf16>(&weight)?)?,
+            Dtype::F16 => q.run_smoothed(c.read_as::<f16>(&weight)?)?,
+            Dtype::F32 => q.run_smoothed(c.read_as::<f32>(&weight)?)?,
             Dtype::F8_E4M3 if format == Format::Fp8 => {
                 // Already FP8 (FORMATS.md: "weights already in float8_e4m3fn pass through").
                 ctx.copy_tensor(&weight)?;
@@ -224,13 +224,15 @@ impl ScaleSource for TreeScales<'_> {
         };
         let mut amax = 0f32;
         for m in &members {
-            amax = amax.max(self.ctx.weight_amax(&full_name(m, "weight"))?);
+            // AWQ formats: the amax of the smoothed weight (ModelOpt recalibrates after
+            // smoothing and resmoothing).
+            amax = amax.max(self.ctx.smoothed_weight_amax(m)?);
         }
         Ok(amax)
     }
 
     fn input_amax(&self, format: Format) -> Result<f32, ExportError> {
-        let group = if format.shares_group_scales() {
+        let group = if format.shares_input_amax() {
             let recipe = self.ctx.recipe()?;
             input_group(self.module, |p| recipe.quantizes(p))
         } else {
@@ -397,6 +399,31 @@ impl Quantize<'_> {
         Ok(a.iter().map(|&x| export_scale(x, divisor)).collect())
     }
 
+    /// [`Quantize::run`] after the AWQ / SmoothQuant smoothing of the Linear, if any, writing
+    /// its `pre_quant_scale` (in the weight's dtype) unless a norm absorbed it.
+    fn run_smoothed<T: Element>(&self, w: Vec<T>) -> Result<(), ExportError> {
+        let Some(s) = self.ctx.smoothing(self.out) else {
+            return self.run(&w);
+        };
+        let smoothed = s.apply(&w, self.cols);
+        drop(w);
+        if s.write_scale {
+            let pqs: Vec<T> = s.avg.iter().map(|&x| T::from_f32(x)).collect();
+            let dtype = match T::DTYPE {
+                "F16" => Dtype::F16,
+                "F32" => Dtype::F32,
+                _ => Dtype::BF16,
+            };
+            self.emit(
+                "pre_quant_scale",
+                dtype,
+                &[self.cols],
+                bytemuck::cast_slice(&pqs),
+            )?;
+        }
+        self.run(&smoothed)
+    }
+
     /// Quantizes `w` (`rows × cols`, row-major) and writes the tensors and error statistics.
     pub(crate) fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
         use kiln_kernels::cpu::bits::e4m3_to_f32;
@@ -450,7 +477,7 @@ impl Quantize<'_> {
                     e4m3_to_f32(q[i]) * s[(r / TILE) * tc + c / TILE]
                 })
             }
-            Format::Int8Wo => {
+            Format::Int8Wo | Format::Int8Sq => {
                 let s = self.amax_scales(w, None, 127.0)?;
                 let mut q = vec![0i8; n];
                 self.kernel(cpu::quantize_int8_per_channel(
@@ -458,7 +485,35 @@ impl Quantize<'_> {
                 ))?;
                 self.emit("weight", Dtype::I8, &shape, bytemuck::cast_slice(&q))?;
                 self.emit("weight_scale", Dtype::F32, &[self.rows], &f32s(&s))?;
+                if self.format == Format::Int8Sq {
+                    self.emit("input_scale", Dtype::F32, &[], &scalar(self.input_scale()?))?;
+                }
                 ErrorStats::measure(w, |i| f32::from(q[i]) * s[i / cols])
+            }
+            Format::Int4Awq | Format::W4a8Awq => {
+                // Groups of 128 along K: scale = block amax / 7 (a zero block → 1), nibble
+                // pairs along the output dimension: weight [N/2, K], weight_scale [N, K/128].
+                const G: usize = 128;
+                let rows = self.rows;
+                let mut a = vec![0f32; rows * cols / G];
+                self.kernel(cpu::amax_blocks(w, rows, cols, G, &mut a))?;
+                let s: Vec<f32> = a.iter().map(|&x| export_scale(x, 7.0)).collect();
+                let mut q = vec![0u8; n / 2];
+                self.kernel(cpu::quantize_int4_groups(w, rows, cols, G, &s, &mut q))?;
+                self.emit("weight", Dtype::U8, &[rows / 2, cols], &q)?;
+                self.emit("weight_scale", Dtype::F32, &[rows, cols / G], &f32s(&s))?;
+                if self.format == Format::W4a8Awq {
+                    // The FP8 stage: max |W| over the shared-input group / 448; the INT4
+                    // packing above does not fold it in.
+                    let ws2 = export_scale(self.scales.tensor_amax(self.format)?, 448.0);
+                    self.emit("weight_scale_2", Dtype::F32, &[], &scalar(ws2))?;
+                    self.emit("input_scale", Dtype::F32, &[], &scalar(self.input_scale()?))?;
+                }
+                ErrorStats::measure(w, |i| {
+                    let (r, c) = (i / cols, i % cols);
+                    let code = (q[(r / 2) * cols + c] >> (4 * (r % 2))) & 0xf;
+                    f32::from(((code << 4) as i8) >> 4) * s[r * (cols / G) + c / G]
+                })
             }
             Format::Nvfp4 | Format::W4a16Nvfp4 => {
                 let ws2 = ops::nvfp4::nvfp4_global_scale(self.scales.tensor_amax(self.format)?);

@@ -12,6 +12,7 @@ pub mod linear;
 pub mod moe;
 pub mod recipe;
 pub mod run;
+pub mod smooth;
 pub mod stats;
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
@@ -186,6 +187,8 @@ struct Job {
     writer: Mutex<ShardWriter>,
     /// Output tensors not written: aliases of tied weights (FORMATS.md §4.1).
     dropped: BTreeSet<String>,
+    /// AWQ / SmoothQuant smoothing, for formats with pre-quant scales.
+    smooth: Option<smooth::SmoothPlan>,
     /// Module → format, for every module quantized.
     quantized: Mutex<BTreeMap<String, Format>>,
     /// Weight amax by tensor name, computed once.
@@ -220,12 +223,29 @@ impl ExportContext {
                 act: Mutex::new(act),
                 writer: Mutex::new(writer),
                 dropped,
+                smooth: None,
                 quantized: Mutex::default(),
                 weight_amax: Mutex::default(),
                 errors: Mutex::default(),
                 bytes_out: Mutex::default(),
             }),
         }
+    }
+
+    /// Smooths Linears and folds norms by `plan` (AWQ / SmoothQuant formats).
+    pub fn with_smoothing(mut self, plan: Option<smooth::SmoothPlan>) -> Self {
+        if let Some(job) = &mut self.job {
+            job.smooth = plan;
+        }
+        self
+    }
+
+    /// How the Linear at `module` is smoothed, for formats with pre-quant scales.
+    pub fn smoothing(&self, module: &str) -> Option<&smooth::LinearSmoothing> {
+        self.job
+            .as_ref()
+            .and_then(|j| j.smooth.as_ref())
+            .and_then(|p| p.linear(module))
     }
 
     /// Stops the walk with [`ExportError::Cancelled`] once `flag` is set (checked between modules).
@@ -315,6 +335,40 @@ impl ExportContext {
             .checkpoint
             .tensor(name)
             .ok_or_else(|| ExportError::Invalid(format!("no tensor `{name}` in the checkpoint")))?;
+        if let Some(factor) = job.smooth.as_ref().and_then(|p| p.norm_factor(name)) {
+            // A norm absorbing its Linears' AWQ scale (FORMATS.md §4.2).
+            let shape = meta.shape.clone();
+            let folded: Vec<u8> = match meta.dtype {
+                safetensors::Dtype::BF16 => bytemuck::cast_slice(&smooth::fold_norm(
+                    &job.checkpoint.read_as::<half::bf16>(name)?,
+                    factor,
+                ))
+                .to_vec(),
+                safetensors::Dtype::F16 => bytemuck::cast_slice(&smooth::fold_norm(
+                    &job.checkpoint.read_as::<half::f16>(name)?,
+                    factor,
+                ))
+                .to_vec(),
+                safetensors::Dtype::F32 => bytemuck::cast_slice(&smooth::fold_norm(
+                    &job.checkpoint.read_as::<f32>(name)?,
+                    factor,
+                ))
+                .to_vec(),
+                dtype => {
+                    return Err(ExportError::Dtype {
+                        tensor: name.to_string(),
+                        dtype,
+                    });
+                }
+            };
+            if shape.iter().product::<usize>() != factor.len() {
+                return Err(ExportError::Invalid(format!(
+                    "norm `{name}` {shape:?} cannot absorb a scale of {} channels",
+                    factor.len()
+                )));
+            }
+            return self.emit(name, meta.dtype, &shape, &folded);
+        }
         let mut buf = Vec::new();
         job.checkpoint.read(name, &mut buf)?;
         self.emit(name, meta.dtype, &meta.shape.clone(), &buf)
@@ -350,6 +404,44 @@ impl ExportContext {
             }
         };
         lock(&job.weight_amax).insert(name.to_string(), amax);
+        Ok(amax)
+    }
+
+    /// max |W| of the Linear at `module` after its AWQ / SmoothQuant smoothing (its raw max
+    /// when it is not smoothed), computed once per export.
+    pub fn smoothed_weight_amax(&self, module: &str) -> Result<f32, ExportError> {
+        let name = full_name(module, "weight");
+        let Some(s) = self.smoothing(module) else {
+            return self.weight_amax(&name);
+        };
+        let job = self.job()?;
+        let key = format!("{name}#smoothed");
+        if let Some(&a) = lock(&job.weight_amax).get(&key) {
+            return Ok(a);
+        }
+        let c = &job.checkpoint;
+        let meta = c
+            .tensor(&name)
+            .ok_or_else(|| ExportError::Invalid(format!("no tensor `{name}` in the checkpoint")))?;
+        let cols = meta.shape.get(1).copied().unwrap_or(1).max(1);
+        let amax = match meta.dtype {
+            safetensors::Dtype::BF16 => {
+                kiln_kernels::cpu::amax(&s.apply(&c.read_as::<half::bf16>(&name)?, cols))
+            }
+            safetensors::Dtype::F16 => {
+                kiln_kernels::cpu::amax(&s.apply(&c.read_as::<half::f16>(&name)?, cols))
+            }
+            safetensors::Dtype::F32 => {
+                kiln_kernels::cpu::amax(&s.apply(&c.read_as::<f32>(&name)?, cols))
+            }
+            dtype => {
+                return Err(ExportError::Dtype {
+                    tensor: name,
+                    dtype,
+                });
+            }
+        };
+        lock(&job.weight_amax).insert(key, amax);
         Ok(amax)
     }
 

@@ -120,6 +120,12 @@ impl Format {
         )
     }
 
+    /// Whether Linears sharing an input (q/k/v, gate/up) share its amax, the max over them
+    /// (`preprocess_linear_fusion`: every format with a static input scale but FP8).
+    pub fn shares_input_amax(self) -> bool {
+        self.shares_group_scales() || self == Format::Int8Sq
+    }
+
     /// Whether kiln can export this format yet.
     pub fn implemented(self) -> bool {
         matches!(
@@ -128,6 +134,9 @@ impl Format {
                 | Format::Fp8PerChannel
                 | Format::Fp8Block
                 | Format::Int8Wo
+                | Format::Int8Sq
+                | Format::Int4Awq
+                | Format::W4a8Awq
                 | Format::Nvfp4
                 | Format::W4a16Nvfp4
                 | Format::Mxfp4
@@ -147,7 +156,7 @@ impl Format {
             | Format::Mxfp4 => {
                 json!({"quant_algo": self.quant_algo()})
             }
-            Format::Int4Awq | Format::Nvfp4Awq => {
+            Format::Int4Awq | Format::W4a8Awq | Format::Nvfp4Awq => {
                 json!({"quant_algo": self.quant_algo(), "group_size": self.group_size(),
                 "has_zero_point": false, "pre_quant_scale": true})
             }

@@ -156,7 +156,7 @@ fn check_act_amax(tree: &ModuleTree, recipe: &Recipe, act: &ActAmax) -> Result<(
         .filter(|m| !super::moe::in_iterable_expert(*m))
         .filter(|m| {
             // In shared-input groups one member's amax is enough (the max is taken).
-            let group = if recipe.format.shares_group_scales() {
+            let group = if recipe.format.shares_input_amax() {
                 input_group(*m, |p| recipe.quantizes(p))
             } else {
                 vec![m.path().to_string()]
@@ -176,13 +176,41 @@ fn check_act_amax(tree: &ModuleTree, recipe: &Recipe, act: &ActAmax) -> Result<(
     }
 }
 
+/// The AWQ / SmoothQuant smoothing plan (formats with pre-quant scales), computed in the
+/// dtype of the model's Linear weights.
+fn smoothing(
+    checkpoint: &Checkpoint,
+    tree: &ModuleTree,
+    recipe: &Recipe,
+    act: &ActAmax,
+) -> Result<Option<super::smooth::SmoothPlan>, ExportError> {
+    use super::smooth::SmoothPlan;
+    let in_features = |m: &str| {
+        checkpoint
+            .tensor(&format!("{m}.weight"))
+            .and_then(|t| t.shape.get(1).copied())
+    };
+    let dtype = tree
+        .walk()
+        .filter(|m| m.class_chain().is::<Linear>() && recipe.quantizes(m.path()))
+        .find_map(|m| checkpoint.tensor(&format!("{}.weight", m.path())))
+        .map(|t| t.dtype);
+    match dtype {
+        Some(safetensors::Dtype::F16) => {
+            SmoothPlan::build::<half::f16>(tree, recipe, act, in_features)
+        }
+        Some(safetensors::Dtype::F32) => SmoothPlan::build::<f32>(tree, recipe, act, in_features),
+        _ => SmoothPlan::build::<half::bf16>(tree, recipe, act, in_features),
+    }
+}
+
 /// Runs one export.
 pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let started = Instant::now();
     let recipe = &options.recipe;
     if !recipe.format.implemented() {
         return Err(ExportError::Invalid(format!(
-            "format {} is not implemented yet (implemented: fp8, fp8-per-channel, fp8-block, int8-wo, nvfp4, w4a16-nvfp4, mxfp4, mxfp8)",
+            "format {} is not implemented yet (implemented: fp8, fp8-per-channel, fp8-block, int8-wo, int8-sq, int4-awq, w4a8-awq, nvfp4, w4a16-nvfp4, mxfp4, mxfp8)",
             recipe.format
         )));
     }
@@ -190,6 +218,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
     let act = options.act_amax.clone().unwrap_or_default();
     check_act_amax(&tree, recipe, &act)?;
+    let smoothing = smoothing(&checkpoint, &tree, recipe, &act)?;
     let dropped = tied_aliases(&checkpoint)?;
 
     let out = OutputDir::create(&options.out, options.force)?;
@@ -202,7 +231,8 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let writer = ShardWriter::new(out.path(), options.max_shard_bytes)
         .with_header_room(header_estimate.clamp(4096, 8 << 20));
     let mut ctx =
-        ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped);
+        ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped)
+            .with_smoothing(smoothing);
     if let Some(p) = &options.progress {
         ctx = ctx.with_progress(p.clone());
     }

@@ -324,7 +324,15 @@ fn failures_leave_no_output() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.starts_with("format int4-awq is not implemented yet"),
+        err.starts_with("int4-awq needs activation scales, and none are given for `model.layers.0.self_attn.q_proj.input_quantizer._pre_quant_scale`"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let err = run(&options(&model, &out, Format::Nvfp4Awq, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("format nvfp4-awq is not implemented yet"),
         "{err}"
     );
     std::fs::create_dir(&out).unwrap();

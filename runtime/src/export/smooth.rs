@@ -1,0 +1,255 @@
+//! AWQ and SmoothQuant with given scales (FORMATS.md §4.2): the weight smoothing, the resmooth
+//! of Linears that share an input, and the folding of the shared scale into the norm that
+//! produces that input — ModelOpt's arithmetic, step for step.
+//!
+//! The per-input-channel scales `p` come from calibration (`<linear>.input_quantizer.
+//! _pre_quant_scale` in `--act-amax`; the scale search is model execution's job). For a Linear
+//! with weight `W`:
+//! 1. smooth: `W₁ = round(W · (1/p))` per input channel, in f32 (`1/p` in f32), rounded to the
+//!    weight's dtype;
+//! 2. resmooth a shared-input group (q/k/v, gate/up): `avg = mean(p_i)` as PyTorch computes it
+//!    on the CPU (an f32 mean rounded once to the dtype); a member whose
+//!    `p_i ≠ avg` becomes `round(W₁ · p_i / avg)` in f32;
+//! 3. AWQ formats fold `avg` into the producing norm (`round(norm · avg)`) and write no
+//!    `pre_quant_scale` for the group; other Linears (o_proj, down_proj) and every SmoothQuant
+//!    Linear keep `pre_quant_scale = avg` in the weight's dtype.
+
+use super::ExportError;
+use super::linear::input_group;
+use super::recipe::{Format, Recipe};
+use crate::export::act_amax::ActAmax;
+use crate::module_tree::{Linear, ModuleTree};
+use kiln_kernels::Element;
+use std::collections::HashMap;
+
+/// How one Linear is smoothed.
+#[derive(Debug, Clone)]
+pub struct LinearSmoothing {
+    /// Its own scale `p` (one per input channel).
+    pub own: Vec<f32>,
+    /// Its group's mean scale (`own` for a group of one).
+    pub avg: Vec<f32>,
+    /// Whether `avg` is written as its `pre_quant_scale` (not folded into a norm).
+    pub write_scale: bool,
+}
+
+/// The smoothing of one export: per Linear, and the norms that absorb a group's scale.
+#[derive(Debug, Clone, Default)]
+pub struct SmoothPlan {
+    linears: HashMap<String, LinearSmoothing>,
+    /// Norm weight tensor → the factor it is multiplied by.
+    norms: HashMap<String, Vec<f32>>,
+}
+
+/// The formats whose Linears are smoothed by a pre-quant scale.
+pub fn uses_pre_quant_scale(format: Format) -> bool {
+    matches!(
+        format,
+        Format::Int4Awq | Format::W4a8Awq | Format::Nvfp4Awq | Format::Int8Sq
+    )
+}
+
+/// The formats that fold a group's scale into its norm (every AWQ format; SmoothQuant keeps
+/// the scale on each Linear).
+fn folds_into_norm(format: Format) -> bool {
+    matches!(format, Format::Int4Awq | Format::W4a8Awq | Format::Nvfp4Awq)
+}
+
+/// The norm producing the input of a shared-input group under `parent` (`<layer>.self_attn` or
+/// `<layer>.mlp`), in the decoder families' layout.
+fn producing_norm(tree: &ModuleTree, group_parent: &str) -> Option<String> {
+    let (layer, block) = group_parent.rsplit_once('.')?;
+    let norm = match block {
+        "self_attn" => "input_layernorm",
+        "mlp" => "post_attention_layernorm",
+        _ => return None,
+    };
+    let path = format!("{layer}.{norm}");
+    tree.find(&path)
+        .filter(|m| m.tensor("weight").is_some())
+        .map(|_| format!("{path}.weight"))
+}
+
+/// PyTorch's CPU `torch.stack(scales).mean(0)` in a 16-bit dtype: the sum accumulated in f32,
+/// divided by the count in f32, rounded once to the dtype.
+fn mean_as<T: Element>(scales: &[&[f32]]) -> Vec<f32> {
+    let n = scales.len() as f32;
+    (0..scales[0].len())
+        .map(|c| {
+            let sum = scales.iter().fold(0f32, |acc, s| acc + s[c]);
+            T::round_f32(sum / n)
+        })
+        .collect()
+}
+
+impl SmoothPlan {
+    /// The plan for `recipe` over `tree`, with the scales in `act`; `None` for formats without
+    /// pre-quant scales. Every quantized Linear needs a scale of its input width; MoE experts
+    /// are refused (ModelOpt averages scales across experts; not implemented).
+    pub fn build<T: Element>(
+        tree: &ModuleTree,
+        recipe: &Recipe,
+        act: &ActAmax,
+        in_features: impl Fn(&str) -> Option<usize>,
+    ) -> Result<Option<Self>, ExportError> {
+        let format = recipe.format;
+        if !uses_pre_quant_scale(format) {
+            return Ok(None);
+        }
+        let quantized: Vec<String> = tree
+            .walk()
+            .filter(|m| {
+                m.class_chain().is::<Linear>()
+                    && m.tensor("weight").is_some()
+                    && recipe.quantizes(m.path())
+            })
+            .map(|m| m.path().to_string())
+            .collect();
+        if let Some(m) = tree.walk().find(|m| {
+            m.local_name() == "experts"
+                && (super::moe::is_iterable_experts(m)
+                    || super::experts::is_fused_experts(m)
+                    || m.class_name().ends_with("Experts"))
+                && recipe.quantizes(&format!("{}.0.up_proj", m.path()))
+        }) {
+            return Err(ExportError::Invalid(format!(
+                "{format} cannot export MoE experts yet (`{}`: ModelOpt averages their pre-quant scales across experts); leave them unquantized with --exclude '*.experts.*' or choose another format",
+                m.path()
+            )));
+        }
+        let missing: Vec<String> = quantized
+            .iter()
+            .filter(|m| act.pre_quant_scale(m).is_none())
+            .map(|m| format!("{m}.input_quantizer._pre_quant_scale"))
+            .collect();
+        if !missing.is_empty() {
+            return Err(ExportError::MissingActAmax {
+                format,
+                quantizers: missing,
+            });
+        }
+        for m in &quantized {
+            let (got, want) = (
+                act.pre_quant_scale(m).map_or(0, <[f32]>::len),
+                in_features(m).unwrap_or(0),
+            );
+            if got != want {
+                return Err(ExportError::Invalid(format!(
+                    "`{m}.input_quantizer._pre_quant_scale` has {got} values; the Linear has {want} input channels"
+                )));
+            }
+        }
+        let mut plan = SmoothPlan::default();
+        for m in &quantized {
+            if plan.linears.contains_key(m) {
+                continue;
+            }
+            let module = tree
+                .find(m)
+                .ok_or_else(|| ExportError::Invalid(format!("no module `{m}`")))?;
+            let group = input_group(module, |p| recipe.quantizes(p));
+            let scales: Vec<&[f32]> = group
+                .iter()
+                .map(|g| act.pre_quant_scale(g).unwrap_or_default())
+                .collect();
+            // Each scale as the quantizer stores it: in the weight's dtype.
+            let rounded: Vec<Vec<f32>> = scales
+                .iter()
+                .map(|s| s.iter().map(|&x| T::round_f32(x)).collect())
+                .collect();
+            let views: Vec<&[f32]> = rounded.iter().map(Vec::as_slice).collect();
+            let avg = if group.len() > 1 {
+                mean_as::<T>(&views)
+            } else {
+                rounded[0].clone()
+            };
+            let norm = (group.len() > 1 && folds_into_norm(format))
+                .then(|| module.parent().and_then(|p| producing_norm(tree, p.path())))
+                .flatten();
+            if let Some(norm) = &norm {
+                plan.norms.insert(norm.clone(), avg.clone());
+            }
+            for (g, own) in group.iter().zip(rounded) {
+                plan.linears.insert(
+                    g.clone(),
+                    LinearSmoothing {
+                        own,
+                        avg: avg.clone(),
+                        write_scale: norm.is_none(),
+                    },
+                );
+            }
+        }
+        Ok(Some(plan))
+    }
+
+    /// How the Linear at `module` is smoothed, if it is.
+    pub fn linear(&self, module: &str) -> Option<&LinearSmoothing> {
+        self.linears.get(module)
+    }
+
+    /// The factor norm weight `tensor` is multiplied by, if any.
+    pub fn norm_factor(&self, tensor: &str) -> Option<&[f32]> {
+        self.norms.get(tensor).map(Vec::as_slice)
+    }
+}
+
+impl LinearSmoothing {
+    /// The smoothed weight `[rows, cols]` (steps 1 and 2 above).
+    pub fn apply<T: Element>(&self, w: &[T], cols: usize) -> Vec<T> {
+        let inv: Vec<f32> = self.own.iter().map(|&p| 1.0 / p).collect();
+        let resmooth = self.own != self.avg;
+        w.chunks_exact(cols)
+            .flat_map(|row| {
+                row.iter().enumerate().map(|(c, &x)| {
+                    let w1 = T::round_f32(x.to_f32() * inv[c]);
+                    let w2 = if resmooth {
+                        T::round_f32(w1 * self.own[c] / self.avg[c])
+                    } else {
+                        w1
+                    };
+                    T::from_f32(w2)
+                })
+            })
+            .collect()
+    }
+}
+
+/// `norm · factor` per channel, rounded to the norm's dtype (step 3).
+pub fn fold_norm<T: Element>(norm: &[T], factor: &[f32]) -> Vec<T> {
+    norm.iter()
+        .zip(factor)
+        .map(|(&n, &f)| T::from_f32(n.to_f32() * f))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    #[test]
+    #[allow(clippy::excessive_precision)] // the exact bf16 values PyTorch printed
+    fn the_mean_rounds_like_pytorch_on_the_cpu() {
+        // torch 2.9: torch.stack([1.984375, 3.03125, 0.10302734375] as bf16).mean(0) is
+        // 1.703125 — one rounding of the f32 mean. Rounding the sum to bf16 first would give
+        // 1.7109375.
+        let (a, b, c) = ([1.984375f32], [3.03125f32], [0.10302734375f32]);
+        assert_eq!(mean_as::<bf16>(&[&a, &b, &c]), [1.703125]);
+    }
+
+    #[test]
+    fn smoothing_divides_then_resmooths_in_f32() {
+        let s = LinearSmoothing {
+            own: vec![2.0, 0.5],
+            avg: vec![1.0, 1.0],
+            write_scale: true,
+        };
+        let w = [bf16::from_f32(3.0), bf16::from_f32(-1.0)];
+        // 3/2·2/1 = 3, −1·2·0.5 = −1: the round trip through p and avg.
+        let out = s.apply(&w, 2);
+        assert_eq!(out, [bf16::from_f32(3.0), bf16::from_f32(-1.0)]);
+        let fold = fold_norm(&[bf16::from_f32(1.5)], &[3.0]);
+        assert_eq!(fold, [bf16::from_f32(4.5)]);
+    }
+}
