@@ -76,7 +76,15 @@ FORMATS = {
     "int4-awq": mtq.INT4_AWQ_CFG,
     "w4a8-awq": mtq.W4A8_AWQ_BETA_CFG,
     "int8-sq": mtq.INT8_SMOOTHQUANT_CFG,
+    # ModelOpt's NVFP4 AWQ search needs a GPU: made on one with --reuse-input (below).
+    "nvfp4-awq": mtq.NVFP4_AWQ_LITE_CFG,
 }
+
+# Calibrate on the GPU when there is one (NVFP4 AWQ needs it); everything else runs on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# --reuse-input: keep the committed input model (written by the pinned environment) instead of
+# re-creating it, so a reference made elsewhere (another transformers, a GPU machine) matches it.
+REUSE_INPUT = "--reuse-input" in sys.argv
 
 
 def tiny_llama():
@@ -251,13 +259,14 @@ def main():
     # Optional arguments: regenerate only these models and/or formats. Each transformers major
     # version makes its own models (transformers 5 holds MoE experts fused).
     major = int(transformers.__version__.split(".")[0])
-    if major >= 5:
-        models = {k: (m, getattr(transformers, c), sh, f, save) for k, (m, c, sh, f, save) in MODELS_TF5.items()}
-    else:
-        models = {k: (m, c, sh, f, None) for k, (m, c, sh, f) in MODELS.items()}
+    tf4 = {k: (m, c, sh, f, None) for k, (m, c, sh, f) in MODELS.items()}
+    tf5 = {k: (m, getattr(transformers, c), sh, f, save) for k, (m, c, sh, f, save) in MODELS_TF5.items()}
+    # With --reuse-input the inputs already exist, so any transformers can export any model.
+    models = {**tf4, **tf5} if REUSE_INPUT else tf5 if major >= 5 else tf4
     names = set(MODELS) | set(MODELS_TF5)
-    only_models = {a for a in sys.argv[1:] if a in names}
-    only = {a for a in sys.argv[1:] if a not in names}
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    only_models = {a for a in args if a in names}
+    only = {a for a in args if a not in names}
     for model_name, (make, cls, calib_shape, formats, save) in models.items():
         if only_models and model_name not in only_models:
             continue
@@ -267,10 +276,12 @@ def main():
 
 def export_model(root, make, cls, ids, formats, save=None):
     input_dir = root / "model"
-    if input_dir.exists():
+    if input_dir.exists() and not REUSE_INPUT:
         shutil.rmtree(input_dir)
     load_dir = input_dir
-    if save is None:
+    if REUSE_INPUT and input_dir.exists():
+        pass
+    elif save is None:
         make().save_pretrained(input_dir, safe_serialization=True)
     else:
         # kiln reads `save`'s layout; ModelOpt loads the same weights from transformers' own
@@ -284,14 +295,18 @@ def export_model(root, make, cls, ids, formats, save=None):
     for name in formats:
         cfg = FORMATS[name]
         # Loaded from disk so config.torch_dtype is set (ModelOpt's MoE export needs it).
-        model = cls.from_pretrained(load_dir, torch_dtype=torch.bfloat16).eval()
+        model = cls.from_pretrained(load_dir, torch_dtype=torch.bfloat16).eval().to(DEVICE)
 
         def forward_loop(m):
             with torch.no_grad():
                 for row in ids:
-                    m(row[None, :])
+                    m(row[None, :].to(DEVICE))
 
-        mtq.quantize(model, cfg, forward_loop)
+        try:
+            mtq.quantize(model, cfg, forward_loop)
+        except Exception as e:  # e.g. NVFP4 AWQ on a machine without a GPU
+            print(f"{root.name} {name}: ModelOpt failed to calibrate: {type(e).__name__}: {e}")
+            continue
         amax = {}
         # Every per-tensor input / KV quantizer under its module name: `<linear>.input_quantizer`,
         # `<experts>.<param>_input_quantizer` (3-D experts), `<attention>.{k,v}_bmm_quantizer`.

@@ -122,7 +122,18 @@ pub(crate) fn input_scale_of(format: Format, amax: f32) -> f32 {
     } else {
         amax
     };
-    amax / divisor
+    scalar_div(format, amax, divisor)
+}
+
+/// `x / divisor` for a 0-d scale as ModelOpt computes it for `format`: a true division
+/// (PyTorch on the CPU), except for NVFP4 AWQ, which ModelOpt can only run on a GPU, where
+/// PyTorch divides a tensor by a Python number as `x · (1/divisor)`.
+pub(crate) fn scalar_div(format: Format, x: f32, divisor: f32) -> f32 {
+    if format == Format::Nvfp4Awq {
+        x * (1.0 / divisor)
+    } else {
+        x / divisor
+    }
 }
 
 /// With `--kv-cache`, an attention's `k_proj` / `v_proj` carry the KV-cache scale:
@@ -515,8 +526,12 @@ impl Quantize<'_> {
                     f32::from(((code << 4) as i8) >> 4) * s[r * (cols / G) + c / G]
                 })
             }
-            Format::Nvfp4 | Format::W4a16Nvfp4 => {
-                let ws2 = ops::nvfp4::nvfp4_global_scale(self.scales.tensor_amax(self.format)?);
+            Format::Nvfp4 | Format::Nvfp4Awq | Format::W4a16Nvfp4 => {
+                let ws2 = scalar_div(
+                    self.format,
+                    self.scales.tensor_amax(self.format)?,
+                    6.0 * 448.0,
+                );
                 let (mut packed, mut scales) = (vec![0u8; n / 2], vec![0u8; n / 16]);
                 self.kernel(cpu::quantize_nvfp4(
                     w,
@@ -533,7 +548,7 @@ impl Quantize<'_> {
                     &scales,
                 )?;
                 self.emit("weight_scale_2", Dtype::F32, &[], &scalar(ws2))?;
-                if self.format == Format::Nvfp4 {
+                if self.format != Format::W4a16Nvfp4 {
                     let input = self.input_scale()?;
                     self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
                 }
@@ -554,11 +569,6 @@ impl Quantize<'_> {
                 self.emit("weight", Dtype::U8, &[self.rows, cols / 2], &q)?;
                 self.emit("weight_scale", Dtype::U8, &[self.rows, cols / 32], &s)?;
                 ErrorStats::measure(w, |i| e2m1_to_f32(nibble(&q, i)) * e8m0_to_f32(s[i / 32]))
-            }
-            other => {
-                return Err(ExportError::Invalid(format!(
-                    "format {other} is not implemented yet"
-                )));
             }
         };
         self.ctx.record_error(self.format, &error)

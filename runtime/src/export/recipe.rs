@@ -126,24 +126,6 @@ impl Format {
         self.shares_group_scales() || self == Format::Int8Sq
     }
 
-    /// Whether kiln can export this format yet.
-    pub fn implemented(self) -> bool {
-        matches!(
-            self,
-            Format::Fp8
-                | Format::Fp8PerChannel
-                | Format::Fp8Block
-                | Format::Int8Wo
-                | Format::Int8Sq
-                | Format::Int4Awq
-                | Format::W4a8Awq
-                | Format::Nvfp4
-                | Format::W4a16Nvfp4
-                | Format::Mxfp4
-                | Format::Mxfp8
-        )
-    }
-
     /// The per-layer dict of `hf_quant_config.json` (FORMATS.md §3.2).
     pub fn layer_config(self) -> Value {
         match self {

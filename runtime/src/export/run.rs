@@ -190,6 +190,11 @@ fn smoothing(
             .tensor(&format!("{m}.weight"))
             .and_then(|t| t.shape.get(1).copied())
     };
+    let out_features = |m: &str| {
+        checkpoint
+            .tensor(&format!("{m}.weight"))
+            .and_then(|t| t.shape.first().copied())
+    };
     let dtype = tree
         .walk()
         .filter(|m| m.class_chain().is::<Linear>() && recipe.quantizes(m.path()))
@@ -197,10 +202,12 @@ fn smoothing(
         .map(|t| t.dtype);
     match dtype {
         Some(safetensors::Dtype::F16) => {
-            SmoothPlan::build::<half::f16>(tree, recipe, act, in_features)
+            SmoothPlan::build::<half::f16>(tree, recipe, act, in_features, out_features)
         }
-        Some(safetensors::Dtype::F32) => SmoothPlan::build::<f32>(tree, recipe, act, in_features),
-        _ => SmoothPlan::build::<half::bf16>(tree, recipe, act, in_features),
+        Some(safetensors::Dtype::F32) => {
+            SmoothPlan::build::<f32>(tree, recipe, act, in_features, out_features)
+        }
+        _ => SmoothPlan::build::<half::bf16>(tree, recipe, act, in_features, out_features),
     }
 }
 
@@ -208,12 +215,6 @@ fn smoothing(
 pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let started = Instant::now();
     let recipe = &options.recipe;
-    if !recipe.format.implemented() {
-        return Err(ExportError::Invalid(format!(
-            "format {} is not implemented yet (implemented: fp8, fp8-per-channel, fp8-block, int8-wo, int8-sq, int4-awq, w4a8-awq, nvfp4, w4a16-nvfp4, mxfp4, mxfp8)",
-            recipe.format
-        )));
-    }
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
     let act = options.act_amax.clone().unwrap_or_default();

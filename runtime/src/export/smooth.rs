@@ -31,7 +31,23 @@ pub struct LinearSmoothing {
     pub avg: Vec<f32>,
     /// Whether `avg` is written as its `pre_quant_scale` (not folded into a norm).
     pub write_scale: bool,
+    /// NVFP4 AWQ: the next Linear's scale, folded into this one's output rows (ModelOpt's
+    /// `fuse_prequant_to_linear`: o_proj's into v_proj, down_proj's into up_proj).
+    pub row_scale: Option<Vec<f32>>,
 }
+
+/// `fuse_prequant_to_linear`'s pairs: in a module whose class name contains one of the
+/// names, the first Linear absorbs the second's scale in its output rows.
+const PREQUANT_FUSION: [(&[&str], (&str, &str)); 2] = [
+    (
+        &["LlamaAttention", "Qwen3Attention", "Qwen3MoeAttention"],
+        ("v_proj", "o_proj"),
+    ),
+    (
+        &["LlamaMLP", "Qwen3MLP", "Qwen3MoeMLP"],
+        ("up_proj", "down_proj"),
+    ),
+];
 
 /// The smoothing of one export: per Linear, and the norms that absorb a group's scale.
 #[derive(Debug, Clone, Default)]
@@ -91,6 +107,7 @@ impl SmoothPlan {
         recipe: &Recipe,
         act: &ActAmax,
         in_features: impl Fn(&str) -> Option<usize>,
+        out_features: impl Fn(&str) -> Option<usize>,
     ) -> Result<Option<Self>, ExportError> {
         let format = recipe.format;
         if !uses_pre_quant_scale(format) {
@@ -176,11 +193,48 @@ impl SmoothPlan {
                         own,
                         avg: avg.clone(),
                         write_scale: norm.is_none(),
+                        row_scale: None,
                     },
                 );
             }
         }
+        if format == Format::Nvfp4Awq {
+            plan.fuse_prequant_to_linear(tree, &out_features);
+        }
         Ok(Some(plan))
+    }
+
+    /// NVFP4 AWQ, before any resmooth: v_proj takes o_proj's scale and up_proj down_proj's,
+    /// in their output rows, when the sizes agree (a GQA v_proj is narrower: skipped, as
+    /// ModelOpt does); the giver then writes no `pre_quant_scale`.
+    fn fuse_prequant_to_linear(
+        &mut self,
+        tree: &ModuleTree,
+        out_features: &impl Fn(&str) -> Option<usize>,
+    ) {
+        for module in tree.walk() {
+            for (classes, (into, from)) in PREQUANT_FUSION {
+                if !classes.iter().any(|c| module.class_name().contains(c)) {
+                    continue;
+                }
+                let (into, from) = (
+                    format!("{}.{into}", module.path()),
+                    format!("{}.{from}", module.path()),
+                );
+                let Some(scale) = self.linears.get(&from).map(|l| l.own.clone()) else {
+                    continue;
+                };
+                if out_features(&into) != Some(scale.len()) || !self.linears.contains_key(&into) {
+                    continue;
+                }
+                if let Some(l) = self.linears.get_mut(&into) {
+                    l.row_scale = Some(scale);
+                }
+                if let Some(l) = self.linears.get_mut(&from) {
+                    l.write_scale = false;
+                }
+            }
+        }
     }
 
     /// How the Linear at `module` is smoothed, if it is.
@@ -195,14 +249,21 @@ impl SmoothPlan {
 }
 
 impl LinearSmoothing {
-    /// The smoothed weight `[rows, cols]` (steps 1 and 2 above).
+    /// The smoothed weight `[rows, cols]` (steps 1 and 2 above, with NVFP4 AWQ's row scale
+    /// between them).
     pub fn apply<T: Element>(&self, w: &[T], cols: usize) -> Vec<T> {
         let inv: Vec<f32> = self.own.iter().map(|&p| 1.0 / p).collect();
+        let inv = inv.as_slice();
         let resmooth = self.own != self.avg;
         w.chunks_exact(cols)
-            .flat_map(|row| {
-                row.iter().enumerate().map(|(c, &x)| {
-                    let w1 = T::round_f32(x.to_f32() * inv[c]);
+            .enumerate()
+            .flat_map(|(r, row)| {
+                let row_scale = self.row_scale.as_ref().map(|s| s[r]);
+                row.iter().enumerate().map(move |(c, &x)| {
+                    let mut w1 = T::round_f32(x.to_f32() * inv[c]);
+                    if let Some(f) = row_scale {
+                        w1 = T::round_f32(w1 * f);
+                    }
                     let w2 = if resmooth {
                         T::round_f32(w1 * self.own[c] / self.avg[c])
                     } else {
@@ -244,6 +305,7 @@ mod tests {
             own: vec![2.0, 0.5],
             avg: vec![1.0, 1.0],
             write_scale: true,
+            row_scale: None,
         };
         let w = [bf16::from_f32(3.0), bf16::from_f32(-1.0)];
         // 3/2·2/1 = 3, −1·2·0.5 = −1: the round trip through p and avg.
