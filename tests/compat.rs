@@ -205,6 +205,7 @@ fn qwen3_moe_matches_modelopt_bit_for_bit_in_every_format() {
         Format::Int8Wo,
         Format::Mxfp8,
         Format::Fp8Block,
+        Format::Int8Sq,
     ] {
         check("qwen3-moe-tiny", format);
     }
@@ -219,6 +220,7 @@ fn mixtral_matches_modelopt_bit_for_bit() {
         Format::Int8Wo,
         Format::Mxfp8,
         Format::Fp8Block,
+        Format::Int8Sq,
     ] {
         check("mixtral-tiny", format);
     }
@@ -226,7 +228,13 @@ fn mixtral_matches_modelopt_bit_for_bit() {
 
 #[test]
 fn qwen2_with_attention_biases_matches_modelopt_bit_for_bit() {
-    for format in [Format::Fp8, Format::Nvfp4, Format::Int8Wo, Format::Fp8Block] {
+    for format in [
+        Format::Fp8,
+        Format::Nvfp4,
+        Format::Int8Wo,
+        Format::Fp8Block,
+        Format::Int8Sq,
+    ] {
         check("qwen2-tiny", format);
     }
 }
@@ -238,6 +246,7 @@ fn qwen3_dense_with_qk_norms_matches_modelopt_bit_for_bit() {
         Format::Nvfp4,
         Format::W4a16Nvfp4,
         Format::Mxfp4,
+        Format::Int8Sq,
     ] {
         check("qwen3-tiny", format);
     }
@@ -250,6 +259,7 @@ fn mistral_matches_modelopt_bit_for_bit() {
         Format::Nvfp4,
         Format::Fp8PerChannel,
         Format::Mxfp8,
+        Format::Int8Sq,
     ] {
         check("mistral-tiny", format);
     }
@@ -421,4 +431,13 @@ fn awq_without_pre_quant_scales_names_them() {
             && e.contains("`model.layers.0.self_attn.q_proj.input_quantizer._pre_quant_scale`"),
         "{e}"
     );
+}
+
+#[test]
+fn awq_on_moe_experts_matches_modelopt_bit_for_bit() {
+    // Per-expert Linears: each Linear name's scales are averaged over the experts, then an
+    // expert's gate/up (w1/w3) over the pair — no norm absorbs them (the experts' input is a
+    // routed subset, not the norm's output), so every expert writes `pre_quant_scale`.
+    check("qwen3-moe-awq-tiny", Format::Int4Awq);
+    check("mixtral-awq-tiny", Format::Int4Awq);
 }

@@ -200,6 +200,29 @@ def tiny_qwen3_moe_fused():
     return model
 
 
+def tiny_qwen3_moe_awq():
+    """Qwen3-MoE wide enough for INT4's 128-groups (hidden and expert width 128): AWQ on experts."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return _random_norms(transformers.Qwen3MoeForCausalLM(config))
+
+
+def tiny_mixtral_awq():
+    """Mixtral wide enough for INT4's 128-groups: AWQ on w1/w2/w3 experts."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    return _random_norms(transformers.MixtralForCausalLM(config))
+
+
 def save_in_memory_layout(model, path):
     """Writes the state dict as transformers 5 holds it (fused 3-D experts) — what a checkpoint
     saved without transformers' reverse conversion contains."""
@@ -226,15 +249,21 @@ MODELS = {
     "llama-tiny": (tiny_llama, transformers.LlamaForCausalLM, (4, 32), list(FORMATS)),
     # Few tokens over 8 experts: some experts get none and ModelOpt fills their input amax.
     "qwen3-moe-tiny": (tiny_qwen3_moe, transformers.Qwen3MoeForCausalLM, (1, 6),
-                       ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block"]),
+                       ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block", "int8-sq"]),
     "mixtral-tiny": (tiny_mixtral, transformers.MixtralForCausalLM, (2, 16),
-                     ["fp8", "nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block"]),
+                     ["fp8", "nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block", "int8-sq"]),
     "qwen2-tiny": (tiny_qwen2, transformers.Qwen2ForCausalLM, (2, 16),
-                   ["fp8", "nvfp4", "int8-wo", "fp8-block"]),
+                   ["fp8", "nvfp4", "int8-wo", "fp8-block", "int8-sq"]),
     "qwen3-tiny": (tiny_qwen3, transformers.Qwen3ForCausalLM, (2, 16),
-                   ["fp8", "nvfp4", "w4a16-nvfp4", "mxfp4"]),
+                   ["fp8", "nvfp4", "w4a16-nvfp4", "mxfp4", "int8-sq"]),
     "mistral-tiny": (tiny_mistral, transformers.MistralForCausalLM, (2, 16),
-                     ["fp8", "nvfp4", "fp8-per-channel", "mxfp8"]),
+                     ["fp8", "nvfp4", "fp8-per-channel", "mxfp8", "int8-sq"]),
+    # AWQ on experts: scales averaged over experts, then over gate/up (int4 needs width 128).
+    # ModelOpt 0.47 fails on w4a8-awq for MoE ("Changing shape when setting amax").
+    "qwen3-moe-awq-tiny": (tiny_qwen3_moe_awq, transformers.Qwen3MoeForCausalLM, (2, 16),
+                           ["int4-awq"]),
+    "mixtral-awq-tiny": (tiny_mixtral_awq, transformers.MixtralForCausalLM, (2, 16),
+                         ["int4-awq"]),
     # ModelOpt 0.47 fails on int8-wo for these experts (a shape error in its exporter).
     "gpt-oss-tiny": (tiny_gpt_oss, transformers.GptOssForCausalLM, (2, 16),
                      ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "mxfp8", "mxfp4", "fp8-block"]),

@@ -12,7 +12,9 @@
 //!   per-tensor scales, NVFP4 blocks along `in` (ModelOpt transposes, quantizes, transposes
 //!   back), MX blocks along the last dimension, FP8 per-channel scales per expert.
 
-use super::linear::{Quantize, ScaleSource, export_scale, f32s, input_scale_of, scalar};
+use super::linear::{
+    Granularity, Quantize, ScaleSource, export_scale, f32s, input_scale_of, scalar,
+};
 use super::recipe::{Format, Recipe};
 use super::stats::ErrorStats;
 use super::{ExportContext, ExportError, ModuleExporter, full_name, is_moe};
@@ -139,7 +141,7 @@ impl ScaleSource for SliceScales<'_> {
     }
     fn partner_amax(
         &self,
-        _tile: Option<usize>,
+        _by: Granularity,
         _rows: usize,
         _cols: usize,
     ) -> Result<Option<Vec<f32>>, ExportError> {

@@ -180,11 +180,11 @@ pub(crate) trait ScaleSource {
     /// The input amax (the max over every Linear sharing the input scale), raw;
     /// [`ExportError::MissingActAmax`] when none is known.
     fn input_amax(&self, format: Format) -> Result<f32, ExportError>;
-    /// Per-row (`tile = None`) or per-tile amax of a partner weight whose amax this one's is
+    /// Per-row, per-tile or per-block amax of a partner weight whose amax this one's is
     /// synced with element-wise (an expert's gate/up), if any.
     fn partner_amax(
         &self,
-        tile: Option<usize>,
+        by: Granularity,
         rows: usize,
         cols: usize,
     ) -> Result<Option<Vec<f32>>, ExportError>;
@@ -200,17 +200,40 @@ pub(crate) struct TreeScales<'a> {
     pub name: &'a str,
 }
 
-/// Per-row or per-tile amax of `x`.
+/// What one amax covers: a row (per channel), a square tile, or a block of a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Granularity {
+    /// One amax per row.
+    Rows,
+    /// One amax per `t × t` tile (edge tiles partial).
+    Tiles(usize),
+    /// One amax per `1 × g` block along the row.
+    Blocks(usize),
+}
+
+impl Granularity {
+    /// The number of amax values for a `rows × cols` weight.
+    pub(crate) fn len(self, rows: usize, cols: usize) -> usize {
+        match self {
+            Granularity::Rows => rows,
+            Granularity::Tiles(t) => rows.div_ceil(t) * cols.div_ceil(t),
+            Granularity::Blocks(g) => rows * (cols / g),
+        }
+    }
+}
+
+/// Per-row, per-tile or per-block amax of `x`.
 fn reduce_amax<T: Element>(
     x: &[T],
     rows: usize,
     cols: usize,
-    tile: Option<usize>,
+    by: Granularity,
     out: &mut [f32],
 ) -> Result<(), kiln_kernels::KernelError> {
-    match tile {
-        None => cpu::amax_rows(x, rows, cols, out),
-        Some(t) => cpu::amax_tiles(x, rows, cols, t, out),
+    match by {
+        Granularity::Rows => cpu::amax_rows(x, rows, cols, out),
+        Granularity::Tiles(t) => cpu::amax_tiles(x, rows, cols, t, out),
+        Granularity::Blocks(g) => cpu::amax_blocks(x, rows, cols, g, out),
     }
 }
 
@@ -266,7 +289,7 @@ impl ScaleSource for TreeScales<'_> {
 
     fn partner_amax(
         &self,
-        tile: Option<usize>,
+        by: Granularity,
         rows: usize,
         cols: usize,
     ) -> Result<Option<Vec<f32>>, ExportError> {
@@ -278,11 +301,7 @@ impl ScaleSource for TreeScales<'_> {
         } else {
             &pair[0]
         };
-        let len = match tile {
-            None => rows,
-            Some(t) => rows.div_ceil(t) * cols.div_ceil(t),
-        };
-        let mut b = vec![0f32; len];
+        let mut b = vec![0f32; by.len(rows, cols)];
         let c = self.ctx.checkpoint()?;
         let name = full_name(other, "weight");
         let kernel = |r: Result<(), kiln_kernels::KernelError>| {
@@ -296,15 +315,23 @@ impl ScaleSource for TreeScales<'_> {
             name: &str,
             rows: usize,
             cols: usize,
-            tile: Option<usize>,
+            by: Granularity,
             out: &mut [f32],
+            smoothing: Option<&crate::export::smooth::LinearSmoothing>,
         ) -> Result<Result<(), kiln_kernels::KernelError>, ExportError> {
-            Ok(reduce_amax(&c.read_as::<T>(name)?, rows, cols, tile, out))
+            let w = c.read_as::<T>(name)?;
+            // The partner's amax is taken on its smoothed weight (SmoothQuant experts).
+            let w = match smoothing {
+                Some(s) => s.apply(&w, cols),
+                None => w,
+            };
+            Ok(reduce_amax(&w, rows, cols, by, out))
         }
+        let smoothing = self.ctx.smoothing(other);
         let reduced = match c.tensor(&name).map(|t| t.dtype) {
-            Some(Dtype::BF16) => read::<bf16>(c, &name, rows, cols, tile, &mut b)?,
-            Some(Dtype::F16) => read::<f16>(c, &name, rows, cols, tile, &mut b)?,
-            Some(Dtype::F32) => read::<f32>(c, &name, rows, cols, tile, &mut b)?,
+            Some(Dtype::BF16) => read::<bf16>(c, &name, rows, cols, by, &mut b, smoothing)?,
+            Some(Dtype::F16) => read::<f16>(c, &name, rows, cols, by, &mut b, smoothing)?,
+            Some(Dtype::F32) => read::<f32>(c, &name, rows, cols, by, &mut b, smoothing)?,
             other => {
                 return Err(ExportError::Invalid(format!(
                     "tensor `{name}`: cannot sync gate/up amax with dtype {other:?}"
@@ -385,24 +412,20 @@ impl Quantize<'_> {
         ))
     }
 
-    /// Per-row (`tile = None`) or per-tile scales `amax / divisor`, the amax exported as
+    /// Per-row, per-tile or per-block scales `amax / divisor`, the amax exported as
     /// ModelOpt's `export_amax` does: zero or NaN becomes the bound (scale 1), and a subnormal
     /// is raised to `f32::MIN_POSITIVE`. An expert's gate/up take the element-wise max of both
     /// amax (`sync_moe_gate_up_amax`).
     fn amax_scales<T: Element>(
         &self,
         w: &[T],
-        tile: Option<usize>,
+        by: Granularity,
         divisor: f32,
     ) -> Result<Vec<f32>, ExportError> {
         let (rows, cols) = (self.rows, self.cols);
-        let len = match tile {
-            None => rows,
-            Some(t) => rows.div_ceil(t) * cols.div_ceil(t),
-        };
-        let mut a = vec![0f32; len];
-        self.kernel(reduce_amax(w, rows, cols, tile, &mut a))?;
-        if let Some(b) = self.scales.partner_amax(tile, rows, cols)? {
+        let mut a = vec![0f32; by.len(rows, cols)];
+        self.kernel(reduce_amax(w, rows, cols, by, &mut a))?;
+        if let Some(b) = self.scales.partner_amax(by, rows, cols)? {
             for (x, y) in a.iter_mut().zip(&b) {
                 *x = nan_max(*x, *y);
             }
@@ -418,8 +441,8 @@ impl Quantize<'_> {
         };
         let smoothed = s.apply(&w, self.cols);
         drop(w);
-        if s.write_scale {
-            let pqs: Vec<T> = s.avg.iter().map(|&x| T::from_f32(x)).collect();
+        if let Some(scale) = &s.scale {
+            let pqs: Vec<T> = scale.iter().map(|&x| T::from_f32(x)).collect();
             let dtype = match T::DTYPE {
                 "F16" => Dtype::F16,
                 "F32" => Dtype::F32,
@@ -456,7 +479,7 @@ impl Quantize<'_> {
                 ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * s)
             }
             Format::Fp8PerChannel => {
-                let s = self.amax_scales(w, None, 448.0)?;
+                let s = self.amax_scales(w, Granularity::Rows, 448.0)?;
                 let mut q = vec![0u8; n];
                 self.kernel(cpu::quantize_fp8_per_channel(
                     w, self.rows, cols, &s, &mut q,
@@ -469,7 +492,7 @@ impl Quantize<'_> {
                 // FORMATS.md fp8_pb_wo: one f32 scale per 128×128 tile (edge tiles partial),
                 // stored [N/128, 1, K/128, 1] — a 0-d tensor when there is one tile.
                 const TILE: usize = 128;
-                let mut s = self.amax_scales(w, Some(TILE), 448.0)?;
+                let mut s = self.amax_scales(w, Granularity::Tiles(TILE), 448.0)?;
                 // `preprocess_linear_fusion`: when a shared-input group (q/k/v, gate/up) has
                 // one tile each, its amax is a scalar and the group shares the max.
                 if let Some(amax) = self.scales.shared_tile_amax()? {
@@ -489,7 +512,7 @@ impl Quantize<'_> {
                 })
             }
             Format::Int8Wo | Format::Int8Sq => {
-                let s = self.amax_scales(w, None, 127.0)?;
+                let s = self.amax_scales(w, Granularity::Rows, 127.0)?;
                 let mut q = vec![0i8; n];
                 self.kernel(cpu::quantize_int8_per_channel(
                     w, self.rows, cols, &s, &mut q,
@@ -506,9 +529,8 @@ impl Quantize<'_> {
                 // pairs along the output dimension: weight [N/2, K], weight_scale [N, K/128].
                 const G: usize = 128;
                 let rows = self.rows;
-                let mut a = vec![0f32; rows * cols / G];
-                self.kernel(cpu::amax_blocks(w, rows, cols, G, &mut a))?;
-                let s: Vec<f32> = a.iter().map(|&x| export_scale(x, 7.0)).collect();
+                // An expert's gate/up share the element-wise max (`sync_moe_gate_up_amax`).
+                let s = self.amax_scales(w, Granularity::Blocks(G), 7.0)?;
                 let mut q = vec![0u8; n / 2];
                 self.kernel(cpu::quantize_int4_groups(w, rows, cols, G, &s, &mut q))?;
                 self.emit("weight", Dtype::U8, &[rows / 2, cols], &q)?;

@@ -25,15 +25,17 @@ use std::collections::HashMap;
 /// How one Linear is smoothed.
 #[derive(Debug, Clone)]
 pub struct LinearSmoothing {
-    /// Its own scale `p` (one per input channel).
+    /// Its own scale `p` (one per input channel), in the weight's dtype.
     pub own: Vec<f32>,
-    /// Its group's mean scale (`own` for a group of one).
-    pub avg: Vec<f32>,
-    /// Whether `avg` is written as its `pre_quant_scale` (not folded into a norm).
-    pub write_scale: bool,
     /// NVFP4 AWQ: the next Linear's scale, folded into this one's output rows (ModelOpt's
     /// `fuse_prequant_to_linear`: o_proj's into v_proj, down_proj's into up_proj).
     pub row_scale: Option<Vec<f32>>,
+    /// Resmooths in order, each `(from, to)`: the weight becomes `W · from / to` where the two
+    /// differ (the mean over experts of one Linear name, then over a shared-input group).
+    pub steps: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The scale written as its `pre_quant_scale`; `None` when it went into the previous
+    /// Linear's rows or into a norm.
+    pub scale: Option<Vec<f32>>,
 }
 
 /// `fuse_prequant_to_linear`'s pairs: in a module whose class name contains one of the
@@ -122,15 +124,14 @@ impl SmoothPlan {
             })
             .map(|m| m.path().to_string())
             .collect();
+        // Experts stored as 3-D tensors have no per-expert Linears to smooth.
         if let Some(m) = tree.walk().find(|m| {
             m.local_name() == "experts"
-                && (super::moe::is_iterable_experts(m)
-                    || super::experts::is_fused_experts(m)
-                    || m.class_name().ends_with("Experts"))
-                && recipe.quantizes(&format!("{}.0.up_proj", m.path()))
+                && !super::moe::is_iterable_experts(m)
+                && m.tensors().iter().any(|t| t.shape.len() == 3)
         }) {
             return Err(ExportError::Invalid(format!(
-                "{format} cannot export MoE experts yet (`{}`: ModelOpt averages their pre-quant scales across experts); leave them unquantized with --exclude '*.experts.*' or choose another format",
+                "{format} cannot export 3-D experts (`{}`) yet: AWQ / SmoothQuant scales are per expert Linear; leave them unquantized with --exclude '*.experts*' or choose another format",
                 m.path()
             )));
         }
@@ -158,50 +159,99 @@ impl SmoothPlan {
         }
         let mut plan = SmoothPlan::default();
         for m in &quantized {
-            if plan.linears.contains_key(m) {
-                continue;
-            }
-            let module = tree
-                .find(m)
-                .ok_or_else(|| ExportError::Invalid(format!("no module `{m}`")))?;
-            let group = input_group(module, |p| recipe.quantizes(p));
-            let scales: Vec<&[f32]> = group
-                .iter()
-                .map(|g| act.pre_quant_scale(g).unwrap_or_default())
-                .collect();
             // Each scale as the quantizer stores it: in the weight's dtype.
-            let rounded: Vec<Vec<f32>> = scales
+            let own: Vec<f32> = act
+                .pre_quant_scale(m)
+                .unwrap_or_default()
                 .iter()
-                .map(|s| s.iter().map(|&x| T::round_f32(x)).collect())
+                .map(|&x| T::round_f32(x))
                 .collect();
-            let views: Vec<&[f32]> = rounded.iter().map(Vec::as_slice).collect();
-            let avg = if group.len() > 1 {
-                mean_as::<T>(&views)
-            } else {
-                rounded[0].clone()
-            };
-            let norm = (group.len() > 1 && folds_into_norm(format))
-                .then(|| module.parent().and_then(|p| producing_norm(tree, p.path())))
-                .flatten();
-            if let Some(norm) = &norm {
-                plan.norms.insert(norm.clone(), avg.clone());
-            }
-            for (g, own) in group.iter().zip(rounded) {
-                plan.linears.insert(
-                    g.clone(),
-                    LinearSmoothing {
-                        own,
-                        avg: avg.clone(),
-                        write_scale: norm.is_none(),
-                        row_scale: None,
-                    },
-                );
-            }
+            plan.linears.insert(
+                m.clone(),
+                LinearSmoothing {
+                    scale: Some(own.clone()),
+                    own,
+                    row_scale: None,
+                    steps: Vec::new(),
+                },
+            );
         }
+        // ModelOpt's order: the pre-quant fusion (NVFP4 AWQ), the mean over experts (AWQ),
+        // then shared-input groups.
         if format == Format::Nvfp4Awq {
             plan.fuse_prequant_to_linear(tree, &out_features);
         }
+        if folds_into_norm(format) {
+            plan.average_over_experts::<T>(tree);
+        }
+        for m in &quantized {
+            let module = tree
+                .find(m)
+                .ok_or_else(|| ExportError::Invalid(format!("no module `{m}`")))?;
+            let group: Vec<String> = input_group(module, |p| recipe.quantizes(p))
+                .into_iter()
+                .filter(|g| plan.linears.get(g).is_some_and(|l| l.scale.is_some()))
+                .collect();
+            if group.len() < 2 || group[0] != *m {
+                continue;
+            }
+            let norm = folds_into_norm(format)
+                .then(|| module.parent().and_then(|p| producing_norm(tree, p.path())))
+                .flatten();
+            let avg = plan.resmooth::<T>(&group);
+            if let Some(norm) = norm {
+                for g in &group {
+                    if let Some(l) = plan.linears.get_mut(g) {
+                        l.scale = None;
+                    }
+                }
+                plan.norms.insert(norm, avg);
+            }
+        }
         Ok(Some(plan))
+    }
+
+    /// Resmooths `members` (all holding a scale) to the mean of their scales; returns it.
+    fn resmooth<T: Element>(&mut self, members: &[String]) -> Vec<f32> {
+        let current: Vec<Vec<f32>> = members
+            .iter()
+            .map(|m| self.linears[m].scale.clone().unwrap_or_default())
+            .collect();
+        let views: Vec<&[f32]> = current.iter().map(Vec::as_slice).collect();
+        let avg = mean_as::<T>(&views);
+        for (m, from) in members.iter().zip(current) {
+            if let Some(l) = self.linears.get_mut(m) {
+                l.steps.push((from, avg.clone()));
+                l.scale = Some(avg.clone());
+            }
+        }
+        avg
+    }
+
+    /// AWQ on MoE: every expert's Linear of one name is resmoothed to the mean over experts
+    /// (`get_experts_list` + `preprocess_linear_fusion(resmooth_only=True)`).
+    fn average_over_experts<T: Element>(&mut self, tree: &ModuleTree) {
+        for experts in tree.walk().filter(|m| super::moe::is_iterable_experts(m)) {
+            let mut names: Vec<&str> = Vec::new();
+            for e in experts.children() {
+                for l in e.children() {
+                    if !names.contains(&l.local_name()) {
+                        names.push(l.local_name());
+                    }
+                }
+            }
+            for name in names {
+                let members: Vec<String> = experts
+                    .children()
+                    .filter_map(|e| e.child(name))
+                    .map(|l| l.path().to_string())
+                    .filter(|p| self.linears.get(p).is_some_and(|l| l.scale.is_some()))
+                    .collect();
+                if members.len() > 1 {
+                    self.resmooth::<T>(&members);
+                }
+            }
+        }
     }
 
     /// NVFP4 AWQ, before any resmooth: v_proj takes o_proj's scale and up_proj down_proj's,
@@ -221,7 +271,7 @@ impl SmoothPlan {
                     format!("{}.{into}", module.path()),
                     format!("{}.{from}", module.path()),
                 );
-                let Some(scale) = self.linears.get(&from).map(|l| l.own.clone()) else {
+                let Some(scale) = self.linears.get(&from).and_then(|l| l.scale.clone()) else {
                     continue;
                 };
                 if out_features(&into) != Some(scale.len()) || !self.linears.contains_key(&into) {
@@ -231,7 +281,7 @@ impl SmoothPlan {
                     l.row_scale = Some(scale);
                 }
                 if let Some(l) = self.linears.get_mut(&from) {
-                    l.write_scale = false;
+                    l.scale = None;
                 }
             }
         }
@@ -254,22 +304,27 @@ impl LinearSmoothing {
     pub fn apply<T: Element>(&self, w: &[T], cols: usize) -> Vec<T> {
         let inv: Vec<f32> = self.own.iter().map(|&p| 1.0 / p).collect();
         let inv = inv.as_slice();
-        let resmooth = self.own != self.avg;
+        // A step whose two scales are equal leaves the weight alone (`torch.equal` first).
+        let steps: Vec<(&[f32], &[f32])> = self
+            .steps
+            .iter()
+            .filter(|(from, to)| from != to)
+            .map(|(from, to)| (from.as_slice(), to.as_slice()))
+            .collect();
+        let steps = steps.as_slice();
         w.chunks_exact(cols)
             .enumerate()
             .flat_map(|(r, row)| {
                 let row_scale = self.row_scale.as_ref().map(|s| s[r]);
                 row.iter().enumerate().map(move |(c, &x)| {
-                    let mut w1 = T::round_f32(x.to_f32() * inv[c]);
+                    let mut w = T::round_f32(x.to_f32() * inv[c]);
                     if let Some(f) = row_scale {
-                        w1 = T::round_f32(w1 * f);
+                        w = T::round_f32(w * f);
                     }
-                    let w2 = if resmooth {
-                        T::round_f32(w1 * self.own[c] / self.avg[c])
-                    } else {
-                        w1
-                    };
-                    T::from_f32(w2)
+                    for (from, to) in steps {
+                        w = T::round_f32(w * from[c] / to[c]);
+                    }
+                    T::from_f32(w)
                 })
             })
             .collect()
@@ -303,9 +358,9 @@ mod tests {
     fn smoothing_divides_then_resmooths_in_f32() {
         let s = LinearSmoothing {
             own: vec![2.0, 0.5],
-            avg: vec![1.0, 1.0],
-            write_scale: true,
             row_scale: None,
+            steps: vec![(vec![2.0, 0.5], vec![1.0, 1.0])],
+            scale: Some(vec![1.0, 1.0]),
         };
         let w = [bf16::from_f32(3.0), bf16::from_f32(-1.0)];
         // 3/2·2/1 = 3, −1·2·0.5 = −1: the round trip through p and avg.
