@@ -30,9 +30,11 @@ du -sh "$work/llama-254m" "$work/llama-8gb"
 
 echo "| run | wall (m:ss) | peak RSS |"
 echo "|---|---:|---:|"
+# Outputs are removed before each run (as for ModelOpt), so no run pays for deleting the last.
 for fmt in fp8 nvfp4; do
+  rm -rf "$work/kiln-254m-$fmt"
   measure "kiln $fmt 254M" $kiln export --model "$work/llama-254m" --format $fmt \
-    --act-amax "$work/llama-254m/amax.json" --out "$work/kiln-254m-$fmt" --force
+    --act-amax "$work/llama-254m/amax.json" --out "$work/kiln-254m-$fmt"
 done
 if [ -n "$py" ]; then
   for fmt in fp8 nvfp4; do
@@ -42,6 +44,7 @@ if [ -n "$py" ]; then
   done
 fi
 for fmt in fp8 nvfp4; do
+  rm -rf "$work/kiln-8gb-$fmt"
   measure "kiln $fmt 7.6GB" $kiln export --model "$work/llama-8gb" --format $fmt \
-    --act-amax "$work/llama-8gb/amax.json" --out "$work/kiln-8gb-$fmt" --force
+    --act-amax "$work/llama-8gb/amax.json" --out "$work/kiln-8gb-$fmt"
 done

@@ -29,9 +29,25 @@ pub fn e4m3_out(x: f32) -> u8 {
     if code == 0x7f { 0x7f } else { code | sign }
 }
 
-/// E4M3FN code → f32 (exact; 0x7F / 0xFF are NaN).
+/// E4M3FN code → f32 (exact; 0x7F / 0xFF are NaN), by table: hot in dequantization loops.
 #[inline]
 pub fn e4m3_to_f32(c: u8) -> f32 {
+    E4M3_TABLE[c as usize]
+}
+
+/// [`e4m3_decode`] of every code.
+static E4M3_TABLE: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut c = 0;
+    while c < 256 {
+        t[c] = e4m3_decode(c as u8);
+        c += 1;
+    }
+    t
+};
+
+/// E4M3FN code → f32, computed.
+const fn e4m3_decode(c: u8) -> f32 {
     let (sign, exp, man) = ((c as u32 & 0x80) << 24, (c as u32 >> 3) & 0xf, c as u32 & 7);
     let magnitude = if c & 0x7f == 0x7f {
         f32::NAN

@@ -50,11 +50,23 @@ pub fn f32_to_e2m1_mx(x: f32) -> u8 {
     (sign << 3) | idx
 }
 
-/// E2M1 code → f32 (the low 4 bits are used).
+/// E2M1 code → f32 (the low 4 bits are used; code 8 is −0.0), by table.
+#[inline]
 pub fn e2m1_to_f32(code: u8) -> f32 {
-    let v = E2M1_VALUES[(code & 7) as usize];
-    if code & 8 != 0 { -v } else { v }
+    E2M1_SIGNED[(code & 15) as usize]
 }
+
+/// Every E2M1 code's value: the magnitudes, then their negations.
+const E2M1_SIGNED: [f32; 16] = {
+    let mut t = [0f32; 16];
+    let mut i = 0;
+    while i < 8 {
+        t[i] = E2M1_VALUES[i];
+        t[i + 8] = -E2M1_VALUES[i];
+        i += 1;
+    }
+    t
+};
 
 /// Packs two 4-bit codes per byte, the even element in the low nibble.
 /// `codes.len()` must be even; `out.len()` is half of it.

@@ -436,6 +436,8 @@ impl Quantize<'_> {
     /// [`Quantize::run`] after the AWQ / SmoothQuant smoothing of the Linear, if any, writing
     /// its `pre_quant_scale` (in the weight's dtype) unless a norm absorbed it.
     fn run_smoothed<T: Element>(&self, w: Vec<T>) -> Result<(), ExportError> {
+        // The weight is in memory: its amax costs little here and a second read later.
+        self.ctx.remember_weight_amax(self.weight, cpu::amax(&w))?;
         let Some(s) = self.ctx.smoothing(self.out) else {
             return self.run(&w);
         };
@@ -574,9 +576,9 @@ impl Quantize<'_> {
                     let input = self.input_scale()?;
                     self.emit("input_scale", Dtype::F32, &[], &scalar(input))?;
                 }
-                ErrorStats::measure(w, |i| {
-                    e2m1_to_f32(nibble(&packed, i)) * (e4m3_to_f32(scales[i / 16]) * ws2)
-                })
+                // Each block's dequantization scale once, not once per element.
+                let block: Vec<f32> = scales.iter().map(|&s| e4m3_to_f32(s) * ws2).collect();
+                ErrorStats::measure(w, |i| e2m1_to_f32(nibble(&packed, i)) * block[i / 16])
             }
             Format::Mxfp8 => {
                 let (mut q, mut s) = (vec![0u8; n], vec![0u8; n / 32]);

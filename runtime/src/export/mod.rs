@@ -382,6 +382,13 @@ impl ExportContext {
         Ok(())
     }
 
+    /// Records max |w| of input tensor `name`, computed by a caller that holds its values (so
+    /// [`ExportContext::weight_amax`] need not read it again).
+    pub fn remember_weight_amax(&self, name: &str, amax: f32) -> Result<(), ExportError> {
+        lock(&self.job()?.weight_amax).insert(name.to_string(), amax);
+        Ok(())
+    }
+
     /// max |w| of input tensor `name`, computed once per export.
     pub fn weight_amax(&self, name: &str) -> Result<f32, ExportError> {
         let job = self.job()?;
