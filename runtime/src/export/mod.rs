@@ -20,6 +20,7 @@ use crate::module_tree::{ModuleRef, ModuleTree};
 use crate::registry::exporters::ExporterRegistry;
 use crate::sink::{ShardWriter, SinkError};
 use act_amax::ActAmax;
+use rayon::prelude::*;
 use recipe::{Format, Recipe};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -163,9 +164,19 @@ impl ExportReport {
 #[derive(Default)]
 pub struct ExportContext {
     report: Mutex<ExportReport>,
-    job: Option<Job>,
+    job: Option<std::sync::Arc<Job>>,
     progress: Option<ProgressFn>,
     cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// A module's context (see [`ExportContext::for_module`]) holds what the module emits
+    /// until the walk writes it, in module order.
+    capture: Option<Mutex<Captured>>,
+}
+
+/// What one module's export produced, held until it is written in module order.
+#[derive(Default)]
+struct Captured {
+    tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+    errors: Vec<(Format, stats::ErrorStats)>,
 }
 
 /// Called after each module of the walk with (modules done, modules in total, module path).
@@ -217,7 +228,8 @@ impl ExportContext {
             report: Mutex::default(),
             progress: None,
             cancel: None,
-            job: Some(Job {
+            capture: None,
+            job: Some(std::sync::Arc::new(Job {
                 checkpoint,
                 recipe,
                 act: Mutex::new(act),
@@ -228,16 +240,49 @@ impl ExportContext {
                 weight_amax: Mutex::default(),
                 errors: Mutex::default(),
                 bytes_out: Mutex::default(),
-            }),
+            })),
         }
     }
 
     /// Smooths Linears and folds norms by `plan` (AWQ / SmoothQuant formats).
     pub fn with_smoothing(mut self, plan: Option<smooth::SmoothPlan>) -> Self {
-        if let Some(job) = &mut self.job {
+        if let Some(job) = self.job.as_mut().and_then(std::sync::Arc::get_mut) {
             job.smooth = plan;
         }
         self
+    }
+
+    /// A context for exporting one module alongside others: it shares this export's state
+    /// but holds the module's output, which [`ExportContext::write_captured`] writes later.
+    fn for_module(&self) -> ExportContext {
+        ExportContext {
+            report: Mutex::default(),
+            job: self.job.clone(),
+            progress: None,
+            cancel: None,
+            capture: Some(Mutex::default()),
+        }
+    }
+
+    /// Writes what a module context captured (its tensors, error statistics and notes).
+    fn write_captured(&self, module: ExportContext) -> Result<(), ExportError> {
+        let captured = module
+            .capture
+            .map(|c| c.into_inner().unwrap_or_else(|p| p.into_inner()))
+            .unwrap_or_default();
+        for (name, dtype, shape, data) in captured.tensors {
+            self.emit(&name, dtype, &shape, &data)?;
+        }
+        for (format, e) in captured.errors {
+            self.record_error(format, &e)?;
+        }
+        let notes = module
+            .report
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .notes;
+        lock(&self.report).notes.extend(notes);
+        Ok(())
     }
 
     /// How the Linear at `module` is smoothed, for formats with pre-quant scales.
@@ -267,7 +312,7 @@ impl ExportContext {
     }
 
     fn job(&self) -> Result<&Job, ExportError> {
-        self.job.as_ref().ok_or_else(|| {
+        self.job.as_deref().ok_or_else(|| {
             ExportError::Invalid("this export context has no checkpoint or output".into())
         })
     }
@@ -318,6 +363,12 @@ impl ExportContext {
     ) -> Result<(), ExportError> {
         let job = self.job()?;
         if job.dropped.contains(name) {
+            return Ok(());
+        }
+        if let Some(c) = &self.capture {
+            lock(c)
+                .tensors
+                .push((name.to_string(), dtype, shape.to_vec(), data.to_vec()));
             return Ok(());
         }
         lock(&job.writer).write(name, dtype, shape, data)?;
@@ -464,6 +515,10 @@ impl ExportContext {
         format: Format,
         stats: &stats::ErrorStats,
     ) -> Result<(), ExportError> {
+        if let Some(c) = &self.capture {
+            lock(c).errors.push((format, *stats));
+            return Ok(());
+        }
         lock(&self.job()?.errors)
             .entry(format)
             .or_default()
@@ -497,6 +552,7 @@ impl ExportContext {
         let report = self.report.into_inner().unwrap_or_else(|p| p.into_inner());
         let job = self
             .job
+            .and_then(|j| std::sync::Arc::try_unwrap(j).ok())
             .ok_or_else(|| ExportError::Invalid("no output to finish".into()))?;
         Ok((
             job.writer.into_inner().unwrap_or_else(|p| p.into_inner()),
@@ -582,37 +638,69 @@ pub fn walk(
             .push((block.path().to_string(), m.entry.meta.path.to_string()));
     }
 
+    // Modules are exported a window at a time, in parallel (reading, quantizing); each
+    // module's output is held by its own context and written in module order, so the bytes
+    // never depend on scheduling or the thread count. The window bounds memory.
     let total = tree.len();
-    for (done, module) in tree.walk().enumerate() {
+    let matched: Vec<_> = tree
+        .walk()
+        .map(|module| {
+            let m = matcher.find(&module);
+            let found = m.map(|m| {
+                instances.get(m.position);
+                (m.position, m.entry.meta.path.to_string(), m.describe())
+            });
+            (module, found)
+        })
+        .collect();
+    let instances = &instances;
+    let exporting = ctx.is_exporting();
+    let mut done = 0;
+    for window in matched.chunks(WINDOW) {
         if ctx.cancelled() {
             return Err(ExportError::Cancelled);
         }
-        let outcome = match matcher.find(&module) {
-            Some(m) => {
-                instances
-                    .get(m.position)
-                    .export(module.path(), module, ctx)?;
-                ModuleOutcome::Exported {
-                    exporter: m.entry.meta.path.to_string(),
-                    reason: m.describe(),
-                }
+        let results: Vec<(ExportContext, Result<(), ExportError>)> = window
+            .par_iter()
+            .map(|(module, found)| {
+                let module_ctx = ctx.for_module();
+                let result = match found {
+                    Some((position, _, _)) => {
+                        instances
+                            .made(*position)
+                            .export(module.path(), *module, &module_ctx)
+                    }
+                    None if exporting => module_ctx.copy_module(*module),
+                    None => Ok(()),
+                };
+                (module_ctx, result)
+            })
+            .collect();
+        for ((module, found), (module_ctx, result)) in window.iter().zip(results) {
+            result?;
+            ctx.write_captured(module_ctx)?;
+            let outcome = match found {
+                Some((_, exporter, reason)) => ModuleOutcome::Exported {
+                    exporter: exporter.clone(),
+                    reason: reason.clone(),
+                },
+                None => ModuleOutcome::Unchanged,
+            };
+            lock(&ctx.report)
+                .modules
+                .push((module.path().to_string(), outcome));
+            done += 1;
+            if let Some(f) = &ctx.progress {
+                f(done, total, module.path());
             }
-            None => {
-                if ctx.is_exporting() {
-                    ctx.copy_module(module)?;
-                }
-                ModuleOutcome::Unchanged
-            }
-        };
-        lock(&ctx.report)
-            .modules
-            .push((module.path().to_string(), outcome));
-        if let Some(f) = &ctx.progress {
-            f(done + 1, total, module.path());
         }
     }
     Ok(())
 }
+
+/// Modules exported at once by [`walk`]: enough to overlap one module's reading with another's
+/// quantizing on a few cores, few enough that memory stays a few tensors.
+const WINDOW: usize = 4;
 
 /// The exporters of one call, each constructed on first use.
 struct Instances<'r> {
@@ -630,6 +718,13 @@ impl<'r> Instances<'r> {
     fn get(&mut self, position: usize) -> &dyn ModuleExporter {
         let construct = self.registry.entries()[position].construct;
         &**self.made[position].get_or_insert_with(construct)
+    }
+
+    /// An exporter already constructed by [`Instances::get`].
+    fn made(&self, position: usize) -> &dyn ModuleExporter {
+        self.made[position]
+            .as_deref()
+            .expect("every matched exporter is constructed before the parallel walk")
     }
 }
 
