@@ -1,5 +1,11 @@
 //! One safetensors file: its header parsed and checked, its tensors read on demand.
 //!
+//! Tensors are read with positional reads (`pread`) into buffers of exactly their size, not
+//! through a memory map: mapping a file is `unsafe` (another process may change it under the
+//! map), which kiln keeps out of everything but the kernels, and a map saves little here — the
+//! export touches each byte once, and the page cache serves both. Memory stays bounded by the
+//! tensors in flight either way.
+//!
 //! The header is validated here rather than by `safetensors::SafeTensors` because that wants
 //! the whole file in one buffer and reports size mismatches without the tensor's name.
 
