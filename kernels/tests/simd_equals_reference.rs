@@ -1,5 +1,6 @@
 //! Every fast CPU path equals the readable reference, bit for bit: the dispatched function
-//! (AVX2 where the CPU has it), the portable path, and the AVX2 kernels called directly — on
+//! (AVX-512 or AVX2 where the CPU has it), the portable path, and the AVX2 and AVX-512 kernels
+//! called directly where the CPU has them (the test says which it could not run) — on
 //! random shapes (tails shorter than a vector included) and values mixing magnitudes, exact
 //! E2M1/E4M3 ties and special values, in bf16, f16 and f32.
 
@@ -49,6 +50,12 @@ fn check_all<T: Element>(
         let got = unsafe { cpu::x86::amax(&w) };
         prop_assert!(same_f32(got, want));
     }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: feature detected just above.
+        let got = unsafe { cpu::x86_512::amax(&w) };
+        prop_assert!(same_f32(got, want));
+    }
     let (mut r1, mut r2) = (vec![0f32; rows], vec![0f32; rows]);
     ramax::amax_rows(&w, rows, cols, &mut r1).unwrap();
     cpu::amax_rows(&w, rows, cols, &mut r2).unwrap();
@@ -71,6 +78,18 @@ fn check_all<T: Element>(
         // SAFETY: features detected; equal lengths.
         unsafe { cpu::x86::fp8_scaled::<T, true>(&w, scale, &mut b) };
         prop_assert_eq!(&a, &b);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: feature detected; equal lengths.
+        unsafe { cpu::x86_512::fp8_scaled::<T, true>(&w, scale, &mut b) };
+        prop_assert_eq!(&a, &b);
+        // The f32 quotient (per expert / per channel), against the reference's stacked form.
+        fp8::quantize_fp8_stacked(&w, &[1, 1, n], &[scale], &mut a).unwrap();
+        // SAFETY: as above.
+        unsafe { cpu::x86_512::fp8_scaled::<T, false>(&w, scale, &mut b) };
+        prop_assert_eq!(&a, &b);
+        fp8::quantize_fp8_per_tensor(&w, scale, &mut a).unwrap();
     }
     let scales: Vec<f32> = r1
         .iter()
@@ -145,6 +164,73 @@ fn check_all<T: Element>(
         int::quantize_int4_groups(&w, rows, cols, 8, &gs, &mut pa).unwrap();
         cpu::quantize_int4_groups(&w, rows, cols, 8, &gs, &mut pb).unwrap();
         prop_assert_eq!(&pa, &pb);
+    }
+    #[cfg(target_arch = "x86_64")]
+    direct_kernels(&w, rows, cols, &scales)?;
+    Ok(())
+}
+
+/// INT8, INT4 and MXFP8 from each instruction set's kernels called directly (the dispatcher
+/// picks only one of them), where the CPU has it.
+#[cfg(target_arch = "x86_64")]
+fn direct_kernels<T: Element>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    scales: &[f32],
+) -> Result<(), TestCaseError> {
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c");
+    let avx512 = is_x86_feature_detected!("avx512f");
+    let n = w.len();
+    if cols > 0 {
+        let row = &w[..cols];
+        let (mut want, mut got) = (vec![0i8; cols], vec![0i8; cols]);
+        int::quantize_int8_per_channel(row, 1, cols, &scales[..1], &mut want).unwrap();
+        if avx2 {
+            // SAFETY: features detected; equal lengths.
+            unsafe { cpu::x86::int8_row(row, scales[0], &mut got) };
+            prop_assert_eq!(&want, &got);
+        }
+        if avx512 {
+            // SAFETY: feature detected; equal lengths.
+            unsafe { cpu::x86_512::int8_row(row, scales[0], &mut got) };
+            prop_assert_eq!(&want, &got);
+        }
+    }
+    if rows >= 2 && cols > 0 && cols.is_multiple_of(16) {
+        // Groups of 32 where they fit (both kernels vectorize them), else 16.
+        let group = if cols.is_multiple_of(32) { 32 } else { 16 };
+        let pair = &w[..2 * cols];
+        let gs: Vec<f32> = (0..2 * cols / group)
+            .map(|i| 0.05 + (i % 7) as f32)
+            .collect();
+        let (mut want, mut got) = (vec![0u8; cols], vec![0u8; cols]);
+        int::quantize_int4_groups(pair, 2, cols, group, &gs, &mut want).unwrap();
+        if avx2 {
+            // SAFETY: features detected; a row pair and its scales.
+            unsafe { cpu::x86::int4_row_pair(pair, group, &gs, &mut got) };
+            prop_assert_eq!(&want, &got);
+        }
+        if avx512 {
+            // SAFETY: feature detected; a row pair and its scales.
+            unsafe { cpu::x86_512::int4_row_pair(pair, group, &gs, &mut got) };
+            prop_assert_eq!(&want, &got);
+        }
+    }
+    if n > 0 && cols.is_multiple_of(32) {
+        let (mut qa, mut sa) = (vec![0u8; n], vec![0u8; n / 32]);
+        let (mut qb, mut sb) = (vec![0u8; n], vec![0u8; n / 32]);
+        mx::quantize_mxfp8(w, cols, &mut qa, &mut sa).unwrap();
+        if avx2 {
+            // SAFETY: features detected; whole blocks.
+            unsafe { cpu::x86::mxfp8(w, &mut qb, &mut sb) };
+            prop_assert_eq!((&sa, &qa), (&sb, &qb));
+        }
+        if avx512 {
+            // SAFETY: feature detected; whole blocks.
+            unsafe { cpu::x86_512::mxfp8(w, &mut qb, &mut sb) };
+            prop_assert_eq!((&sa, &qa), (&sb, &qb));
+        }
     }
     Ok(())
 }
@@ -377,5 +463,24 @@ fn mx_lanes_equal_the_reference_across_magnitudes_and_specials() {
         mx::quantize_mxfp4(&wb, 32, &mut pa, &mut sa).unwrap();
         cpu::quantize_mxfp4(&wb, 32, &mut pb, &mut sb).unwrap();
         assert_eq!((&sa, &pa), (&sb, &pb));
+    }
+}
+
+#[test]
+fn reports_which_instruction_sets_were_exercised() {
+    println!("dispatched kernels: {:?}", cpu::isa());
+    #[cfg(target_arch = "x86_64")]
+    for (feature, present) in [
+        (
+            "avx2+f16c",
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"),
+        ),
+        ("avx512f", is_x86_feature_detected!("avx512f")),
+    ] {
+        if present {
+            println!("{feature}: present, its kernels are compared with the reference");
+        } else {
+            println!("{feature}: not on this CPU, its kernels are NOT exercised here (skipped)");
+        }
     }
 }

@@ -1,14 +1,18 @@
-//! Fast CPU paths. The instruction set is chosen once at run time (AVX2+F16C on x86-64, else
-//! the portable scalar path); large tensors are split into fixed-size chunks over rayon, so
-//! the output is the same bytes whatever the thread count. Every function here equals its
-//! `ops` reference bit for bit (tests/simd_equals_reference.rs).
+//! Fast CPU paths. The instruction set is chosen once at run time (AVX-512F for amax, FP8,
+//! INT8, INT4 and MXFP8 and AVX2+F16C for NVFP4 and MXFP4 on x86-64 CPUs that have them, else the portable scalar path);
+//! large tensors are split into fixed-size chunks over rayon, so the output is the same bytes
+//! whatever the thread count. Every function here equals its `ops` reference bit for bit
+//! (tests/simd_equals_reference.rs).
 //!
-//! `KILN_CPU=scalar` forces the portable path (tests and benchmarks compare the two).
+//! `KILN_CPU=scalar` forces the portable path, `KILN_CPU=avx2` the AVX2 kernels on an AVX-512
+//! machine (tests and benchmarks compare them).
 
 pub mod bits;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
+#[cfg(target_arch = "x86_64")]
+pub mod x86_512;
 
 use crate::element::Element;
 use crate::error::{KernelError, check_len};
@@ -23,6 +27,8 @@ const CHUNK: usize = 1 << 16;
 /// The instruction set the fast paths use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// x86-64 AVX-512F (with AVX2 and F16C): 16-lane amax and FP8, AVX2 for the rest.
+    Avx512,
     /// x86-64 AVX2 with F16C.
     Avx2,
     /// Plain Rust on any CPU.
@@ -33,11 +39,15 @@ pub enum Isa {
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
-        if std::env::var("KILN_CPU").is_ok_and(|v| v == "scalar") {
+        let forced = std::env::var("KILN_CPU").unwrap_or_default();
+        if forced == "scalar" {
             return Isa::Portable;
         }
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            if forced != "avx2" && is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
             return Isa::Avx2;
         }
         Isa::Portable
@@ -46,7 +56,10 @@ pub fn isa() -> Isa {
 
 fn amax_one<T: Element>(x: &[T]) -> f32 {
     match isa() {
-        // SAFETY: `isa()` returned Avx2 only after detecting AVX2 and F16C.
+        // SAFETY: `isa()` returned Avx512 only after detecting AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86_512::amax(x) },
+        // SAFETY: `isa()` returned Avx2 (or Avx512, which implies AVX2) only after detecting AVX2 and F16C.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::amax(x) },
         _ => portable::amax(x),
@@ -55,6 +68,9 @@ fn amax_one<T: Element>(x: &[T]) -> f32 {
 
 fn fp8_one<T: Element, const ROUND: bool>(w: &[T], scale: f32, out: &mut [u8]) {
     match isa() {
+        // SAFETY: as above; `out` and `w` have equal lengths (checked by the callers).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86_512::fp8_scaled::<T, ROUND>(w, scale, out) },
         // SAFETY: as above; `out` and `w` have equal lengths (checked by the callers).
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::fp8_scaled::<T, ROUND>(w, scale, out) },
@@ -66,7 +82,7 @@ fn nvfp4_one<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]
     match isa() {
         // SAFETY: as above; whole blocks, buffers sized by the callers.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::nvfp4(w, ws2, packed, scales) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { x86::nvfp4(w, ws2, packed, scales) },
         _ => portable::nvfp4(w, ws2, packed, scales),
     }
 }
@@ -286,6 +302,9 @@ pub fn quantize_mxfp8<T: Element>(
             match isa() {
                 // SAFETY: features detected by `isa()`; whole blocks, buffers sized above.
                 #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { x86_512::mxfp8(w, q, s) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => unsafe { x86::mxfp8(w, q, s) },
                 _ => portable::mxfp8(w, q, s),
             }
@@ -314,7 +333,7 @@ pub fn quantize_mxfp4<T: Element>(
         .try_for_each(|((w, p), s)| match isa() {
             // SAFETY: features detected by `isa()`; whole blocks, buffers sized above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+            Isa::Avx2 | Isa::Avx512 => {
                 unsafe { x86::mxfp4(w, p, s) };
                 Ok(())
             }
@@ -346,6 +365,12 @@ pub fn quantize_int8_per_channel<T: Element>(
         .zip(scales.par_iter())
         .try_for_each(|((w, o), s)| match isa() {
             // SAFETY: features detected by `isa()`; equal lengths.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                unsafe { x86_512::int8_row(w, *s, o) };
+                Ok(())
+            }
+            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 unsafe { x86::int8_row(w, *s, o) };
@@ -381,6 +406,12 @@ pub fn quantize_int4_groups<T: Element>(
         .zip(scales.par_chunks(2 * groups))
         .try_for_each(|((w, o), s)| match isa() {
             // SAFETY: features detected by `isa()`; a row pair, its scales and output row.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                unsafe { x86_512::int4_row_pair(w, group, s, o) };
+                Ok(())
+            }
+            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 unsafe { x86::int4_row_pair(w, group, s, o) };
