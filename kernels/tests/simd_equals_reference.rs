@@ -170,7 +170,7 @@ fn check_all<T: Element>(
     Ok(())
 }
 
-/// INT8, INT4 and MXFP8 from each instruction set's kernels called directly (the dispatcher
+/// INT8, INT4, NVFP4, MXFP4 and MXFP8 from each instruction set's kernels called directly (the dispatcher
 /// picks only one of them), where the CPU has it.
 #[cfg(target_arch = "x86_64")]
 fn direct_kernels<T: Element>(
@@ -215,6 +215,30 @@ fn direct_kernels<T: Element>(
             // SAFETY: feature detected; a row pair and its scales.
             unsafe { cpu::x86_512::int4_row_pair(pair, group, &gs, &mut got) };
             prop_assert_eq!(&want, &got);
+        }
+    }
+    if n > 0 && cols.is_multiple_of(16) && avx512 {
+        let ws2 = nvfp4::nvfp4_global_scale(ramax::amax(w));
+        let (mut pa, mut sa) = (vec![0u8; n / 2], vec![0u8; n / 16]);
+        let (mut pb, mut sb) = (vec![0u8; n / 2], vec![0u8; n / 16]);
+        nvfp4::quantize_nvfp4(w, &[rows, cols], ws2, &mut pa, &mut sa).unwrap();
+        // SAFETY: feature detected; whole blocks, buffers sized above.
+        unsafe { cpu::x86_512::nvfp4(w, ws2, &mut pb, &mut sb) };
+        prop_assert_eq!((&sa, &pa), (&sb, &pb));
+    }
+    if n > 0 && cols.is_multiple_of(32) {
+        let (mut pa, mut sa) = (vec![0u8; n / 2], vec![0u8; n / 32]);
+        let (mut pb, mut sb) = (vec![0u8; n / 2], vec![0u8; n / 32]);
+        mx::quantize_mxfp4(w, cols, &mut pa, &mut sa).unwrap();
+        if avx2 {
+            // SAFETY: features detected; whole blocks.
+            unsafe { cpu::x86::mxfp4(w, &mut pb, &mut sb) };
+            prop_assert_eq!((&sa, &pa), (&sb, &pb));
+        }
+        if avx512 {
+            // SAFETY: feature detected; whole blocks.
+            unsafe { cpu::x86_512::mxfp4(w, &mut pb, &mut sb) };
+            prop_assert_eq!((&sa, &pa), (&sb, &pb));
         }
     }
     if n > 0 && cols.is_multiple_of(32) {

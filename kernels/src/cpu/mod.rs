@@ -1,5 +1,5 @@
-//! Fast CPU paths. The instruction set is chosen once at run time (AVX-512F for amax, FP8,
-//! INT8, INT4 and MXFP8 and AVX2+F16C for NVFP4 and MXFP4 on x86-64 CPUs that have them, else the portable scalar path);
+//! Fast CPU paths. The instruction set is chosen once at run time (AVX-512F, else AVX2+F16C,
+//! on x86-64 CPUs that have them, else the portable scalar path);
 //! large tensors are split into fixed-size chunks over rayon, so the output is the same bytes
 //! whatever the thread count. Every function here equals its `ops` reference bit for bit
 //! (tests/simd_equals_reference.rs).
@@ -27,7 +27,7 @@ const CHUNK: usize = 1 << 16;
 /// The instruction set the fast paths use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// x86-64 AVX-512F (with AVX2 and F16C): 16-lane amax and FP8, AVX2 for the rest.
+    /// x86-64 AVX-512F (with AVX2 and F16C): 16-lane kernels for every operation.
     Avx512,
     /// x86-64 AVX2 with F16C.
     Avx2,
@@ -82,7 +82,10 @@ fn nvfp4_one<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]
     match isa() {
         // SAFETY: as above; whole blocks, buffers sized by the callers.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { x86::nvfp4(w, ws2, packed, scales) },
+        Isa::Avx512 => unsafe { x86_512::nvfp4(w, ws2, packed, scales) },
+        // SAFETY: as above; whole blocks, buffers sized by the callers.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::nvfp4(w, ws2, packed, scales) },
         _ => portable::nvfp4(w, ws2, packed, scales),
     }
 }
@@ -333,7 +336,13 @@ pub fn quantize_mxfp4<T: Element>(
         .try_for_each(|((w, p), s)| match isa() {
             // SAFETY: features detected by `isa()`; whole blocks, buffers sized above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => {
+            Isa::Avx512 => {
+                unsafe { x86_512::mxfp4(w, p, s) };
+                Ok(())
+            }
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
                 unsafe { x86::mxfp4(w, p, s) };
                 Ok(())
             }

@@ -1,7 +1,7 @@
 //! AVX-512 (F) kernels: amax (every reduction is built on it), FP8 of `w / scale` (per tensor,
-//! per expert, per channel, 128×128 tiles), INT8 per channel, INT4 groups and MXFP8 — 16 lanes
-//! at a time, lane-for-lane the steps of `cpu::bits` and of the AVX2 kernels. NVFP4 and MXFP4
-//! use the AVX2 kernels on AVX-512 machines. Callers check `is_x86_feature_detected!`
+//! per expert, per channel, 128×128 tiles), INT8 per channel, INT4 groups, NVFP4, MXFP4 and
+//! MXFP8 — 16 lanes at a time (an NVFP4 block is one vector), lane-for-lane the steps of
+//! `cpu::bits` and of the AVX2 kernels. Callers check `is_x86_feature_detected!`
 //! first (see `cpu::isa`).
 
 use crate::element::Element;
@@ -269,6 +269,146 @@ pub unsafe fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
             };
             _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, e(v0));
             _mm_storeu_si128(out.as_mut_ptr().add(16) as *mut __m128i, e(v1));
+        }
+    }
+}
+
+/// max |x| of 16 lanes, NaN if any lane is NaN.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn block_amax(v: __m512) -> f32 {
+    let a = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_castps_si512(v),
+        _mm512_set1_epi32(0x7fff_ffff),
+    ));
+    if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, a) != 0 {
+        f32::NAN
+    } else {
+        _mm512_reduce_max_ps(a)
+    }
+}
+
+/// Packs 16 codes (i32 lanes, even element low) into 8 bytes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn nibbles8(c: __m512i) -> u64 {
+    // Each 64-bit lane holds (even, odd): even | odd << 4 in its low byte.
+    let pairs = _mm512_or_si512(c, _mm512_srli_epi64::<28>(c));
+    _mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pairs)) as u64
+}
+
+/// Adds 1 to the lanes of `idx` selected by `k`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn count(idx: __m512i, k: __mmask16) -> __m512i {
+    _mm512_mask_add_epi32(idx, k, idx, _mm512_set1_epi32(1))
+}
+
+/// `bits::e2m1_nvfp4` on 16 lanes (codes in i32 lanes): half to even on the grid, NaN → 7,
+/// the sign bit where `x < 0`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn e2m1_lanes(x: __m512) -> __m512i {
+    let a = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_castps_si512(x),
+        _mm512_set1_epi32(0x7fff_ffff),
+    ));
+    let gt = |b: f32| _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, _mm512_set1_ps(b));
+    let ge = |b: f32| _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_set1_ps(b));
+    let mut idx = _mm512_setzero_si512();
+    for k in [
+        gt(0.25),
+        ge(0.75),
+        gt(1.25),
+        ge(1.75),
+        gt(2.5),
+        ge(3.5),
+        gt(5.0),
+    ] {
+        idx = count(idx, k);
+    }
+    let idx = _mm512_mask_blend_epi32(
+        _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, a),
+        idx,
+        _mm512_set1_epi32(7),
+    );
+    let neg = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
+    _mm512_mask_or_epi32(idx, neg, idx, _mm512_set1_epi32(8))
+}
+
+/// NVFP4 of whole 16-element blocks (`ops::nvfp4::quantize_nvfp4` without shape checks): a
+/// block is one vector; its scale from `bits::nvfp4_block_scale`.
+///
+/// # Safety
+/// AVX-512F must be available; `w.len()` is a multiple of 16, `packed` half of it, `scales`
+/// a sixteenth.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn nvfp4<T: Element>(w: &[T], ws2: f32, packed: &mut [u8], scales: &mut [u8]) {
+    use super::bits::{e4m3_to_f32, nvfp4_block_scale};
+    for ((block, out), scale) in w
+        .chunks_exact(16)
+        .zip(packed.chunks_exact_mut(8))
+        .zip(scales.iter_mut())
+    {
+        // SAFETY: 16 readable elements in `block`, 8 writable bytes in `out`.
+        unsafe {
+            let v = load16(block.as_ptr());
+            let code = nvfp4_block_scale(block_amax(v), ws2);
+            *scale = code;
+            let d = _mm512_set1_ps(e4m3_to_f32(code) * ws2);
+            let bytes = nibbles8(e2m1_lanes(_mm512_div_ps(v, d)));
+            std::ptr::write_unaligned(out.as_mut_ptr() as *mut u64, bytes);
+        }
+    }
+}
+
+/// E2M1 under the MX rule on 16 lanes: `#(bounds < |x|)`, sign bit unless `x > 0`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn e2m1_mx_lanes(x: __m512) -> __m512i {
+    let a = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_castps_si512(x),
+        _mm512_set1_epi32(0x7fff_ffff),
+    ));
+    let mut idx = _mm512_setzero_si512();
+    for b in [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] {
+        idx = count(idx, _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, _mm512_set1_ps(b)));
+    }
+    let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_setzero_ps());
+    _mm512_mask_or_epi32(idx, !positive, idx, _mm512_set1_epi32(8))
+}
+
+/// MXFP4 of whole 32-element blocks (`ops::mx::quantize_mxfp4`).
+///
+/// # Safety
+/// AVX-512F must be available; `w.len()` a multiple of 32, `packed.len() == w.len() / 2`,
+/// `scales.len() == w.len() / 32`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn mxfp4<T: Element>(w: &[T], packed: &mut [u8], scales: &mut [u8]) {
+    use crate::formats::e8m0::{E8M0_NAN, e8m0_from_exponent};
+    for ((block, out), scale) in w
+        .chunks_exact(32)
+        .zip(packed.chunks_exact_mut(16))
+        .zip(scales.iter_mut())
+    {
+        // SAFETY: 32 readable elements in `block`, 16 writable bytes in `out`.
+        unsafe {
+            let (v0, v1) = (load16(block.as_ptr()), load16(block.as_ptr().add(16)));
+            let (m0, m1) = (block_amax(v0), block_amax(v1));
+            let m = if m0.is_nan() || m1.is_nan() {
+                f32::NAN
+            } else {
+                m0.max(m1)
+            };
+            let k = super::bits::mxfp4_exponent(m);
+            *scale = k.map_or(E8M0_NAN, e8m0_from_exponent);
+            // w / 2^k and w · 2^-k are the same exact value rounded once (2^-k is exact for
+            // every k in [-127, 127]), so the multiply gives the reference's bits.
+            let f = _mm512_set1_ps(k.map_or(f32::NAN, |k| 2f64.powi(-k) as f32));
+            let lo = nibbles8(e2m1_mx_lanes(_mm512_mul_ps(v0, f)));
+            let hi = nibbles8(e2m1_mx_lanes(_mm512_mul_ps(v1, f)));
+            std::ptr::write_unaligned(out.as_mut_ptr() as *mut u64, lo);
+            std::ptr::write_unaligned(out.as_mut_ptr().add(8) as *mut u64, hi);
         }
     }
 }
