@@ -20,6 +20,8 @@ pub mod checkpoint;
 pub mod demo;
 pub mod export;
 pub mod families;
+#[cfg(feature = "exec")]
+pub mod model;
 pub mod module_tree;
 pub mod registry;
 pub mod sink;

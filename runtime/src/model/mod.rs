@@ -1,0 +1,386 @@
+//! Model execution (feature `exec`): one candle forward pass for the decoder families kiln
+//! exports — Llama (with Llama 3 RoPE scaling), Mistral (sliding window), Qwen2 (q/k/v
+//! biases), Qwen3 (q/k norms), Qwen3-MoE and Mixtral (top-k routing, normalised as each
+//! family does) — built from the checkpoint's tensors and `config.json`.
+//!
+//! Every op is an ordinary candle op with a backward pass — RMSNorm written out, RoPE by
+//! `rotate_half`, softmax as `exp / sum`, attention as two matmuls — so the trainers can run
+//! the same forward under autograd (candle-nn 0.11's fused `rms_norm`, `softmax_last_dim`,
+//! `rope*` and `sdpa` have no backward and would cut the graph). The logits of every position
+//! are returned, as transformers does.
+
+mod config;
+
+pub use candle_core as candle;
+pub use config::{DecoderConfig, MoeRouting, RopeScaling};
+
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use candle_core::{D, DType, Device, Tensor, Var};
+use half::{bf16, f16};
+use safetensors::Dtype;
+use std::collections::BTreeMap;
+
+/// Why a model could not be built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `config.json` lacks or contradicts what the forward pass needs.
+    #[error("config.json: {0}")]
+    Config(String),
+    /// A tensor the forward pass needs is missing or malformed.
+    #[error("tensor `{tensor}`: {message}")]
+    Tensor {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// Reading the checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A candle operation failed.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The weights by tensor name, as candle variables (so gradients can flow to them).
+#[derive(Debug, Clone)]
+pub struct Weights {
+    vars: BTreeMap<String, Var>,
+}
+
+impl Weights {
+    /// Reads every tensor of `checkpoint` (BF16, F16 or F32) into `dtype` on `device`.
+    pub fn load(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let mut vars = BTreeMap::new();
+        for t in checkpoint.tensors() {
+            let data: Vec<f32> = match t.dtype {
+                Dtype::BF16 => checkpoint
+                    .read_as::<bf16>(&t.name)?
+                    .into_iter()
+                    .map(f32::from)
+                    .collect(),
+                Dtype::F16 => checkpoint
+                    .read_as::<f16>(&t.name)?
+                    .into_iter()
+                    .map(f32::from)
+                    .collect(),
+                Dtype::F32 => checkpoint.read_as::<f32>(&t.name)?,
+                other => {
+                    return Err(ModelError::Tensor {
+                        tensor: t.name.clone(),
+                        message: format!(
+                            "dtype {other:?} cannot be run (expected BF16, F16 or F32)"
+                        ),
+                    });
+                }
+            };
+            let tensor = Tensor::from_vec(data, t.shape.as_slice(), device)?.to_dtype(dtype)?;
+            vars.insert(t.name.clone(), Var::from_tensor(&tensor)?);
+        }
+        Ok(Weights { vars })
+    }
+
+    /// The tensor `name`, or a named error.
+    pub fn get(&self, name: &str) -> Result<&Tensor, ModelError> {
+        self.vars
+            .get(name)
+            .map(|v| v.as_tensor())
+            .ok_or_else(|| ModelError::Tensor {
+                tensor: name.to_string(),
+                message: "missing from the checkpoint".into(),
+            })
+    }
+
+    /// The tensor `name`, if present.
+    pub fn maybe(&self, name: &str) -> Option<&Tensor> {
+        self.vars.get(name).map(|v| v.as_tensor())
+    }
+
+    /// Every variable, by name (for optimizers and gradient checks).
+    pub fn vars(&self) -> &BTreeMap<String, Var> {
+        &self.vars
+    }
+}
+
+/// A decoder-only causal language model.
+#[derive(Debug, Clone)]
+pub struct DecoderModel {
+    config: DecoderConfig,
+    weights: Weights,
+    device: Device,
+}
+
+/// `x · Wᵀ (+ b)` for `x` of any rank (the last dimension is the input).
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor, ModelError> {
+    let dims = x.dims().to_vec();
+    let (inputs, outputs) = (dims[dims.len() - 1], w.dim(0)?);
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x.reshape((rows, inputs))?.matmul(&w.t()?)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out = dims;
+    let last = out.len() - 1;
+    out[last] = outputs;
+    Ok(y.reshape(out)?)
+}
+
+/// transformers' RMSNorm over the last dimension: in f32, `w · x / sqrt(mean(x²) + eps)`.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let var = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x32.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(dtype)?;
+    Ok(normed.broadcast_mul(w)?)
+}
+
+/// Softmax over the last dimension, from differentiable ops, in f32.
+fn softmax(x: &Tensor) -> Result<Tensor, ModelError> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+        .to_dtype(dtype)?)
+}
+
+/// `[-x₂, x₁]` of the two halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor, ModelError> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
+}
+
+impl DecoderModel {
+    /// Builds the model of the checkpoint at `checkpoint` in `dtype` on `device`.
+    pub fn load(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let config = DecoderConfig::from_json(checkpoint.config().raw())?;
+        let weights = Weights::load(checkpoint, dtype, device)?;
+        Ok(DecoderModel {
+            config,
+            weights,
+            device: device.clone(),
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.config
+    }
+
+    /// Its weights (candle variables).
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (u32).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let (b, t) = ids.dims2()?;
+        let w = &self.weights;
+        let mut h = w
+            .get("model.embed_tokens.weight")?
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, c.hidden))?;
+        let (cos, sin) = self.rope_tables(t, h.dtype())?;
+        for layer in 0..c.layers {
+            let p = format!("model.layers.{layer}");
+            let x = rms_norm(&h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
+            h = (h + self.attention(&x, &p, layer, &cos, &sin)?)?;
+            let x = rms_norm(
+                &h,
+                w.get(&format!("{p}.post_attention_layernorm.weight"))?,
+                c.eps,
+            )?;
+            h = (h + self.mlp(&x, &p)?)?;
+        }
+        let h = rms_norm(&h, w.get("model.norm.weight")?, c.eps)?;
+        let head = match w.maybe("lm_head.weight") {
+            Some(head) => head,
+            None if c.tie_word_embeddings => w.get("model.embed_tokens.weight")?,
+            None => w.get("lm_head.weight")?,
+        };
+        linear(&h, head, None)
+    }
+
+    /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
+    fn rope_tables(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
+        let inv = self.config.inv_freq();
+        let hd = self.config.head_dim;
+        let mut cos = Vec::with_capacity(t * hd);
+        let mut sin = Vec::with_capacity(t * hd);
+        for pos in 0..t {
+            // transformers: freqs = pos · inv_freq in f32, emb = cat(freqs, freqs).
+            for _ in 0..2 {
+                for &f in &inv {
+                    let a = pos as f32 * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+        }
+        let shape = (t, hd);
+        Ok((
+            Tensor::from_vec(cos, shape, &self.device)?.to_dtype(dtype)?,
+            Tensor::from_vec(sin, shape, &self.device)?.to_dtype(dtype)?,
+        ))
+    }
+
+    fn attention(
+        &self,
+        x: &Tensor,
+        p: &str,
+        layer: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let w = &self.weights;
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (c.heads, c.kv_heads, c.head_dim);
+        let a = format!("{p}.self_attn");
+        let proj = |name: &str, heads: usize| -> Result<Tensor, ModelError> {
+            let y = linear(
+                x,
+                w.get(&format!("{a}.{name}.weight"))?,
+                w.maybe(&format!("{a}.{name}.bias")),
+            )?
+            .reshape((b, t, heads, hd))?;
+            // Qwen3: RMSNorm over each head before RoPE.
+            let norm = format!("{a}.{}_norm.weight", &name[..1]);
+            let y = match w.maybe(&norm) {
+                Some(nw) => rms_norm(&y, nw, c.eps)?,
+                None => y,
+            };
+            Ok(y.transpose(1, 2)?.contiguous()?)
+        };
+        let rope = |x: Tensor| -> Result<Tensor, ModelError> {
+            Ok((x.broadcast_mul(cos)? + rotate_half(&x)?.broadcast_mul(sin)?)?)
+        };
+        let q = rope(proj("q_proj", nh)?)?;
+        let k = rope(proj("k_proj", nkv)?)?;
+        let v = proj("v_proj", nkv)?;
+        let repeat = |x: Tensor| -> Result<Tensor, ModelError> {
+            if nh == nkv {
+                return Ok(x);
+            }
+            Ok(x.unsqueeze(2)?
+                .expand((b, nkv, nh / nkv, t, hd))?
+                .reshape((b, nh, t, hd))?)
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let mask = self.mask(t, c.sliding_window_of(layer), scores.dtype())?;
+        let probs = softmax(&scores.broadcast_add(&mask)?)?;
+        let o = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        linear(
+            &o,
+            w.get(&format!("{a}.o_proj.weight"))?,
+            w.maybe(&format!("{a}.o_proj.bias")),
+        )
+    }
+
+    /// The causal mask `[seq, seq]` (−∞ above the diagonal and, with a sliding window, at
+    /// `window` or more positions back).
+    fn mask(&self, t: usize, window: Option<usize>, dtype: DType) -> Result<Tensor, ModelError> {
+        let m: Vec<f32> = (0..t)
+            .flat_map(|i| {
+                (0..t).map(move |j| {
+                    let hidden = j > i || window.is_some_and(|w| i - j >= w);
+                    if hidden { f32::NEG_INFINITY } else { 0.0 }
+                })
+            })
+            .collect();
+        Ok(Tensor::from_vec(m, (t, t), &self.device)?.to_dtype(dtype)?)
+    }
+
+    fn dense_mlp(&self, x: &Tensor, p: &str, names: [&str; 3]) -> Result<Tensor, ModelError> {
+        let w = &self.weights;
+        let [gate, up, down] = names.map(|n| format!("{p}.{n}.weight"));
+        let g = linear(x, w.get(&gate)?, None)?.silu()?;
+        let u = linear(x, w.get(&up)?, None)?;
+        linear(&(g * u)?, w.get(&down)?, None)
+    }
+
+    fn mlp(&self, x: &Tensor, p: &str) -> Result<Tensor, ModelError> {
+        let w = &self.weights;
+        let (block, router, names) = if w
+            .maybe(&format!("{p}.block_sparse_moe.gate.weight"))
+            .is_some()
+        {
+            ("block_sparse_moe", "gate", ["w1", "w3", "w2"])
+        } else if w.maybe(&format!("{p}.mlp.gate.weight")).is_some()
+            && w.maybe(&format!("{p}.mlp.experts.0.up_proj.weight"))
+                .is_some()
+        {
+            ("mlp", "gate", ["gate_proj", "up_proj", "down_proj"])
+        } else {
+            return self.dense_mlp(
+                x,
+                &format!("{p}.mlp"),
+                ["gate_proj", "up_proj", "down_proj"],
+            );
+        };
+        let moe = self.config.moe.as_ref().ok_or_else(|| {
+            ModelError::Config(format!(
+                "`{p}.{block}` has experts but config.json names no experts per token"
+            ))
+        })?;
+        let (b, t, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * t, hidden))?;
+        let logits = linear(&x2, w.get(&format!("{p}.{block}.{router}.weight"))?, None)?;
+        let probs = softmax(&logits)?;
+        // Top-k on the host (indices carry no gradient); the weights stay in the graph.
+        let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
+        let mut chosen = Vec::with_capacity(rows.len() * moe.top_k);
+        for row in &rows {
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            // Stable: ties keep the lower expert first, as torch.topk does on the CPU.
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
+            chosen.extend(order[..moe.top_k].iter().map(|&e| e as u32));
+        }
+        let n = rows.len();
+        let idx = Tensor::from_vec(chosen.clone(), (n, moe.top_k), &self.device)?;
+        let mut weights = probs.gather(&idx, 1)?;
+        if moe.normalize_top_k {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        let weights = weights.to_dtype(x.dtype())?;
+        let mut out = x2.zeros_like()?;
+        for e in 0..moe.experts {
+            let (mut tokens, mut slots) = (Vec::new(), Vec::new());
+            for (tok, picks) in chosen.chunks(moe.top_k).enumerate() {
+                if let Some(s) = picks.iter().position(|&c| c as usize == e) {
+                    tokens.push(tok as u32);
+                    slots.push((tok * moe.top_k + s) as u32);
+                }
+            }
+            if tokens.is_empty() {
+                continue;
+            }
+            let rows = Tensor::from_vec(tokens.clone(), tokens.len(), &self.device)?;
+            let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
+            let xe = x2.index_select(&rows, 0)?;
+            let ye = self.dense_mlp(&xe, &format!("{p}.{block}.experts.{e}"), names)?;
+            let we = weights
+                .flatten_all()?
+                .index_select(&slot, 0)?
+                .unsqueeze(1)?;
+            out = out.index_add(&rows, &ye.broadcast_mul(&we)?, 0)?;
+        }
+        Ok(out.reshape((b, t, hidden))?)
+    }
+}
