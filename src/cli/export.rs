@@ -72,9 +72,16 @@ pub struct ExportArgs {
     /// (`<module>.input_quantizer`, `<attention>.k_bmm_quantizer`, ...).
     #[arg(long, value_name = "FILE")]
     act_amax: Option<PathBuf>,
-    /// Calibration data (JSONL of {"text"} or {"input_ids"}).
-    #[arg(long, value_name = "FILE")]
+    /// Calibration data: JSONL, one `{"input_ids": [...]}` per line. kiln runs the model on
+    /// it (max calibration: Linear inputs and KV) instead of reading --act-amax.
+    #[arg(long, value_name = "FILE", conflicts_with = "act_amax")]
     calib: Option<PathBuf>,
+    /// Calibration samples to use (the first N lines; all by default).
+    #[arg(long, value_name = "N", requires = "calib")]
+    calib_size: Option<usize>,
+    /// Tokens per calibration sample (longer samples are cut).
+    #[arg(long, value_name = "L", requires = "calib")]
+    calib_seq_len: Option<usize>,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -121,6 +128,47 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// Max calibration of the model at `model` on `calib` (`--calib`): the activation amax of
+/// every Linear input and of the attention keys and values, under ModelOpt's quantizer names.
+fn calibrate(
+    model: &std::path::Path,
+    calib: &std::path::Path,
+    args: &ExportArgs,
+    err: &mut dyn Write,
+) -> Result<ActAmax> {
+    use kiln_runtime::model::calib::{calibrate_max, read_samples};
+    use kiln_runtime::model::{DecoderModel, candle};
+    let samples = read_samples(calib, args.calib_size, args.calib_seq_len)
+        .with_context(|| format!("--calib {}", calib.display()))?;
+    let checkpoint = kiln_runtime::checkpoint::Checkpoint::open(model)?;
+    let m = DecoderModel::load(&checkpoint, candle::DType::F32, &candle::Device::Cpu)
+        .with_context(|| format!("loading {} to calibrate", model.display()))?;
+    let tokens: usize = samples.iter().map(Vec::len).sum();
+    writeln!(
+        err,
+        "calibrating on {} samples ({tokens} tokens) from {}",
+        samples.len(),
+        calib.display()
+    )?;
+    let bar = indicatif::ProgressBar::new(samples.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} calibration samples")
+            .expect("a valid template"),
+    );
+    let started = std::time::Instant::now();
+    let amax = calibrate_max(&m, &samples, |done| bar.set_position(done as u64))?;
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    writeln!(
+        err,
+        "calibrated {} quantizers in {secs:.2} s ({:.0} tokens/s)",
+        amax.amax().len(),
+        tokens as f64 / secs.max(1e-9)
+    )?;
+    Ok(ActAmax::from_values(
+        amax.amax().iter().map(|(k, v)| (k.clone(), *v)),
+    ))
+}
+
 /// The model folder to use: the given one, or a freshly written demo (kept alive by the
 /// returned guard) with its activation statistics.
 fn model_dir(
@@ -145,15 +193,11 @@ fn model_dir(
 }
 
 pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
-    if args.calib.is_some() {
-        bail!(
-            "--calib: calibration is not implemented yet (it arrives with model execution); pass --act-amax FILE"
-        );
-    }
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
-    let act = match &args.act_amax {
-        Some(path) => Some(ActAmax::read(path)?),
-        None => demo_act,
+    let act = match (&args.act_amax, &args.calib) {
+        (Some(path), _) => Some(ActAmax::read(path)?),
+        (None, Some(calib)) => Some(calibrate(&model, calib, args, err)?),
+        (None, None) => demo_act,
     };
     // The demo's output goes to a kiln-owned folder under the temporary directory, replaced on
     // every run; a real model's output needs --out.

@@ -9,6 +9,7 @@
 //! `rope*` and `sdpa` have no backward and would cut the graph). The logits of every position
 //! are returned, as transformers does.
 
+pub mod calib;
 mod config;
 
 pub use candle_core as candle;
@@ -106,6 +107,130 @@ impl Weights {
     }
 }
 
+/// What a forward pass shows a calibration: the input of every Linear (by module path) and
+/// the keys (after RoPE) and values of every attention module.
+pub trait Observer {
+    /// The input of the Linear at `module` (`[.., in_features]`).
+    fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError>;
+    /// The keys and values `[batch, kv_heads, seq, head_dim]` of the attention at `attention`.
+    fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError>;
+    /// Whether every expert should also see every token (ModelOpt calibrates MoE experts so,
+    /// `moe_calib_experts_ratio = 1`), besides the routed pass that gives the output.
+    fn all_experts(&self) -> bool {
+        false
+    }
+}
+
+/// An observer that looks at nothing.
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn linear_input(&mut self, _module: &str, _x: &Tensor) -> Result<(), ModelError> {
+        Ok(())
+    }
+    fn key_value(&mut self, _attention: &str, _k: &Tensor, _v: &Tensor) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
+/// Max calibration: per-tensor amax of every Linear input and of every attention's keys and
+/// values, under ModelOpt's quantizer names (`<linear>.input_quantizer`,
+/// `<attention>.k_bmm_quantizer`, `<attention>.v_bmm_quantizer`). A NaN input makes the amax
+/// NaN.
+#[derive(Debug, Clone)]
+pub struct MaxCalibrator {
+    amax: BTreeMap<String, f32>,
+    all_experts: bool,
+}
+
+impl Default for MaxCalibrator {
+    /// ModelOpt's behaviour: every expert also sees every token.
+    fn default() -> Self {
+        MaxCalibrator::new(true)
+    }
+}
+
+fn tensor_amax(x: &Tensor) -> Result<f32, ModelError> {
+    let v: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    Ok(v.iter().fold(0f32, |m, &a| {
+        if m.is_nan() || a.is_nan() {
+            f32::NAN
+        } else {
+            m.max(a.abs())
+        }
+    }))
+}
+
+impl MaxCalibrator {
+    /// A calibrator; `all_experts`: every expert also sees every token (ModelOpt), else each
+    /// expert sees only the tokens routed to it.
+    pub fn new(all_experts: bool) -> Self {
+        MaxCalibrator {
+            amax: BTreeMap::new(),
+            all_experts,
+        }
+    }
+
+    fn record(&mut self, key: String, a: f32) {
+        let e = self.amax.entry(key).or_insert(0.0);
+        *e = if e.is_nan() || a.is_nan() {
+            f32::NAN
+        } else {
+            e.max(a)
+        };
+    }
+
+    /// The amax seen so far, by quantizer name.
+    pub fn amax(&self) -> &BTreeMap<String, f32> {
+        &self.amax
+    }
+
+    /// Gives every expert of an MoE block the largest input amax among the experts, per
+    /// Linear name (ModelOpt's `layer_sync_moe_local_experts_amax` after calibration).
+    pub fn sync_experts(&mut self) {
+        let mut max: BTreeMap<(String, String), f32> = BTreeMap::new();
+        let split = |k: &str| -> Option<(String, String)> {
+            let (head, tail) = k.split_once(".experts.")?;
+            let (index, rest) = tail.split_once('.')?;
+            index.parse::<usize>().ok()?;
+            rest.ends_with(".input_quantizer")
+                .then(|| (head.to_string(), rest.to_string()))
+        };
+        for (k, &v) in &self.amax {
+            if let Some(g) = split(k) {
+                let e = max.entry(g).or_insert(0.0);
+                *e = if e.is_nan() || v.is_nan() {
+                    f32::NAN
+                } else {
+                    e.max(v)
+                };
+            }
+        }
+        for (k, v) in self.amax.iter_mut() {
+            if let Some(g) = split(k) {
+                *v = max[&g];
+            }
+        }
+    }
+}
+
+impl Observer for MaxCalibrator {
+    fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError> {
+        if x.elem_count() > 0 {
+            self.record(format!("{module}.input_quantizer"), tensor_amax(x)?);
+        }
+        Ok(())
+    }
+    fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError> {
+        self.record(format!("{attention}.k_bmm_quantizer"), tensor_amax(k)?);
+        self.record(format!("{attention}.v_bmm_quantizer"), tensor_amax(v)?);
+        Ok(())
+    }
+    fn all_experts(&self) -> bool {
+        self.all_experts
+    }
+}
+
 /// A decoder-only causal language model.
 #[derive(Debug, Clone)]
 pub struct DecoderModel {
@@ -178,6 +303,11 @@ impl DecoderModel {
         &self.config
     }
 
+    /// The device it runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Its weights (candle variables).
     pub fn weights(&self) -> &Weights {
         &self.weights
@@ -185,6 +315,16 @@ impl DecoderModel {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (u32).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
+        self.forward_observed(ids, &mut NoObserver)
+    }
+
+    /// [`DecoderModel::forward`], showing `observer` every Linear's input and every
+    /// attention's keys and values (calibration).
+    pub fn forward_observed(
+        &self,
+        ids: &Tensor,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
         let c = &self.config;
         let (b, t) = ids.dims2()?;
         let w = &self.weights;
@@ -196,15 +336,18 @@ impl DecoderModel {
         for layer in 0..c.layers {
             let p = format!("model.layers.{layer}");
             let x = rms_norm(&h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
-            h = (h + self.attention(&x, &p, layer, &cos, &sin)?)?;
+            h = (h + self.attention(&x, &p, layer, &cos, &sin, observer)?)?;
             let x = rms_norm(
                 &h,
                 w.get(&format!("{p}.post_attention_layernorm.weight"))?,
                 c.eps,
             )?;
-            h = (h + self.mlp(&x, &p)?)?;
+            h = (h + self.mlp(&x, &p, observer)?)?;
         }
         let h = rms_norm(&h, w.get("model.norm.weight")?, c.eps)?;
+        if w.maybe("lm_head.weight").is_some() {
+            observer.linear_input("lm_head", &h)?;
+        }
         let head = match w.maybe("lm_head.weight") {
             Some(head) => head,
             None if c.tie_word_embeddings => w.get("model.embed_tokens.weight")?,
@@ -243,6 +386,7 @@ impl DecoderModel {
         layer: usize,
         cos: &Tensor,
         sin: &Tensor,
+        observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let c = &self.config;
         let w = &self.weights;
@@ -267,9 +411,13 @@ impl DecoderModel {
         let rope = |x: Tensor| -> Result<Tensor, ModelError> {
             Ok((x.broadcast_mul(cos)? + rotate_half(&x)?.broadcast_mul(sin)?)?)
         };
+        for name in ["q_proj", "k_proj", "v_proj"] {
+            observer.linear_input(&format!("{a}.{name}"), x)?;
+        }
         let q = rope(proj("q_proj", nh)?)?;
         let k = rope(proj("k_proj", nkv)?)?;
         let v = proj("v_proj", nkv)?;
+        observer.key_value(&a, &k, &v)?;
         let repeat = |x: Tensor| -> Result<Tensor, ModelError> {
             if nh == nkv {
                 return Ok(x);
@@ -286,6 +434,7 @@ impl DecoderModel {
             .matmul(&v)?
             .transpose(1, 2)?
             .reshape((b, t, nh * hd))?;
+        observer.linear_input(&format!("{a}.o_proj"), &o)?;
         linear(
             &o,
             w.get(&format!("{a}.o_proj.weight"))?,
@@ -307,15 +456,25 @@ impl DecoderModel {
         Ok(Tensor::from_vec(m, (t, t), &self.device)?.to_dtype(dtype)?)
     }
 
-    fn dense_mlp(&self, x: &Tensor, p: &str, names: [&str; 3]) -> Result<Tensor, ModelError> {
+    fn dense_mlp(
+        &self,
+        x: &Tensor,
+        p: &str,
+        names: [&str; 3],
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
         let w = &self.weights;
-        let [gate, up, down] = names.map(|n| format!("{p}.{n}.weight"));
-        let g = linear(x, w.get(&gate)?, None)?.silu()?;
-        let u = linear(x, w.get(&up)?, None)?;
-        linear(&(g * u)?, w.get(&down)?, None)
+        let [gate, up, down] = names.map(|n| format!("{p}.{n}"));
+        observer.linear_input(&gate, x)?;
+        observer.linear_input(&up, x)?;
+        let g = linear(x, w.get(&format!("{gate}.weight"))?, None)?.silu()?;
+        let u = linear(x, w.get(&format!("{up}.weight"))?, None)?;
+        let gu = (g * u)?;
+        observer.linear_input(&down, &gu)?;
+        linear(&gu, w.get(&format!("{down}.weight"))?, None)
     }
 
-    fn mlp(&self, x: &Tensor, p: &str) -> Result<Tensor, ModelError> {
+    fn mlp(&self, x: &Tensor, p: &str, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
         let w = &self.weights;
         let (block, router, names) = if w
             .maybe(&format!("{p}.block_sparse_moe.gate.weight"))
@@ -332,6 +491,7 @@ impl DecoderModel {
                 x,
                 &format!("{p}.mlp"),
                 ["gate_proj", "up_proj", "down_proj"],
+                observer,
             );
         };
         let moe = self.config.moe.as_ref().ok_or_else(|| {
@@ -341,6 +501,7 @@ impl DecoderModel {
         })?;
         let (b, t, hidden) = x.dims3()?;
         let x2 = x.reshape((b * t, hidden))?;
+        observer.linear_input(&format!("{p}.{block}.{router}"), &x2)?;
         let logits = linear(&x2, w.get(&format!("{p}.{block}.{router}.weight"))?, None)?;
         let probs = softmax(&logits)?;
         // Top-k on the host (indices carry no gradient); the weights stay in the graph.
@@ -359,6 +520,12 @@ impl DecoderModel {
             weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
         }
         let weights = weights.to_dtype(x.dtype())?;
+        if observer.all_experts() {
+            // Calibration pass: every expert on every token, outputs unused.
+            for e in 0..moe.experts {
+                self.dense_mlp(&x2, &format!("{p}.{block}.experts.{e}"), names, observer)?;
+            }
+        }
         let mut out = x2.zeros_like()?;
         for e in 0..moe.experts {
             let (mut tokens, mut slots) = (Vec::new(), Vec::new());
@@ -374,7 +541,7 @@ impl DecoderModel {
             let rows = Tensor::from_vec(tokens.clone(), tokens.len(), &self.device)?;
             let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
             let xe = x2.index_select(&rows, 0)?;
-            let ye = self.dense_mlp(&xe, &format!("{p}.{block}.experts.{e}"), names)?;
+            let ye = self.dense_mlp(&xe, &format!("{p}.{block}.experts.{e}"), names, observer)?;
             let we = weights
                 .flatten_all()?
                 .index_select(&slot, 0)?
