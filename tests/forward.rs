@@ -160,3 +160,52 @@ fn max_calibration_agrees_with_modelopt_within_one_percent() {
     calibration_agrees("mixtral-tiny", "fp8", DType::F32);
     calibration_agrees("qwen3-moe-tiny", "fp8", DType::F32);
 }
+
+/// Logits of a quantized export (weights decoded on load) against the original model's, on the
+/// reference ids: max |Δ|.
+fn quantized_logit_error(model: &str, export: &Path) -> f32 {
+    let ids = {
+        let (ids, _, _) = reference(model);
+        Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap()
+    };
+    let logits = |dir: &Path| -> Vec<f32> {
+        let c = Checkpoint::open(dir).unwrap();
+        let m = DecoderModel::load(&c, DType::F32, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        m.forward(&ids).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let (a, b) = (logits(&compat_dir(model).join("model")), logits(export));
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn quantized_exports_decode_close_to_the_original() {
+    // ModelOpt's exports of the tiny Llama in every format: decoding them (scales, nibble
+    // order, pre_quant_scale, norm folding) must give nearly the original model's logits.
+    for format in [
+        "fp8",
+        "fp8-per-channel",
+        "fp8-block",
+        "int8-wo",
+        "int8-sq",
+        "int4-awq",
+        "w4a8-awq",
+        "nvfp4",
+        "nvfp4-awq",
+        "w4a16-nvfp4",
+        "mxfp4",
+        "mxfp8",
+    ] {
+        let d = quantized_logit_error(
+            "llama-tiny",
+            &compat_dir("llama-tiny").join(format).join("modelopt"),
+        );
+        println!("llama-tiny {format}: max |Δlogit| vs the original = {d:.3e}");
+        // 8-bit formats stay within 0.05 of logits up to ~0.9; 4-bit ones within 0.25.
+        let bound = if format.contains('4') { 0.25 } else { 0.05 };
+        assert!(d < bound, "{format}: decoded logits differ by {d}");
+    }
+}

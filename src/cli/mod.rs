@@ -1,6 +1,7 @@
 //! The `kiln` command line. [`run`] takes the arguments and the output streams, so plugin
 //! binaries (`use my_plugins as _; kiln::cli::main()`) and tests drive the same code.
 
+mod eval;
 mod export;
 mod registry;
 mod table;
@@ -31,6 +32,8 @@ enum Command {
     Explain(export::ExplainArgs),
     /// Write a random Llama-family checkpoint (to try kiln, and for the benchmarks).
     DemoModel(export::DemoModelArgs),
+    /// Perplexity and tokens/s of a model (plain, or a quantized export decoded on load).
+    Eval(eval::EvalArgs),
     /// List the registered exporters, trainers and architectures in registry order.
     Registry(registry::RegistryArgs),
 }
@@ -69,6 +72,7 @@ where
         Command::Export(args) => export::export(&args, out, err),
         Command::Explain(args) => export::explain(&args, out, err),
         Command::DemoModel(args) => export::demo_model(&args, out),
+        Command::Eval(args) => eval::eval(&args, out),
         Command::Registry(args) => registry::run(&args, out),
     };
     match result {

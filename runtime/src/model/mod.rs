@@ -11,6 +11,8 @@
 
 pub mod calib;
 mod config;
+pub mod eval;
+pub mod load;
 
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
@@ -283,14 +285,15 @@ fn rotate_half(x: &Tensor) -> Result<Tensor, ModelError> {
 }
 
 impl DecoderModel {
-    /// Builds the model of the checkpoint at `checkpoint` in `dtype` on `device`.
+    /// Builds the model of the checkpoint at `checkpoint` in `dtype` on `device`; a
+    /// quantized checkpoint's weights are decoded ([`load::load_weights`]).
     pub fn load(
         checkpoint: &Checkpoint,
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
         let config = DecoderConfig::from_json(checkpoint.config().raw())?;
-        let weights = Weights::load(checkpoint, dtype, device)?;
+        let weights = load::load_weights(checkpoint, dtype, device)?;
         Ok(DecoderModel {
             config,
             weights,
@@ -328,6 +331,13 @@ impl DecoderModel {
         let c = &self.config;
         let (b, t) = ids.dims2()?;
         let w = &self.weights;
+        let vocab = w.get("model.embed_tokens.weight")?.dim(0)?;
+        let biggest = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+        if biggest >= vocab {
+            return Err(ModelError::Config(format!(
+                "token id {biggest} is outside the vocabulary ({vocab} tokens)"
+            )));
+        }
         let mut h = w
             .get("model.embed_tokens.weight")?
             .index_select(&ids.flatten_all()?, 0)?

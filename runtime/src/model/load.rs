@@ -1,0 +1,258 @@
+//! Loading a model for execution — a plain checkpoint, or a quantized one (kiln's or
+//! ModelOpt's unified-HF layout) whose weights are decoded on load: FP8 (per tensor, per
+//! channel, 128×128 blocks), INT8, INT4 (AWQ), NVFP4, MXFP4, MXFP8, each Linear's
+//! `pre_quant_scale` folded into its columns. Activations run unquantized.
+
+use super::{ModelError, Weights};
+use crate::checkpoint::Checkpoint;
+use candle_core::{DType, Device, Tensor, Var};
+use half::{bf16, f16};
+use kiln_kernels::ops::{fp8, int, mx, nvfp4};
+use safetensors::Dtype;
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// Tensors a quantized Linear carries beside its weight (read with it, not as weights).
+const SCALE_SUFFIXES: [&str; 6] = [
+    ".weight_scale",
+    ".weight_scale_2",
+    ".input_scale",
+    ".pre_quant_scale",
+    ".k_scale",
+    ".v_scale",
+];
+
+/// The quantization format of each quantized module: `quant_algo` of `hf_quant_config.json`
+/// (or `config.json`'s `quantization_config`), per layer for `MIXED_PRECISION`.
+fn formats(
+    checkpoint: &Checkpoint,
+) -> Result<(Option<String>, BTreeMap<String, String>), ModelError> {
+    let path = checkpoint.dir().join("hf_quant_config.json");
+    let doc: Option<Value> = if path.is_file() {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+        Some(
+            serde_json::from_str(&text)
+                .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?,
+        )
+    } else {
+        None
+    };
+    let q = match &doc {
+        Some(d) => d.get("quantization").cloned(),
+        None => checkpoint
+            .config()
+            .raw()
+            .get("quantization_config")
+            .cloned(),
+    };
+    let Some(q) = q else {
+        return Ok((None, BTreeMap::new()));
+    };
+    let algo = q
+        .get("quant_algo")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let mut per_layer = BTreeMap::new();
+    if let Some(layers) = q.get("quantized_layers").and_then(Value::as_object) {
+        for (m, l) in layers {
+            if let Some(a) = l.get("quant_algo").and_then(Value::as_str) {
+                per_layer.insert(m.clone(), a.to_string());
+            }
+        }
+    }
+    Ok((algo, per_layer))
+}
+
+fn f32s(checkpoint: &Checkpoint, name: &str) -> Result<Vec<f32>, ModelError> {
+    let t = checkpoint.tensor(name).ok_or_else(|| ModelError::Tensor {
+        tensor: name.to_string(),
+        message: "missing (a quantized weight needs it)".into(),
+    })?;
+    Ok(match t.dtype {
+        Dtype::F32 => checkpoint.read_as::<f32>(name)?,
+        Dtype::BF16 => checkpoint
+            .read_as::<bf16>(name)?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        Dtype::F16 => checkpoint
+            .read_as::<f16>(name)?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        Dtype::F8_E4M3 | Dtype::U8 => {
+            let mut b = Vec::new();
+            checkpoint.read(name, &mut b)?;
+            return Ok(b.into_iter().map(|x| x as f32).collect());
+        }
+        other => {
+            return Err(ModelError::Tensor {
+                tensor: name.to_string(),
+                message: format!("a scale of dtype {other:?} is not readable"),
+            });
+        }
+    })
+}
+
+fn bytes(checkpoint: &Checkpoint, name: &str) -> Result<Vec<u8>, ModelError> {
+    let mut b = Vec::new();
+    checkpoint.read(name, &mut b)?;
+    Ok(b)
+}
+
+/// The decoded `[rows, cols]` f32 weight of the quantized Linear `module`.
+fn decode(
+    checkpoint: &Checkpoint,
+    module: &str,
+    algo: &str,
+    stored: &[usize],
+) -> Result<(Vec<f32>, [usize; 2]), ModelError> {
+    let weight = format!("{module}.weight");
+    let bad = |message: String| ModelError::Tensor {
+        tensor: weight.clone(),
+        message,
+    };
+    let kernel = |e: kiln_kernels::KernelError| bad(e.to_string());
+    let scale = |suffix: &str| f32s(checkpoint, &format!("{module}.{suffix}"));
+    let scale_shape = |suffix: &str| {
+        checkpoint
+            .tensor(&format!("{module}.{suffix}"))
+            .map(|t| t.shape.clone())
+            .unwrap_or_default()
+    };
+    let &[r, c] = stored else {
+        return Err(bad(format!(
+            "a quantized weight must be 2-D, found {stored:?}"
+        )));
+    };
+    let q = bytes(checkpoint, &weight)?;
+    let (rows, cols) = match algo {
+        "W4A16_AWQ" | "W4A8_AWQ" => (2 * r, c),
+        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" | "mxfp4" | "MXFP4" => (r, 2 * c),
+        _ => (r, c),
+    };
+    let mut out = vec![0f32; rows * cols];
+    match algo {
+        "FP8" => fp8::dequantize_fp8(&q, scale("weight_scale")?[0], &mut out).map_err(kernel)?,
+        "FP8_PER_CHANNEL_PER_TOKEN" => {
+            let s = scale("weight_scale")?;
+            fp8::dequantize_fp8_with(&q, rows, cols, |i, _| s[i], &mut out).map_err(kernel)?
+        }
+        "fp8_pb_wo" => {
+            let s = scale("weight_scale")?;
+            let tc = cols.div_ceil(128);
+            fp8::dequantize_fp8_with(
+                &q,
+                rows,
+                cols,
+                |i, j| {
+                    if s.len() == 1 {
+                        s[0]
+                    } else {
+                        s[(i / 128) * tc + j / 128]
+                    }
+                },
+                &mut out,
+            )
+            .map_err(kernel)?
+        }
+        "W8A16" | "W8A8_SQ_PER_CHANNEL" => {
+            let q: Vec<i8> = q.iter().map(|&b| b as i8).collect();
+            int::dequantize_int8_per_channel(&q, rows, cols, &scale("weight_scale")?, &mut out)
+                .map_err(kernel)?
+        }
+        "W4A16_AWQ" | "W4A8_AWQ" => {
+            let groups = scale_shape("weight_scale")
+                .get(1)
+                .copied()
+                .unwrap_or(1)
+                .max(1);
+            int::dequantize_int4_groups(
+                &q,
+                rows,
+                cols,
+                cols / groups,
+                &scale("weight_scale")?,
+                &mut out,
+            )
+            .map_err(kernel)?
+        }
+        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" => {
+            let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
+            let ws2 = scale("weight_scale_2")?[0];
+            nvfp4::dequantize_nvfp4(&q, &s, ws2, &mut out).map_err(kernel)?
+        }
+        "mxfp4" | "MXFP4" => {
+            let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
+            mx::dequantize_mxfp4(&q, &s, &mut out).map_err(kernel)?
+        }
+        "MXFP8" => {
+            let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
+            mx::dequantize_mxfp8(&q, &s, &mut out).map_err(kernel)?
+        }
+        other => return Err(bad(format!("quantization `{other}` cannot be decoded"))),
+    }
+    // y = W (x ⊙ pqs): the scale multiplies the weight's columns.
+    if checkpoint
+        .tensor(&format!("{module}.pre_quant_scale"))
+        .is_some()
+    {
+        let pqs = scale("pre_quant_scale")?;
+        if pqs.len() != cols {
+            return Err(bad(format!(
+                "pre_quant_scale has {} values for {cols} input channels",
+                pqs.len()
+            )));
+        }
+        for row in out.chunks_exact_mut(cols) {
+            for (w, p) in row.iter_mut().zip(&pqs) {
+                *w *= p;
+            }
+        }
+    }
+    Ok((out, [rows, cols]))
+}
+
+/// Reads `checkpoint` for execution in `dtype` on `device`, decoding quantized weights.
+pub fn load_weights(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+) -> Result<Weights, ModelError> {
+    let (algo, per_layer) = formats(checkpoint)?;
+    if algo.is_none() {
+        return Weights::load(checkpoint, dtype, device);
+    }
+    let mut vars = BTreeMap::new();
+    for t in checkpoint.tensors() {
+        if SCALE_SUFFIXES.iter().any(|s| t.name.ends_with(s)) {
+            continue;
+        }
+        let (data, shape): (Vec<f32>, Vec<usize>) = match t.dtype {
+            Dtype::BF16 | Dtype::F16 | Dtype::F32 => (f32s(checkpoint, &t.name)?, t.shape.clone()),
+            Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3 if t.name.ends_with(".weight") => {
+                let module = t.name.trim_end_matches(".weight");
+                let a =
+                    per_layer
+                        .get(module)
+                        .or(algo.as_ref())
+                        .ok_or_else(|| ModelError::Tensor {
+                            tensor: t.name.clone(),
+                            message: "quantized, but no format is recorded for it".into(),
+                        })?;
+                let (data, shape) = decode(checkpoint, module, a, &t.shape)?;
+                (data, shape.to_vec())
+            }
+            other => {
+                return Err(ModelError::Tensor {
+                    tensor: t.name.clone(),
+                    message: format!("dtype {other:?} cannot be run"),
+                });
+            }
+        };
+        let tensor = Tensor::from_vec(data, shape.as_slice(), device)?.to_dtype(dtype)?;
+        vars.insert(t.name.clone(), Var::from_tensor(&tensor)?);
+    }
+    Ok(Weights { vars })
+}

@@ -1,0 +1,62 @@
+//! `kiln eval`: perplexity and speed of a model — plain or quantized (weights decoded on load)
+//! — on token-id samples.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kiln_runtime::checkpoint::Checkpoint;
+use kiln_runtime::model::calib::read_samples;
+use kiln_runtime::model::eval::perplexity;
+use kiln_runtime::model::{DecoderModel, candle};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The model folder (a Hugging Face checkpoint, or a kiln / ModelOpt export).
+    #[arg(long)]
+    model: PathBuf,
+    /// Evaluation data: JSONL, one `{"input_ids": [...]}` per line.
+    #[arg(long, value_name = "FILE")]
+    data: PathBuf,
+    /// Samples to use (the first N lines; all by default).
+    #[arg(long, value_name = "N")]
+    max_samples: Option<usize>,
+    /// Tokens per sample (longer samples are cut).
+    #[arg(long, value_name = "L")]
+    seq_len: Option<usize>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
+    let samples = read_samples(&args.data, args.max_samples, args.seq_len)
+        .with_context(|| format!("--data {}", args.data.display()))?;
+    let checkpoint = Checkpoint::open(&args.model)?;
+    let model = DecoderModel::load(&checkpoint, candle::DType::F32, &candle::Device::Cpu)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let p = perplexity(&model, &samples)?;
+    if args.json {
+        let v = serde_json::json!({
+            "model": args.model,
+            "perplexity": p.perplexity,
+            "nll": p.nll,
+            "predicted_tokens": p.predicted,
+            "tokens": p.tokens,
+            "seconds": p.seconds,
+            "tokens_per_second": p.tokens as f64 / p.seconds.max(1e-9),
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+    } else {
+        writeln!(
+            out,
+            "perplexity {:.4} (mean NLL {:.4} nats) over {} predicted tokens in {} samples; {:.0} tokens/s",
+            p.perplexity,
+            p.nll,
+            p.predicted,
+            samples.len(),
+            p.tokens as f64 / p.seconds.max(1e-9)
+        )?;
+    }
+    Ok(0)
+}
