@@ -261,3 +261,115 @@ fn export_with_calibration_gives_modelopts_input_scales() {
         "{stderr}"
     );
 }
+
+/// A copy of ModelOpt's tiny-Llama FP8 export with `edit` applied to its tensors.
+fn corrupted_export(
+    dir: &std::path::Path,
+    edit: impl Fn(&str, &mut Vec<u8>) -> bool,
+) -> std::path::PathBuf {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/compat/llama-tiny/fp8/modelopt");
+    let dst = dir.join("corrupted");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["config.json", "hf_quant_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let mut data = view.data().to_vec();
+        if edit(&name, &mut data) {
+            kept.push((name, view.dtype(), view.shape().to_vec(), data));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = kept
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
+    dst
+}
+
+#[test]
+fn verify_passes_a_good_export_and_fails_corrupted_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
+    let reference = compat.join("model");
+    let data = compat.join("calib.jsonl");
+    let verify = |quantized: &std::path::Path| {
+        let out = kiln(&[
+            "verify",
+            "--reference",
+            reference.to_str().unwrap(),
+            "--quantized",
+            quantized.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--max-ppl-increase",
+            "1",
+        ]);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let (code, text) = verify(&compat.join("fp8/modelopt"));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.starts_with("ok: FP8 — 14 quantized Linears decode"),
+        "{text}"
+    );
+    assert!(text.contains("perplexity: reference 254.15"), "{text}");
+
+    // A scale missing: the engine would refuse it.
+    let missing = corrupted_export(dir.path(), |name, _| {
+        name != "model.layers.0.mlp.down_proj.weight_scale"
+    });
+    let (code, text) = verify(&missing);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("FAIL `model.layers.0.mlp.down_proj.weight` is quantized (F8_E4M3) but `model.layers.0.mlp.down_proj.weight_scale` is missing"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&missing).unwrap();
+
+    // A scale off by 1000×: every tensor is there, but the model silently lost accuracy.
+    let scaled = corrupted_export(dir.path(), |name, data| {
+        if name == "model.layers.0.mlp.down_proj.weight_scale" {
+            let v = f32::from_le_bytes(data[..4].try_into().unwrap()) * 1000.0;
+            data.copy_from_slice(&v.to_le_bytes());
+        }
+        true
+    });
+    let (code, text) = verify(&scaled);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("FAIL `model.layers.0.mlp.down_proj` decodes to a weight 9.979e2 away from the reference's"),
+        "{text}"
+    );
+
+    // A perplexity threshold the export does not meet.
+    let out = kiln(&[
+        "verify",
+        "--reference",
+        reference.to_str().unwrap(),
+        "--quantized",
+        compat.join("int4-awq/modelopt").to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--max-ppl-increase",
+        "0.01",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("FAIL perplexity rose 0.15 %, more than --max-ppl-increase 0.01 %"),
+        "{text}"
+    );
+}

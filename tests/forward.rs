@@ -172,7 +172,12 @@ fn quantized_logit_error(model: &str, export: &Path) -> f32 {
         let c = Checkpoint::open(dir).unwrap();
         let m = DecoderModel::load(&c, DType::F32, &Device::Cpu)
             .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        m.forward(&ids).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        m.forward(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
     };
     let (a, b) = (logits(&compat_dir(model).join("model")), logits(export));
     a.iter()

@@ -5,6 +5,7 @@ mod eval;
 mod export;
 mod registry;
 mod table;
+mod verify;
 
 use clap::{Parser, Subcommand};
 use std::io::Write;
@@ -34,6 +35,9 @@ enum Command {
     DemoModel(export::DemoModelArgs),
     /// Perplexity and tokens/s of a model (plain, or a quantized export decoded on load).
     Eval(eval::EvalArgs),
+    /// Check a quantized export against its reference model (structure, decoding, errors,
+    /// perplexity).
+    Verify(verify::VerifyArgs),
     /// List the registered exporters, trainers and architectures in registry order.
     Registry(registry::RegistryArgs),
 }
@@ -73,6 +77,7 @@ where
         Command::Explain(args) => export::explain(&args, out, err),
         Command::DemoModel(args) => export::demo_model(&args, out),
         Command::Eval(args) => eval::eval(&args, out),
+        Command::Verify(args) => verify::verify(&args, out),
         Command::Registry(args) => registry::run(&args, out),
     };
     match result {

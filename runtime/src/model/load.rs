@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 
 /// Tensors a quantized Linear carries beside its weight (read with it, not as weights).
-const SCALE_SUFFIXES: [&str; 6] = [
+pub(crate) const SCALE_SUFFIXES: [&str; 6] = [
     ".weight_scale",
     ".weight_scale_2",
     ".input_scale",

@@ -13,6 +13,7 @@ pub mod calib;
 mod config;
 pub mod eval;
 pub mod load;
+pub mod verify;
 
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
