@@ -214,3 +214,53 @@ fn quantized_exports_decode_close_to_the_original() {
         assert!(d < bound, "{format}: decoded logits differ by {d}");
     }
 }
+
+#[test]
+fn smoothquant_scales_agree_with_modelopt() {
+    // ModelOpt's int8-sq calibration of the tiny Llama (α = 1) dumped each Linear's
+    // pre-quant scale and smoothed-input amax; kiln's from the same token ids.
+    use kiln::model::MaxCalibrator;
+    use kiln::model::calib::{calibrate, read_samples, smoothquant_scales};
+    let root = compat_dir("llama-tiny");
+    let c = Checkpoint::open(root.join("model")).unwrap();
+    let m = DecoderModel::load(&c, DType::F32, &Device::Cpu).unwrap();
+    let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
+    let cal = calibrate(
+        &m,
+        &samples,
+        MaxCalibrator::default().with_channels(),
+        |_| {},
+    )
+    .unwrap();
+    let theirs: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(root.join("int8-sq/amax.json")).unwrap())
+            .unwrap();
+    let linears: Vec<String> = theirs
+        .keys()
+        .filter_map(|k| k.strip_suffix(".input_quantizer._pre_quant_scale"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(linears.len(), 14);
+    let ours = smoothquant_scales(&c, cal.channels().unwrap(), &linears, 1.0).unwrap();
+    let (mut worst_scale, mut worst_input) = (0f64, 0f64);
+    for (module, scale, input) in ours {
+        let want = theirs[&format!("{module}.input_quantizer._pre_quant_scale")]
+            .as_array()
+            .unwrap();
+        for (o, t) in scale.iter().zip(want) {
+            let t = t.as_f64().unwrap();
+            worst_scale = worst_scale.max((*o as f64 - t).abs() / t);
+        }
+        let t = theirs[&format!("{module}.input_quantizer")]
+            .as_f64()
+            .unwrap();
+        worst_input = worst_input.max((input as f64 - t).abs() / t);
+    }
+    println!(
+        "SmoothQuant: worst relative difference, scales {worst_scale:.3e}, input amax {worst_input:.3e}"
+    );
+    assert!(
+        worst_scale <= 0.02 && worst_input <= 0.01,
+        "{worst_scale} {worst_input}"
+    );
+}

@@ -82,6 +82,9 @@ pub struct ExportArgs {
     /// Tokens per calibration sample (longer samples are cut).
     #[arg(long, value_name = "L", requires = "calib")]
     calib_seq_len: Option<usize>,
+    /// SmoothQuant's migration strength α for `int8-sq` with --calib (ModelOpt's default: 1).
+    #[arg(long, value_name = "ALPHA", default_value_t = 1.0, requires = "calib")]
+    sq_alpha: f32,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -136,8 +139,20 @@ fn calibrate(
     args: &ExportArgs,
     err: &mut dyn Write,
 ) -> Result<ActAmax> {
-    use kiln_runtime::model::calib::{calibrate_max, read_samples};
-    use kiln_runtime::model::{DecoderModel, candle};
+    use kiln_runtime::export::recipe::Format;
+    use kiln_runtime::model::calib::{calibrate, read_samples, smoothquant_scales};
+    use kiln_runtime::model::{DecoderModel, MaxCalibrator, candle};
+    let recipe = args.recipe.recipe();
+    if matches!(
+        recipe.format,
+        Format::Int4Awq | Format::W4a8Awq | Format::Nvfp4Awq
+    ) {
+        bail!(
+            "--calib: {} needs AWQ's scale search, which kiln does not run yet; pass the pre-quant scales (`<linear>.input_quantizer._pre_quant_scale`) with --act-amax",
+            recipe.format
+        );
+    }
+    let smoothquant = recipe.format == Format::Int8Sq;
     let samples = read_samples(calib, args.calib_size, args.calib_seq_len)
         .with_context(|| format!("--calib {}", calib.display()))?;
     let checkpoint = kiln_runtime::checkpoint::Checkpoint::open(model)?;
@@ -155,7 +170,14 @@ fn calibrate(
             .expect("a valid template"),
     );
     let started = std::time::Instant::now();
-    let amax = calibrate_max(&m, &samples, |done| bar.set_position(done as u64))?;
+    let calibrator = if smoothquant {
+        MaxCalibrator::default().with_channels()
+    } else {
+        MaxCalibrator::default()
+    };
+    let amax = calibrate(&m, &samples, calibrator, |done| {
+        bar.set_position(done as u64)
+    })?;
     bar.finish_and_clear();
     let secs = started.elapsed().as_secs_f64();
     writeln!(
@@ -164,9 +186,29 @@ fn calibrate(
         amax.amax().len(),
         tokens as f64 / secs.max(1e-9)
     )?;
-    Ok(ActAmax::from_values(
-        amax.amax().iter().map(|(k, v)| (k.clone(), *v)),
-    ))
+    let mut act = ActAmax::from_values(amax.amax().iter().map(|(k, v)| (k.clone(), *v)));
+    if let Some(channels) = amax.channels().filter(|_| smoothquant) {
+        // SmoothQuant (ModelOpt's α = 1 unless --sq-alpha): per-channel scales from the
+        // statistics, and the smoothed inputs' amax.
+        let linears: Vec<String> = channels
+            .keys()
+            .filter(|m| recipe.quantizes(m))
+            .cloned()
+            .collect();
+        for (module, scale, input) in
+            smoothquant_scales(&checkpoint, channels, &linears, args.sq_alpha)?
+        {
+            act.set_pre_quant_scale(&module, scale);
+            act.set_input(&module, input);
+        }
+        writeln!(
+            err,
+            "SmoothQuant (alpha {}): scales for {} Linears",
+            args.sq_alpha,
+            linears.len()
+        )?;
+    }
+    Ok(act)
 }
 
 /// The model folder to use: the given one, or a freshly written demo (kept alive by the

@@ -67,9 +67,18 @@ pub fn read_samples(
 pub fn calibrate_max(
     model: &DecoderModel,
     samples: &[Vec<u32>],
+    progress: impl FnMut(usize),
+) -> Result<MaxCalibrator, ModelError> {
+    calibrate(model, samples, MaxCalibrator::default(), progress)
+}
+
+/// [`calibrate_max`] with a given calibrator (e.g. one that also keeps per-channel amax).
+pub fn calibrate(
+    model: &DecoderModel,
+    samples: &[Vec<u32>],
+    mut calib: MaxCalibrator,
     mut progress: impl FnMut(usize),
 ) -> Result<MaxCalibrator, ModelError> {
-    let mut calib = MaxCalibrator::default();
     for (i, s) in samples.iter().enumerate() {
         let ids = Tensor::from_vec(s.clone(), (1, s.len()), model.device())?;
         model.forward_observed(&ids, &mut calib)?;
@@ -77,4 +86,97 @@ pub fn calibrate_max(
     }
     calib.sync_experts();
     Ok(calib)
+}
+
+/// SmoothQuant's scales from per-channel statistics (ModelOpt's `smoothquant` postprocess):
+/// for each Linear `m` in `linears` with weight `W` and input channel amax `a`,
+/// `s = max|W[:, c]|^(1-α) / a^α` (in f32; channels whose amax is ~0 get 1 when any scale is
+/// ~0; clamped to [1e-4, 1e4]) becomes its `pre_quant_scale`, and its input amax becomes
+/// `max_c(a_c · s_c)` in the weight's dtype — the amax of the smoothed input. Returns
+/// `(module, scale, input amax)`.
+pub fn smoothquant_scales(
+    checkpoint: &crate::checkpoint::Checkpoint,
+    channels: &std::collections::BTreeMap<String, Vec<f32>>,
+    linears: &[String],
+    alpha: f32,
+) -> Result<Vec<(String, Vec<f32>, f32)>, ModelError> {
+    use half::{bf16, f16};
+    use safetensors::Dtype;
+    let mut out = Vec::new();
+    for m in linears {
+        let Some(a) = channels.get(m) else {
+            return Err(ModelError::Config(format!(
+                "no calibration statistics for `{m}` (no token reached it)"
+            )));
+        };
+        let name = format!("{m}.weight");
+        let meta = checkpoint.tensor(&name).ok_or_else(|| ModelError::Tensor {
+            tensor: name.clone(),
+            message: "missing".into(),
+        })?;
+        let cols = meta.shape.get(1).copied().unwrap_or(0);
+        if cols != a.len() {
+            return Err(ModelError::Tensor {
+                tensor: name,
+                message: format!("{cols} input channels, but {} were calibrated", a.len()),
+            });
+        }
+        let (w, round): (Vec<f32>, fn(f32) -> f32) = match meta.dtype {
+            Dtype::BF16 => (
+                checkpoint
+                    .read_as::<bf16>(&name)?
+                    .into_iter()
+                    .map(f32::from)
+                    .collect(),
+                |x| bf16::from_f32(x).to_f32(),
+            ),
+            Dtype::F16 => (
+                checkpoint
+                    .read_as::<f16>(&name)?
+                    .into_iter()
+                    .map(f32::from)
+                    .collect(),
+                |x| f16::from_f32(x).to_f32(),
+            ),
+            Dtype::F32 => (checkpoint.read_as::<f32>(&name)?, |x| x),
+            other => {
+                return Err(ModelError::Tensor {
+                    tensor: name,
+                    message: format!("dtype {other:?} cannot be smoothed"),
+                });
+            }
+        };
+        let mut wmax = vec![0f32; cols];
+        for row in w.chunks_exact(cols) {
+            for (m, &x) in wmax.iter_mut().zip(row) {
+                *m = m.max(x.abs());
+            }
+        }
+        // The statistics as ModelOpt holds them: in the model's dtype.
+        let a: Vec<f32> = a.iter().map(|&x| round(x)).collect();
+        let mut s: Vec<f32> = wmax
+            .iter()
+            .zip(&a)
+            .map(|(&w, &a)| w.powf(1.0 - alpha) / a.powf(alpha))
+            .collect();
+        let eps = 1.0 / (1u64 << 31) as f32;
+        if s.iter().any(|&x| x <= eps) {
+            for (x, &a) in s.iter_mut().zip(&a) {
+                if a <= eps {
+                    *x = 1.0;
+                }
+            }
+        }
+        for x in s.iter_mut() {
+            *x = x.clamp(1e-4, 1e4);
+        }
+        let input = round(
+            a.iter()
+                .zip(&s)
+                .map(|(&a, &s)| round(a) * s)
+                .fold(0f32, f32::max),
+        );
+        out.push((m.clone(), s, input));
+    }
+    Ok(out)
 }

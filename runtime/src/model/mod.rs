@@ -144,6 +144,8 @@ impl Observer for NoObserver {
 pub struct MaxCalibrator {
     amax: BTreeMap<String, f32>,
     all_experts: bool,
+    /// Per-input-channel amax of every Linear input, when asked for (SmoothQuant).
+    channels: Option<BTreeMap<String, Vec<f32>>>,
 }
 
 impl Default for MaxCalibrator {
@@ -171,7 +173,19 @@ impl MaxCalibrator {
         MaxCalibrator {
             amax: BTreeMap::new(),
             all_experts,
+            channels: None,
         }
+    }
+
+    /// Also records every Linear input's amax per input channel (SmoothQuant's statistics).
+    pub fn with_channels(mut self) -> Self {
+        self.channels = Some(BTreeMap::new());
+        self
+    }
+
+    /// The per-channel input amax by Linear module path, when recorded.
+    pub fn channels(&self) -> Option<&BTreeMap<String, Vec<f32>>> {
+        self.channels.as_ref()
     }
 
     fn record(&mut self, key: String, a: f32) {
@@ -214,13 +228,52 @@ impl MaxCalibrator {
                 *v = max[&g];
             }
         }
+        // Per-channel statistics likewise, element-wise.
+        if let Some(channels) = &mut self.channels {
+            let key = |k: &str| split(&format!("{k}.input_quantizer"));
+            let mut max: BTreeMap<(String, String), Vec<f32>> = BTreeMap::new();
+            for (k, v) in channels.iter() {
+                if let Some(g) = key(k) {
+                    let e = max.entry(g).or_insert_with(|| vec![0.0; v.len()]);
+                    for (a, &b) in e.iter_mut().zip(v) {
+                        *a = if a.is_nan() || b.is_nan() {
+                            f32::NAN
+                        } else {
+                            a.max(b)
+                        };
+                    }
+                }
+            }
+            for (k, v) in channels.iter_mut() {
+                if let Some(g) = key(k) {
+                    *v = max[&g].clone();
+                }
+            }
+        }
     }
 }
 
 impl Observer for MaxCalibrator {
     fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError> {
-        if x.elem_count() > 0 {
-            self.record(format!("{module}.input_quantizer"), tensor_amax(x)?);
+        if x.elem_count() == 0 {
+            return Ok(());
+        }
+        self.record(format!("{module}.input_quantizer"), tensor_amax(x)?);
+        if let Some(channels) = &mut self.channels {
+            let k = x.dim(D::Minus1)?;
+            let rows = x.elem_count() / k;
+            let per: Vec<f32> = x
+                .to_dtype(DType::F32)?
+                .reshape((rows, k))?
+                .abs()?
+                .max(0)?
+                .to_vec1()?;
+            let e = channels
+                .entry(module.to_string())
+                .or_insert_with(|| vec![0.0; k]);
+            for (a, b) in e.iter_mut().zip(per) {
+                *a = a.max(b);
+            }
         }
         Ok(())
     }
