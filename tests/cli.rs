@@ -244,7 +244,7 @@ fn export_with_calibration_gives_modelopts_input_scales() {
         let o = ours[name];
         assert!((o - t).abs() <= 0.01 * t, "{name}: kiln {o}, ModelOpt {t}");
     }
-    // Text needs a tokenizer kiln does not run yet: a clear error, not a silent skip.
+    // Text needs the model's tokenizer.json; the demo model has none: a clear error.
     let text = dir.path().join("text.jsonl");
     std::fs::write(&text, "{\"text\": \"hello\"}\n").unwrap();
     let out = kiln(&[

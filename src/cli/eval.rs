@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
-use kiln_runtime::model::calib::read_samples;
+use kiln_runtime::model::calib::{model_tokenizer, read_samples_with};
 use kiln_runtime::model::eval::perplexity;
 use kiln_runtime::model::{DecoderModel, candle};
 use std::io::Write;
@@ -15,7 +15,7 @@ pub struct EvalArgs {
     /// The model folder (a Hugging Face checkpoint, or a kiln / ModelOpt export).
     #[arg(long)]
     model: PathBuf,
-    /// Evaluation data: JSONL, one `{"input_ids": [...]}` per line.
+    /// Evaluation data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` per line.
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
     /// Samples to use (the first N lines; all by default).
@@ -30,8 +30,14 @@ pub struct EvalArgs {
 }
 
 pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
-    let samples = read_samples(&args.data, args.max_samples, args.seq_len)
-        .with_context(|| format!("--data {}", args.data.display()))?;
+    let tokenizer = model_tokenizer(&args.model)?;
+    let samples = read_samples_with(
+        &args.data,
+        args.max_samples,
+        args.seq_len,
+        tokenizer.as_ref(),
+    )
+    .with_context(|| format!("--data {}", args.data.display()))?;
     let checkpoint = Checkpoint::open(&args.model)?;
     let model = DecoderModel::load(&checkpoint, candle::DType::F32, &candle::Device::Cpu)
         .with_context(|| format!("loading {}", args.model.display()))?;

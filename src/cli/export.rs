@@ -72,8 +72,9 @@ pub struct ExportArgs {
     /// (`<module>.input_quantizer`, `<attention>.k_bmm_quantizer`, ...).
     #[arg(long, value_name = "FILE")]
     act_amax: Option<PathBuf>,
-    /// Calibration data: JSONL, one `{"input_ids": [...]}` per line. kiln runs the model on
-    /// it (max calibration: Linear inputs and KV) instead of reading --act-amax.
+    /// Calibration data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` (tokenized with
+    /// the model's tokenizer.json) per line. kiln runs the model on it (max calibration:
+    /// Linear inputs and KV) instead of reading --act-amax.
     #[arg(long, value_name = "FILE", conflicts_with = "act_amax")]
     calib: Option<PathBuf>,
     /// Calibration samples to use (the first N lines; all by default).
@@ -140,7 +141,9 @@ fn calibrate(
     err: &mut dyn Write,
 ) -> Result<ActAmax> {
     use kiln_runtime::export::recipe::Format;
-    use kiln_runtime::model::calib::{calibrate, read_samples, smoothquant_scales};
+    use kiln_runtime::model::calib::{
+        calibrate, model_tokenizer, read_samples_with, smoothquant_scales,
+    };
     use kiln_runtime::model::{DecoderModel, MaxCalibrator, candle};
     let recipe = args.recipe.recipe();
     if matches!(
@@ -153,8 +156,14 @@ fn calibrate(
         );
     }
     let smoothquant = recipe.format == Format::Int8Sq;
-    let samples = read_samples(calib, args.calib_size, args.calib_seq_len)
-        .with_context(|| format!("--calib {}", calib.display()))?;
+    let tokenizer = model_tokenizer(model)?;
+    let samples = read_samples_with(
+        calib,
+        args.calib_size,
+        args.calib_seq_len,
+        tokenizer.as_ref(),
+    )
+    .with_context(|| format!("--calib {}", calib.display()))?;
     let checkpoint = kiln_runtime::checkpoint::Checkpoint::open(model)?;
     let m = DecoderModel::load(&checkpoint, candle::DType::F32, &candle::Device::Cpu)
         .with_context(|| format!("loading {} to calibrate", model.display()))?;

@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
-use kiln_runtime::model::calib::read_samples;
+use kiln_runtime::model::calib::{model_tokenizer, read_samples_with};
 use kiln_runtime::model::eval::perplexity;
 use kiln_runtime::model::verify::verify as check;
 use kiln_runtime::model::{DecoderModel, candle};
@@ -19,7 +19,8 @@ pub struct VerifyArgs {
     /// The quantized export (kiln's or ModelOpt's).
     #[arg(long)]
     quantized: PathBuf,
-    /// Evaluation data (JSONL of `{"input_ids": [...]}`): compare the perplexities.
+    /// Evaluation data (JSONL of `{"input_ids": [...]}` or `{"text": ...}`): compare the
+    /// perplexities.
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
     /// Fail when the quantized perplexity is more than this many percent above the
@@ -76,8 +77,9 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
         }
     }
     if let (Some(data), false) = (&args.data, failed) {
-        let samples =
-            read_samples(data, None, None).with_context(|| format!("--data {}", data.display()))?;
+        let tokenizer = model_tokenizer(&args.reference)?;
+        let samples = read_samples_with(data, None, None, tokenizer.as_ref())
+            .with_context(|| format!("--data {}", data.display()))?;
         let (a, b) = (
             ppl(&args.reference, &samples)?,
             ppl(&args.quantized, &samples)?,

@@ -1,16 +1,38 @@
-//! Calibration data (`--calib FILE`): JSONL, one sample per line, `{"input_ids": [...]}`.
-//! Lines of `{"text": ...}` need the model's tokenizer, which kiln does not run yet: they are a
-//! named error rather than silently skipped.
+//! Calibration and evaluation data: JSONL, one sample per line, `{"input_ids": [...]}` or
+//! `{"text": "..."}` — text is tokenized with the model's `tokenizer.json` (special tokens
+//! added, as transformers' tokenizer call does).
 
 use super::{DecoderModel, MaxCalibrator, ModelError};
 use candle_core::Tensor;
 use std::path::Path;
 
-/// Reads up to `size` samples (all when `None`), each cut to `seq_len` tokens when given.
+/// Reads up to `size` samples (all when `None`), each cut to `seq_len` tokens when given;
+/// text samples are an error (see [`read_samples_with`]).
 pub fn read_samples(
     path: &Path,
     size: Option<usize>,
     seq_len: Option<usize>,
+) -> Result<Vec<Vec<u32>>, ModelError> {
+    read_samples_with(path, size, seq_len, None)
+}
+
+/// The tokenizer of the model in `dir` (`tokenizer.json`), if it has one.
+pub fn model_tokenizer(dir: &Path) -> Result<Option<tokenizers::Tokenizer>, ModelError> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    tokenizers::Tokenizer::from_file(&path)
+        .map(Some)
+        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))
+}
+
+/// [`read_samples`], tokenizing `{"text"}` samples with `tokenizer`.
+pub fn read_samples_with(
+    path: &Path,
+    size: Option<usize>,
+    seq_len: Option<usize>,
+    tokenizer: Option<&tokenizers::Tokenizer>,
 ) -> Result<Vec<Vec<u32>>, ModelError> {
     let bad =
         |line: usize, m: &str| ModelError::Config(format!("{}: line {line}: {m}", path.display()));
@@ -36,11 +58,21 @@ pub fn read_samples(
                         .collect::<Option<Vec<u32>>>()
                 })
                 .ok_or_else(|| bad(i + 1, "`input_ids` must be a list of token ids"))?,
-            (None, Some(_)) => {
-                return Err(bad(
-                    i + 1,
-                    "`text` samples need the model's tokenizer, which kiln does not run yet; give `input_ids`",
-                ));
+            (None, Some(text)) => {
+                let text = text
+                    .as_str()
+                    .ok_or_else(|| bad(i + 1, "`text` must be a string"))?;
+                let tokenizer = tokenizer.ok_or_else(|| {
+                    bad(
+                        i + 1,
+                        "`text` samples need the model's tokenizer.json, and the model folder has none; give `input_ids`",
+                    )
+                })?;
+                tokenizer
+                    .encode(text, true)
+                    .map_err(|e| bad(i + 1, &format!("cannot tokenize: {e}")))?
+                    .get_ids()
+                    .to_vec()
             }
             (None, None) => return Err(bad(i + 1, "expected `input_ids`")),
         };
@@ -179,4 +211,42 @@ pub fn smoothquant_scales(
         out.push((m.clone(), s, input));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::models::wordlevel::WordLevel;
+    use tokenizers::pre_tokenizers::whitespace::Whitespace;
+
+    #[test]
+    fn text_samples_are_tokenized_with_the_models_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let vocab = [("[UNK]", 0u32), ("hello", 1), ("world", 2)]
+            .into_iter()
+            .map(|(w, i)| (w.to_string(), i))
+            .collect();
+        let model = WordLevel::builder()
+            .vocab(vocab)
+            .unk_token("[UNK]".into())
+            .build()
+            .unwrap();
+        let mut tok = tokenizers::Tokenizer::new(model);
+        tok.with_pre_tokenizer(Some(Whitespace {}));
+        tok.save(dir.path().join("tokenizer.json"), false).unwrap();
+        let data = dir.path().join("data.jsonl");
+        std::fs::write(
+            &data,
+            "{\"text\": \"hello world zzz\"}\n{\"input_ids\": [2, 1]}\n",
+        )
+        .unwrap();
+        let tok = model_tokenizer(dir.path()).unwrap().unwrap();
+        let samples = read_samples_with(&data, None, None, Some(&tok)).unwrap();
+        assert_eq!(samples, [vec![1, 2, 0], vec![2, 1]]);
+        let err = read_samples(&data, None, None).unwrap_err().to_string();
+        assert!(
+            err.contains("line 1: `text` samples need the model's tokenizer.json"),
+            "{err}"
+        );
+    }
 }
