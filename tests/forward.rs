@@ -264,3 +264,41 @@ fn smoothquant_scales_agree_with_modelopt() {
         "{worst_scale} {worst_input}"
     );
 }
+
+#[test]
+fn layer_by_layer_calibration_gives_the_same_statistics() {
+    // One layer's weights in memory at a time, every sample's hidden states at the boundary:
+    // the same amax (and per-channel statistics) as the whole model, bit for bit.
+    use kiln::model::MaxCalibrator;
+    use kiln::model::calib::{calibrate, calibrate_by_layer, read_samples};
+    for model in ["llama-tiny", "mixtral-tiny", "qwen3-tiny"] {
+        let root = compat_dir(model);
+        let c = Checkpoint::open(root.join("model")).unwrap();
+        let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
+        let m = DecoderModel::load(&c, DType::F32, &Device::Cpu).unwrap();
+        let whole = calibrate(
+            &m,
+            &samples,
+            MaxCalibrator::default().with_channels(),
+            |_| {},
+        )
+        .unwrap();
+        let mut stages = 0;
+        let layered = calibrate_by_layer(
+            &c,
+            DType::F32,
+            &Device::Cpu,
+            &samples,
+            MaxCalibrator::default().with_channels(),
+            |_, total| stages = total,
+        )
+        .unwrap();
+        assert_eq!(whole.amax(), layered.amax(), "{model}: amax");
+        assert_eq!(
+            whole.channels(),
+            layered.channels(),
+            "{model}: per-channel amax"
+        );
+        assert_eq!(stages, m.config().layers + 1);
+    }
+}

@@ -142,9 +142,9 @@ fn calibrate(
 ) -> Result<ActAmax> {
     use kiln_runtime::export::recipe::Format;
     use kiln_runtime::model::calib::{
-        calibrate, model_tokenizer, read_samples_with, smoothquant_scales,
+        calibrate_by_layer, model_tokenizer, read_samples_with, smoothquant_scales,
     };
-    use kiln_runtime::model::{DecoderModel, MaxCalibrator, candle};
+    use kiln_runtime::model::{MaxCalibrator, candle};
     let recipe = args.recipe.recipe();
     if matches!(
         recipe.format,
@@ -165,8 +165,6 @@ fn calibrate(
     )
     .with_context(|| format!("--calib {}", calib.display()))?;
     let checkpoint = kiln_runtime::checkpoint::Checkpoint::open(model)?;
-    let m = DecoderModel::load(&checkpoint, candle::DType::F32, &candle::Device::Cpu)
-        .with_context(|| format!("loading {} to calibrate", model.display()))?;
     let tokens: usize = samples.iter().map(Vec::len).sum();
     writeln!(
         err,
@@ -174,9 +172,11 @@ fn calibrate(
         samples.len(),
         calib.display()
     )?;
-    let bar = indicatif::ProgressBar::new(samples.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} calibration samples")
-            .expect("a valid template"),
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} layers calibrated (every sample through one layer at a time)",
+        )
+        .expect("a valid template"),
     );
     let started = std::time::Instant::now();
     let calibrator = if smoothquant {
@@ -184,9 +184,19 @@ fn calibrate(
     } else {
         MaxCalibrator::default()
     };
-    let amax = calibrate(&m, &samples, calibrator, |done| {
-        bar.set_position(done as u64)
-    })?;
+    // One layer's weights at a time: memory is bounded by a layer plus the activations.
+    let amax = calibrate_by_layer(
+        &checkpoint,
+        candle::DType::F32,
+        &candle::Device::Cpu,
+        &samples,
+        calibrator,
+        |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64)
+        },
+    )
+    .with_context(|| format!("calibrating {}", model.display()))?;
     bar.finish_and_clear();
     let secs = started.elapsed().as_secs_f64();
     writeln!(

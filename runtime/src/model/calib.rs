@@ -120,6 +120,49 @@ pub fn calibrate(
     Ok(calib)
 }
 
+/// [`calibrate`] one decoder layer at a time (llm-compressor's sequential onloading): only
+/// the embeddings, one layer's weights, or the head are in memory at once, with the hidden
+/// states of every sample at the current layer boundary. The statistics equal [`calibrate`]'s.
+/// `progress` is told (stages done, stages in total).
+pub fn calibrate_by_layer(
+    checkpoint: &crate::checkpoint::Checkpoint,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    samples: &[Vec<u32>],
+    mut calib: MaxCalibrator,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<MaxCalibrator, ModelError> {
+    let part =
+        |keep: &dyn Fn(&str) -> bool| DecoderModel::load_part(checkpoint, dtype, device, keep);
+    let layers = crate::model::DecoderConfig::from_json(checkpoint.config().raw())?.layers;
+    let embed = part(&|n: &str| n == "model.embed_tokens.weight")?;
+    let mut hidden: Vec<Tensor> = samples
+        .iter()
+        .map(|s| embed.embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?))
+        .collect::<Result<_, _>>()?;
+    drop(embed);
+    for layer in 0..layers {
+        let prefix = format!("model.layers.{layer}.");
+        let model = part(&|n: &str| n.starts_with(&prefix))?;
+        for h in hidden.iter_mut() {
+            *h = model.layer(h, layer, &mut calib)?;
+        }
+        progress(layer + 1, layers + 1);
+    }
+    let tied = checkpoint.tensor("lm_head.weight").is_none();
+    let head = part(&|n: &str| {
+        n == "model.norm.weight"
+            || n == "lm_head.weight"
+            || (tied && n == "model.embed_tokens.weight")
+    })?;
+    for h in &hidden {
+        head.head(h, &mut calib)?;
+    }
+    progress(layers + 1, layers + 1);
+    calib.sync_experts();
+    Ok(calib)
+}
+
 /// SmoothQuant's scales from per-channel statistics (ModelOpt's `smoothquant` postprocess):
 /// for each Linear `m` in `linears` with weight `W` and input channel amax `a`,
 /// `s = max|W[:, c]|^(1-α) / a^α` (in f32; channels whose amax is ~0 get 1 when any scale is

@@ -59,8 +59,18 @@ impl Weights {
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::load_where(checkpoint, dtype, device, |_| true)
+    }
+
+    /// [`Weights::load`] of the tensors whose names `keep` accepts (one layer at a time).
+    pub fn load_where(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Self, ModelError> {
         let mut vars = BTreeMap::new();
-        for t in checkpoint.tensors() {
+        for t in checkpoint.tensors().filter(|t| keep(&t.name)) {
             let data: Vec<f32> = match t.dtype {
                 Dtype::BF16 => checkpoint
                     .read_as::<bf16>(&t.name)?
@@ -355,6 +365,22 @@ impl DecoderModel {
         })
     }
 
+    /// The model of `checkpoint` with only the weights `keep` accepts loaded (plain
+    /// checkpoints): enough to run [`DecoderModel::embed`], one [`DecoderModel::layer`] or
+    /// [`DecoderModel::head`] with bounded memory.
+    pub fn load_part(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Self, ModelError> {
+        Ok(DecoderModel {
+            config: DecoderConfig::from_json(checkpoint.config().raw())?,
+            weights: Weights::load_where(checkpoint, dtype, device, keep)?,
+            device: device.clone(),
+        })
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &DecoderConfig {
         &self.config
@@ -382,33 +408,53 @@ impl DecoderModel {
         ids: &Tensor,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
-        let c = &self.config;
+        let mut h = self.embed(ids)?;
+        for layer in 0..self.config.layers {
+            h = self.layer(&h, layer, observer)?;
+        }
+        self.head(&h, observer)
+    }
+
+    /// The embeddings `[batch, seq, hidden]` of token ids `[batch, seq]`.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
         let (b, t) = ids.dims2()?;
-        let w = &self.weights;
-        let vocab = w.get("model.embed_tokens.weight")?.dim(0)?;
+        let table = self.weights.get("model.embed_tokens.weight")?;
+        let vocab = table.dim(0)?;
         let biggest = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
         if biggest >= vocab {
             return Err(ModelError::Config(format!(
                 "token id {biggest} is outside the vocabulary ({vocab} tokens)"
             )));
         }
-        let mut h = w
-            .get("model.embed_tokens.weight")?
+        Ok(table
             .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, c.hidden))?;
-        let (cos, sin) = self.rope_tables(t, h.dtype())?;
-        for layer in 0..c.layers {
-            let p = format!("model.layers.{layer}");
-            let x = rms_norm(&h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
-            h = (h + self.attention(&x, &p, layer, &cos, &sin, observer)?)?;
-            let x = rms_norm(
-                &h,
-                w.get(&format!("{p}.post_attention_layernorm.weight"))?,
-                c.eps,
-            )?;
-            h = (h + self.mlp(&x, &p, observer)?)?;
-        }
-        let h = rms_norm(&h, w.get("model.norm.weight")?, c.eps)?;
+            .reshape((b, t, self.config.hidden))?)
+    }
+
+    /// Decoder layer `layer` on hidden states `h` (needs only that layer's weights).
+    pub fn layer(
+        &self,
+        h: &Tensor,
+        layer: usize,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        let (c, w) = (&self.config, &self.weights);
+        let (cos, sin) = self.rope_tables(h.dim(1)?, h.dtype())?;
+        let p = format!("model.layers.{layer}");
+        let x = rms_norm(h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
+        let h = (h + self.attention(&x, &p, layer, &cos, &sin, observer)?)?;
+        let x = rms_norm(
+            &h,
+            w.get(&format!("{p}.post_attention_layernorm.weight"))?,
+            c.eps,
+        )?;
+        Ok((h + self.mlp(&x, &p, observer)?)?)
+    }
+
+    /// The final norm and the logits of hidden states `h`.
+    pub fn head(&self, h: &Tensor, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
+        let (c, w) = (&self.config, &self.weights);
+        let h = rms_norm(h, w.get("model.norm.weight")?, c.eps)?;
         if w.maybe("lm_head.weight").is_some() {
             observer.linear_input("lm_head", &h)?;
         }
