@@ -138,14 +138,21 @@ pub fn calibrate_by_layer(
     let embed = part(&|n: &str| n == "model.embed_tokens.weight")?;
     let mut hidden: Vec<Tensor> = samples
         .iter()
-        .map(|s| embed.embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?))
+        .map(|s| {
+            Ok::<_, ModelError>(
+                embed
+                    .embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?)?
+                    .detach(),
+            )
+        })
         .collect::<Result<_, _>>()?;
     drop(embed);
     for layer in 0..layers {
         let prefix = format!("model.layers.{layer}.");
         let model = part(&|n: &str| n.starts_with(&prefix))?;
         for h in hidden.iter_mut() {
-            *h = model.layer(h, layer, &mut calib)?;
+            // Detached: the weights are variables, and a kept graph would keep every layer.
+            *h = model.layer(h, layer, &mut calib)?.detach();
         }
         progress(layer + 1, layers + 1);
     }

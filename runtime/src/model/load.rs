@@ -5,7 +5,7 @@
 
 use super::{ModelError, Weights};
 use crate::checkpoint::Checkpoint;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device};
 use half::{bf16, f16};
 use kiln_kernels::ops::{fp8, int, mx, nvfp4};
 use safetensors::Dtype;
@@ -251,8 +251,7 @@ pub fn load_weights(
                 });
             }
         };
-        let tensor = Tensor::from_vec(data, shape.as_slice(), device)?.to_dtype(dtype)?;
-        vars.insert(t.name.clone(), Var::from_tensor(&tensor)?);
+        vars.insert(t.name.clone(), super::to_var(data, &shape, dtype, device)?);
     }
     Ok(Weights { vars })
 }

@@ -46,6 +46,20 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
 }
 
+/// A variable of `dtype` from f32 values, without an extra copy in f32.
+fn to_var(
+    data: Vec<f32>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Var, ModelError> {
+    Ok(if dtype == DType::F32 {
+        Var::from_vec(data, shape, device)?
+    } else {
+        Var::from_tensor(&Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?)?
+    })
+}
+
 /// The weights by tensor name, as candle variables (so gradients can flow to them).
 #[derive(Debug, Clone)]
 pub struct Weights {
@@ -92,8 +106,7 @@ impl Weights {
                     });
                 }
             };
-            let tensor = Tensor::from_vec(data, t.shape.as_slice(), device)?.to_dtype(dtype)?;
-            vars.insert(t.name.clone(), Var::from_tensor(&tensor)?);
+            vars.insert(t.name.clone(), to_var(data, &t.shape, dtype, device)?);
         }
         Ok(Weights { vars })
     }
