@@ -51,3 +51,46 @@ pub fn mxfp8<T: Element>(w: &[T], q: &mut [u8], scales: &mut [u8]) {
         }
     }
 }
+
+/// INT8 of `w` (one row's tail) with one scale, by the reference.
+pub(crate) fn int8_tail<T: Element>(w: &[T], scale: f32, out: &mut [i8]) {
+    if !w.is_empty() {
+        // Lengths are equal by construction: the reference cannot fail here.
+        let _ = crate::ops::int::quantize_int8_per_channel(w, 1, w.len(), &[scale], out);
+    }
+}
+
+/// INT4 of a row pair from column `c` on (the SIMD kernels' tail: groups narrower than a
+/// vector, or a ragged end), by the reference on whole groups from the group holding `c`.
+pub(crate) fn int4_pair_tail<T: Element>(
+    r0: &[T],
+    r1: &[T],
+    group: usize,
+    scales: &[f32],
+    out: &mut [u8],
+    c: usize,
+) {
+    let cols = out.len();
+    if c >= cols {
+        return;
+    }
+    let groups = cols / group;
+    let start = c / group * group;
+    let tail_scales: Vec<f32> = scales[start / group..groups]
+        .iter()
+        .chain(&scales[groups + start / group..])
+        .copied()
+        .collect();
+    let mut pair = Vec::with_capacity(2 * (cols - start));
+    pair.extend_from_slice(&r0[start..]);
+    pair.extend_from_slice(&r1[start..]);
+    // Shapes are whole groups by construction: the reference cannot fail here.
+    let _ = crate::ops::int::quantize_int4_groups(
+        &pair,
+        2,
+        cols - start,
+        group,
+        &tail_scales,
+        &mut out[start..],
+    );
+}

@@ -383,17 +383,7 @@ pub unsafe fn int8_row<T: Element>(w: &[T], scale: f32, out: &mut [i8]) {
             );
         }
     }
-    let rest = &w[n32..];
-    if !rest.is_empty() {
-        // The reference on the tail (fewer than 32 elements).
-        let _ = crate::ops::int::quantize_int8_per_channel(
-            rest,
-            1,
-            rest.len(),
-            &[scale],
-            &mut out[n32..],
-        );
-    }
+    super::portable::int8_tail(&w[n32..], scale, &mut out[n32..]);
 }
 
 /// INT4 of one pair of rows (`ops::int::quantize_int4_groups` with `rows = 2`): `out[c] =
@@ -430,26 +420,7 @@ pub unsafe fn int4_row_pair<T: Element>(w: &[T], group: usize, scales: &[f32], o
         }
         c += 32;
     }
-    if c < cols {
-        // Groups narrower than 32, or a ragged end: the reference on what is left, whole groups.
-        let start = c / group * group;
-        let tail_scales: Vec<f32> = scales[start / group..groups]
-            .iter()
-            .chain(&scales[groups + start / group..])
-            .copied()
-            .collect();
-        let mut pair = Vec::with_capacity(2 * (cols - start));
-        pair.extend_from_slice(&r0[start..]);
-        pair.extend_from_slice(&r1[start..]);
-        let _ = crate::ops::int::quantize_int4_groups(
-            &pair,
-            2,
-            cols - start,
-            group,
-            &tail_scales,
-            &mut out[start..],
-        );
-    }
+    super::portable::int4_pair_tail(r0, r1, group, scales, out, c);
 }
 
 /// max |x| of 32 elements at `p` as (value, any NaN).

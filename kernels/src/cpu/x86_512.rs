@@ -167,17 +167,7 @@ pub unsafe fn int8_row<T: Element>(w: &[T], scale: f32, out: &mut [i8]) {
             _mm_storeu_si128(o.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(q));
         }
     }
-    let rest = &w[n16..];
-    if !rest.is_empty() {
-        // The reference on the tail (fewer than 16 elements).
-        let _ = crate::ops::int::quantize_int8_per_channel(
-            rest,
-            1,
-            rest.len(),
-            &[scale],
-            &mut out[n16..],
-        );
-    }
+    super::portable::int8_tail(&w[n16..], scale, &mut out[n16..]);
 }
 
 /// INT4 of one pair of rows (`ops::int::quantize_int4_groups` with `rows = 2`): `out[c] =
@@ -212,26 +202,7 @@ pub unsafe fn int4_row_pair<T: Element>(w: &[T], group: usize, scales: &[f32], o
         }
         c += 16;
     }
-    if c < cols {
-        // Groups narrower than 16, or a ragged end: the reference on what is left, whole groups.
-        let start = c / group * group;
-        let tail_scales: Vec<f32> = scales[start / group..groups]
-            .iter()
-            .chain(&scales[groups + start / group..])
-            .copied()
-            .collect();
-        let mut pair = Vec::with_capacity(2 * (cols - start));
-        pair.extend_from_slice(&r0[start..]);
-        pair.extend_from_slice(&r1[start..]);
-        let _ = crate::ops::int::quantize_int4_groups(
-            &pair,
-            2,
-            cols - start,
-            group,
-            &tail_scales,
-            &mut out[start..],
-        );
-    }
+    super::portable::int4_pair_tail(r0, r1, group, scales, out, c);
 }
 
 /// MXFP8 of whole 32-element blocks (`portable::mxfp8`).

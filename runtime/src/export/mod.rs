@@ -365,14 +365,36 @@ impl ExportContext {
         if job.dropped.contains(name) {
             return Ok(());
         }
-        if let Some(c) = &self.capture {
-            lock(c)
-                .tensors
-                .push((name.to_string(), dtype, shape.to_vec(), data.to_vec()));
-            return Ok(());
+        if self.capture.is_some() {
+            return self.emit_owned(name, dtype, shape, data.to_vec());
         }
         lock(&job.writer).write(name, dtype, shape, data)?;
         *lock(&job.bytes_out) += data.len() as u64;
+        Ok(())
+    }
+
+    /// [`ExportContext::emit`] of a buffer the caller gives up: a module context keeps it
+    /// without copying it (embeddings and other copied tensors are the largest outputs).
+    fn emit_owned(
+        &self,
+        name: &str,
+        dtype: safetensors::Dtype,
+        shape: &[usize],
+        data: Vec<u8>,
+    ) -> Result<(), ExportError> {
+        let job = self.job()?;
+        if job.dropped.contains(name) {
+            return Ok(());
+        }
+        match &self.capture {
+            Some(c) => lock(c)
+                .tensors
+                .push((name.to_string(), dtype, shape.to_vec(), data)),
+            None => {
+                lock(&job.writer).write(name, dtype, shape, &data)?;
+                *lock(&job.bytes_out) += data.len() as u64;
+            }
+        }
         Ok(())
     }
 
@@ -418,11 +440,11 @@ impl ExportContext {
                     factor.len()
                 )));
             }
-            return self.emit(name, meta.dtype, &shape, &folded);
+            return self.emit_owned(name, meta.dtype, &shape, folded);
         }
         let mut buf = Vec::new();
         job.checkpoint.read(name, &mut buf)?;
-        self.emit(name, meta.dtype, &meta.shape.clone(), &buf)
+        self.emit_owned(name, meta.dtype, &meta.shape.clone(), buf)
     }
 
     /// Copies every tensor `module` owns unchanged.

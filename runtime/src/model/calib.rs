@@ -136,23 +136,24 @@ pub fn calibrate_by_layer(
         |keep: &dyn Fn(&str) -> bool| DecoderModel::load_part(checkpoint, dtype, device, keep);
     let layers = crate::model::DecoderConfig::from_json(checkpoint.config().raw())?.layers;
     let embed = part(&|n: &str| n == "model.embed_tokens.weight")?;
-    let mut hidden: Vec<Tensor> = samples
+    // Every sample's hidden states, and its RoPE tables (computed once, not per layer).
+    let mut hidden: Vec<(Tensor, (Tensor, Tensor))> = samples
         .iter()
         .map(|s| {
-            Ok::<_, ModelError>(
-                embed
-                    .embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?)?
-                    .detach(),
-            )
+            let h = embed
+                .embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?)?
+                .detach();
+            let rope = embed.rope_tables(s.len(), h.dtype())?;
+            Ok::<_, ModelError>((h, rope))
         })
         .collect::<Result<_, _>>()?;
     drop(embed);
     for layer in 0..layers {
         let prefix = format!("model.layers.{layer}.");
         let model = part(&|n: &str| n.starts_with(&prefix))?;
-        for h in hidden.iter_mut() {
+        for (h, rope) in hidden.iter_mut() {
             // Detached: the weights are variables, and a kept graph would keep every layer.
-            *h = model.layer(h, layer, &mut calib)?.detach();
+            *h = model.layer(h, layer, rope, &mut calib)?.detach();
         }
         progress(layer + 1, layers + 1);
     }
@@ -162,7 +163,7 @@ pub fn calibrate_by_layer(
             || n == "lm_head.weight"
             || (tied && n == "model.embed_tokens.weight")
     })?;
-    for h in &hidden {
+    for (h, _) in &hidden {
         head.head(h, &mut calib)?;
     }
     progress(layers + 1, layers + 1);

@@ -422,8 +422,9 @@ impl DecoderModel {
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let mut h = self.embed(ids)?;
+        let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
         for layer in 0..self.config.layers {
-            h = self.layer(&h, layer, observer)?;
+            h = self.layer(&h, layer, &rope, observer)?;
         }
         self.head(&h, observer)
     }
@@ -444,18 +445,19 @@ impl DecoderModel {
             .reshape((b, t, self.config.hidden))?)
     }
 
-    /// Decoder layer `layer` on hidden states `h` (needs only that layer's weights).
+    /// Decoder layer `layer` on hidden states `h` (needs only that layer's weights), with the
+    /// RoPE tables of `h`'s length ([`DecoderModel::rope_tables`]).
     pub fn layer(
         &self,
         h: &Tensor,
         layer: usize,
+        (cos, sin): &(Tensor, Tensor),
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let (c, w) = (&self.config, &self.weights);
-        let (cos, sin) = self.rope_tables(h.dim(1)?, h.dtype())?;
         let p = format!("model.layers.{layer}");
         let x = rms_norm(h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
-        let h = (h + self.attention(&x, &p, layer, &cos, &sin, observer)?)?;
+        let h = (h + self.attention(&x, &p, layer, cos, sin, observer)?)?;
         let x = rms_norm(
             &h,
             w.get(&format!("{p}.post_attention_layernorm.weight"))?,
@@ -480,7 +482,7 @@ impl DecoderModel {
     }
 
     /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
-    fn rope_tables(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
+    pub fn rope_tables(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
         let inv = self.config.inv_freq();
         let hd = self.config.head_dim;
         let mut cos = Vec::with_capacity(t * hd);
