@@ -493,6 +493,20 @@ fn mx_lanes_equal_the_reference_across_magnitudes_and_specials() {
 #[test]
 fn reports_which_instruction_sets_were_exercised() {
     println!("dispatched kernels: {:?}", cpu::isa());
+    // The dispatcher picks the widest set the CPU has, unless KILN_CPU narrows it.
+    #[cfg(target_arch = "x86_64")]
+    {
+        let forced = std::env::var("KILN_CPU").unwrap_or_default();
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c");
+        let want = if forced == "scalar" || !avx2 {
+            cpu::Isa::Portable
+        } else if forced != "avx2" && is_x86_feature_detected!("avx512f") {
+            cpu::Isa::Avx512
+        } else {
+            cpu::Isa::Avx2
+        };
+        assert_eq!(cpu::isa(), want, "KILN_CPU={forced:?}");
+    }
     #[cfg(target_arch = "x86_64")]
     for (feature, present) in [
         (
