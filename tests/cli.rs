@@ -262,6 +262,50 @@ fn export_with_calibration_gives_modelopts_input_scales() {
     );
 }
 
+/// The tensors of a single-file export: name → (dtype, shape).
+fn layout(dir: &std::path::Path) -> std::collections::BTreeMap<String, (String, Vec<usize>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (format!("{:?}", v.dtype()), v.shape().to_vec())))
+        .collect()
+}
+
+/// `--calib` with the AWQ formats: kiln searches the scales itself (awq_lite) and writes the
+/// checkpoint ModelOpt writes — the same tensors, dtypes and shapes, the norms folded — and
+/// reports the α it chose.
+#[test]
+fn export_with_calibration_searches_awq_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
+    for format in ["int4-awq", "w4a8-awq"] {
+        let out_dir = dir.path().join(format);
+        let out = kiln(&[
+            "export",
+            "--model",
+            compat.join("model").to_str().unwrap(),
+            "--format",
+            format,
+            "--calib",
+            compat.join("calib.jsonl").to_str().unwrap(),
+            "--out",
+            out_dir.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{format}: {stderr}");
+        assert!(
+            stderr.contains("AWQ (awq_lite, alpha step 0.1): searched 14 Linears on 128 tokens"),
+            "{stderr}"
+        );
+        assert_eq!(
+            layout(&out_dir),
+            layout(&compat.join(format).join("modelopt")),
+            "{format}"
+        );
+    }
+}
+
 /// A copy of ModelOpt's tiny-Llama FP8 export with `edit` applied to its tensors.
 fn corrupted_export(
     dir: &std::path::Path,

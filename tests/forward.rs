@@ -140,10 +140,9 @@ fn calibration_agrees(model: &str, dump: &str, dtype: DType) {
         worst[0].1,
         worst[0].0 * 100.0
     );
-    // Known gap: an expert's down_proj input (silu(gate)·up of small values, after a layer of
-    // bf16 arithmetic in ModelOpt against f32 here) differs by up to 2 % in the second layer.
+    // Experts see only the tokens routed to it, then share the maximum (ModelOpt's default).
     assert!(
-        worst[1].0 <= 0.02,
+        worst[1].0 <= 0.01,
         "{model}: `{}` differs by {:.2} %",
         worst[1].1,
         worst[1].0 * 100.0
@@ -164,13 +163,29 @@ fn max_calibration_agrees_with_modelopt_within_one_percent() {
 /// Logits of a quantized export (weights decoded on load) against the original model's, on the
 /// reference ids: max |Δ|.
 fn quantized_logit_error(model: &str, export: &Path) -> f32 {
+    logit_error(model, &compat_dir(model).join("model"), export).0
+}
+
+/// [`quantized_logit_error`] with the export's activations left unquantized.
+fn weight_only_logit_error(model: &str, export: &Path) -> f32 {
+    logit_error_with(model, &compat_dir(model).join("model"), export, false).0
+}
+
+/// Logits of the model at `export` against those of `original`, on `model`'s reference ids:
+/// (max |Δ|, mean |Δ|).
+fn logit_error(model: &str, original: &Path, export: &Path) -> (f32, f32) {
+    logit_error_with(model, original, export, true)
+}
+
+/// [`logit_error`]; `activations`: the export's activations are fake-quantized.
+fn logit_error_with(model: &str, original: &Path, export: &Path, activations: bool) -> (f32, f32) {
     let ids = {
         let (ids, _, _) = reference(model);
         Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap()
     };
     let logits = |dir: &Path| -> Vec<f32> {
         let c = Checkpoint::open(dir).unwrap();
-        let m = DecoderModel::load(&c, DType::F32, &Device::Cpu)
+        let m = DecoderModel::load_with(&c, DType::F32, &Device::Cpu, activations)
             .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         m.forward(&ids)
             .unwrap()
@@ -179,11 +194,59 @@ fn quantized_logit_error(model: &str, export: &Path) -> f32 {
             .to_vec1()
             .unwrap()
     };
-    let (a, b) = (logits(&compat_dir(model).join("model")), logits(export));
-    a.iter()
+    let (a, b) = (logits(original), logits(export));
+    // NaN-propagating: a NaN logit must fail the bounds, not vanish in `f32::max`.
+    let max = a
+        .iter()
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
+        .fold(0f32, |m, d| {
+            if m.is_nan() || d.is_nan() {
+                f32::NAN
+            } else {
+                m.max(d)
+            }
+        });
+    let mean = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
+    (max, mean)
+}
+
+/// The tiny Llama with outlier activation channels, AWQ's premise: four channels of every norm
+/// weight ×16, so every Linear after a norm sees four large input channels.
+fn outlier_llama(dir: &Path) -> PathBuf {
+    let src = compat_dir("llama-tiny").join("model");
+    let out = dir.join("outlier-llama");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::copy(src.join("config.json"), out.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let mut data = v.data().to_vec();
+            if name.ends_with("layernorm.weight") {
+                assert_eq!(v.dtype(), safetensors::Dtype::BF16);
+                for c in [3usize, 17, 42, 99] {
+                    let x = half::bf16::from_le_bytes([data[2 * c], data[2 * c + 1]]);
+                    let y = half::bf16::from_f32(x.to_f32() * 16.0).to_le_bytes();
+                    data[2 * c..2 * c + 2].copy_from_slice(&y);
+                }
+            }
+            (name, v.dtype(), v.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+    out
 }
 
 #[test]
@@ -204,15 +267,45 @@ fn quantized_exports_decode_close_to_the_original() {
         "mxfp4",
         "mxfp8",
     ] {
-        let d = quantized_logit_error(
-            "llama-tiny",
-            &compat_dir("llama-tiny").join(format).join("modelopt"),
+        let export = compat_dir("llama-tiny").join(format).join("modelopt");
+        let (w, a) = (
+            weight_only_logit_error("llama-tiny", &export),
+            quantized_logit_error("llama-tiny", &export),
         );
-        println!("llama-tiny {format}: max |Δlogit| vs the original = {d:.3e}");
-        // 8-bit formats stay within 0.05 of logits up to ~0.9; 4-bit ones within 0.25.
+        println!(
+            "llama-tiny {format}: max |Δlogit| vs the original: weights only {w:.3e}, with activations {a:.3e}"
+        );
+        // Weights only: 8-bit formats stay within 0.05 of logits up to ~0.9, 4-bit ones
+        // within 0.25; quantized activations add up to 0.14 (int8-sq: per-tensor INT8 of
+        // inputs that SmoothQuant's α = 1 flattened to amax 1).
         let bound = if format.contains('4') { 0.25 } else { 0.05 };
-        assert!(d < bound, "{format}: decoded logits differ by {d}");
+        assert!(w < bound, "{format}: decoded logits differ by {w}");
+        assert!(
+            a < bound + 0.15,
+            "{format}: with activations, logits differ by {a}"
+        );
+        // Weight-only formats run their activations as they are; the others quantize them.
+        let weight_only = ["fp8-block", "int8-wo", "int4-awq", "w4a16-nvfp4"].contains(&format);
+        assert_eq!(
+            a == w,
+            weight_only,
+            "{format}: {w} weights only, {a} with activations"
+        );
     }
+    // FP8 KV-cache scales quantize the keys and values too.
+    let dir = compat_dir("llama-tiny").join("fp8+kv-fp8").join("modelopt");
+    let c = Checkpoint::open(&dir).unwrap();
+    let m = DecoderModel::load(&c, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(m.activation_quant().kv.len(), 2, "one entry per attention");
+    let (kv, plain) = (
+        quantized_logit_error("llama-tiny", &dir),
+        quantized_logit_error(
+            "llama-tiny",
+            &compat_dir("llama-tiny").join("fp8").join("modelopt"),
+        ),
+    );
+    println!("llama-tiny fp8+kv-fp8: max |Δlogit| {kv:.3e} (fp8 without KV: {plain:.3e})");
+    assert!(kv != plain && kv < 0.2, "{kv} {plain}");
 }
 
 #[test]
@@ -300,5 +393,215 @@ fn layer_by_layer_calibration_gives_the_same_statistics() {
             "{model}: per-channel amax"
         );
         assert_eq!(stages, m.config().layers + 1);
+    }
+}
+
+/// kiln's AWQ search against ModelOpt's `awq_lite` on the same token ids: for every Linear, the
+/// α ModelOpt chose (the grid point whose scale, from kiln's statistics, is nearest its dumped
+/// `pre_quant_scale`) against kiln's, and how far the scales are apart. Returns (Linears where
+/// the α agrees, Linears, worst relative scale difference where it agrees outside the MoE
+/// experts).
+fn awq_agreement(
+    model: &str,
+    dump: &str,
+    quant: kiln::model::awq::AwqWeight,
+) -> (usize, usize, f64) {
+    use kiln::model::awq::{AwqCalibrator, alpha_grid, awq_scale};
+    use kiln::model::calib::{calibrate_by_layer, read_samples};
+    let root = compat_dir(model);
+    let c = Checkpoint::open(root.join("model")).unwrap();
+    let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
+    let theirs: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(root.join(dump).join("amax.json")).unwrap())
+            .unwrap();
+    let want: Vec<(String, Vec<f32>)> = theirs
+        .iter()
+        .filter_map(|(k, v)| {
+            let m = k.strip_suffix(".input_quantizer._pre_quant_scale")?;
+            let v = v
+                .as_array()?
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            Some((m.to_string(), v))
+        })
+        .collect();
+    assert!(
+        !want.is_empty(),
+        "{model}/{dump}: no pre_quant_scale in the dump"
+    );
+    let names: std::collections::BTreeSet<String> = want.iter().map(|(m, _)| m.clone()).collect();
+    let cal = calibrate_by_layer(
+        &c,
+        DType::F32,
+        &Device::Cpu,
+        &samples,
+        AwqCalibrator::new(quant, 0.1, move |m: &str| names.contains(m)),
+        |_, _| {},
+    )
+    .unwrap();
+    let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+    let rel = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(&a, &b)| f64::from((a - b).abs() / b.abs().max(1e-30)))
+            .fold(0f64, f64::max)
+    };
+    let (mut agree, mut worst) = (0, 0f64);
+    for (module, pqs) in &want {
+        let found = cal
+            .results()
+            .get(module)
+            .unwrap_or_else(|| panic!("{model}: kiln searched no `{module}`"));
+        let candidate = |alpha: f32| -> Vec<f32> {
+            awq_scale(&found.act_scale, &found.weight_scale, alpha)
+                .iter()
+                .map(|&s| bf16(1.0 / s))
+                .collect()
+        };
+        let theirs_alpha = alpha_grid(0.1)
+            .into_iter()
+            .min_by(|&a, &b| rel(&candidate(a), pqs).total_cmp(&rel(&candidate(b), pqs)))
+            .unwrap();
+        let ours: Vec<f32> = found.pre_quant_scale().into_iter().map(bf16).collect();
+        let d = rel(&ours, pqs);
+        println!(
+            "{model} {dump} {module}: alpha kiln {:.1}, ModelOpt {theirs_alpha:.1}; scales differ by {d:.2e}",
+            found.alpha
+        );
+        if found.alpha == theirs_alpha {
+            agree += 1;
+            if !module.contains(".experts.") {
+                worst = worst.max(d);
+            }
+        }
+    }
+    (agree, want.len(), worst)
+}
+
+#[test]
+fn awq_search_agrees_with_modelopt() {
+    use kiln::model::awq::AwqWeight;
+    let int4 = AwqWeight::Int4 { group: 128 };
+    // ModelOpt searched in bf16, kiln in f32; the losses of neighbouring α often differ in the
+    // third digit, so some choices flip. Where α agrees, the scales differ by the bf16
+    // rounding of ModelOpt's statistics (≤ 1 %). MoE experts see only their routed tokens,
+    // and bf16 routing picks other experts for some tokens (in bf16, kiln agrees on 30/32 of
+    // Qwen3-MoE's Linears).
+    for (model, dump, quant, least) in [
+        ("llama-tiny", "int4-awq", int4, 0.9),
+        ("llama-tiny", "w4a8-awq", int4, 0.9),
+        ("qwen3-moe-awq-tiny", "int4-awq", int4, 0.7),
+        ("mixtral-awq-tiny", "int4-awq", int4, 0.9),
+    ] {
+        let (agree, total, worst) = awq_agreement(model, dump, quant);
+        println!(
+            "{model} {dump}: alpha agrees on {agree}/{total}; worst scale difference outside experts {worst:.2e}"
+        );
+        assert!(
+            agree as f64 >= least * total as f64,
+            "{model} {dump}: alpha agrees on only {agree}/{total}"
+        );
+        assert!(worst <= 0.01, "{model} {dump}: scales differ by {worst}");
+    }
+}
+
+/// kiln's own AWQ (the scale search on the reference ids, no given scales), exported and
+/// decoded against the original model:
+/// - on the tiny Llama, the logit error is on a par with ModelOpt's AWQ export of it;
+/// - on the same model with outlier input channels (AWQ's premise), the search halves the
+///   layer-output error of plain rounding (every `pre_quant_scale` = 1), and the mean logit
+///   error is lower too (max logit errors are not: the tiny random model's logits are noisy).
+#[test]
+fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
+    use kiln::export::recipe::{Format, Recipe};
+    use kiln::export::run::{ExportOptions, run};
+    use kiln::model::awq::{AwqCalibrator, AwqWeight};
+    use kiln::model::calib::{calibrate_by_layer, read_samples};
+    let root = compat_dir("llama-tiny");
+    let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let outliers = outlier_llama(dir.path());
+    // (max |Δlogit|, mean |Δlogit|) of kiln's AWQ export and of plain rounding.
+    let errors = |model: &Path, format: Format| {
+        let c = Checkpoint::open(model).unwrap();
+        let recipe = Recipe::new(format);
+        let searched = {
+            let recipe = recipe.clone();
+            move |m: &str| recipe.quantizes(m)
+        };
+        let cal = calibrate_by_layer(
+            &c,
+            DType::F32,
+            &Device::Cpu,
+            &samples,
+            AwqCalibrator::new(AwqWeight::Int4 { group: 128 }, 0.1, searched),
+            |_, _| {},
+        )
+        .unwrap();
+        // The search's own measure: the layer-output error against plain rounding.
+        let (searched, rounded) = cal.results().values().fold((0f64, 0f64), |(a, b), f| {
+            (a + f.loss(), b + f.rounding_loss)
+        });
+        println!(
+            "{}: AWQ layer-output error {searched:.3e}, plain rounding {rounded:.3e}",
+            model.display()
+        );
+        if model == outliers.as_path() {
+            // With outlier channels the smoothing halves the error (0.084 against 0.175).
+            assert!(
+                searched <= 0.6 * rounded,
+                "AWQ {searched}, plain rounding {rounded}"
+            );
+        }
+        let act = cal.act_amax(&c, format != Format::Int4Awq).unwrap();
+        let mut plain = act.clone();
+        for (m, found) in cal.results() {
+            plain.set_pre_quant_scale(m, vec![1.0; found.scale.len()]);
+        }
+        let export = |name: &str, act| {
+            let out = dir.path().join(format!(
+                "{}-{format}-{name}",
+                model
+                    .parent()
+                    .unwrap()
+                    .file_name()
+                    .unwrap()
+                    .to_string_lossy()
+            ));
+            run(&ExportOptions {
+                model: model.to_path_buf(),
+                out: out.clone(),
+                recipe: recipe.clone(),
+                act_amax: Some(act),
+                max_shard_bytes: 5_000_000_000,
+                force: false,
+                progress: None,
+                cancel: None,
+            })
+            .unwrap();
+            logit_error("llama-tiny", model, &out)
+        };
+        (export("awq", act), export("plain", plain))
+    };
+    for format in [Format::Int4Awq, Format::W4a8Awq] {
+        let ((ours, _), (rounding, _)) = errors(&root.join("model"), format);
+        let theirs =
+            quantized_logit_error("llama-tiny", &root.join(format.cli_name()).join("modelopt"));
+        println!(
+            "llama-tiny {format}: max |Δlogit| kiln AWQ {ours:.3e}, ModelOpt AWQ {theirs:.3e}, plain rounding {rounding:.3e}"
+        );
+        assert!(
+            ours <= 1.25 * theirs,
+            "{format}: kiln {ours}, ModelOpt {theirs}"
+        );
+        let ((ours, ours_mean), (rounding, rounding_mean)) = errors(&outliers, format);
+        println!(
+            "outlier llama {format}: |Δlogit| max / mean: kiln AWQ {ours:.3e} / {ours_mean:.3e}, plain rounding {rounding:.3e} / {rounding_mean:.3e}"
+        );
+        assert!(
+            ours_mean < rounding_mean,
+            "{format}: mean |Δlogit| AWQ {ours_mean}, plain rounding {rounding_mean}"
+        );
     }
 }

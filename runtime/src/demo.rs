@@ -39,7 +39,8 @@ impl Default for DemoConfig {
 
 impl DemoConfig {
     /// The named sizes `kiln demo-model --size` offers: `small` (the default, 17M parameters),
-    /// `254m` (the export benchmark's Llama: hidden 1024, 12 layers, vocab 32000) and `8gb`
+    /// `254m` (the export benchmark's Llama: hidden 1024, 12 layers, vocab 32000), `1b` (1.1B
+    /// parameters, Llama-3.2-1B's layer shapes, for the calibration benchmark) and `8gb`
     /// (3.8B parameters, ~7.6 GB in bf16, for the memory benchmark).
     pub fn preset(name: &str) -> Option<Self> {
         match name {
@@ -49,6 +50,14 @@ impl DemoConfig {
                 intermediate: 4096,
                 layers: 12,
                 heads: 16,
+                kv_heads: 8,
+                vocab: 32000,
+            }),
+            "1b" => Some(DemoConfig {
+                hidden: 2048,
+                intermediate: 8192,
+                layers: 16,
+                heads: 32,
                 kv_heads: 8,
                 vocab: 32000,
             }),
@@ -235,6 +244,8 @@ mod tests {
             DemoConfig::preset("254m").unwrap().parameters(),
             254_305_280
         );
+        let one = DemoConfig::preset("1b").unwrap().parameters();
+        assert!((1_000_000_000..1_200_000_000).contains(&one), "{one}");
         let big = DemoConfig::preset("8gb").unwrap().parameters();
         assert!((3_700_000_000..3_900_000_000).contains(&big), "{big}");
         assert!(DemoConfig::preset("huge").is_none());

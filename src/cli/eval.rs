@@ -24,6 +24,10 @@ pub struct EvalArgs {
     /// Tokens per sample (longer samples are cut).
     #[arg(long, value_name = "L")]
     seq_len: Option<usize>,
+    /// Quantized exports: run the activations unquantized (only the weights decoded). By
+    /// default they are fake-quantized as the format prescribes, as an engine runs them.
+    #[arg(long)]
+    weights_only: bool,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -39,8 +43,15 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
     )
     .with_context(|| format!("--data {}", args.data.display()))?;
     let checkpoint = Checkpoint::open(&args.model)?;
-    let model = DecoderModel::load(&checkpoint, candle::DType::F32, &candle::Device::Cpu)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let model = DecoderModel::load_with(
+        &checkpoint,
+        candle::DType::F32,
+        &candle::Device::Cpu,
+        !args.weights_only,
+    )
+    .with_context(|| format!("loading {}", args.model.display()))?;
+    let act = model.activation_quant();
+    let quantized_activations = act.inputs.values().filter(|q| q.quant.is_some()).count();
     let p = perplexity(&model, &samples)?;
     if args.json {
         let v = serde_json::json!({
@@ -51,6 +62,8 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
             "tokens": p.tokens,
             "seconds": p.seconds,
             "tokens_per_second": p.tokens as f64 / p.seconds.max(1e-9),
+            "fake_quantized_linear_inputs": quantized_activations,
+            "fake_quantized_kv_caches": act.kv.len(),
         });
         writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
@@ -63,6 +76,13 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
             samples.len(),
             p.tokens as f64 / p.seconds.max(1e-9)
         )?;
+        if !act.is_empty() {
+            writeln!(
+                out,
+                "activations fake-quantized as the format prescribes: {quantized_activations} Linear inputs, {} KV caches (--weights-only to leave them unquantized)",
+                act.kv.len()
+            )?;
+        }
     }
     Ok(0)
 }

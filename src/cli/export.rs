@@ -8,7 +8,9 @@ use kiln_runtime::export::act_amax::ActAmax;
 use kiln_runtime::export::recipe::{Format, KvCache, Recipe};
 use kiln_runtime::export::run::{ExportOptions, ExportSummary, module_tree, run};
 use kiln_runtime::export::{ExportContext, ModuleOutcome, walk};
+use kiln_runtime::model::awq::AwqWeight;
 use kiln_runtime::{ExporterRegistry, Linear};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -73,8 +75,9 @@ pub struct ExportArgs {
     #[arg(long, value_name = "FILE")]
     act_amax: Option<PathBuf>,
     /// Calibration data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` (tokenized with
-    /// the model's tokenizer.json) per line. kiln runs the model on it (max calibration:
-    /// Linear inputs and KV) instead of reading --act-amax.
+    /// the model's tokenizer.json) per line. kiln runs the model on it instead of reading
+    /// --act-amax: max calibration of Linear inputs and KV, SmoothQuant's scales for
+    /// `int8-sq`, and AWQ's scale search for `int4-awq`, `w4a8-awq` and `nvfp4-awq`.
     #[arg(long, value_name = "FILE", conflicts_with = "act_amax")]
     calib: Option<PathBuf>,
     /// Calibration samples to use (the first N lines; all by default).
@@ -86,6 +89,9 @@ pub struct ExportArgs {
     /// SmoothQuant's migration strength α for `int8-sq` with --calib (ModelOpt's default: 1).
     #[arg(long, value_name = "ALPHA", default_value_t = 1.0, requires = "calib")]
     sq_alpha: f32,
+    /// AWQ's α grid step for the AWQ formats with --calib (ModelOpt's `awq_lite` default: 0.1).
+    #[arg(long, value_name = "STEP", default_value_t = 0.1, requires = "calib", value_parser = parse_alpha_step)]
+    awq_alpha_step: f64,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -132,6 +138,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+fn parse_alpha_step(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a step in (0, 1]")),
+    }
+}
+
 /// Max calibration of the model at `model` on `calib` (`--calib`): the activation amax of
 /// every Linear input and of the attention keys and values, under ModelOpt's quantizer names.
 fn calibrate(
@@ -146,15 +159,6 @@ fn calibrate(
     };
     use kiln_runtime::model::{MaxCalibrator, candle};
     let recipe = args.recipe.recipe();
-    if matches!(
-        recipe.format,
-        Format::Int4Awq | Format::W4a8Awq | Format::Nvfp4Awq
-    ) {
-        bail!(
-            "--calib: {} needs AWQ's scale search, which kiln does not run yet; pass the pre-quant scales (`<linear>.input_quantizer._pre_quant_scale`) with --act-amax",
-            recipe.format
-        );
-    }
     let smoothquant = recipe.format == Format::Int8Sq;
     let tokenizer = model_tokenizer(model)?;
     let samples = read_samples_with(
@@ -179,6 +183,15 @@ fn calibrate(
         .expect("a valid template"),
     );
     let started = std::time::Instant::now();
+    let awq = match recipe.format {
+        Format::Int4Awq | Format::W4a8Awq => Some(AwqWeight::Int4 { group: 128 }),
+        Format::Nvfp4Awq => Some(AwqWeight::Nvfp4),
+        _ => None,
+    };
+    if let Some(quant) = awq {
+        return awq_calibrate(&checkpoint, &samples, &recipe, quant, args, &bar, err)
+            .with_context(|| format!("calibrating {}", model.display()));
+    }
     let calibrator = if smoothquant {
         MaxCalibrator::default().with_channels()
     } else {
@@ -227,6 +240,67 @@ fn calibrate(
             linears.len()
         )?;
     }
+    Ok(act)
+}
+
+/// `--calib` for the AWQ formats: max calibration and AWQ's scale search in one layer-by-layer
+/// pass. Every searched Linear gets `pre_quant_scale = 1/s`; the input-quantized formats also
+/// get the amax of the smoothed input.
+fn awq_calibrate(
+    checkpoint: &kiln_runtime::checkpoint::Checkpoint,
+    samples: &[Vec<u32>],
+    recipe: &kiln_runtime::export::recipe::Recipe,
+    quant: AwqWeight,
+    args: &ExportArgs,
+    bar: &indicatif::ProgressBar,
+    err: &mut dyn Write,
+) -> Result<ActAmax> {
+    use kiln_runtime::export::recipe::Format;
+    use kiln_runtime::model::awq::AwqCalibrator;
+    use kiln_runtime::model::calib::calibrate_by_layer;
+    use kiln_runtime::model::candle;
+    let started = std::time::Instant::now();
+    let tokens: usize = samples.iter().map(Vec::len).sum();
+    let searched = {
+        let recipe = recipe.clone();
+        move |m: &str| recipe.quantizes(m)
+    };
+    let calib = calibrate_by_layer(
+        checkpoint,
+        candle::DType::F32,
+        &candle::Device::Cpu,
+        samples,
+        AwqCalibrator::new(quant, args.awq_alpha_step, searched),
+        |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64)
+        },
+    )?;
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    let act = calib.act_amax(checkpoint, recipe.format != Format::Int4Awq)?;
+    let mut alphas: BTreeMap<String, usize> = BTreeMap::new();
+    for found in calib.results().values() {
+        *alphas.entry(format!("{:.2}", found.alpha)).or_default() += 1;
+    }
+    for module in calib.unexercised() {
+        // ModelOpt: an expert no token reached keeps `pre_quant_scale = 1`.
+        writeln!(
+            err,
+            "warning: awq: no calibration token reached `{module}`; its pre_quant_scale is 1"
+        )?;
+    }
+    writeln!(
+        err,
+        "AWQ (awq_lite, alpha step {}): searched {} Linears on {tokens} tokens in {secs:.2} s; chosen alpha: {}",
+        args.awq_alpha_step,
+        calib.results().len(),
+        alphas
+            .iter()
+            .map(|(a, n)| format!("{a} ×{n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )?;
     Ok(act)
 }
 
@@ -412,7 +486,8 @@ pub struct DemoModelArgs {
     /// Where to write the model folder.
     #[arg(long)]
     out: PathBuf,
-    /// `small` (17M parameters), `254m` (the export benchmark's Llama) or `8gb` (3.8B parameters).
+    /// `small` (17M parameters), `254m` (the export benchmark's Llama), `1b` (the calibration
+    /// benchmark's) or `8gb` (3.8B parameters).
     #[arg(long, default_value = "small")]
     size: String,
     /// Replace an existing folder.
@@ -425,7 +500,7 @@ pub struct DemoModelArgs {
 pub fn demo_model(args: &DemoModelArgs, out: &mut dyn Write) -> Result<i32> {
     let config = DemoConfig::preset(&args.size).ok_or_else(|| {
         anyhow::anyhow!(
-            "unknown --size `{}` (expected small, 254m or 8gb)",
+            "unknown --size `{}` (expected small, 254m, 1b or 8gb)",
             args.size
         )
     })?;

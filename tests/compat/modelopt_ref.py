@@ -321,6 +321,9 @@ def export_model(root, make, cls, ids, formats, save=None):
         if load_dir.exists():
             shutil.rmtree(load_dir)
         model.save_pretrained(load_dir, safe_serialization=True)
+    # The calibration token ids, for kiln's calibration-agreement tests.
+    (root / "calib.jsonl").write_text(
+        "".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
     for name in formats:
         cfg = FORMATS[name]
         # Loaded from disk so config.torch_dtype is set (ModelOpt's MoE export needs it).

@@ -2,11 +2,13 @@
 //! of Linears that share an input, and the folding of the shared scale into the norm that
 //! produces that input — ModelOpt's arithmetic, step for step.
 //!
-//! The per-input-channel scales `p` come from calibration (`<linear>.input_quantizer.
-//! _pre_quant_scale` in `--act-amax`; the scale search is model execution's job). For a Linear
+//! The per-input-channel scales `p` come from calibration: `kiln export --calib` searches
+//! them (AWQ, `model::awq`) or computes them (SmoothQuant), or `--act-amax` gives them
+//! (`<linear>.input_quantizer._pre_quant_scale`). For a Linear
 //! with weight `W`:
-//! 1. smooth: `W₁ = round(W · (1/p))` per input channel, in f32 (`1/p` in f32), rounded to the
-//!    weight's dtype;
+//! 1. smooth: `W₁ = round(W · (1/p))` per input channel, in f32 (`1/p` in f32, `p` as given:
+//!    ModelOpt smooths by its f32 search result), rounded to the weight's dtype; the quantizer
+//!    then holds `p` in the weight's dtype, and the steps below start from that;
 //! 2. resmooth a shared-input group (q/k/v, gate/up): `avg = mean(p_i)` as PyTorch computes it
 //!    on the CPU (an f32 mean rounded once to the dtype); a member whose
 //!    `p_i ≠ avg` becomes `round(W₁ · p_i / avg)` in f32;
@@ -25,7 +27,7 @@ use std::collections::HashMap;
 /// How one Linear is smoothed.
 #[derive(Debug, Clone)]
 pub struct LinearSmoothing {
-    /// Its own scale `p` (one per input channel), in the weight's dtype.
+    /// Its own scale `p` (one per input channel) as given, in f32: step 1 divides by it.
     pub own: Vec<f32>,
     /// NVFP4 AWQ: the next Linear's scale, folded into this one's output rows (ModelOpt's
     /// `fuse_prequant_to_linear`: o_proj's into v_proj, down_proj's into up_proj).
@@ -159,17 +161,14 @@ impl SmoothPlan {
         }
         let mut plan = SmoothPlan::default();
         for m in &quantized {
-            // Each scale as the quantizer stores it: in the weight's dtype.
-            let own: Vec<f32> = act
-                .pre_quant_scale(m)
-                .unwrap_or_default()
-                .iter()
-                .map(|&x| T::round_f32(x))
-                .collect();
+            // The weight is smoothed by the scale as given (ModelOpt smooths by its f32 search
+            // result); the quantizer stores it in the weight's dtype.
+            let own = act.pre_quant_scale(m).unwrap_or_default().to_vec();
+            let stored = own.iter().map(|&x| T::round_f32(x)).collect();
             plan.linears.insert(
                 m.clone(),
                 LinearSmoothing {
-                    scale: Some(own.clone()),
+                    scale: Some(stored),
                     own,
                     row_scale: None,
                     steps: Vec::new(),

@@ -2,7 +2,7 @@
 //! `{"text": "..."}` — text is tokenized with the model's `tokenizer.json` (special tokens
 //! added, as transformers' tokenizer call does).
 
-use super::{DecoderModel, MaxCalibrator, ModelError};
+use super::{DecoderModel, MaxCalibrator, ModelError, Observer};
 use candle_core::Tensor;
 use std::path::Path;
 
@@ -116,22 +116,47 @@ pub fn calibrate(
         model.forward_observed(&ids, &mut calib)?;
         progress(i + 1);
     }
-    calib.sync_experts();
+    calib.sync_experts(model.weights.vars().keys().map(String::as_str));
     Ok(calib)
+}
+
+/// A calibration run stage by stage ([`calibrate_by_layer`]): an observer that is also told
+/// when every sample has gone through a stage (the embeddings, each decoder layer, the head),
+/// while that stage's weights are loaded.
+pub trait LayerCalibration: Observer {
+    /// Every sample went through the stage whose weights `model` holds.
+    fn stage_done(
+        &mut self,
+        checkpoint: &crate::checkpoint::Checkpoint,
+        model: &DecoderModel,
+    ) -> Result<(), ModelError> {
+        let _ = (checkpoint, model);
+        Ok(())
+    }
+    /// Every stage is done (e.g. share statistics across MoE experts).
+    fn finish(&mut self, checkpoint: &crate::checkpoint::Checkpoint) {
+        let _ = checkpoint;
+    }
+}
+
+impl LayerCalibration for MaxCalibrator {
+    fn finish(&mut self, checkpoint: &crate::checkpoint::Checkpoint) {
+        self.sync_experts(checkpoint.tensors().map(|t| t.name.as_str()));
+    }
 }
 
 /// [`calibrate`] one decoder layer at a time (llm-compressor's sequential onloading): only
 /// the embeddings, one layer's weights, or the head are in memory at once, with the hidden
 /// states of every sample at the current layer boundary. The statistics equal [`calibrate`]'s.
 /// `progress` is told (stages done, stages in total).
-pub fn calibrate_by_layer(
+pub fn calibrate_by_layer<C: LayerCalibration>(
     checkpoint: &crate::checkpoint::Checkpoint,
     dtype: candle_core::DType,
     device: &candle_core::Device,
     samples: &[Vec<u32>],
-    mut calib: MaxCalibrator,
+    mut calib: C,
     mut progress: impl FnMut(usize, usize),
-) -> Result<MaxCalibrator, ModelError> {
+) -> Result<C, ModelError> {
     let part =
         |keep: &dyn Fn(&str) -> bool| DecoderModel::load_part(checkpoint, dtype, device, keep);
     let layers = crate::model::DecoderConfig::from_json(checkpoint.config().raw())?.layers;
@@ -155,6 +180,7 @@ pub fn calibrate_by_layer(
             // Detached: the weights are variables, and a kept graph would keep every layer.
             *h = model.layer(h, layer, rope, &mut calib)?.detach();
         }
+        calib.stage_done(checkpoint, &model)?;
         progress(layer + 1, layers + 1);
     }
     let tied = checkpoint.tensor("lm_head.weight").is_none();
@@ -166,9 +192,22 @@ pub fn calibrate_by_layer(
     for (h, _) in &hidden {
         head.head(h, &mut calib)?;
     }
+    calib.stage_done(checkpoint, &head)?;
     progress(layers + 1, layers + 1);
-    calib.sync_experts();
+    calib.finish(checkpoint);
     Ok(calib)
+}
+
+/// The amax of an input smoothed by `pre_quant_scale` `s`, from its per-channel amax `a`:
+/// `round(max_c(round(a_c) · s_c))` with `round` the weight's dtype (ModelOpt's
+/// `(_amax_for_smoothing.to(dtype) * pre_quant_scale).amax().to(dtype)`).
+pub fn smoothed_amax(a: &[f32], s: &[f32], round: fn(f32) -> f32) -> f32 {
+    round(
+        a.iter()
+            .zip(s)
+            .map(|(&a, &s)| round(a) * s)
+            .fold(0f32, f32::max),
+    )
 }
 
 /// SmoothQuant's scales from per-channel statistics (ModelOpt's `smoothquant` postprocess):
@@ -253,12 +292,7 @@ pub fn smoothquant_scales(
         for x in s.iter_mut() {
             *x = x.clamp(1e-4, 1e4);
         }
-        let input = round(
-            a.iter()
-                .zip(&s)
-                .map(|(&a, &s)| round(a) * s)
-                .fold(0f32, f32::max),
-        );
+        let input = smoothed_amax(&a, &s, round);
         out.push((m.clone(), s, input));
     }
     Ok(out)

@@ -1,8 +1,10 @@
 //! Loading a model for execution — a plain checkpoint, or a quantized one (kiln's or
 //! ModelOpt's unified-HF layout) whose weights are decoded on load: FP8 (per tensor, per
 //! channel, 128×128 blocks), INT8, INT4 (AWQ), NVFP4, MXFP4, MXFP8, each Linear's
-//! `pre_quant_scale` folded into its columns. Activations run unquantized.
+//! `pre_quant_scale` folded into its columns — and, for execution, the activation quantizers an
+//! engine applies ([`super::act_quant`]).
 
+use super::act_quant::{ActQuant, InputQuant, LinearInput};
 use super::{ModelError, Weights};
 use crate::checkpoint::Checkpoint;
 use candle_core::{DType, Device};
@@ -27,25 +29,7 @@ pub(crate) const SCALE_SUFFIXES: [&str; 6] = [
 fn formats(
     checkpoint: &Checkpoint,
 ) -> Result<(Option<String>, BTreeMap<String, String>), ModelError> {
-    let path = checkpoint.dir().join("hf_quant_config.json");
-    let doc: Option<Value> = if path.is_file() {
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
-        Some(
-            serde_json::from_str(&text)
-                .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?,
-        )
-    } else {
-        None
-    };
-    let q = match &doc {
-        Some(d) => d.get("quantization").cloned(),
-        None => checkpoint
-            .config()
-            .raw()
-            .get("quantization_config")
-            .cloned(),
-    };
+    let q = quant_config(checkpoint)?;
     let Some(q) = q else {
         return Ok((None, BTreeMap::new()));
     };
@@ -107,6 +91,7 @@ fn decode(
     module: &str,
     algo: &str,
     stored: &[usize],
+    fold_pre_quant_scale: bool,
 ) -> Result<(Vec<f32>, [usize; 2]), ModelError> {
     let weight = format!("{module}.weight");
     let bad = |message: String| ModelError::Tensor {
@@ -193,10 +178,12 @@ fn decode(
         }
         other => return Err(bad(format!("quantization `{other}` cannot be decoded"))),
     }
-    // y = W (x ⊙ pqs): the scale multiplies the weight's columns.
-    if checkpoint
-        .tensor(&format!("{module}.pre_quant_scale"))
-        .is_some()
+    // y = W (x ⊙ pqs): the scale multiplies the weight's columns (unless the input quantizer
+    // applies it to the input).
+    if fold_pre_quant_scale
+        && checkpoint
+            .tensor(&format!("{module}.pre_quant_scale"))
+            .is_some()
     {
         let pqs = scale("pre_quant_scale")?;
         if pqs.len() != cols {
@@ -214,15 +201,104 @@ fn decode(
     Ok((out, [rows, cols]))
 }
 
-/// Reads `checkpoint` for execution in `dtype` on `device`, decoding quantized weights.
+/// The quantization config: `quantization` of `hf_quant_config.json`, or `config.json`'s
+/// `quantization_config`.
+fn quant_config(checkpoint: &Checkpoint) -> Result<Option<Value>, ModelError> {
+    let path = checkpoint.dir().join("hf_quant_config.json");
+    if !path.is_file() {
+        return Ok(checkpoint
+            .config()
+            .raw()
+            .get("quantization_config")
+            .cloned());
+    }
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+    let doc: Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+    Ok(doc.get("quantization").cloned())
+}
+
+/// `kv_cache_quant_algo` of the quantization config, if any.
+fn kv_cache_algo(checkpoint: &Checkpoint) -> Result<Option<String>, ModelError> {
+    Ok(quant_config(checkpoint)?
+        .as_ref()
+        .and_then(|q| q.get("kv_cache_quant_algo"))
+        .and_then(Value::as_str)
+        .map(str::to_string))
+}
+
+/// The input quantization of a Linear in format `algo` (`None`: weight-only), from its
+/// `input_scale` where the format has a static one.
+fn input_quant(
+    checkpoint: &Checkpoint,
+    module: &str,
+    algo: &str,
+) -> Result<Option<InputQuant>, ModelError> {
+    let input_scale = || -> Result<f32, ModelError> {
+        let name = format!("{module}.input_scale");
+        if checkpoint.tensor(&name).is_none() {
+            return Err(ModelError::Tensor {
+                tensor: name,
+                message: format!("missing: a {algo} Linear quantizes its input with it"),
+            });
+        }
+        Ok(f32s(checkpoint, &name)?[0])
+    };
+    Ok(match algo {
+        "FP8" | "W4A8_AWQ" => Some(InputQuant::Fp8(input_scale()?)),
+        "NVFP4" | "NVFP4_AWQ" => Some(InputQuant::Nvfp4(input_scale()?)),
+        "W8A8_SQ_PER_CHANNEL" => Some(InputQuant::Int8(input_scale()?)),
+        "FP8_PER_CHANNEL_PER_TOKEN" => Some(InputQuant::Fp8PerToken),
+        "MXFP8" => Some(InputQuant::Mxfp8),
+        "mxfp4" | "MXFP4" => Some(InputQuant::Mxfp4),
+        _ => None,
+    })
+}
+
+/// Reads `checkpoint` for execution in `dtype` on `device`, decoding quantized weights (each
+/// `pre_quant_scale` folded into its weight's columns).
 pub fn load_weights(
     checkpoint: &Checkpoint,
     dtype: DType,
     device: &Device,
 ) -> Result<Weights, ModelError> {
+    Ok(load_for_execution(checkpoint, dtype, device, false)?.0)
+}
+
+/// [`load_weights`], and with `activations` the activation quantizers an engine applies
+/// ([`ActQuant`]): a Linear that quantizes its input keeps its `pre_quant_scale` on the input
+/// side (it is applied before the quantization), and `k_scale` / `v_scale` quantize the
+/// KV cache.
+pub fn load_for_execution(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+    activations: bool,
+) -> Result<(Weights, ActQuant), ModelError> {
     let (algo, per_layer) = formats(checkpoint)?;
     if algo.is_none() {
-        return Weights::load(checkpoint, dtype, device);
+        return Ok((
+            Weights::load(checkpoint, dtype, device)?,
+            ActQuant::default(),
+        ));
+    }
+    let mut act = ActQuant::default();
+    // FP8 KV-cache scales only (NVFP4 KV caches run unquantized here).
+    if activations && kv_cache_algo(checkpoint)?.as_deref() == Some("FP8") {
+        for t in checkpoint.tensors() {
+            for (suffix, key) in [(".k_proj.k_scale", 'k'), (".v_proj.v_scale", 'v')] {
+                if let Some(attention) = t.name.strip_suffix(suffix) {
+                    let s = f32s(checkpoint, &t.name)?[0];
+                    let e = act.kv.entry(attention.to_string()).or_default();
+                    if key == 'k' {
+                        e.0 = Some(s);
+                    } else {
+                        e.1 = Some(s);
+                    }
+                }
+            }
+        }
     }
     let mut vars = BTreeMap::new();
     for t in checkpoint.tensors() {
@@ -241,7 +317,26 @@ pub fn load_weights(
                             tensor: t.name.clone(),
                             message: "quantized, but no format is recorded for it".into(),
                         })?;
-                let (data, shape) = decode(checkpoint, module, a, &t.shape)?;
+                let quant = if activations {
+                    input_quant(checkpoint, module, a)?
+                } else {
+                    None
+                };
+                let (data, shape) = decode(checkpoint, module, a, &t.shape, quant.is_none())?;
+                if let Some(quant) = quant {
+                    let pqs = format!("{module}.pre_quant_scale");
+                    let pre_quant_scale = match checkpoint.tensor(&pqs) {
+                        Some(_) => Some(f32s(checkpoint, &pqs)?),
+                        None => None,
+                    };
+                    act.inputs.insert(
+                        module.to_string(),
+                        LinearInput {
+                            pre_quant_scale,
+                            quant: Some(quant),
+                        },
+                    );
+                }
                 (data, shape.to_vec())
             }
             other => {
@@ -253,5 +348,5 @@ pub fn load_weights(
         };
         vars.insert(t.name.clone(), super::to_var(data, &shape, dtype, device)?);
     }
-    Ok(Weights { vars })
+    Ok((Weights { vars }, act))
 }

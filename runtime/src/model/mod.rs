@@ -9,6 +9,8 @@
 //! `rope*` and `sdpa` have no backward and would cut the graph). The logits of every position
 //! are returned, as transformers does.
 
+pub mod act_quant;
+pub mod awq;
 pub mod calib;
 mod config;
 pub mod eval;
@@ -140,7 +142,7 @@ pub trait Observer {
     fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError>;
     /// The keys and values `[batch, kv_heads, seq, head_dim]` of the attention at `attention`.
     fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError>;
-    /// Whether every expert should also see every token (ModelOpt calibrates MoE experts so,
+    /// Whether every expert should also see every token (ModelOpt's optional
     /// `moe_calib_experts_ratio = 1`), besides the routed pass that gives the output.
     fn all_experts(&self) -> bool {
         false
@@ -172,9 +174,10 @@ pub struct MaxCalibrator {
 }
 
 impl Default for MaxCalibrator {
-    /// ModelOpt's behaviour: every expert also sees every token.
+    /// ModelOpt's default: each expert sees the tokens routed to it (its
+    /// `moe_calib_experts_ratio` is unset), and the experts then share their maximum.
     fn default() -> Self {
-        MaxCalibrator::new(true)
+        MaxCalibrator::new(false)
     }
 }
 
@@ -190,8 +193,9 @@ fn tensor_amax(x: &Tensor) -> Result<f32, ModelError> {
 }
 
 impl MaxCalibrator {
-    /// A calibrator; `all_experts`: every expert also sees every token (ModelOpt), else each
-    /// expert sees only the tokens routed to it.
+    /// A calibrator; `all_experts`: every expert also sees every token (ModelOpt's
+    /// `moe_calib_experts_ratio = 1`), else each expert sees only the tokens routed to it
+    /// (ModelOpt's default).
     pub fn new(all_experts: bool) -> Self {
         MaxCalibrator {
             amax: BTreeMap::new(),
@@ -226,51 +230,60 @@ impl MaxCalibrator {
     }
 
     /// Gives every expert of an MoE block the largest input amax among the experts, per
-    /// Linear name (ModelOpt's `layer_sync_moe_local_experts_amax` after calibration).
-    pub fn sync_experts(&mut self) {
-        let mut max: BTreeMap<(String, String), f32> = BTreeMap::new();
-        let split = |k: &str| -> Option<(String, String)> {
+    /// Linear name (ModelOpt's `layer_sync_moe_local_experts_amax` after calibration),
+    /// including experts no token reached. `linears` names every Linear module of the model
+    /// (weight names without `.weight` are fine too: anything else is ignored).
+    pub fn sync_experts<'a>(&mut self, linears: impl IntoIterator<Item = &'a str>) {
+        // `<head>.experts.<i>.<rest>` → (head, rest).
+        fn split(k: &str) -> Option<(String, String)> {
             let (head, tail) = k.split_once(".experts.")?;
             let (index, rest) = tail.split_once('.')?;
             index.parse::<usize>().ok()?;
-            rest.ends_with(".input_quantizer")
-                .then(|| (head.to_string(), rest.to_string()))
-        };
+            Some((head.to_string(), rest.to_string()))
+        }
+        fn nan_max(a: f32, b: f32) -> f32 {
+            if a.is_nan() || b.is_nan() {
+                f32::NAN
+            } else {
+                a.max(b)
+            }
+        }
+        let mut max: BTreeMap<(String, String), f32> = BTreeMap::new();
         for (k, &v) in &self.amax {
-            if let Some(g) = split(k) {
+            if let Some(g) = split(k).filter(|(_, r)| r.ends_with(".input_quantizer")) {
                 let e = max.entry(g).or_insert(0.0);
-                *e = if e.is_nan() || v.is_nan() {
-                    f32::NAN
-                } else {
-                    e.max(v)
-                };
+                *e = nan_max(*e, v);
             }
         }
-        for (k, v) in self.amax.iter_mut() {
+        let mut channel_max: BTreeMap<(String, String), Vec<f32>> = BTreeMap::new();
+        for (k, v) in self.channels.iter().flatten() {
             if let Some(g) = split(k) {
-                *v = max[&g];
+                let e = channel_max.entry(g).or_insert_with(|| vec![0.0; v.len()]);
+                for (a, &b) in e.iter_mut().zip(v) {
+                    *a = nan_max(*a, b);
+                }
             }
         }
-        // Per-channel statistics likewise, element-wise.
-        if let Some(channels) = &mut self.channels {
-            let key = |k: &str| split(&format!("{k}.input_quantizer"));
-            let mut max: BTreeMap<(String, String), Vec<f32>> = BTreeMap::new();
-            for (k, v) in channels.iter() {
-                if let Some(g) = key(k) {
-                    let e = max.entry(g).or_insert_with(|| vec![0.0; v.len()]);
-                    for (a, &b) in e.iter_mut().zip(v) {
-                        *a = if a.is_nan() || b.is_nan() {
-                            f32::NAN
-                        } else {
-                            a.max(b)
-                        };
-                    }
-                }
+        let mut modules: Vec<String> = self
+            .amax
+            .keys()
+            .filter_map(|k| k.strip_suffix(".input_quantizer"))
+            .map(str::to_string)
+            .collect();
+        modules.extend(
+            linears
+                .into_iter()
+                .map(|m| m.strip_suffix(".weight").unwrap_or(m).to_string()),
+        );
+        for m in modules {
+            let Some((head, rest)) = split(&m) else {
+                continue;
+            };
+            if let Some(&v) = max.get(&(head.clone(), format!("{rest}.input_quantizer"))) {
+                self.amax.insert(format!("{m}.input_quantizer"), v);
             }
-            for (k, v) in channels.iter_mut() {
-                if let Some(g) = key(k) {
-                    *v = max[&g].clone();
-                }
+            if let (Some(c), Some(v)) = (&mut self.channels, channel_max.get(&(head, rest))) {
+                c.insert(m, v.clone());
             }
         }
     }
@@ -316,6 +329,8 @@ pub struct DecoderModel {
     config: DecoderConfig,
     weights: Weights,
     device: Device,
+    /// Fake quantization of activations (a quantized export); empty for a plain model.
+    act: act_quant::ActQuant,
 }
 
 /// `x · Wᵀ (+ b)` for `x` of any rank (the last dimension is the input).
@@ -363,19 +378,37 @@ fn rotate_half(x: &Tensor) -> Result<Tensor, ModelError> {
 
 impl DecoderModel {
     /// Builds the model of the checkpoint at `checkpoint` in `dtype` on `device`; a
-    /// quantized checkpoint's weights are decoded ([`load::load_weights`]).
+    /// quantized checkpoint runs as an engine would run it: weights decoded, activations (and
+    /// KV-cache entries) fake-quantized as its format prescribes ([`act_quant`]).
     pub fn load(
         checkpoint: &Checkpoint,
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::load_with(checkpoint, dtype, device, true)
+    }
+
+    /// [`DecoderModel::load`]; `activations: false` leaves a quantized checkpoint's
+    /// activations unquantized (its weights still decoded, `pre_quant_scale` folded in).
+    pub fn load_with(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        activations: bool,
+    ) -> Result<Self, ModelError> {
         let config = DecoderConfig::from_json(checkpoint.config().raw())?;
-        let weights = load::load_weights(checkpoint, dtype, device)?;
+        let (weights, act) = load::load_for_execution(checkpoint, dtype, device, activations)?;
         Ok(DecoderModel {
             config,
             weights,
             device: device.clone(),
+            act,
         })
+    }
+
+    /// The activation quantizers the model runs with (empty for a plain model).
+    pub fn activation_quant(&self) -> &act_quant::ActQuant {
+        &self.act
     }
 
     /// The model of `checkpoint` with only the weights `keep` accepts loaded (plain
@@ -391,6 +424,7 @@ impl DecoderModel {
             config: DecoderConfig::from_json(checkpoint.config().raw())?,
             weights: Weights::load_where(checkpoint, dtype, device, keep)?,
             device: device.clone(),
+            act: act_quant::ActQuant::default(),
         })
     }
 
@@ -478,7 +512,7 @@ impl DecoderModel {
             None if c.tie_word_embeddings => w.get("model.embed_tokens.weight")?,
             None => w.get("lm_head.weight")?,
         };
-        linear(&h, head, None)
+        linear(&self.act.input("lm_head", &h)?, head, None)
     }
 
     /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
@@ -520,7 +554,7 @@ impl DecoderModel {
         let a = format!("{p}.self_attn");
         let proj = |name: &str, heads: usize| -> Result<Tensor, ModelError> {
             let y = linear(
-                x,
+                &self.act.input(&format!("{a}.{name}"), x)?,
                 w.get(&format!("{a}.{name}.weight"))?,
                 w.maybe(&format!("{a}.{name}.bias")),
             )?
@@ -543,6 +577,7 @@ impl DecoderModel {
         let k = rope(proj("k_proj", nkv)?)?;
         let v = proj("v_proj", nkv)?;
         observer.key_value(&a, &k, &v)?;
+        let (k, v) = self.act.key_value(&a, k, v)?;
         let repeat = |x: Tensor| -> Result<Tensor, ModelError> {
             if nh == nkv {
                 return Ok(x);
@@ -561,7 +596,7 @@ impl DecoderModel {
             .reshape((b, t, nh * hd))?;
         observer.linear_input(&format!("{a}.o_proj"), &o)?;
         linear(
-            &o,
+            &self.act.input(&format!("{a}.o_proj"), &o)?,
             w.get(&format!("{a}.o_proj.weight"))?,
             w.maybe(&format!("{a}.o_proj.bias")),
         )
@@ -592,11 +627,24 @@ impl DecoderModel {
         let [gate, up, down] = names.map(|n| format!("{p}.{n}"));
         observer.linear_input(&gate, x)?;
         observer.linear_input(&up, x)?;
-        let g = linear(x, w.get(&format!("{gate}.weight"))?, None)?.silu()?;
-        let u = linear(x, w.get(&format!("{up}.weight"))?, None)?;
+        let g = linear(
+            &self.act.input(&gate, x)?,
+            w.get(&format!("{gate}.weight"))?,
+            None,
+        )?
+        .silu()?;
+        let u = linear(
+            &self.act.input(&up, x)?,
+            w.get(&format!("{up}.weight"))?,
+            None,
+        )?;
         let gu = (g * u)?;
         observer.linear_input(&down, &gu)?;
-        linear(&gu, w.get(&format!("{down}.weight"))?, None)
+        linear(
+            &self.act.input(&down, &gu)?,
+            w.get(&format!("{down}.weight"))?,
+            None,
+        )
     }
 
     fn mlp(&self, x: &Tensor, p: &str, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
