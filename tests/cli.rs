@@ -204,45 +204,57 @@ fn every_format_exports_the_demo_with_modelopts_quant_algo() {
 #[test]
 fn export_with_calibration_gives_modelopts_input_scales() {
     let dir = tempfile::tempdir().unwrap();
-    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
-    let out_dir = dir.path().join("out");
-    let out = kiln(&[
-        "export",
-        "--model",
-        compat.join("model").to_str().unwrap(),
-        "--format",
-        "fp8",
-        "--calib",
-        compat.join("calib.jsonl").to_str().unwrap(),
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("calibrating on 4 samples (128 tokens)"),
-        "{stderr}"
-    );
-    let read = |p: &std::path::Path| {
-        let bytes = std::fs::read(p.join("model.safetensors")).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        st.names()
-            .into_iter()
-            .filter(|n| n.ends_with(".input_scale"))
-            .map(|n| {
-                let v = st.tensor(n).unwrap();
-                (
-                    n.to_string(),
-                    f32::from_le_bytes(v.data()[..4].try_into().unwrap()),
-                )
-            })
-            .collect::<std::collections::BTreeMap<String, f32>>()
-    };
-    let (ours, theirs) = (read(&out_dir), read(&compat.join("fp8/modelopt")));
-    assert_eq!(ours.len(), theirs.len());
-    for (name, t) in &theirs {
-        let o = ours[name];
-        assert!((o - t).abs() <= 0.01 * t, "{name}: kiln {o}, ModelOpt {t}");
+    // The tiny Llama, and GPT-OSS (attention sinks, YaRN, BMM experts with their own input
+    // quantizer names).
+    for (model, tokens) in [
+        ("llama-tiny", "4 samples (128 tokens)"),
+        ("gpt-oss-tiny", "2 samples (32 tokens)"),
+    ] {
+        let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/compat")
+            .join(model);
+        let out_dir = dir.path().join(model);
+        let out = kiln(&[
+            "export",
+            "--model",
+            compat.join("model").to_str().unwrap(),
+            "--format",
+            "fp8",
+            "--calib",
+            compat.join("calib.jsonl").to_str().unwrap(),
+            "--out",
+            out_dir.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{model}: {stderr}");
+        assert!(
+            stderr.contains(&format!("calibrating on {tokens}")),
+            "{stderr}"
+        );
+        let read = |p: &std::path::Path| {
+            let bytes = std::fs::read(p.join("model.safetensors")).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            st.names()
+                .into_iter()
+                .filter(|n| n.ends_with("input_scale"))
+                .map(|n| {
+                    let v = st.tensor(n).unwrap();
+                    (
+                        n.to_string(),
+                        f32::from_le_bytes(v.data()[..4].try_into().unwrap()),
+                    )
+                })
+                .collect::<std::collections::BTreeMap<String, f32>>()
+        };
+        let (ours, theirs) = (read(&out_dir), read(&compat.join("fp8/modelopt")));
+        assert_eq!(ours.len(), theirs.len(), "{model}");
+        for (name, t) in &theirs {
+            let o = ours[name];
+            assert!(
+                (o - t).abs() <= 0.01 * t,
+                "{model} {name}: kiln {o}, ModelOpt {t}"
+            );
+        }
     }
     // Text needs the model's tokenizer.json; the demo model has none: a clear error.
     let text = dir.path().join("text.jsonl");

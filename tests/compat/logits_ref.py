@@ -5,8 +5,9 @@ For each tiny model of the compatibility suite (and a copy of the Llama with lla
 scaling), runs transformers in float32 with eager attention on fixed token ids and writes
 `tests/compat/<model>/logits.safetensors`: `input_ids` [1, T] (i64) and `logits` [1, T, V] (f32).
 
-    .venv/bin/python tests/compat/logits_ref.py     # the venv of requirements.txt
+    .venv/bin/python tests/compat/logits_ref.py [MODEL ...]   # the venv of requirements.txt
 """
+import sys
 import json
 import pathlib
 import shutil
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODELS = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny",
-          "llama3-rope-tiny"]
+          "llama3-rope-tiny", "gpt-oss-tiny"]
 
 
 def llama3_rope_copy():
@@ -37,7 +38,10 @@ def main():
     print("transformers", transformers.__version__, "torch", torch.__version__)
     llama3_rope_copy()
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(7))
+    only = set(sys.argv[1:])
     for name in MODELS:
+        if only and name not in only:
+            continue
         d = HERE / name / "model"
         model = transformers.AutoModelForCausalLM.from_pretrained(
             d, torch_dtype=torch.float32, attn_implementation="eager").eval()

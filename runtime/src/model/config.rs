@@ -19,6 +19,23 @@ pub enum RopeScaling {
         /// `original_max_position_embeddings`.
         original_max_position_embeddings: f32,
     },
+    /// YaRN (GPT-OSS): frequencies blended between interpolated and extrapolated by a linear
+    /// ramp over the correction range, cos/sin scaled by the attention factor.
+    Yarn {
+        /// `factor`.
+        factor: f64,
+        /// `beta_fast` (default 32).
+        beta_fast: f64,
+        /// `beta_slow` (default 1).
+        beta_slow: f64,
+        /// `original_max_position_embeddings` (default `max_position_embeddings`).
+        original_max_position_embeddings: f64,
+        /// `truncate` (default true): the correction range is rounded outwards.
+        truncate: bool,
+        /// The factor cos and sin are multiplied by (`attention_factor`, else
+        /// `0.1 · ln(factor) + 1`, or from `mscale` / `mscale_all_dim`).
+        attention_factor: f64,
+    },
 }
 
 /// How an MoE block routes tokens.
@@ -31,6 +48,9 @@ pub struct MoeRouting {
     /// Whether the chosen experts' weights are renormalised to sum to 1 (Mixtral always;
     /// Qwen-MoE when `norm_topk_prob`).
     pub normalize_top_k: bool,
+    /// GPT-OSS: the top-k is taken on the router logits (which have a bias) and the weights
+    /// are the softmax over the chosen logits.
+    pub softmax_after_top_k: bool,
 }
 
 /// A decoder's shape and numerics.
@@ -135,6 +155,7 @@ impl DecoderConfig {
                         .map(|v| v as f32)
                         .ok_or_else(|| ModelError::Config(format!("`rope_scaling.{k}` is missing")))
                 };
+                let opt = |k: &str| s.get(k).and_then(Value::as_f64).filter(|v| *v != 0.0);
                 match kind {
                     "default" => RopeScaling::None,
                     "llama3" => RopeScaling::Llama3 {
@@ -143,9 +164,45 @@ impl DecoderConfig {
                         high_freq_factor: num("high_freq_factor")?,
                         original_max_position_embeddings: num("original_max_position_embeddings")?,
                     },
+                    "yarn" => {
+                        let factor = f64::from(num("factor")?);
+                        let mscale = |scale: f64, m: f64| {
+                            if scale <= 1.0 {
+                                1.0
+                            } else {
+                                0.1 * m * scale.ln() + 1.0
+                            }
+                        };
+                        let attention_factor = match (
+                            opt("attention_factor"),
+                            opt("mscale"),
+                            opt("mscale_all_dim"),
+                        ) {
+                            (Some(a), _, _) => a,
+                            (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                            _ => mscale(factor, 1.0),
+                        };
+                        let max_pos = f64_of(raw, "max_position_embeddings")?;
+                        RopeScaling::Yarn {
+                            factor,
+                            beta_fast: opt("beta_fast").unwrap_or(32.0),
+                            beta_slow: opt("beta_slow").unwrap_or(1.0),
+                            original_max_position_embeddings: opt(
+                                "original_max_position_embeddings",
+                            )
+                            .or(max_pos)
+                            .ok_or_else(|| {
+                                ModelError::Config(
+                                    "yarn `rope_scaling` needs `original_max_position_embeddings` or `max_position_embeddings`".into(),
+                                )
+                            })?,
+                            truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                            attention_factor,
+                        }
+                    }
                     other => {
                         return Err(ModelError::Config(format!(
-                            "`rope_scaling` type `{other}` is not supported (supported: default, llama3)"
+                            "`rope_scaling` type `{other}` is not supported (supported: default, llama3, yarn)"
                         )));
                     }
                 }
@@ -174,6 +231,7 @@ impl DecoderConfig {
             None => None,
             Some(experts) => {
                 let mixtral = field(raw, "num_local_experts").is_some();
+                let gpt_oss = field(raw, "model_type").and_then(Value::as_str) == Some("gpt_oss");
                 Some(MoeRouting {
                     experts,
                     top_k: required(raw, "num_experts_per_tok")?,
@@ -181,6 +239,7 @@ impl DecoderConfig {
                         || field(raw, "norm_topk_prob")
                             .and_then(Value::as_bool)
                             .unwrap_or(false),
+                    softmax_after_top_k: gpt_oss,
                 })
             }
         };
@@ -201,6 +260,16 @@ impl DecoderConfig {
         })
     }
 
+    /// The factor RoPE's cos and sin are multiplied by (YaRN's attention factor; else 1).
+    pub fn rope_attention_factor(&self) -> f32 {
+        match self.rope_scaling {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor as f32,
+            _ => 1.0,
+        }
+    }
+
     /// The sliding window of layer `layer`, if it has one.
     pub fn sliding_window_of(&self, layer: usize) -> Option<usize> {
         self.sliding_windows.get(layer).copied().flatten()
@@ -209,12 +278,47 @@ impl DecoderConfig {
     /// RoPE's inverse frequencies (`head_dim / 2`), computed as transformers does in f32.
     pub fn inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
-        let base = self.rope_theta as f32;
+        let base_f32 = self.rope_theta as f32;
         let inv: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
+            .map(|i| 1.0 / base_f32.powf((2 * i) as f32 / d as f32))
             .collect();
         match self.rope_scaling {
             RopeScaling::None => inv,
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings: old,
+                truncate,
+                ..
+            } => {
+                // transformers' `_compute_yarn_parameters`: the correction range in f64, the
+                // ramp and the blend in f32.
+                let dim = d as f64;
+                let base = self.rope_theta;
+                let correction = |rotations: f64| {
+                    dim * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let factor = factor as f32;
+                (0..d / 2)
+                    .map(|i| {
+                        let pos = base_f32.powf((2 * i) as f32 / d as f32);
+                        let (extrapolation, interpolation) = (1.0 / pos, 1.0 / (factor * pos));
+                        let ramp =
+                            ((i as f32 - low as f32) / ((high - low) as f32)).clamp(0.0, 1.0);
+                        let keep = 1.0 - ramp;
+                        interpolation * (1.0 - keep) + extrapolation * keep
+                    })
+                    .collect()
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -272,11 +376,11 @@ mod tests {
                 .contains("not a multiple of `num_key_value_heads` (3)")
         );
         let mut v = base.clone();
-        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
         assert!(
             parse(v)
                 .unwrap_err()
-                .contains("`rope_scaling` type `yarn` is not supported")
+                .contains("`rope_scaling` type `longrope` is not supported")
         );
         let mut v = base.clone();
         v["num_local_experts"] = json!(4);

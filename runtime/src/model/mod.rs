@@ -142,6 +142,12 @@ pub trait Observer {
     fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError>;
     /// The keys and values `[batch, kv_heads, seq, head_dim]` of the attention at `attention`.
     fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError>;
+    /// The input of a quantizer that is not a Linear's `input_quantizer` (BMM experts:
+    /// `<experts>.gate_up_proj_input_quantizer`, `<experts>.down_proj_input_quantizer`).
+    fn quantizer_input(&mut self, quantizer: &str, x: &Tensor) -> Result<(), ModelError> {
+        let _ = (quantizer, x);
+        Ok(())
+    }
     /// Whether every expert should also see every token (ModelOpt's optional
     /// `moe_calib_experts_ratio = 1`), besides the routed pass that gives the output.
     fn all_experts(&self) -> bool {
@@ -313,6 +319,12 @@ impl Observer for MaxCalibrator {
         }
         Ok(())
     }
+    fn quantizer_input(&mut self, quantizer: &str, x: &Tensor) -> Result<(), ModelError> {
+        if x.elem_count() > 0 {
+            self.record(quantizer.to_string(), tensor_amax(x)?);
+        }
+        Ok(())
+    }
     fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError> {
         self.record(format!("{attention}.k_bmm_quantizer"), tensor_amax(k)?);
         self.record(format!("{attention}.v_bmm_quantizer"), tensor_amax(v)?);
@@ -366,6 +378,11 @@ fn softmax(x: &Tensor) -> Result<Tensor, ModelError> {
     let e = x.broadcast_sub(&max)?.exp()?;
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
         .to_dtype(dtype)?)
+}
+
+/// `1 / (1 + e^−x)` from differentiable ops.
+fn sigmoid(x: &Tensor) -> Result<Tensor, ModelError> {
+    Ok((x.neg()?.exp()? + 1.0)?.recip()?)
 }
 
 /// `[-x₂, x₁]` of the two halves of the last dimension.
@@ -518,6 +535,7 @@ impl DecoderModel {
     /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
     pub fn rope_tables(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
         let inv = self.config.inv_freq();
+        let scale = self.config.rope_attention_factor();
         let hd = self.config.head_dim;
         let mut cos = Vec::with_capacity(t * hd);
         let mut sin = Vec::with_capacity(t * hd);
@@ -526,8 +544,9 @@ impl DecoderModel {
             for _ in 0..2 {
                 for &f in &inv {
                     let a = pos as f32 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
+                    // YaRN scales both by its attention factor (1 otherwise: exact).
+                    cos.push(a.cos() * scale);
+                    sin.push(a.sin() * scale);
                 }
             }
         }
@@ -589,7 +608,18 @@ impl DecoderModel {
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
         let mask = self.mask(t, c.sliding_window_of(layer), scores.dtype())?;
-        let probs = softmax(&scores.broadcast_add(&mask)?)?;
+        let scores = scores.broadcast_add(&mask)?;
+        let probs = match w.maybe(&format!("{a}.sinks")) {
+            // GPT-OSS: a learned logit per head joins every row's softmax, then is dropped.
+            Some(sinks) => {
+                let sink = sinks
+                    .to_dtype(scores.dtype())?
+                    .reshape((1, nh, 1, 1))?
+                    .expand((b, nh, t, 1))?;
+                softmax(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?.narrow(D::Minus1, 0, t)?
+            }
+            None => softmax(&scores)?,
+        };
         let o = probs
             .matmul(&v)?
             .transpose(1, 2)?
@@ -649,6 +679,9 @@ impl DecoderModel {
 
     fn mlp(&self, x: &Tensor, p: &str, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
         let w = &self.weights;
+        if w.maybe(&format!("{p}.mlp.experts.gate_up_proj")).is_some() {
+            return self.bmm_experts(x, p, observer);
+        }
         let (block, router, names) = if w
             .maybe(&format!("{p}.block_sparse_moe.gate.weight"))
             .is_some()
@@ -715,6 +748,83 @@ impl DecoderModel {
             let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
             let xe = x2.index_select(&rows, 0)?;
             let ye = self.dense_mlp(&xe, &format!("{p}.{block}.experts.{e}"), names, observer)?;
+            let we = weights
+                .flatten_all()?
+                .index_select(&slot, 0)?
+                .unsqueeze(1)?;
+            out = out.index_add(&rows, &ye.broadcast_mul(&we)?, 0)?;
+        }
+        Ok(out.reshape((b, t, hidden))?)
+    }
+
+    /// GPT-OSS's MoE block: a router with a bias whose top-k logits are softmaxed, and BMM
+    /// experts (`gate_up_proj [E, H, 2I]` with gate and up interleaved, `down_proj [E, I, H]`,
+    /// both with biases) with the clamped SwiGLU `(up + 1) · gate · σ(1.702 · gate)`.
+    fn bmm_experts(
+        &self,
+        x: &Tensor,
+        p: &str,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        const ALPHA: f64 = 1.702;
+        const LIMIT: f64 = 7.0;
+        let w = &self.weights;
+        let moe = self.config.moe.as_ref().ok_or_else(|| {
+            ModelError::Config(format!(
+                "`{p}.mlp.experts` has experts but config.json names no experts per token"
+            ))
+        })?;
+        let (b, t, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * t, hidden))?;
+        let router = format!("{p}.mlp.router");
+        observer.linear_input(&router, &x2)?;
+        let logits = linear(
+            &x2,
+            w.get(&format!("{router}.weight"))?,
+            w.maybe(&format!("{router}.bias")),
+        )?;
+        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        let mut chosen = Vec::with_capacity(rows.len() * moe.top_k);
+        for row in &rows {
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
+            chosen.extend(order[..moe.top_k].iter().map(|&e| e as u32));
+        }
+        let n = rows.len();
+        let idx = Tensor::from_vec(chosen.clone(), (n, moe.top_k), &self.device)?;
+        let weights = softmax(&logits.gather(&idx, 1)?)?.to_dtype(x.dtype())?;
+        let experts = format!("{p}.mlp.experts");
+        let gate_up = w.get(&format!("{experts}.gate_up_proj"))?;
+        let gate_up_bias = w.get(&format!("{experts}.gate_up_proj_bias"))?;
+        let down = w.get(&format!("{experts}.down_proj"))?;
+        let down_bias = w.get(&format!("{experts}.down_proj_bias"))?;
+        let inter = gate_up.dim(2)? / 2;
+        observer.quantizer_input(&format!("{experts}.gate_up_proj_input_quantizer"), &x2)?;
+        let mut out = x2.zeros_like()?;
+        for e in 0..moe.experts {
+            let (mut tokens, mut slots) = (Vec::new(), Vec::new());
+            for (tok, picks) in chosen.chunks(moe.top_k).enumerate() {
+                if let Some(s) = picks.iter().position(|&c| c as usize == e) {
+                    tokens.push(tok as u32);
+                    slots.push((tok * moe.top_k + s) as u32);
+                }
+            }
+            if tokens.is_empty() {
+                continue;
+            }
+            let rows = Tensor::from_vec(tokens.clone(), tokens.len(), &self.device)?;
+            let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
+            let xe = x2.index_select(&rows, 0)?;
+            let gu = xe
+                .matmul(&gate_up.get(e)?)?
+                .broadcast_add(&gate_up_bias.get(e)?)?
+                .reshape((tokens.len(), inter, 2))?;
+            let gate = gu.narrow(2, 0, 1)?.squeeze(2)?.minimum(LIMIT)?;
+            let up = gu.narrow(2, 1, 1)?.squeeze(2)?.clamp(-LIMIT, LIMIT)?;
+            let glu = (&gate * sigmoid(&(&gate * ALPHA)?)?)?;
+            let h = ((up + 1.0)? * glu)?;
+            observer.quantizer_input(&format!("{experts}.down_proj_input_quantizer"), &h)?;
+            let ye = h.matmul(&down.get(e)?)?.broadcast_add(&down_bias.get(e)?)?;
             let we = weights
                 .flatten_all()?
                 .index_select(&slot, 0)?
