@@ -323,8 +323,19 @@ fn corrupted_export(
     dir: &std::path::Path,
     edit: impl Fn(&str, &mut Vec<u8>) -> bool,
 ) -> std::path::PathBuf {
+    corrupted_copy("llama-tiny/fp8", dir, edit)
+}
+
+/// [`corrupted_export`] of ModelOpt's export `tests/compat/<export>/modelopt`.
+fn corrupted_copy(
+    export: &str,
+    dir: &std::path::Path,
+    edit: impl Fn(&str, &mut Vec<u8>) -> bool,
+) -> std::path::PathBuf {
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/compat/llama-tiny/fp8/modelopt");
+        .join("tests/compat")
+        .join(export)
+        .join("modelopt");
     let dst = dir.join("corrupted");
     std::fs::create_dir_all(&dst).unwrap();
     for f in ["config.json", "hf_quant_config.json"] {
@@ -426,6 +437,43 @@ fn verify_passes_a_good_export_and_fails_corrupted_ones() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
         text.contains("FAIL perplexity rose 0.15 %, more than --max-ppl-increase 0.01 %"),
+        "{text}"
+    );
+}
+
+/// GPT-OSS: BMM experts stay 3-D in the export; verify decodes and compares them, and names a
+/// missing expert scale.
+#[test]
+fn verify_checks_bmm_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/gpt-oss-tiny");
+    let verify = |quantized: &std::path::Path| {
+        let out = kiln(&[
+            "verify",
+            "--reference",
+            compat.join("model").to_str().unwrap(),
+            "--quantized",
+            quantized.to_str().unwrap(),
+        ]);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let (code, text) = verify(&compat.join("nvfp4/modelopt"));
+    assert_eq!(code, Some(0), "{text}");
+    // 8 attention Linears and the 4 expert tensors.
+    assert!(
+        text.starts_with("ok: NVFP4 — 12 quantized Linears decode"),
+        "{text}"
+    );
+    let broken = corrupted_copy("gpt-oss-tiny/nvfp4", dir.path(), |name, _| {
+        name != "model.layers.1.mlp.experts.down_proj_weight_scale"
+    });
+    let (code, text) = verify(&broken);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("`model.layers.1.mlp.experts.down_proj` is quantized (U8) but `model.layers.1.mlp.experts.down_proj_weight_scale` is missing"),
         "{text}"
     );
 }

@@ -295,6 +295,67 @@ fn quantized_exports_decode_close_to_the_original() {
             "{format}: {w} weights only, {a} with activations"
         );
     }
+    // GPT-OSS's exports: BMM experts decoded from every layout ModelOpt writes — the decoded
+    // 3-D tensors against the original ones (‖Δ‖ / ‖W‖), then the logits.
+    let original = kiln::model::load::load_weights(
+        &Checkpoint::open(compat_dir("gpt-oss-tiny").join("model")).unwrap(),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    for format in [
+        "fp8",
+        "fp8-per-channel",
+        "fp8-block",
+        "nvfp4",
+        "w4a16-nvfp4",
+        "mxfp8",
+        "mxfp4",
+    ] {
+        let export = compat_dir("gpt-oss-tiny").join(format).join("modelopt");
+        let decoded = kiln::model::load::load_weights(
+            &Checkpoint::open(&export).unwrap(),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        for name in [
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj",
+        ] {
+            let (a, b) = (original.get(name).unwrap(), decoded.get(name).unwrap());
+            assert_eq!(a.dims(), b.dims(), "{format} {name}");
+            let norm = |t: &Tensor| {
+                t.sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+                    .sqrt()
+            };
+            let rel = norm(&(a - b).unwrap()) / norm(a);
+            println!("gpt-oss-tiny {format} {name}: ‖Δ‖/‖W‖ = {rel:.3e}");
+            // E4M3 rounds within 2⁻⁴ relative, E2M1 blocks within ~0.2.
+            let bound = if format.contains('4') { 0.2 } else { 0.05 };
+            assert!(
+                rel < bound,
+                "{format} {name}: decoded weights differ by {rel}"
+            );
+        }
+        let (w, a) = (
+            weight_only_logit_error("gpt-oss-tiny", &export),
+            quantized_logit_error("gpt-oss-tiny", &export),
+        );
+        println!(
+            "gpt-oss-tiny {format}: max |Δlogit| vs the original: weights only {w:.3e}, with activations {a:.3e}"
+        );
+        // Its logits are small (|logit| ≤ 0.42): 8-bit formats stay within 0.005, 4-bit ones
+        // within 0.02; activations add up to 0.005.
+        let bound = if format.contains('4') { 0.02 } else { 0.005 };
+        assert!(w < bound, "gpt-oss {format}: decoded logits differ by {w}");
+        assert!(a < bound + 0.01, "gpt-oss {format}: with activations {a}");
+    }
     // FP8 KV-cache scales quantize the keys and values too.
     let dir = compat_dir("llama-tiny").join("fp8+kv-fp8").join("modelopt");
     let c = Checkpoint::open(&dir).unwrap();

@@ -9,6 +9,7 @@ use super::{ModelError, Weights};
 use crate::checkpoint::Checkpoint;
 use candle_core::{DType, Device};
 use half::{bf16, f16};
+use kiln_kernels::formats::{fp4::e2m1_to_f32, fp8::e4m3_to_f32};
 use kiln_kernels::ops::{fp8, int, mx, nvfp4};
 use safetensors::Dtype;
 use serde_json::Value;
@@ -235,8 +236,18 @@ fn input_quant(
     module: &str,
     algo: &str,
 ) -> Result<Option<InputQuant>, ModelError> {
+    input_quant_named(checkpoint, &format!("{module}.input_scale"), algo)
+}
+
+/// [`input_quant`] with the input scale's tensor name given (BMM experts:
+/// `<experts>.gate_up_proj_input_scale`).
+fn input_quant_named(
+    checkpoint: &Checkpoint,
+    input_scale_name: &str,
+    algo: &str,
+) -> Result<Option<InputQuant>, ModelError> {
     let input_scale = || -> Result<f32, ModelError> {
-        let name = format!("{module}.input_scale");
+        let name = input_scale_name.to_string();
         if checkpoint.tensor(&name).is_none() {
             return Err(ModelError::Tensor {
                 tensor: name,
@@ -254,6 +265,107 @@ fn input_quant(
         "mxfp4" | "MXFP4" => Some(InputQuant::Mxfp4),
         _ => None,
     })
+}
+
+/// A BMM experts tensor (GPT-OSS, Llama4): `<experts>.gate_up_proj` or `<experts>.down_proj`.
+pub(crate) fn is_bmm_expert_weight(name: &str) -> bool {
+    name.ends_with(".experts.gate_up_proj") || name.ends_with(".experts.down_proj")
+}
+
+/// A BMM experts tensor's scale (`<experts>.gate_up_proj_weight_scale`, `_weight_scale_2`,
+/// `_input_scale`; likewise for `down_proj`).
+pub(crate) fn is_bmm_expert_scale(name: &str) -> bool {
+    ["_weight_scale", "_weight_scale_2", "_input_scale"]
+        .iter()
+        .any(|s| name.strip_suffix(s).is_some_and(is_bmm_expert_weight))
+}
+
+/// The decoded f32 `[E, in, out]` of the quantized BMM experts tensor `name` (stored as
+/// ModelOpt writes it: FP8 `[E, in, out]` with one scale, one per expert or 128×128 tiles;
+/// NVFP4 packed along `in` — `[E, in/2, out]`, scales `[E, in/16, out]`; MXFP8 / MXFP4 in
+/// 32-blocks along `out`).
+fn decode_bmm(
+    checkpoint: &Checkpoint,
+    name: &str,
+    algo: &str,
+    stored: &[usize],
+) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
+    let bad = |message: String| ModelError::Tensor {
+        tensor: name.to_string(),
+        message,
+    };
+    let kernel = |e: kiln_kernels::KernelError| bad(e.to_string());
+    let &[e, r, c] = stored else {
+        return Err(bad(format!("BMM experts must be 3-D, found {stored:?}")));
+    };
+    let scale_name = format!("{name}_weight_scale");
+    let q = bytes(checkpoint, name)?;
+    let (rows, cols) = match algo {
+        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" => (2 * r, c),
+        "mxfp4" | "MXFP4" => (r, 2 * c),
+        _ => (r, c),
+    };
+    let mut out = vec![0f32; e * rows * cols];
+    match algo {
+        "FP8" | "FP8_PER_CHANNEL_PER_TOKEN" | "fp8_pb_wo" => {
+            let s = f32s(checkpoint, &scale_name)?;
+            let (tr, tc) = (rows.div_ceil(128), cols.div_ceil(128));
+            let scale_of = |x: usize, i: usize, j: usize| match algo {
+                "FP8" => s[0],
+                "FP8_PER_CHANNEL_PER_TOKEN" => s[x],
+                _ => s[(x * tr + i / 128) * tc + j / 128],
+            };
+            let want = match algo {
+                "FP8" => 1,
+                "FP8_PER_CHANNEL_PER_TOKEN" => e,
+                _ => e * tr * tc,
+            };
+            if s.len() != want {
+                return Err(bad(format!(
+                    "`{scale_name}` has {} values, {algo} needs {want}",
+                    s.len()
+                )));
+            }
+            for (x, expert) in out.chunks_mut(rows * cols).enumerate() {
+                let q = &q[x * rows * cols..(x + 1) * rows * cols];
+                fp8::dequantize_fp8_with(q, rows, cols, |i, j| scale_of(x, i, j), expert)
+                    .map_err(kernel)?;
+            }
+        }
+        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" => {
+            let s = bytes(checkpoint, &scale_name)?;
+            let ws2 = f32s(checkpoint, &format!("{name}_weight_scale_2"))?[0];
+            if s.len() != e * (rows / 16) * cols {
+                return Err(bad(format!(
+                    "`{scale_name}` has {} values, NVFP4 needs {}",
+                    s.len(),
+                    e * (rows / 16) * cols
+                )));
+            }
+            // Byte (x, p, j) holds rows 2p (low nibble) and 2p + 1 (high) of column j.
+            for x in 0..e {
+                for i in 0..rows {
+                    for j in 0..cols {
+                        let byte = q[(x * r + i / 2) * c + j];
+                        let code = if i % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                        let scale = s[(x * (rows / 16) + i / 16) * cols + j];
+                        out[(x * rows + i) * cols + j] =
+                            e2m1_to_f32(code) * (e4m3_to_f32(scale) * ws2);
+                    }
+                }
+            }
+        }
+        "MXFP8" => {
+            let s = bytes(checkpoint, &scale_name)?;
+            mx::dequantize_mxfp8(&q, &s, &mut out).map_err(kernel)?
+        }
+        "mxfp4" | "MXFP4" => {
+            let s = bytes(checkpoint, &scale_name)?;
+            mx::dequantize_mxfp4(&q, &s, &mut out).map_err(kernel)?
+        }
+        other => return Err(bad(format!("quantization `{other}` cannot be decoded"))),
+    }
+    Ok((out, vec![e, rows, cols]))
 }
 
 /// Reads `checkpoint` for execution in `dtype` on `device`, decoding quantized weights (each
@@ -302,7 +414,7 @@ pub fn load_for_execution(
     }
     let mut vars = BTreeMap::new();
     for t in checkpoint.tensors() {
-        if SCALE_SUFFIXES.iter().any(|s| t.name.ends_with(s)) {
+        if SCALE_SUFFIXES.iter().any(|s| t.name.ends_with(s)) || is_bmm_expert_scale(&t.name) {
             continue;
         }
         let (data, shape): (Vec<f32>, Vec<usize>) = match t.dtype {
@@ -338,6 +450,30 @@ pub fn load_for_execution(
                     );
                 }
                 (data, shape.to_vec())
+            }
+            Dtype::U8 | Dtype::F8_E4M3 if is_bmm_expert_weight(&t.name) => {
+                let experts = t.name.rsplit_once('.').map_or("", |(e, _)| e);
+                let a = per_layer
+                    .get(&t.name)
+                    .or_else(|| per_layer.get(experts))
+                    .or(algo.as_ref())
+                    .ok_or_else(|| ModelError::Tensor {
+                        tensor: t.name.clone(),
+                        message: "quantized, but no format is recorded for it".into(),
+                    })?;
+                if activations
+                    && let Some(quant) =
+                        input_quant_named(checkpoint, &format!("{}_input_scale", t.name), a)?
+                {
+                    act.inputs.insert(
+                        t.name.clone(),
+                        LinearInput {
+                            pre_quant_scale: None,
+                            quant: Some(quant),
+                        },
+                    );
+                }
+                decode_bmm(checkpoint, &t.name, a, &t.shape)?
             }
             other => {
                 return Err(ModelError::Tensor {

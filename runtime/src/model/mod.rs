@@ -815,7 +815,9 @@ impl DecoderModel {
             let rows = Tensor::from_vec(tokens.clone(), tokens.len(), &self.device)?;
             let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
             let xe = x2.index_select(&rows, 0)?;
-            let gu = xe
+            let gu = self
+                .act
+                .input(&format!("{experts}.gate_up_proj"), &xe)?
                 .matmul(&gate_up.get(e)?)?
                 .broadcast_add(&gate_up_bias.get(e)?)?
                 .reshape((tokens.len(), inter, 2))?;
@@ -824,7 +826,11 @@ impl DecoderModel {
             let glu = (&gate * sigmoid(&(&gate * ALPHA)?)?)?;
             let h = ((up + 1.0)? * glu)?;
             observer.quantizer_input(&format!("{experts}.down_proj_input_quantizer"), &h)?;
-            let ye = h.matmul(&down.get(e)?)?.broadcast_add(&down_bias.get(e)?)?;
+            let ye = self
+                .act
+                .input(&format!("{experts}.down_proj"), &h)?
+                .matmul(&down.get(e)?)?
+                .broadcast_add(&down_bias.get(e)?)?;
             let we = weights
                 .flatten_all()?
                 .index_select(&slot, 0)?
