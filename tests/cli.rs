@@ -291,7 +291,7 @@ fn layout(dir: &std::path::Path) -> std::collections::BTreeMap<String, (String, 
 fn export_with_calibration_searches_awq_scales() {
     let dir = tempfile::tempdir().unwrap();
     let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
-    for format in ["int4-awq", "w4a8-awq"] {
+    for format in ["int4-awq", "w4a8-awq", "nvfp4-awq"] {
         let out_dir = dir.path().join(format);
         let out = kiln(&[
             "export",

@@ -463,8 +463,8 @@ fn layer_by_layer_calibration_gives_the_same_statistics() {
 /// kiln's AWQ search against ModelOpt's `awq_lite` on the same token ids: for every Linear, the
 /// α ModelOpt chose (the grid point whose scale, from kiln's statistics, is nearest its dumped
 /// `pre_quant_scale`) against kiln's, and how far the scales are apart. Returns (Linears where
-/// the α agrees, Linears, worst relative scale difference where it agrees outside the MoE
-/// experts).
+/// the α agrees, Linears, worst relative difference where it agrees outside the MoE experts —
+/// of the scales, and of the smoothed input amax where the dump has one).
 fn awq_agreement(
     model: &str,
     dump: &str,
@@ -504,6 +504,7 @@ fn awq_agreement(
         |_, _| {},
     )
     .unwrap();
+    let act = cal.act_amax(&c, true).unwrap();
     let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
     let rel = |a: &[f32], b: &[f32]| {
         a.iter()
@@ -536,6 +537,16 @@ fn awq_agreement(
         if found.alpha == theirs_alpha {
             agree += 1;
             if !module.contains(".experts.") {
+                worst = worst.max(d);
+            }
+            // w4a8-awq: the amax of the smoothed input, too.
+            if let Some(t) = theirs
+                .get(&format!("{module}.input_quantizer"))
+                .and_then(|v| v.as_f64())
+            {
+                let o = f64::from(act.input(module).unwrap());
+                let d = (o - t).abs() / t;
+                println!("  {module}: smoothed input amax kiln {o}, ModelOpt {t}");
                 worst = worst.max(d);
             }
         }
