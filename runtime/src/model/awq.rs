@@ -21,6 +21,7 @@
 use super::calib::LayerCalibration;
 use super::{DecoderModel, MaxCalibrator, ModelError, Observer};
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 /// The weight quantization AWQ searches against.
@@ -54,9 +55,9 @@ impl AwqWeight {
     ) -> Result<Vec<f32>, ModelError> {
         match self {
             AwqWeight::Int4 { group } => Ok(w
-                .chunks(cols)
-                .flat_map(|row| row.chunks(group))
-                .flat_map(|block| {
+                .par_chunks(cols.max(1))
+                .flat_map_iter(|row| row.chunks(group))
+                .flat_map_iter(|block| {
                     // ModelOpt's fake INT4: x·(7/amax), rounded half to even, clamped to
                     // [−8, 7], divided back.
                     let amax = block.iter().fold(0f32, |m, &x| m.max(x.abs()));
@@ -83,8 +84,14 @@ impl AwqWeight {
                 kiln_kernels::cpu::quantize_nvfp4(w, &[rows, cols], ws2, &mut packed, &mut scales)
                     .map_err(kernel)?;
                 let mut out = vec![0f32; w.len()];
-                dequantize_nvfp4(&packed, &scales, ws2, &mut out).map_err(kernel)?;
-                Ok(out.into_iter().map(round).collect())
+                // Whole 16-blocks per chunk, in parallel.
+                const CHUNK: usize = 16 * 1024;
+                out.par_chunks_mut(CHUNK)
+                    .zip(packed.par_chunks(CHUNK / 2))
+                    .zip(scales.par_chunks(CHUNK / 16))
+                    .try_for_each(|((o, p), s)| dequantize_nvfp4(p, s, ws2, o))
+                    .map_err(kernel)?;
+                Ok(out.into_par_iter().map(round).collect())
             }
         }
     }
@@ -246,13 +253,10 @@ pub fn search_linear(
     // Σ_calls mean((x·(1/s))·Q(W·s)ᵀ − x·Wᵀ)² for the scale `s`.
     let loss_of = |s: &[f32]| -> Result<f64, ModelError> {
         let inv: Vec<f32> = s.iter().map(|&s| (p.round)(1.0 / s)).collect();
+        let s_dtype: Vec<f32> = s.iter().map(|&s| (p.round)(s)).collect();
         let scaled: Vec<f32> = w
-            .chunks_exact(cols)
-            .flat_map(|row| {
-                row.iter()
-                    .zip(s)
-                    .map(|(&x, &s)| (p.round)(x * (p.round)(s)))
-            })
+            .par_chunks_exact(cols)
+            .flat_map_iter(|row| row.iter().zip(&s_dtype).map(|(&x, &s)| (p.round)(x * s)))
             .collect();
         let q = Tensor::from_vec(
             quant.fake_quant(&scaled, cols, p.round)?,

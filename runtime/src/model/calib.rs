@@ -190,7 +190,8 @@ pub fn calibrate_by_layer<C: LayerCalibration>(
             || (tied && n == "model.embed_tokens.weight")
     })?;
     for (h, _) in &hidden {
-        head.head(h, &mut calib)?;
+        // The head's input is all a calibration needs (the logits are not).
+        head.observe_head(h, &mut calib)?;
     }
     calib.stage_done(checkpoint, &head)?;
     progress(layers + 1, layers + 1);

@@ -517,6 +517,17 @@ impl DecoderModel {
         Ok((h + self.mlp(&x, &p, observer)?)?)
     }
 
+    /// Shows `observer` the input of `lm_head` (the final norm of `h`) without computing the
+    /// logits (calibration).
+    pub fn observe_head(&self, h: &Tensor, observer: &mut dyn Observer) -> Result<(), ModelError> {
+        let (c, w) = (&self.config, &self.weights);
+        if w.maybe("lm_head.weight").is_some() {
+            let h = rms_norm(h, w.get("model.norm.weight")?, c.eps)?;
+            observer.linear_input("lm_head", &h)?;
+        }
+        Ok(())
+    }
+
     /// The final norm and the logits of hidden states `h`.
     pub fn head(&self, h: &Tensor, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
         let (c, w) = (&self.config, &self.weights);
