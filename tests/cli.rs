@@ -204,39 +204,55 @@ fn every_format_exports_the_demo_with_modelopts_quant_algo() {
 #[test]
 fn export_with_calibration_gives_modelopts_input_scales() {
     let dir = tempfile::tempdir().unwrap();
-    // The tiny Llama, and GPT-OSS (attention sinks, YaRN, BMM experts with their own input
-    // quantizer names).
-    for (model, tokens) in [
-        ("llama-tiny", "4 samples (128 tokens)"),
-        ("gpt-oss-tiny", "2 samples (32 tokens)"),
+    // Dense, MoE (experts calibrated on their routed tokens) and GPT-OSS (attention sinks, YaRN,
+    // BMM experts with their own input quantizer names); FP8 and NVFP4 input scales, FP8
+    // KV-cache scales.
+    for (model, export, tokens) in [
+        ("llama-tiny", "fp8", "4 samples (128 tokens)"),
+        ("llama-tiny", "nvfp4", "4 samples (128 tokens)"),
+        ("llama-tiny", "fp8+kv-fp8", "4 samples (128 tokens)"),
+        ("mixtral-tiny", "nvfp4", "2 samples (32 tokens)"),
+        ("qwen3-moe-tiny", "fp8", "1 samples (6 tokens)"),
+        ("gpt-oss-tiny", "fp8", "2 samples (32 tokens)"),
     ] {
         let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/compat")
             .join(model);
-        let out_dir = dir.path().join(model);
-        let out = kiln(&[
+        let out_dir = dir.path().join(format!("{model}-{export}"));
+        let (format, kv) = export.split_once("+kv-").unwrap_or((export, ""));
+        let mut args = vec![
             "export",
             "--model",
             compat.join("model").to_str().unwrap(),
             "--format",
-            "fp8",
+            format,
             "--calib",
             compat.join("calib.jsonl").to_str().unwrap(),
             "--out",
             out_dir.to_str().unwrap(),
-        ]);
+        ]
+        .into_iter()
+        .map(str::to_string)
+        .collect::<Vec<_>>();
+        if !kv.is_empty() {
+            args.extend(["--kv-cache".to_string(), kv.to_string()]);
+        }
+        let out = kiln(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{model}: {stderr}");
+        assert!(out.status.success(), "{model} {export}: {stderr}");
         assert!(
             stderr.contains(&format!("calibrating on {tokens}")),
             "{stderr}"
         );
+        // Every activation scale: `input_scale` (NVFP4: amax / 2688), `k_scale`, `v_scale`.
         let read = |p: &std::path::Path| {
             let bytes = std::fs::read(p.join("model.safetensors")).unwrap();
             let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
             st.names()
                 .into_iter()
-                .filter(|n| n.ends_with("input_scale"))
+                .filter(|n| {
+                    n.ends_with("input_scale") || n.ends_with("k_scale") || n.ends_with("v_scale")
+                })
                 .map(|n| {
                     let v = st.tensor(n).unwrap();
                     (
@@ -246,13 +262,18 @@ fn export_with_calibration_gives_modelopts_input_scales() {
                 })
                 .collect::<std::collections::BTreeMap<String, f32>>()
         };
-        let (ours, theirs) = (read(&out_dir), read(&compat.join("fp8/modelopt")));
-        assert_eq!(ours.len(), theirs.len(), "{model}");
+        let (ours, theirs) = (read(&out_dir), read(&compat.join(export).join("modelopt")));
+        assert!(!theirs.is_empty(), "{model} {export}");
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>(),
+            "{model} {export}"
+        );
         for (name, t) in &theirs {
             let o = ours[name];
             assert!(
                 (o - t).abs() <= 0.01 * t,
-                "{model} {name}: kiln {o}, ModelOpt {t}"
+                "{model} {export} {name}: kiln {o}, ModelOpt {t}"
             );
         }
     }
