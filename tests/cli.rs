@@ -498,3 +498,43 @@ fn verify_checks_bmm_experts() {
         "{text}"
     );
 }
+
+/// `--device`: a GPU this build has no backend for is a named error, exit 1.
+#[test]
+fn a_device_without_its_feature_is_a_named_error() {
+    if cfg!(feature = "candle-cuda") {
+        println!("skipped: built with candle-cuda, so `--device cuda` may work here");
+        return;
+    }
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
+    let out = kiln(&[
+        "eval",
+        "--model",
+        compat.join("model").to_str().unwrap(),
+        "--data",
+        compat.join("calib.jsonl").to_str().unwrap(),
+        "--device",
+        "cuda:0",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("device `cuda:0`: kiln was built without feature `candle-cuda`"),
+        "{stderr}"
+    );
+    let out = kiln(&[
+        "eval",
+        "--model",
+        compat.join("model").to_str().unwrap(),
+        "--data",
+        compat.join("calib.jsonl").to_str().unwrap(),
+        "--device",
+        "tpu",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown kind `tpu`"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -28,6 +28,10 @@ pub struct EvalArgs {
     /// default they are fake-quantized as the format prescribes, as an engine runs them.
     #[arg(long)]
     weights_only: bool,
+    /// Where the model runs: `cpu`, `cuda[:N]` (feature `candle-cuda`) or `metal[:N]`
+    /// (feature `candle-metal`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -46,7 +50,7 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
     let model = DecoderModel::load_with(
         &checkpoint,
         candle::DType::F32,
-        &candle::Device::Cpu,
+        &kiln_runtime::model::device(&args.device)?,
         !args.weights_only,
     )
     .with_context(|| format!("loading {}", args.model.display()))?;

@@ -92,6 +92,10 @@ pub struct ExportArgs {
     /// AWQ's α grid step for the AWQ formats with --calib (ModelOpt's `awq_lite` default: 0.1).
     #[arg(long, value_name = "STEP", default_value_t = 0.1, requires = "calib", value_parser = parse_alpha_step)]
     awq_alpha_step: f64,
+    /// Where --calib runs the model: `cpu`, `cuda[:N]` (feature `candle-cuda`) or
+    /// `metal[:N]` (feature `candle-metal`).
+    #[arg(long, default_value = "cpu", requires = "calib")]
+    device: String,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -201,7 +205,7 @@ fn calibrate(
     let amax = calibrate_by_layer(
         &checkpoint,
         candle::DType::F32,
-        &candle::Device::Cpu,
+        &kiln_runtime::model::device(&args.device)?,
         &samples,
         calibrator,
         |done, total| {
@@ -268,7 +272,7 @@ fn awq_calibrate(
     let calib = calibrate_by_layer(
         checkpoint,
         candle::DType::F32,
-        &candle::Device::Cpu,
+        &kiln_runtime::model::device(&args.device)?,
         samples,
         AwqCalibrator::new(quant, args.awq_alpha_step, searched),
         |done, total| {

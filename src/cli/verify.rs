@@ -31,11 +31,15 @@ pub struct VerifyArgs {
     /// reference's, relatively (‖Ŵ − W‖/‖W‖; 4-bit formats sit near 0.1).
     #[arg(long, value_name = "X", default_value_t = 0.5)]
     max_weight_error: f64,
+    /// Where the model runs: `cpu`, `cuda[:N]` (feature `candle-cuda`) or `metal[:N]`
+    /// (feature `candle-metal`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
-fn ppl(dir: &Path, samples: &[Vec<u32>]) -> Result<f64> {
+fn ppl(dir: &Path, samples: &[Vec<u32>], device: &candle::Device) -> Result<f64> {
     let c = Checkpoint::open(dir)?;
-    let m = DecoderModel::load(&c, candle::DType::F32, &candle::Device::Cpu)
+    let m = DecoderModel::load(&c, candle::DType::F32, device)
         .with_context(|| format!("loading {}", dir.display()))?;
     Ok(perplexity(&m, samples)?.perplexity)
 }
@@ -80,9 +84,10 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
         let tokenizer = model_tokenizer(&args.reference)?;
         let samples = read_samples_with(data, None, None, tokenizer.as_ref())
             .with_context(|| format!("--data {}", data.display()))?;
+        let device = kiln_runtime::model::device(&args.device)?;
         let (a, b) = (
-            ppl(&args.reference, &samples)?,
-            ppl(&args.quantized, &samples)?,
+            ppl(&args.reference, &samples, &device)?,
+            ppl(&args.quantized, &samples, &device)?,
         );
         let delta = (b / a - 1.0) * 100.0;
         writeln!(

@@ -46,6 +46,46 @@ pub enum ModelError {
     /// A candle operation failed.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The requested device cannot be used.
+    #[error("device {0}")]
+    Device(String),
+}
+
+/// The candle device named `name`: `cpu`, `cuda` / `cuda:N`, or `metal` / `metal:N`. A GPU kiln
+/// was built without (features `candle-cuda`, `candle-metal`) or that is not there is a named
+/// error.
+pub fn device(name: &str) -> Result<Device, ModelError> {
+    let (kind, ordinal) = match name.split_once(':') {
+        Some((k, n)) => (
+            k,
+            n.parse::<usize>().map_err(|_| {
+                ModelError::Device(format!("`{name}`: `{n}` is not a device number"))
+            })?,
+        ),
+        None => (name, 0),
+    };
+    let (built, feature) = match kind {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => (candle_core::utils::cuda_is_available(), "candle-cuda"),
+        "metal" => (candle_core::utils::metal_is_available(), "candle-metal"),
+        other => {
+            return Err(ModelError::Device(format!(
+                "`{name}`: unknown kind `{other}` (expected cpu, cuda[:N] or metal[:N])"
+            )));
+        }
+    };
+    if !built {
+        return Err(ModelError::Device(format!(
+            "`{name}`: kiln was built without feature `{feature}` (cargo build --release --features {feature}; it needs the {} toolkit)",
+            if kind == "cuda" { "CUDA" } else { "Metal" }
+        )));
+    }
+    let device = if kind == "cuda" {
+        Device::new_cuda(ordinal)
+    } else {
+        Device::new_metal(ordinal)
+    };
+    device.map_err(|e| ModelError::Device(format!("`{name}`: {e}")))
 }
 
 /// A variable of `dtype` from f32 values, without an extra copy in f32.
