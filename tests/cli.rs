@@ -538,3 +538,42 @@ fn a_device_without_its_feature_is_a_named_error() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--awq-clip` (ModelOpt's `awq_full`): the clipping search after the scale search writes
+/// ModelOpt's layout; formats other than int4-awq are refused by name.
+#[test]
+fn awq_clip_search_exports_and_names_what_it_cannot_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
+    let run = |format: &str, out: &std::path::Path| {
+        kiln(&[
+            "export",
+            "--model",
+            compat.join("model").to_str().unwrap(),
+            "--format",
+            format,
+            "--calib",
+            compat.join("calib.jsonl").to_str().unwrap(),
+            "--awq-clip",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let out_dir = dir.path().join("int4-awq");
+    let out = run("int4-awq", &out_dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("AWQ clipping search: "), "{stderr}");
+    assert_eq!(
+        layout(&out_dir),
+        layout(&compat.join("int4-awq-full/modelopt"))
+    );
+    let out = run("w4a8-awq", &dir.path().join("w4a8"));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--awq-clip: the clipping search runs for int4-awq only, not w4a8-awq"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

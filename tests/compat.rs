@@ -404,6 +404,9 @@ fn awq_and_smoothquant_with_given_scales_match_modelopt_bit_for_bit() {
     check("llama-tiny", Format::Int4Awq);
     check("llama-tiny", Format::W4a8Awq);
     check("llama-tiny", Format::Int8Sq);
+    // awq_full: the clipping search's block amax (`<linear>.weight_quantizer`) as given
+    // amax — kept on o_proj and down_proj, lost where the resmooth rescales the weight.
+    check_recipe("llama-tiny", "int4-awq-full", Recipe::new(Format::Int4Awq));
 }
 
 #[test]

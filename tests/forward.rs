@@ -680,3 +680,84 @@ fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
         );
     }
 }
+
+/// AWQ's clipping search (ModelOpt's `awq_full`) against ModelOpt's on the same ids: for the
+/// Linears whose α agrees, the share of 128-blocks where both chose the same clip ratio.
+#[test]
+fn awq_clip_search_agrees_with_modelopt() {
+    use kiln::model::awq::{AwqCalibrator, AwqWeight, alpha_grid, awq_scale, clip_ratios};
+    use kiln::model::calib::{calibrate_by_layer, read_samples};
+    let root = compat_dir("llama-tiny");
+    let c = Checkpoint::open(root.join("model")).unwrap();
+    let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
+    let theirs: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
+        &std::fs::read_to_string(root.join("int4-awq-full/amax.json")).unwrap(),
+    )
+    .unwrap();
+    let cal = calibrate_by_layer(
+        &c,
+        DType::F32,
+        &Device::Cpu,
+        &samples,
+        AwqCalibrator::new(AwqWeight::Int4 { group: 128 }, 0.1, |m: &str| {
+            m.starts_with("model.layers.")
+        })
+        .with_clip_search()
+        .unwrap(),
+        |_, _| {},
+    )
+    .unwrap();
+    let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+    let (mut same, mut near, mut blocks, mut linears) = (0usize, 0usize, 0usize, 0usize);
+    for (module, found) in cal.results() {
+        let pqs: Vec<f32> = theirs[&format!("{module}.input_quantizer._pre_quant_scale")]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        // ModelOpt's α: the grid point whose scale is nearest its pre_quant_scale.
+        let dist = |alpha: f32| {
+            awq_scale(&found.act_scale, &found.weight_scale, alpha)
+                .iter()
+                .zip(&pqs)
+                .map(|(&s, &p)| ((bf16(1.0 / s) - p) / p).abs())
+                .fold(0f32, f32::max)
+        };
+        let alpha = alpha_grid(0.1)
+            .into_iter()
+            .min_by(|&a, &b| dist(a).total_cmp(&dist(b)))
+            .unwrap();
+        if alpha != found.alpha {
+            continue;
+        }
+        linears += 1;
+        let want: Vec<f32> = theirs[&format!("{module}.weight_quantizer")]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let (amax, ratio) = (
+            found.clip_amax.as_ref().unwrap(),
+            found.clip_ratio.as_ref().unwrap(),
+        );
+        assert_eq!(amax.len(), want.len(), "{module}");
+        for ((&a, &r), &t) in amax.iter().zip(ratio).zip(&want) {
+            // ModelOpt's ratio, against kiln's block amax of (nearly) the same smoothed weight.
+            let theirs_ratio = clip_ratios()
+                .into_iter()
+                .min_by(|&x, &y| ((a / r) * x - t).abs().total_cmp(&((a / r) * y - t).abs()))
+                .unwrap();
+            blocks += 1;
+            same += usize::from(theirs_ratio == r);
+            near += usize::from((theirs_ratio - r).abs() <= 0.051);
+        }
+    }
+    let share = same as f64 / blocks as f64;
+    println!(
+        "clip ratios: the same in {same} of {blocks} blocks ({:.1} %), within one step in {near}, of {linears} Linears whose α agrees",
+        share * 100.0
+    );
+    assert!(linears >= 12 && share >= 0.6, "{same}/{blocks}");
+}

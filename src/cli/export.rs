@@ -92,6 +92,11 @@ pub struct ExportArgs {
     /// AWQ's α grid step for the AWQ formats with --calib (ModelOpt's `awq_lite` default: 0.1).
     #[arg(long, value_name = "STEP", default_value_t = 0.1, requires = "calib", value_parser = parse_alpha_step)]
     awq_alpha_step: f64,
+    /// int4-awq with --calib: after the scale search, AWQ's clipping search (ModelOpt's
+    /// `awq_full`): each 128-block's amax may shrink to as little as half, where that lowers
+    /// the Linear's output error.
+    #[arg(long, requires = "calib")]
+    awq_clip: bool,
     /// Where --calib runs the model: `cpu`, `cuda[:N]` (feature `candle-cuda`) or
     /// `metal[:N]` (feature `candle-metal`).
     #[arg(long, default_value = "cpu", requires = "calib")]
@@ -269,12 +274,22 @@ fn awq_calibrate(
         let recipe = recipe.clone();
         move |m: &str| recipe.quantizes(m)
     };
+    let mut calibrator = AwqCalibrator::new(quant, args.awq_alpha_step, searched);
+    if args.awq_clip {
+        if recipe.format != Format::Int4Awq {
+            bail!(
+                "--awq-clip: the clipping search runs for int4-awq only, not {}",
+                recipe.format
+            );
+        }
+        calibrator = calibrator.with_clip_search()?;
+    }
     let calib = calibrate_by_layer(
         checkpoint,
         candle::DType::F32,
         &kiln_runtime::model::device(&args.device)?,
         samples,
-        AwqCalibrator::new(quant, args.awq_alpha_step, searched),
+        calibrator,
         |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64)
@@ -305,6 +320,22 @@ fn awq_calibrate(
             .collect::<Vec<_>>()
             .join(", ")
     )?;
+    if args.awq_clip {
+        let ratios: Vec<f32> = calib
+            .results()
+            .values()
+            .filter_map(|f| f.clip_ratio.as_ref())
+            .flatten()
+            .copied()
+            .collect();
+        let clipped = ratios.iter().filter(|&&r| r < 1.0).count();
+        writeln!(
+            err,
+            "AWQ clipping search: {clipped} of {} blocks clipped (mean ratio {:.3}); the export keeps them where it does not rescale the weight, as ModelOpt's does",
+            ratios.len(),
+            ratios.iter().map(|&r| f64::from(r)).sum::<f64>() / ratios.len().max(1) as f64
+        )?;
+    }
     Ok(act)
 }
 

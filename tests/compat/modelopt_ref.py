@@ -42,6 +42,12 @@ def with_fp8_kv(cfg):
     return cfg
 
 
+def with_algorithm(cfg, algorithm):
+    cfg = copy.deepcopy(cfg)
+    cfg["algorithm"] = algorithm
+    return cfg
+
+
 def bf16_exact_smoothing():
     """AWQ and SmoothQuant smooth a weight by an f32 scale but store that scale as bf16
     (`pre_quant_scale`). Round the scale to bf16 before it is applied, so the dumped
@@ -78,6 +84,9 @@ FORMATS = {
     "int8-sq": mtq.INT8_SMOOTHQUANT_CFG,
     # ModelOpt's NVFP4 AWQ search needs a GPU: made on one with --reuse-input (below).
     "nvfp4-awq": mtq.NVFP4_AWQ_LITE_CFG,
+    # AWQ with the clipping search after the scale search (`awq_full`): the dump also holds
+    # each Linear's clipped INT4 block amax (`<linear>.weight_quantizer`).
+    "int4-awq-full": with_algorithm(mtq.INT4_AWQ_CFG, {"method": "awq_full", "alpha_step": 0.1}),
 }
 
 # Calibrate on the GPU when there is one (NVFP4 AWQ needs it); everything else runs on the CPU.
@@ -343,6 +352,10 @@ def export_model(root, make, cls, ids, formats, save=None):
         # Every per-tensor input / KV quantizer under its module name: `<linear>.input_quantizer`,
         # `<experts>.<param>_input_quantizer` (3-D experts), `<attention>.{k,v}_bmm_quantizer`.
         for q_name, q in model.named_modules():
+            if name.endswith("-full") and q_name.endswith("weight_quantizer") \
+                    and getattr(q, "amax", None) is not None:
+                # The clipped block amax, row-major over [out, in / block].
+                amax[q_name] = [float(v) for v in q.amax.float().flatten()]
             if not q_name.endswith(("input_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")):
                 continue
             if getattr(q, "amax", None) is not None and q.amax.numel() == 1:

@@ -3,7 +3,9 @@
 //! `"<module>.input_quantizer": amax` for Linear inputs and
 //! `"<attention>.k_bmm_quantizer"` / `"<attention>.v_bmm_quantizer"` for KV-cache scales — and,
 //! for the AWQ and SmoothQuant formats, `"<module>.input_quantizer._pre_quant_scale": [...]`,
-//! the per-input-channel scale the calibration chose (ModelOpt's state-dict name).
+//! the per-input-channel scale the calibration chose (ModelOpt's state-dict name), and for
+//! int4-awq after AWQ's clipping search, `"<module>.weight_quantizer": [...]`, the clipped
+//! amax of every 128-block of the (smoothed) weight, row-major over `[out, in / 128]`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +26,12 @@ pub struct ActAmax {
     values: BTreeMap<String, f32>,
     /// `<module>.input_quantizer._pre_quant_scale` → one positive finite value per input channel.
     pre_quant_scales: BTreeMap<String, Vec<f32>>,
+    /// `<module>.weight_quantizer` → the weight's block amax (AWQ's clipping search).
+    weight_amax: BTreeMap<String, Vec<f32>>,
 }
+
+/// The key suffix of a weight quantizer's amax.
+const WEIGHT: &str = ".weight_quantizer";
 
 /// The key suffix of a pre-quant scale vector.
 const PQS: &str = "._pre_quant_scale";
@@ -42,23 +49,36 @@ impl ActAmax {
             .map_err(|e| bad(format!("expected a JSON object of amax values: {e}")))?;
         let mut values = BTreeMap::new();
         let mut pre_quant_scales = BTreeMap::new();
+        let mut weight_amax = BTreeMap::new();
         for (key, v) in doc {
-            if key.ends_with(PQS) {
-                let scales: Option<Vec<f32>> = v.as_array().and_then(|a| {
+            // Lists: a weight's block amax (non-negative) or a pre-quant scale (positive).
+            let list = if key.ends_with(WEIGHT) {
+                Some((
+                    &mut weight_amax,
+                    0.0,
+                    "non-negative numbers (one per weight block)",
+                ))
+            } else if key.ends_with(PQS) {
+                Some((
+                    &mut pre_quant_scales,
+                    f64::MIN_POSITIVE,
+                    "positive numbers (one per input channel)",
+                ))
+            } else {
+                None
+            };
+            if let Some((into, least, what)) = list {
+                let values: Option<Vec<f32>> = v.as_array().and_then(|a| {
                     a.iter()
-                        .map(|x| x.as_f64().filter(|x| x.is_finite() && *x > 0.0))
+                        .map(|x| x.as_f64().filter(|x| x.is_finite() && *x >= least))
                         .map(|x| x.map(|x| x as f32))
                         .collect()
                 });
-                match scales {
-                    Some(s) if !s.is_empty() => {
-                        pre_quant_scales.insert(key, s);
+                match values {
+                    Some(list) if !list.is_empty() => {
+                        into.insert(key, list);
                     }
-                    _ => {
-                        return Err(bad(format!(
-                            "`{key}`: expected a list of positive numbers (one per input channel)"
-                        )));
-                    }
+                    _ => return Err(bad(format!("`{key}`: expected a list of {what}"))),
                 }
                 continue;
             }
@@ -80,6 +100,7 @@ impl ActAmax {
         Ok(ActAmax {
             values,
             pre_quant_scales,
+            weight_amax,
         })
     }
 
@@ -88,6 +109,7 @@ impl ActAmax {
         ActAmax {
             values: values.into_iter().collect(),
             pre_quant_scales: BTreeMap::new(),
+            weight_amax: BTreeMap::new(),
         }
     }
 
@@ -117,6 +139,23 @@ impl ActAmax {
             .map(Vec::as_slice)
     }
 
+    /// Sets the block amax of the weight of the Linear at `module` (AWQ's clipping search).
+    pub fn set_weight_amax(&mut self, module: &str, amax: Vec<f32>) {
+        self.weight_amax.insert(format!("{module}{WEIGHT}"), amax);
+    }
+
+    /// The given block amax of the weight of the Linear at `module`, if any.
+    pub fn weight_amax(&self, module: &str) -> Option<&[f32]> {
+        self.weight_amax
+            .get(&format!("{module}{WEIGHT}"))
+            .map(Vec::as_slice)
+    }
+
+    /// Whether any weight amax is given.
+    pub fn has_weight_amax(&self) -> bool {
+        !self.weight_amax.is_empty()
+    }
+
     /// The amax of the quantizer named `quantizer` (ModelOpt's module name, e.g.
     /// `<experts>.gate_up_proj_input_quantizer` for 3-D experts).
     pub fn quantizer(&self, quantizer: &str) -> Option<f32> {
@@ -137,7 +176,7 @@ impl ActAmax {
             .iter()
             .map(|(k, v)| (k.as_str(), serde_json::json!(v)))
             .collect();
-        for (k, v) in &self.pre_quant_scales {
+        for (k, v) in self.pre_quant_scales.iter().chain(&self.weight_amax) {
             doc.insert(k, serde_json::json!(v));
         }
         let text = serde_json::to_string_pretty(&doc).expect("a map of numbers serializes") + "\n";
@@ -149,7 +188,7 @@ impl ActAmax {
 
     /// Whether no value is present.
     pub fn is_empty(&self) -> bool {
-        self.values.is_empty() && self.pre_quant_scales.is_empty()
+        self.values.is_empty() && self.pre_quant_scales.is_empty() && self.weight_amax.is_empty()
     }
 }
 

@@ -433,6 +433,28 @@ impl Quantize<'_> {
         Ok(a.iter().map(|&x| export_scale(x, divisor)).collect())
     }
 
+    /// The clipped block amax AWQ's clipping search gave for this Linear's weight
+    /// (`<linear>.weight_quantizer`), when the export keeps it: as in ModelOpt, a Linear that
+    /// is resmoothed (its weight rescaled to a shared-input group's mean scale) is
+    /// recalibrated, and its clipping is lost.
+    fn clipped_block_amax(&self, group: usize) -> Result<Option<Vec<f32>>, ExportError> {
+        let Some(amax) = self.ctx.given_weight_amax(self.out)? else {
+            return Ok(None);
+        };
+        if self.ctx.smoothing(self.out).is_some_and(|s| s.rescaled()) {
+            return Ok(None);
+        }
+        let want = self.rows * (self.cols / group);
+        if amax.len() != want {
+            return Err(ExportError::Invalid(format!(
+                "`{}.weight_quantizer` has {} block amax; the weight has {want} blocks of {group}",
+                self.out,
+                amax.len()
+            )));
+        }
+        Ok(Some(amax))
+    }
+
     /// [`Quantize::run`] after the AWQ / SmoothQuant smoothing of the Linear, if any, writing
     /// its `pre_quant_scale` (in the weight's dtype) unless a norm absorbed it.
     fn run_smoothed<T: Element>(&self, w: Vec<T>) -> Result<(), ExportError> {
@@ -531,8 +553,12 @@ impl Quantize<'_> {
                 // pairs along the output dimension: weight [N/2, K], weight_scale [N, K/128].
                 const G: usize = 128;
                 let rows = self.rows;
-                // An expert's gate/up share the element-wise max (`sync_moe_gate_up_amax`).
-                let s = self.amax_scales(w, Granularity::Blocks(G), 7.0)?;
+                // An expert's gate/up share the element-wise max (`sync_moe_gate_up_amax`);
+                // AWQ's clipping search may have given the block amax instead.
+                let s = match self.clipped_block_amax(G)? {
+                    Some(a) => a.iter().map(|&x| export_scale(x, 7.0)).collect(),
+                    None => self.amax_scales(w, Granularity::Blocks(G), 7.0)?,
+                };
                 let mut q = vec![0u8; n / 2];
                 self.kernel(cpu::quantize_int4_groups(w, rows, cols, G, &s, &mut q))?;
                 self.emit("weight", Dtype::U8, &[rows / 2, cols], &q)?;

@@ -343,6 +343,13 @@ impl ExportContext {
         Ok(())
     }
 
+    /// The given block amax of the weight of the Linear at `module` (AWQ's clipping search).
+    pub fn given_weight_amax(&self, module: &str) -> Result<Option<Vec<f32>>, ExportError> {
+        Ok(lock(&self.job()?.act)
+            .weight_amax(module)
+            .map(<[f32]>::to_vec))
+    }
+
     /// The amax of the quantizer with ModelOpt's module name `quantizer`, if known.
     pub fn quantizer_amax(&self, quantizer: &str) -> Result<Option<f32>, ExportError> {
         Ok(lock(&self.job()?.act).quantizer(quantizer))

@@ -114,6 +114,11 @@ impl SmoothPlan {
         out_features: impl Fn(&str) -> Option<usize>,
     ) -> Result<Option<Self>, ExportError> {
         let format = recipe.format;
+        if act.has_weight_amax() && format != Format::Int4Awq {
+            return Err(ExportError::Invalid(format!(
+                "weight amax (`<linear>.weight_quantizer`, AWQ's clipping search) are taken by int4-awq only, not by {format}"
+            )));
+        }
         if !uses_pre_quant_scale(format) {
             return Ok(None);
         }
@@ -298,6 +303,12 @@ impl SmoothPlan {
 }
 
 impl LinearSmoothing {
+    /// Whether the weight was rescaled after its own smoothing (a resmooth to a different
+    /// mean, or NVFP4 AWQ's row scale): ModelOpt then recalibrates the weight's amax.
+    pub fn rescaled(&self) -> bool {
+        self.row_scale.is_some() || self.steps.iter().any(|(from, to)| from != to)
+    }
+
     /// The smoothed weight `[rows, cols]` (steps 1 and 2 above, with NVFP4 AWQ's row scale
     /// between them).
     pub fn apply<T: Element>(&self, w: &[T], cols: usize) -> Vec<T> {

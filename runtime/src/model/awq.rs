@@ -187,6 +187,10 @@ pub struct AwqSearch {
     pub act_scale: Vec<f32>,
     /// The per-channel weight statistic the scales were built from.
     pub weight_scale: Vec<f32>,
+    /// With the clipping search: the clipped amax of every block of the smoothed weight.
+    pub clip_amax: Option<Vec<f32>>,
+    /// With the clipping search: the ratio each block's amax was multiplied by.
+    pub clip_ratio: Option<Vec<f32>>,
 }
 
 impl AwqSearch {
@@ -299,7 +303,114 @@ pub fn search_linear(
         rounding_loss,
         act_scale: act,
         weight_scale: wsc,
+        clip_amax: None,
+        clip_ratio: None,
     }))
+}
+
+/// The clip ratios of ModelOpt's `awq_clip`: `0.5, 0.55, … 0.95` (`torch.arange(0.5, 1.0,
+/// 0.05)` rounded to two decimals) and `1.0`.
+pub fn clip_ratios() -> Vec<f32> {
+    let mut r: Vec<f32> = (0..10)
+        .map(|i| ((0.5 + 0.05 * f64::from(i)) * 100.0).round() as f32 / 100.0)
+        .collect();
+    r.push(1.0);
+    r
+}
+
+/// ModelOpt's `awq_clip` on an INT4 weight in blocks of `group` (after the scale search):
+/// for every block of every output row, the ratio of its amax that minimises
+/// `Σ_calls mean_t (x_t[block] · (Q(W)[row, block] − W[row, block]))²`, where `x` is each
+/// call's input multiplied by the stored `pre_quant_scale` and cut to about 64 evenly spaced
+/// tokens (`x[::max(1, n / 64)]`), `W` is the smoothed weight (values of `p`'s dtype) and `Q`
+/// quantizes to INT4 with the block amax times the ratio (values past it clamp). The first
+/// ratio with the smallest loss wins. Returns the clipped amax and the chosen ratios, each
+/// row-major over `[rows, cols / group]`.
+pub fn clip_search(
+    inputs: &[Tensor],
+    pre_quant_scale: &[f32],
+    w: &[f32],
+    cols: usize,
+    group: usize,
+    p: Precision,
+) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+    let rows = w.len() / cols.max(1);
+    let blocks = cols / group;
+    if blocks == 0 || !cols.is_multiple_of(group) || inputs.is_empty() {
+        return Err(ModelError::Tensor {
+            tensor: "awq clip search".into(),
+            message: format!("{cols} input channels are not whole blocks of {group}"),
+        });
+    }
+    let device = inputs[0].device().clone();
+    let block_amax: Vec<f32> = w
+        .chunks(group)
+        .map(|b| b.iter().fold(0f32, |m, &x| m.max(x.abs())))
+        .collect();
+    // Every call's sampled tokens in one matrix; each row weighs 1 / (its call's count), so
+    // the sum over rows is the sum over calls of per-call means.
+    let pqs = Tensor::from_slice(pre_quant_scale, cols, &device)?;
+    let (mut xs, mut weights) = (Vec::new(), Vec::new());
+    for x in inputs {
+        let n = x.dim(0)?;
+        let stride = (n / 64).max(1);
+        let idx: Vec<u32> = (0..n).step_by(stride).map(|i| i as u32).collect();
+        let t = idx.len();
+        let picked = x.index_select(&Tensor::from_vec(idx, t, &device)?, 0)?;
+        xs.push(picked.broadcast_mul(&pqs)?);
+        weights.extend(std::iter::repeat_n(1.0 / t as f32, t));
+    }
+    let x = Tensor::cat(&xs, 0)?;
+    let tokens = x.dim(0)?;
+    // [blocks, tokens, group]
+    let x = x
+        .reshape((tokens, blocks, group))?
+        .transpose(0, 1)?
+        .contiguous()?;
+    let row_weight = Tensor::from_vec(weights, (1, tokens, 1), &device)?;
+    let mut best_loss = vec![f32::INFINITY; rows * blocks];
+    let mut best = vec![0f32; rows * blocks];
+    let mut chosen = vec![1f32; rows * blocks];
+    for ratio in clip_ratios() {
+        let diff: Vec<f32> = w
+            .par_chunks(group)
+            .zip(block_amax.par_iter())
+            .flat_map_iter(|(b, &amax)| {
+                let clip = amax * ratio;
+                let scale = 7.0 / clip;
+                b.iter().map(move |&v| {
+                    let q = if clip == 0.0 {
+                        0.0
+                    } else {
+                        (p.round)((v * scale).round_ties_even().clamp(-8.0, 7.0) / scale)
+                    };
+                    q - v
+                })
+            })
+            .collect();
+        // [blocks, group, rows]
+        let d = Tensor::from_vec(diff, (rows, blocks, group), &device)?
+            .permute((1, 2, 0))?
+            .contiguous()?;
+        // Σ_t w_t (x_t · d)² per block and row: [blocks, rows].
+        let loss: Vec<Vec<f32>> = x
+            .matmul(&d)?
+            .sqr()?
+            .broadcast_mul(&row_weight)?
+            .sum(1)?
+            .to_vec2()?;
+        for (b, per_row) in loss.iter().enumerate() {
+            for (r, &l) in per_row.iter().enumerate() {
+                let i = r * blocks + b;
+                if l < best_loss[i] {
+                    best_loss[i] = l;
+                    best[i] = block_amax[i] * ratio;
+                    chosen[i] = ratio;
+                }
+            }
+        }
+    }
+    Ok((best, chosen))
 }
 
 /// A calibration that runs the AWQ search on every Linear `searched` accepts, layer by layer
@@ -310,6 +421,8 @@ pub struct AwqCalibrator {
     searched: Box<dyn Fn(&str) -> bool + Send>,
     quant: AwqWeight,
     alpha_step: f64,
+    /// Also run the clipping search (ModelOpt's `awq_full`; INT4 only).
+    clip: bool,
     /// The current layer's Linear inputs, per call.
     inputs: BTreeMap<String, Vec<Tensor>>,
     results: BTreeMap<String, AwqSearch>,
@@ -330,10 +443,23 @@ impl AwqCalibrator {
             searched: Box::new(searched),
             quant,
             alpha_step,
+            clip: false,
             inputs: BTreeMap::new(),
             results: BTreeMap::new(),
             unexercised: Vec::new(),
         }
+    }
+
+    /// Also runs the clipping search after the scale search (ModelOpt's `awq_full`): each
+    /// INT4 block's amax may shrink to as little as half. A named error for NVFP4.
+    pub fn with_clip_search(mut self) -> Result<Self, ModelError> {
+        if !matches!(self.quant, AwqWeight::Int4 { .. }) {
+            return Err(ModelError::Config(
+                "AWQ's clipping search runs on INT4 weights only (int4-awq)".into(),
+            ));
+        }
+        self.clip = true;
+        Ok(self)
     }
 
     /// The max calibration that ran alongside.
@@ -388,6 +514,9 @@ impl AwqCalibrator {
                 act.set_input(module, super::calib::smoothed_amax(channels, &pqs, p.round));
             }
             act.set_pre_quant_scale(module, pqs);
+            if let Some(clip) = &found.clip_amax {
+                act.set_weight_amax(module, clip.clone());
+            }
         }
         for module in &self.unexercised {
             let width = weight(module)?.shape.get(1).copied().unwrap_or(0);
@@ -427,7 +556,23 @@ impl AwqCalibrator {
             let w = host(weight)?;
             let bias = model.weights.maybe(&format!("{module}.bias"));
             match search_linear(&xs, &w, cols, bias, self.quant, p, self.alpha_step)? {
-                Some(found) => {
+                Some(mut found) => {
+                    if let (true, AwqWeight::Int4 { group }) = (self.clip, self.quant) {
+                        // On the smoothed weight, `round(W · (1/pqs))` with the f32 scale, and
+                        // inputs times the stored (rounded) one — as ModelOpt holds them.
+                        let pqs = found.pre_quant_scale();
+                        let smoothed: Vec<f32> = w
+                            .par_chunks(cols)
+                            .flat_map_iter(|row| {
+                                row.iter()
+                                    .zip(&pqs)
+                                    .map(|(&x, &s)| (p.round)(x * (1.0 / s)))
+                            })
+                            .collect();
+                        let stored: Vec<f32> = pqs.iter().map(|&s| (p.round)(s)).collect();
+                        let (amax, ratio) = clip_search(&xs, &stored, &smoothed, cols, group, p)?;
+                        (found.clip_amax, found.clip_ratio) = (Some(amax), Some(ratio));
+                    }
                     self.results.insert(module, found);
                 }
                 None => self.unexercised.push(module),
