@@ -66,7 +66,7 @@ impl AwqWeight {
                         if amax == 0.0 {
                             0.0
                         } else {
-                            round((x * scale).round_ties_even().clamp(-8.0, 7.0) / scale)
+                            round(round_int4(x * scale) / scale)
                         }
                     })
                 })
@@ -95,6 +95,18 @@ impl AwqWeight {
             }
         }
     }
+}
+
+/// `round_half_even(x)` clamped to INT4's [−8, 7], without a libm call: clamping first is
+/// the same (the clamp bounds are integers), and for |x| ≤ 8 adding and subtracting 1.5·2²³
+/// rounds to the nearest integer, ties to even, in IEEE arithmetic.
+#[inline]
+fn round_int4(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    if x.is_nan() {
+        return x;
+    }
+    (x.clamp(-8.0, 7.0) + MAGIC) - MAGIC
 }
 
 /// The weight's dtype, as the search's roundings see it.
@@ -362,12 +374,19 @@ pub fn clip_search(
     }
     let x = Tensor::cat(&xs, 0)?;
     let tokens = x.dim(0)?;
-    // [blocks, tokens, group]
+    // Σ_t w_t (x_t[b] · d)² = dᵀ G_b d with the weighted Gram matrix G_b = X_bᵀ diag(w) X_b of
+    // each block's inputs ([blocks, group, group]): computed once, so each ratio costs a
+    // `[rows, group] × [group, group]` product per block instead of one over every token.
     let x = x
         .reshape((tokens, blocks, group))?
         .transpose(0, 1)?
         .contiguous()?;
     let row_weight = Tensor::from_vec(weights, (1, tokens, 1), &device)?;
+    let gram = x
+        .broadcast_mul(&row_weight)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .matmul(&x)?;
     let mut best_loss = vec![f32::INFINITY; rows * blocks];
     let mut best = vec![0f32; rows * blocks];
     let mut chosen = vec![1f32; rows * blocks];
@@ -382,23 +401,18 @@ pub fn clip_search(
                     let q = if clip == 0.0 {
                         0.0
                     } else {
-                        (p.round)((v * scale).round_ties_even().clamp(-8.0, 7.0) / scale)
+                        (p.round)(round_int4(v * scale) / scale)
                     };
                     q - v
                 })
             })
             .collect();
-        // [blocks, group, rows]
+        // [blocks, rows, group]
         let d = Tensor::from_vec(diff, (rows, blocks, group), &device)?
-            .permute((1, 2, 0))?
+            .transpose(0, 1)?
             .contiguous()?;
-        // Σ_t w_t (x_t · d)² per block and row: [blocks, rows].
-        let loss: Vec<Vec<f32>> = x
-            .matmul(&d)?
-            .sqr()?
-            .broadcast_mul(&row_weight)?
-            .sum(1)?
-            .to_vec2()?;
+        // dᵀ G d per block and row: [blocks, rows].
+        let loss: Vec<Vec<f32>> = (d.matmul(&gram)? * &d)?.sum(2)?.to_vec2()?;
         for (b, per_row) in loss.iter().enumerate() {
             for (r, &l) in per_row.iter().enumerate() {
                 let i = r * blocks + b;
@@ -661,6 +675,28 @@ mod tests {
         let s = weight_scale(&w, 4, 2, p);
         // row 1: [0.5, 1, 1, 1]; row 2: [1, 1, 0, 0] (a zero block divides by tiny).
         assert_eq!(s, [0.75, 1.0, 0.5, 0.5]);
+    }
+
+    #[test]
+    fn int4_rounding_is_half_to_even_then_clamped() {
+        for i in -2000..=2000 {
+            let x = i as f32 / 100.0;
+            assert_eq!(round_int4(x), x.round_ties_even().clamp(-8.0, 7.0), "{x}");
+        }
+        for x in [
+            0.5f32,
+            1.5,
+            2.5,
+            -0.5,
+            -2.5,
+            7.5,
+            -8.5,
+            1e30,
+            -1e30,
+            f32::MIN_POSITIVE,
+        ] {
+            assert_eq!(round_int4(x), x.round_ties_even().clamp(-8.0, 7.0), "{x}");
+        }
     }
 
     #[test]
