@@ -36,9 +36,11 @@ if [ -n "$py" ]; then
   rm -rf "$work/modelopt-fp8"
   measure "modelopt fp8" "$py" benches/peers/modelopt_export.py --model "$work/llama-1b" \
     --format fp8 --out "$work/modelopt-fp8" --ids-out "$ids"
-  rm -rf "$work/modelopt-int4-awq"
-  measure "modelopt int4-awq" "$py" benches/peers/modelopt_export.py --model "$work/llama-1b" \
-    --format int4-awq --out "$work/modelopt-int4-awq"
+  for fmt in int4-awq int4-awq-full; do
+    rm -rf "$work/modelopt-$fmt"
+    measure "modelopt $fmt" "$py" benches/peers/modelopt_export.py --model "$work/llama-1b" \
+      --format $fmt --out "$work/modelopt-$fmt"
+  done
 elif [ ! -f "$ids" ]; then
   python3 -c 'import json, random; r = random.Random(0); print("\n".join(json.dumps({"input_ids": [r.randrange(32000) for _ in range(64)]}) for _ in range(8)))' > "$ids"
 fi
@@ -49,3 +51,6 @@ for fmt in fp8 int4-awq; do
   measure "kiln $fmt" $kiln export --model "$work/llama-1b" --format $fmt --calib "$ids" \
     --out "$work/kiln-$fmt"
 done
+rm -rf "$work/kiln-int4-awq-clip"
+measure "kiln int4-awq --awq-clip" $kiln export --model "$work/llama-1b" --format int4-awq \
+  --calib "$ids" --awq-clip --out "$work/kiln-int4-awq-clip"

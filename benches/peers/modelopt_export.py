@@ -3,11 +3,12 @@
 calibrate on fixed random token ids (8 × 64), quantize and export to the ModelOpt HF layout.
 The whole process is timed from outside (`/usr/bin/time -v`).
 
-    python3 benches/peers/modelopt_export.py --model DIR --format fp8|nvfp4|int4-awq --out DIR
+    python3 benches/peers/modelopt_export.py --model DIR --format fp8|nvfp4|int4-awq|int4-awq-full --out DIR
         [--ids-out FILE]   # also write the calibration ids as JSONL, for `kiln export --calib`
 (needs tests/compat/requirements.txt)
 """
 import argparse
+import copy
 import json
 import time
 
@@ -16,7 +17,10 @@ import transformers
 import modelopt.torch.quantization as mtq
 from modelopt.torch.export import export_hf_checkpoint
 
-CONFIGS = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG, "int4-awq": mtq.INT4_AWQ_CFG}
+CONFIGS = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG, "int4-awq": mtq.INT4_AWQ_CFG,
+           # AWQ with the clipping search (kiln's --awq-clip)
+           "int4-awq-full": {**copy.deepcopy(mtq.INT4_AWQ_CFG),
+                             "algorithm": {"method": "awq_full", "alpha_step": 0.1}}}
 
 
 def main():
