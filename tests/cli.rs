@@ -207,18 +207,18 @@ fn export_with_calibration_gives_modelopts_input_scales() {
     // Dense, MoE (experts calibrated on their routed tokens) and GPT-OSS (attention sinks, YaRN,
     // BMM experts with their own input quantizer names); FP8 and NVFP4 input scales, FP8
     // KV-cache scales.
-    for (model, export, tokens) in [
-        ("llama-tiny", "fp8", "4 samples (128 tokens)"),
-        ("llama-tiny", "nvfp4", "4 samples (128 tokens)"),
-        ("llama-tiny", "fp8+kv-fp8", "4 samples (128 tokens)"),
-        ("mixtral-tiny", "nvfp4", "2 samples (32 tokens)"),
-        ("qwen3-moe-tiny", "fp8", "1 samples (6 tokens)"),
-        ("gpt-oss-tiny", "fp8", "2 samples (32 tokens)"),
+    for (model, export, tokens, dtype) in [
+        ("llama-tiny", "fp8", "4 samples (128 tokens)", "f32"),
+        ("llama-tiny", "nvfp4", "4 samples (128 tokens)", "f32"),
+        ("llama-tiny", "fp8+kv-fp8", "4 samples (128 tokens)", "bf16"),
+        ("mixtral-tiny", "nvfp4", "2 samples (32 tokens)", "f32"),
+        ("qwen3-moe-tiny", "fp8", "1 samples (6 tokens)", "bf16"),
+        ("gpt-oss-tiny", "fp8", "2 samples (32 tokens)", "f32"),
     ] {
         let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/compat")
             .join(model);
-        let out_dir = dir.path().join(format!("{model}-{export}"));
+        let out_dir = dir.path().join(format!("{model}-{export}-{dtype}"));
         let (format, kv) = export.split_once("+kv-").unwrap_or((export, ""));
         let mut args = vec![
             "export",
@@ -228,6 +228,8 @@ fn export_with_calibration_gives_modelopts_input_scales() {
             format,
             "--calib",
             compat.join("calib.jsonl").to_str().unwrap(),
+            "--calib-dtype",
+            dtype,
             "--out",
             out_dir.to_str().unwrap(),
         ]

@@ -101,6 +101,11 @@ pub struct ExportArgs {
     /// `metal[:N]` (feature `candle-metal`).
     #[arg(long, default_value = "cpu", requires = "calib")]
     device: String,
+    /// The dtype --calib runs the model in: `f32` (default; the most exact) or `bf16`
+    /// (ModelOpt calibrates in the checkpoint's dtype, usually bf16: its MoE routing and AWQ
+    /// choices are reproduced more closely).
+    #[arg(long, default_value = "f32", requires = "calib", value_parser = ["f32", "bf16"])]
+    calib_dtype: String,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -147,6 +152,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// `--calib-dtype` as a candle dtype.
+fn calib_dtype(args: &ExportArgs) -> kiln_runtime::model::candle::DType {
+    match args.calib_dtype.as_str() {
+        "bf16" => kiln_runtime::model::candle::DType::BF16,
+        _ => kiln_runtime::model::candle::DType::F32,
+    }
+}
+
 fn parse_alpha_step(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
@@ -163,10 +176,10 @@ fn calibrate(
     err: &mut dyn Write,
 ) -> Result<ActAmax> {
     use kiln_runtime::export::recipe::Format;
+    use kiln_runtime::model::MaxCalibrator;
     use kiln_runtime::model::calib::{
         calibrate_by_layer, model_tokenizer, read_samples_with, smoothquant_scales,
     };
-    use kiln_runtime::model::{MaxCalibrator, candle};
     let recipe = args.recipe.recipe();
     let smoothquant = recipe.format == Format::Int8Sq;
     let tokenizer = model_tokenizer(model)?;
@@ -209,7 +222,7 @@ fn calibrate(
     // One layer's weights at a time: memory is bounded by a layer plus the activations.
     let amax = calibrate_by_layer(
         &checkpoint,
-        candle::DType::F32,
+        calib_dtype(args),
         &kiln_runtime::model::device(&args.device)?,
         &samples,
         calibrator,
@@ -267,7 +280,6 @@ fn awq_calibrate(
     use kiln_runtime::export::recipe::Format;
     use kiln_runtime::model::awq::AwqCalibrator;
     use kiln_runtime::model::calib::calibrate_by_layer;
-    use kiln_runtime::model::candle;
     let started = std::time::Instant::now();
     let tokens: usize = samples.iter().map(Vec::len).sum();
     let searched = {
@@ -286,7 +298,7 @@ fn awq_calibrate(
     }
     let calib = calibrate_by_layer(
         checkpoint,
-        candle::DType::F32,
+        calib_dtype(args),
         &kiln_runtime::model::device(&args.device)?,
         samples,
         calibrator,
