@@ -16,16 +16,13 @@ mkdir -p "$work"
 cargo build --release --quiet
 kiln=target/release/kiln
 
-measure() { # label, command...
-  local label=$1; shift
-  /usr/bin/time -v "$@" > "$work/$label.out" 2> "$work/$label.time"
-  local wall rss calib
-  wall=$(grep 'Elapsed (wall clock)' "$work/$label.time" | awk '{print $NF}')
-  rss=$(grep 'Maximum resident set size' "$work/$label.time" | awk '{print $NF}')
+. benches/measure.sh
+measure() { # label, command... — with the calibration time kiln or the ModelOpt peer reports
+  local label=$1 calib
+  timed "$@"
   calib=$(grep -ho 'in [0-9.]* s' "$work/$label.time" "$work/$label.out" | head -n 1 || true)
   [ -n "$calib" ] || calib=$(grep -ho 'calibration: [0-9.]* s' "$work/$label.out" | head -n 1 || true)
-  printf '| %s | %s | %s | %s MB |\n' "$label" "$wall" "${calib:-—}" \
-    "$(awk -v k="$rss" 'BEGIN { printf "%.0f", k / 1024 }')"
+  printf '| %s | %s | %s | %s MB |\n' "$label" "$wall" "${calib:-—}" "$rss_mb"
 }
 
 [ -d "$work/llama-1b" ] || $kiln demo-model --size 1b --out "$work/llama-1b"

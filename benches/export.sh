@@ -15,13 +15,10 @@ mkdir -p "$work"
 cargo build --release --quiet
 kiln=target/release/kiln
 
+. benches/measure.sh
 measure() { # label, command...
-  local label=$1; shift
-  /usr/bin/time -v "$@" > "$work/$label.out" 2> "$work/$label.time"
-  local wall rss
-  wall=$(grep 'Elapsed (wall clock)' "$work/$label.time" | awk '{print $NF}')
-  rss=$(grep 'Maximum resident set size' "$work/$label.time" | awk '{print $NF}')
-  printf '| %s | %s | %s MB |\n' "$label" "$wall" "$(awk -v k="$rss" 'BEGIN { printf "%.0f", k / 1024 }')"
+  timed "$@"
+  printf '| %s | %s | %s MB |\n' "$1" "$wall" "$rss_mb"
 }
 
 [ -d "$work/llama-254m" ] || $kiln demo-model --size 254m --out "$work/llama-254m"

@@ -761,17 +761,7 @@ impl DecoderModel {
         observer.linear_input(&format!("{p}.{block}.{router}"), &x2)?;
         let logits = linear(&x2, w.get(&format!("{p}.{block}.{router}.weight"))?, None)?;
         let probs = softmax(&logits)?;
-        // Top-k on the host (indices carry no gradient); the weights stay in the graph.
-        let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
-        let mut chosen = Vec::with_capacity(rows.len() * moe.top_k);
-        for row in &rows {
-            let mut order: Vec<usize> = (0..row.len()).collect();
-            // Stable: ties keep the lower expert first, as torch.topk does on the CPU.
-            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
-            chosen.extend(order[..moe.top_k].iter().map(|&e| e as u32));
-        }
-        let n = rows.len();
-        let idx = Tensor::from_vec(chosen.clone(), (n, moe.top_k), &self.device)?;
+        let (chosen, idx) = self.top_k(&probs, moe.top_k)?;
         let mut weights = probs.gather(&idx, 1)?;
         if moe.normalize_top_k {
             weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
@@ -783,28 +773,9 @@ impl DecoderModel {
                 self.dense_mlp(&x2, &format!("{p}.{block}.experts.{e}"), names, observer)?;
             }
         }
-        let mut out = x2.zeros_like()?;
-        for e in 0..moe.experts {
-            let (mut tokens, mut slots) = (Vec::new(), Vec::new());
-            for (tok, picks) in chosen.chunks(moe.top_k).enumerate() {
-                if let Some(s) = picks.iter().position(|&c| c as usize == e) {
-                    tokens.push(tok as u32);
-                    slots.push((tok * moe.top_k + s) as u32);
-                }
-            }
-            if tokens.is_empty() {
-                continue;
-            }
-            let rows = Tensor::from_vec(tokens.clone(), tokens.len(), &self.device)?;
-            let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
-            let xe = x2.index_select(&rows, 0)?;
-            let ye = self.dense_mlp(&xe, &format!("{p}.{block}.experts.{e}"), names, observer)?;
-            let we = weights
-                .flatten_all()?
-                .index_select(&slot, 0)?
-                .unsqueeze(1)?;
-            out = out.index_add(&rows, &ye.broadcast_mul(&we)?, 0)?;
-        }
+        let out = self.dispatch(&x2, &chosen, moe, &weights, |e, xe| {
+            self.dense_mlp(xe, &format!("{p}.{block}.experts.{e}"), names, observer)
+        })?;
         Ok(out.reshape((b, t, hidden))?)
     }
 
@@ -834,15 +805,7 @@ impl DecoderModel {
             w.get(&format!("{router}.weight"))?,
             w.maybe(&format!("{router}.bias")),
         )?;
-        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-        let mut chosen = Vec::with_capacity(rows.len() * moe.top_k);
-        for row in &rows {
-            let mut order: Vec<usize> = (0..row.len()).collect();
-            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
-            chosen.extend(order[..moe.top_k].iter().map(|&e| e as u32));
-        }
-        let n = rows.len();
-        let idx = Tensor::from_vec(chosen.clone(), (n, moe.top_k), &self.device)?;
+        let (chosen, idx) = self.top_k(&logits, moe.top_k)?;
         let weights = softmax(&logits.gather(&idx, 1)?)?.to_dtype(x.dtype())?;
         let experts = format!("{p}.mlp.experts");
         let gate_up = w.get(&format!("{experts}.gate_up_proj"))?;
@@ -851,7 +814,55 @@ impl DecoderModel {
         let down_bias = w.get(&format!("{experts}.down_proj_bias"))?;
         let inter = gate_up.dim(2)? / 2;
         observer.quantizer_input(&format!("{experts}.gate_up_proj_input_quantizer"), &x2)?;
+        let out = self.dispatch(&x2, &chosen, moe, &weights, |e, xe| {
+            let gu = self
+                .act
+                .input(&format!("{experts}.gate_up_proj"), xe)?
+                .matmul(&gate_up.get(e)?)?
+                .broadcast_add(&gate_up_bias.get(e)?)?
+                .reshape((xe.dim(0)?, inter, 2))?;
+            let gate = gu.narrow(2, 0, 1)?.squeeze(2)?.minimum(LIMIT)?;
+            let up = gu.narrow(2, 1, 1)?.squeeze(2)?.clamp(-LIMIT, LIMIT)?;
+            let glu = (&gate * sigmoid(&(&gate * ALPHA)?)?)?;
+            let h = ((up + 1.0)? * glu)?;
+            observer.quantizer_input(&format!("{experts}.down_proj_input_quantizer"), &h)?;
+            Ok(self
+                .act
+                .input(&format!("{experts}.down_proj"), &h)?
+                .matmul(&down.get(e)?)?
+                .broadcast_add(&down_bias.get(e)?)?)
+        })?;
+        Ok(out.reshape((b, t, hidden))?)
+    }
+
+    /// The top `k` entries of every row of `scores` `[tokens, experts]`, chosen on the host
+    /// (indices carry no gradient): the flat indices and the `[tokens, k]` index tensor.
+    /// Stable: ties keep the lower expert first, as torch.topk does on the CPU.
+    fn top_k(&self, scores: &Tensor, k: usize) -> Result<(Vec<u32>, Tensor), ModelError> {
+        let rows: Vec<Vec<f32>> = scores.to_dtype(DType::F32)?.to_vec2()?;
+        let mut chosen = Vec::with_capacity(rows.len() * k);
+        for row in &rows {
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
+            chosen.extend(order[..k].iter().map(|&e| e as u32));
+        }
+        let idx = Tensor::from_vec(chosen.clone(), (rows.len(), k), &self.device)?;
+        Ok((chosen, idx))
+    }
+
+    /// Routes the tokens `x2` `[tokens, hidden]` to the experts `chosen` picked (`top_k` per
+    /// token), runs `expert(e, tokens)` on each expert's tokens and sums the outputs weighted
+    /// by `weights` `[tokens, top_k]`; experts with no tokens are not run.
+    fn dispatch(
+        &self,
+        x2: &Tensor,
+        chosen: &[u32],
+        moe: &MoeRouting,
+        weights: &Tensor,
+        mut expert: impl FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
         let mut out = x2.zeros_like()?;
+        let weights = weights.flatten_all()?;
         for e in 0..moe.experts {
             let (mut tokens, mut slots) = (Vec::new(), Vec::new());
             for (tok, picks) in chosen.chunks(moe.top_k).enumerate() {
@@ -863,31 +874,13 @@ impl DecoderModel {
             if tokens.is_empty() {
                 continue;
             }
-            let rows = Tensor::from_vec(tokens.clone(), tokens.len(), &self.device)?;
-            let slot = Tensor::from_vec(slots.clone(), slots.len(), &self.device)?;
-            let xe = x2.index_select(&rows, 0)?;
-            let gu = self
-                .act
-                .input(&format!("{experts}.gate_up_proj"), &xe)?
-                .matmul(&gate_up.get(e)?)?
-                .broadcast_add(&gate_up_bias.get(e)?)?
-                .reshape((tokens.len(), inter, 2))?;
-            let gate = gu.narrow(2, 0, 1)?.squeeze(2)?.minimum(LIMIT)?;
-            let up = gu.narrow(2, 1, 1)?.squeeze(2)?.clamp(-LIMIT, LIMIT)?;
-            let glu = (&gate * sigmoid(&(&gate * ALPHA)?)?)?;
-            let h = ((up + 1.0)? * glu)?;
-            observer.quantizer_input(&format!("{experts}.down_proj_input_quantizer"), &h)?;
-            let ye = self
-                .act
-                .input(&format!("{experts}.down_proj"), &h)?
-                .matmul(&down.get(e)?)?
-                .broadcast_add(&down_bias.get(e)?)?;
-            let we = weights
-                .flatten_all()?
-                .index_select(&slot, 0)?
-                .unsqueeze(1)?;
+            let (n, m) = (tokens.len(), slots.len());
+            let rows = Tensor::from_vec(tokens, n, &self.device)?;
+            let slot = Tensor::from_vec(slots, m, &self.device)?;
+            let ye = expert(e, &x2.index_select(&rows, 0)?)?;
+            let we = weights.index_select(&slot, 0)?.unsqueeze(1)?;
             out = out.index_add(&rows, &ye.broadcast_mul(&we)?, 0)?;
         }
-        Ok(out.reshape((b, t, hidden))?)
+        Ok(out)
     }
 }
