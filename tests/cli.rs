@@ -386,6 +386,27 @@ fn corrupted_copy(
     dst
 }
 
+/// `kiln verify --reference R --quantized Q EXTRA…`: (exit code, stdout).
+fn run_verify(
+    reference: &std::path::Path,
+    quantized: &std::path::Path,
+    extra: &[&str],
+) -> (Option<i32>, String) {
+    let mut args = vec![
+        "verify",
+        "--reference",
+        reference.to_str().unwrap(),
+        "--quantized",
+        quantized.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let out = kiln(&args);
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+    )
+}
+
 #[test]
 fn verify_passes_a_good_export_and_fails_corrupted_ones() {
     let dir = tempfile::tempdir().unwrap();
@@ -393,20 +414,10 @@ fn verify_passes_a_good_export_and_fails_corrupted_ones() {
     let reference = compat.join("model");
     let data = compat.join("calib.jsonl");
     let verify = |quantized: &std::path::Path| {
-        let out = kiln(&[
-            "verify",
-            "--reference",
-            reference.to_str().unwrap(),
-            "--quantized",
-            quantized.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--max-ppl-increase",
-            "1",
-        ]);
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).to_string(),
+        run_verify(
+            &reference,
+            quantized,
+            &["--data", data.to_str().unwrap(), "--max-ppl-increase", "1"],
         )
     };
     let (code, text) = verify(&compat.join("fp8/modelopt"));
@@ -470,19 +481,7 @@ fn verify_passes_a_good_export_and_fails_corrupted_ones() {
 fn verify_checks_bmm_experts() {
     let dir = tempfile::tempdir().unwrap();
     let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/gpt-oss-tiny");
-    let verify = |quantized: &std::path::Path| {
-        let out = kiln(&[
-            "verify",
-            "--reference",
-            compat.join("model").to_str().unwrap(),
-            "--quantized",
-            quantized.to_str().unwrap(),
-        ]);
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).to_string(),
-        )
-    };
+    let verify = |quantized: &std::path::Path| run_verify(&compat.join("model"), quantized, &[]);
     let (code, text) = verify(&compat.join("nvfp4/modelopt"));
     assert_eq!(code, Some(0), "{text}");
     // 8 attention Linears and the 4 expert tensors.
