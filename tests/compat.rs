@@ -56,6 +56,7 @@ fn options(root: &Path, out: &Path, recipe: Recipe, act: ActAmax) -> ExportOptio
         force: false,
         progress: None,
         cancel: None,
+        strict: false,
     }
 }
 
@@ -267,26 +268,27 @@ fn mistral_matches_modelopt_bit_for_bit() {
 
 #[test]
 fn experts_without_calibration_get_the_max_over_their_siblings() {
-    // ModelOpt calibrates every expert on every token, so its dumps never miss one; remove some
-    // to exercise the fill: expert 3's gate_proj loses its amax, and every expert's down_proj.
+    // An expert no calibration token reached has no amax in the dump: it takes the max over
+    // its siblings (ModelOpt's fill), with a warning naming it. Expert 3's gate_proj loses its
+    // amax here.
     let root = compat_dir("qwen3-moe-tiny");
     let full: serde_json::Map<String, Value> =
         serde_json::from_value(json(&root.join("fp8/amax.json"))).unwrap();
     let experts = "model.layers.0.mlp.experts";
-    let kept: Vec<(String, f32)> = full
-        .iter()
-        .filter(|(k, _)| {
-            *k != &format!("{experts}.3.gate_proj.input_quantizer") && !k.contains(".down_proj.")
-        })
-        .map(|(k, v)| (k.clone(), v.as_f64().unwrap() as f32))
-        .collect();
+    let without = |drop: &dyn Fn(&str) -> bool| -> Vec<(String, f32)> {
+        full.iter()
+            .filter(|(k, _)| !drop(k))
+            .map(|(k, v)| (k.clone(), v.as_f64().unwrap() as f32))
+            .collect()
+    };
+    let gate3 = format!("{experts}.3.gate_proj.input_quantizer");
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
-    run(&options(
+    let summary = run(&options(
         &root,
         &out,
         Recipe::new(Format::Fp8),
-        ActAmax::from_values(kept.clone()),
+        ActAmax::from_values(without(&|k| k == gate3)),
     ))
     .unwrap();
     let c = Checkpoint::open(&out).unwrap();
@@ -300,16 +302,95 @@ fn experts_without_calibration_get_the_max_over_their_siblings() {
         })
         .fold(0f32, f32::max);
     assert_eq!(scale(&format!("{experts}.3.gate_proj")), max_gate / 448.0);
-    assert_eq!(
-        scale(&format!("{experts}.5.down_proj")),
-        0.5 / 448.0,
-        "no expert has one: 0.5"
+    assert!(
+        summary
+            .warnings
+            .iter()
+            .any(|w| w.starts_with(&format!("`{experts}.3.gate_proj`: no input amax"))),
+        "{:?}",
+        summary.warnings
     );
     // Calibrated experts keep their own.
     let own = full[&format!("{experts}.2.gate_proj.input_quantizer")]
         .as_f64()
         .unwrap() as f32;
     assert_eq!(scale(&format!("{experts}.2.gate_proj")), own / 448.0);
+
+    // No expert of a projection has statistics: not ModelOpt's silent 0.5 for the whole
+    // group, but an error naming them.
+    let e = export_error(
+        "qwen3-moe-tiny",
+        Recipe::new(Format::Fp8),
+        ActAmax::from_values(without(&|k| k.contains(".down_proj."))),
+    );
+    assert!(
+        e.starts_with("fp8 needs activation scales, and none are given for `model.layers.0.mlp.experts.0.down_proj.input_quantizer`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn tied_embeddings_list_lm_head_as_modelopt_does() {
+    // No `lm_head.weight` on disk (`tie_word_embeddings: true`): ModelOpt still lists
+    // `lm_head` in exclude_modules and in quantization_config.ignore.
+    for format in [Format::Fp8, Format::Nvfp4] {
+        check("llama-tied-tiny", format);
+    }
+}
+
+#[test]
+fn transformers_5_dumps_apply_to_per_expert_checkpoints_bit_for_bit() {
+    // ModelOpt under transformers 5 calibrates MoE experts fused in memory, so its dump names
+    // `<block>.mlp.experts.gate_up_proj_input_quantizer` / `down_proj_input_quantizer` — also
+    // for Mixtral, whose checkpoint keeps `block_sparse_moe.experts.E.w1/w2/w3`. Applied to the
+    // per-expert checkpoints on disk, kiln's export equals ModelOpt's (which writes hub names).
+    for model in ["mixtral-tiny", "qwen3-moe-tiny"] {
+        for format in [Format::Fp8, Format::Nvfp4] {
+            // transformers 5 rewrote the rest of config.json (`rope_parameters`): compare its
+            // quantization_config only.
+            let dir = format!("{}-tf5", format.cli_name());
+            check_with(model, &dir, Recipe::new(format), false);
+        }
+    }
+}
+
+#[test]
+fn statistics_keys_that_name_no_quantizer_are_reported() {
+    let root = compat_dir("llama-tiny");
+    let mut act: serde_json::Map<String, Value> =
+        serde_json::from_value(json(&root.join("fp8/amax.json"))).unwrap();
+    act.insert(
+        "model.layers.0.self_attn.qproj.input_quantizer".into(),
+        Value::from(1.0),
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("amax.json");
+    std::fs::write(&file, Value::Object(act).to_string()).unwrap();
+    let read = || ActAmax::read(&file).unwrap();
+    let out = tmp.path().join("out");
+    let summary = run(&options(&root, &out, Recipe::new(Format::Fp8), read())).unwrap();
+    assert_eq!(
+        summary.warnings,
+        [format!(
+            "{}: 1 key(s) name no quantizer of this model and were ignored: model.layers.0.self_attn.qproj.input_quantizer",
+            file.display()
+        )]
+    );
+    let strict = ExportOptions {
+        strict: true,
+        ..options(
+            &root,
+            &tmp.path().join("strict"),
+            Recipe::new(Format::Fp8),
+            read(),
+        )
+    };
+    let e = run(&strict).unwrap_err().to_string();
+    assert!(
+        e.ends_with("1 key(s) name no quantizer of this model: `model.layers.0.self_attn.qproj.input_quantizer` (--strict)"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("strict").exists());
 }
 
 #[test]

@@ -656,6 +656,7 @@ fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
                 force: false,
                 progress: None,
                 cancel: None,
+                strict: false,
             })
             .unwrap();
             logit_error("llama-tiny", model, &out)

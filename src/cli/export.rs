@@ -7,7 +7,7 @@ use kiln_runtime::demo::{DemoConfig, write_demo_model};
 use kiln_runtime::export::act_amax::ActAmax;
 use kiln_runtime::export::recipe::{Format, KvCache, Recipe};
 use kiln_runtime::export::run::{ExportOptions, ExportSummary, module_tree, run};
-use kiln_runtime::export::{ExportContext, ModuleOutcome, walk};
+use kiln_runtime::export::{ModuleOutcome, plan};
 use kiln_runtime::model::awq::AwqWeight;
 use kiln_runtime::{ExporterRegistry, Linear};
 use std::collections::BTreeMap;
@@ -112,6 +112,10 @@ pub struct ExportArgs {
     /// Replace an existing output folder.
     #[arg(long)]
     force: bool,
+    /// Make warnings errors: `--act-amax` keys that name no quantizer of the model, NaN or
+    /// infinite values in the weights.
+    #[arg(long)]
+    strict: bool,
 }
 
 #[derive(Debug, Args)]
@@ -408,6 +412,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
             progress_bar.set_position(done as u64);
         })),
         cancel: Some(cancel_flag()),
+        strict: args.strict,
     };
     let result = run(&options);
     if matches!(result, Err(kiln_runtime::ExportError::Cancelled)) {
@@ -421,6 +426,9 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     }
     bar.finish_and_clear();
     let summary = result?;
+    for w in &summary.warnings {
+        writeln!(err, "warning: {w}")?;
+    }
     print_report(&summary, args.recipe.format, out)?;
     Ok(0)
 }
@@ -455,11 +463,24 @@ fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Resul
             exporter.as_deref().unwrap_or("(copied unchanged)")
         )?;
     }
+    let mut per_format: BTreeMap<Format, usize> = BTreeMap::new();
+    for f in s.quantized.values() {
+        *per_format.entry(*f).or_default() += 1;
+    }
     writeln!(
         out,
-        "quantized modules: {}; left unquantized: {}",
+        "quantized modules: {} ({}); left unquantized: {}",
         s.quantized_modules,
-        s.excluded.join(", ")
+        per_format
+            .iter()
+            .map(|(f, n)| format!("{f}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        if s.excluded.is_empty() {
+            "none".to_string()
+        } else {
+            s.excluded.join(", ")
+        }
     )?;
     for (format, e) in &s.errors {
         writeln!(
@@ -490,8 +511,8 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
     let (tree, architecture, fallback) = module_tree(&checkpoint)?;
     let recipe = args.recipe.recipe();
     let registry = ExporterRegistry::try_global().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let ctx = ExportContext::new();
-    walk(&tree, registry, &ctx)?;
+    // The plan only matches: no exporter runs, so any exporter can be explained.
+    let report = plan(&tree, registry)?;
     writeln!(
         out,
         "{architecture}{}: {} modules, format {}",
@@ -499,7 +520,7 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
         tree.len(),
         recipe.format
     )?;
-    for (path, outcome) in ctx.into_report().modules {
+    for (path, outcome) in report.modules {
         let module = tree.find(&path).expect("walked modules exist");
         let name = if path.is_empty() {
             "(root)"

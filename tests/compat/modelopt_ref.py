@@ -110,6 +110,17 @@ def tiny_llama():
     return model
 
 
+def tiny_llama_tied():
+    """A Llama whose lm_head is tied to the input embeddings: no `lm_head.weight` on disk, and
+    ModelOpt still lists `lm_head` as excluded."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    return _random_norms(transformers.LlamaForCausalLM(config))
+
+
 def tiny_qwen3_moe():
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
@@ -257,6 +268,7 @@ def _random_norms(model):
 MODELS = {
     "llama-tiny": (tiny_llama, transformers.LlamaForCausalLM, (4, 32), list(FORMATS)),
     # Few tokens over 8 experts: some experts get none and ModelOpt fills their input amax.
+    "llama-tied-tiny": (tiny_llama_tied, transformers.LlamaForCausalLM, (2, 16), ["fp8", "nvfp4"]),
     "qwen3-moe-tiny": (tiny_qwen3_moe, transformers.Qwen3MoeForCausalLM, (1, 6),
                        ["fp8", "nvfp4", "w4a16-nvfp4", "fp8-per-channel", "int8-wo", "mxfp8", "fp8-block", "int8-sq"]),
     "mixtral-tiny": (tiny_mixtral, transformers.MixtralForCausalLM, (2, 16),
@@ -287,6 +299,16 @@ MODELS_TF5 = {
 }
 
 
+# --tf5-dumps (transformers 5): calibrate these committed per-expert checkpoints as transformers 5
+# holds them in memory (fused experts: one input quantizer per projection, dumped as
+# `<experts>.gate_up_proj_input_quantizer`, and Mixtral's `block_sparse_moe` as `mlp`) and export
+# them; ModelOpt writes the hub names back. Output: `<model>/<format>-tf5/`.
+TF5_DUMPS = {
+    "mixtral-tiny": ["fp8", "nvfp4"],
+    "qwen3-moe-tiny": ["fp8", "nvfp4"],
+}
+
+
 def calibration_ids(shape):
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 256, shape, generator=g)
@@ -299,6 +321,13 @@ def main():
     major = int(transformers.__version__.split(".")[0])
     tf4 = {k: (m, c, sh, f, None) for k, (m, c, sh, f) in MODELS.items()}
     tf5 = {k: (m, getattr(transformers, c), sh, f, save) for k, (m, c, sh, f, save) in MODELS_TF5.items()}
+    if "--tf5-dumps" in sys.argv:
+        assert major >= 5, "--tf5-dumps needs transformers 5"
+        for model_name, formats in TF5_DUMPS.items():
+            _, cls, calib_shape, _ = MODELS[model_name]
+            export_model(HERE / model_name, None, cls, calibration_ids(calib_shape), formats,
+                         suffix="-tf5")
+        return
     # With --reuse-input the inputs already exist, so any transformers can export any model.
     models = {**tf4, **tf5} if REUSE_INPUT else tf5 if major >= 5 else tf4
     names = set(MODELS) | set(MODELS_TF5)
@@ -312,12 +341,13 @@ def main():
         export_model(HERE / model_name, make, cls, calibration_ids(calib_shape), formats, save)
 
 
-def export_model(root, make, cls, ids, formats, save=None):
+def export_model(root, make, cls, ids, formats, save=None, suffix=""):
+    reuse = REUSE_INPUT or bool(suffix)
     input_dir = root / "model"
-    if input_dir.exists() and not REUSE_INPUT:
+    if input_dir.exists() and not reuse:
         shutil.rmtree(input_dir)
     load_dir = input_dir
-    if REUSE_INPUT and input_dir.exists():
+    if reuse and input_dir.exists():
         pass
     elif save is None:
         make().save_pretrained(input_dir, safe_serialization=True)
@@ -364,7 +394,7 @@ def export_model(root, make, cls, ids, formats, save=None):
             pqs = getattr(q, "_pre_quant_scale", None)
             if pqs is not None:
                 amax[f"{q_name}._pre_quant_scale"] = [float(v) for v in pqs.float().flatten()]
-        out = root / name
+        out = root / (name + suffix)
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)

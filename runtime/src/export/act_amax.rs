@@ -7,8 +7,88 @@
 //! int4-awq after AWQ's clipping search, `"<module>.weight_quantizer": [...]`, the clipped
 //! amax of every 128-block of the (smoothed) weight, row-major over `[out, in / 128]`.
 
+use crate::module_tree::{ModuleRef, ModuleTree};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// How a statistics file's keys applied to a model ([`ActAmax::bind`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Binding {
+    /// Keys that name no quantizer of the model (a warning; an error with `--strict`).
+    pub unknown: Vec<String>,
+    /// Keys under transformers 5's in-memory names, with the checkpoint's quantizers each
+    /// was applied to.
+    pub mapped: Vec<(String, Vec<String>)>,
+}
+
+/// The quantizer-name suffixes a statistics key can end in, after its module path.
+const SUFFIXES: [&str; 5] = [
+    ".input_quantizer._pre_quant_scale",
+    ".input_quantizer",
+    ".weight_quantizer",
+    ".k_bmm_quantizer",
+    ".v_bmm_quantizer",
+];
+
+/// The module path `path` names in `tree`, directly or under transformers' hub names
+/// (`mlp` → `block_sparse_moe`).
+fn find_module<'t>(tree: &'t ModuleTree, path: &str) -> Option<ModuleRef<'t>> {
+    tree.find(path).or_else(|| {
+        let hub = path.replace(".mlp.", ".block_sparse_moe.");
+        let hub = match hub.strip_suffix(".mlp") {
+            Some(p) => format!("{p}.block_sparse_moe"),
+            None => hub,
+        };
+        tree.find(&hub)
+    })
+}
+
+/// The keys of the checkpoint's quantizers that statistics key `key` applies to; `None` when
+/// it names none.
+fn bind_key(tree: &ModuleTree, key: &str) -> Option<Vec<String>> {
+    for suffix in SUFFIXES {
+        let Some(path) = key.strip_suffix(suffix) else {
+            continue;
+        };
+        let module = find_module(tree, path)?;
+        let has_weight = module.tensor("weight").is_some();
+        let is_attention = suffix.contains("_bmm_") && module.child("k_proj").is_some();
+        return (has_weight || is_attention).then(|| vec![format!("{}{suffix}", module.path())]);
+    }
+    // 3-D experts' per-projection quantizers: `<experts>.<p>_input_quantizer[._pre_quant_scale]`.
+    let (stem, tail) = match key.strip_suffix("._pre_quant_scale") {
+        Some(stem) => (stem, "._pre_quant_scale"),
+        None => (key, ""),
+    };
+    let (path, projection) = stem.strip_suffix("_input_quantizer")?.rsplit_once('.')?;
+    let experts = find_module(tree, path)?;
+    if experts.tensor(projection).is_some() {
+        return Some(vec![format!(
+            "{}.{projection}_input_quantizer{tail}",
+            experts.path()
+        )]);
+    }
+    // Fused in memory, per-expert Linears on disk.
+    let locals: &[&[&str]] = match projection {
+        "gate_up_proj" => &[&["gate_proj", "up_proj"], &["w1", "w3"]],
+        "down_proj" => &[&["down_proj"], &["w2"]],
+        "up_proj" => &[&["up_proj"]],
+        _ => return None,
+    };
+    let mut targets = Vec::new();
+    for expert in experts
+        .children()
+        .filter(|e| e.local_name().parse::<usize>().is_ok())
+    {
+        let linears = locals
+            .iter()
+            .find(|names| names.iter().all(|n| expert.child(n).is_some()))?;
+        for n in *linears {
+            targets.push(format!("{}.{n}.input_quantizer{tail}", expert.path()));
+        }
+    }
+    (!targets.is_empty()).then_some(targets)
+}
 
 /// Why an activation-statistics file was rejected.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +103,8 @@ pub struct ActAmaxError {
 /// Per-quantizer activation amax.
 #[derive(Debug, Clone, Default)]
 pub struct ActAmax {
+    /// The file the values came from, if any (for messages).
+    source: Option<PathBuf>,
     values: BTreeMap<String, f32>,
     /// `<module>.input_quantizer._pre_quant_scale` → one positive finite value per input channel.
     pre_quant_scales: BTreeMap<String, Vec<f32>>,
@@ -98,6 +180,7 @@ impl ActAmax {
             }
         }
         Ok(ActAmax {
+            source: Some(path.to_path_buf()),
             values,
             pre_quant_scales,
             weight_amax,
@@ -107,6 +190,7 @@ impl ActAmax {
     /// From explicit values (tests, the demo model, calibration).
     pub fn from_values(values: impl IntoIterator<Item = (String, f32)>) -> Self {
         ActAmax {
+            source: None,
             values: values.into_iter().collect(),
             pre_quant_scales: BTreeMap::new(),
             weight_amax: BTreeMap::new(),
@@ -184,6 +268,64 @@ impl ActAmax {
             path: path.to_path_buf(),
             message: e.to_string(),
         })
+    }
+
+    /// The file the values were read from, if any.
+    pub fn source(&self) -> Option<&Path> {
+        self.source.as_deref()
+    }
+
+    /// Applies the keys to the module tree of the model being exported. Keys that name a
+    /// quantizer of the tree are kept as they are. Keys under the names transformers 5 holds
+    /// a model by in memory — what ModelOpt's dumps use there — are mapped onto the checkpoint
+    /// on disk, as transformers' own checkpoint conversion maps them (`block_sparse_moe` ↔
+    /// `mlp`; fused experts ↔ per-expert Linears):
+    ///
+    /// - `<experts>.gate_up_proj_input_quantizer` (one quantizer for every expert's gate and up
+    ///   projections) → `<experts>.<e>.{gate_proj,up_proj | w1,w3}.input_quantizer` of every
+    ///   expert `e`; `<experts>.down_proj_input_quantizer` → `<experts>.<e>.{down_proj | w2}`;
+    ///   `<experts>.up_proj_input_quantizer` (no gate) → `<experts>.<e>.up_proj`; the same for
+    ///   their `._pre_quant_scale`;
+    /// - a Linear, attention or experts path with `mlp` where the checkpoint has
+    ///   `block_sparse_moe` (Mixtral) → that path.
+    ///
+    /// A value the file gives under the checkpoint's own name wins over a mapped one. Keys
+    /// that name no quantizer of the tree are returned in [`Binding::unknown`].
+    pub fn bind(mut self, tree: &ModuleTree) -> (ActAmax, Binding) {
+        let mut binding = Binding::default();
+        let keys: Vec<String> = self
+            .values
+            .keys()
+            .chain(self.pre_quant_scales.keys())
+            .chain(self.weight_amax.keys())
+            .cloned()
+            .collect();
+        for key in keys {
+            let targets = bind_key(tree, &key);
+            match targets {
+                None => binding.unknown.push(key),
+                Some(t) if t.len() == 1 && t[0] == key => {}
+                Some(targets) => {
+                    self.map_key(&key, &targets);
+                    binding.mapped.push((key, targets));
+                }
+            }
+        }
+        (self, binding)
+    }
+
+    /// Copies the value of `key` to each of `targets` that has none of its own, then drops `key`.
+    fn map_key(&mut self, key: &str, targets: &[String]) {
+        fn copy<V: Clone>(map: &mut BTreeMap<String, V>, key: &str, targets: &[String]) {
+            if let Some(v) = map.remove(key) {
+                for t in targets {
+                    map.entry(t.clone()).or_insert_with(|| v.clone());
+                }
+            }
+        }
+        copy(&mut self.values, key, targets);
+        copy(&mut self.pre_quant_scales, key, targets);
+        copy(&mut self.weight_amax, key, targets);
     }
 
     /// Whether no value is present.

@@ -12,10 +12,9 @@
 //!   per-tensor scales, NVFP4 blocks along `in` (ModelOpt transposes, quantizes, transposes
 //!   back), MX blocks along the last dimension, FP8 per-channel scales per expert.
 
-use super::linear::{
-    Granularity, Quantize, ScaleSource, export_scale, f32s, input_scale_of, scalar,
-};
+use super::quantize::{Quantize, f32s, scalar};
 use super::recipe::{Format, Recipe};
+use super::scales::{Granularity, ScaleSource, export_scale, input_scale_of};
 use super::stats::ErrorStats;
 use super::{ExportContext, ExportError, ModuleExporter, full_name, is_moe};
 use crate::export::act_amax::ActAmax;
@@ -87,15 +86,18 @@ pub fn missing_input_amax<'a>(
 
 /// The shape of a 3-D tensor of `module`, or a named error.
 fn shape3(module: &ModuleRef<'_>, tensor: &str) -> Result<[usize; 3], ExportError> {
-    let t = module.tensor(tensor).ok_or_else(|| {
-        ExportError::Invalid(format!("experts `{}` have no `{tensor}`", module.path()))
-    })?;
+    let t = module
+        .tensor(tensor)
+        .ok_or_else(|| ExportError::MissingTensor {
+            tensor: full_name(module.path(), tensor),
+        })?;
     match t.shape[..] {
         [e, r, c] => Ok([e, r, c]),
-        ref s => Err(ExportError::Invalid(format!(
-            "tensor `{}`: experts need a 3-D tensor, found {s:?}",
-            full_name(module.path(), tensor)
-        ))),
+        ref s => Err(ExportError::Shape {
+            tensor: full_name(module.path(), tensor),
+            expected: "a 3-D experts tensor".into(),
+            found: s.to_vec(),
+        }),
     }
 }
 
@@ -107,7 +109,7 @@ macro_rules! by_dtype {
             Some(Dtype::F16) => $f::<f16>($($arg),*),
             Some(Dtype::F32) => $f::<f32>($($arg),*),
             Some(dtype) => Err(ExportError::Dtype { tensor: $tensor, dtype }),
-            None => Err(ExportError::Invalid(format!("no tensor `{}` in the checkpoint", $tensor))),
+            None => Err(ExportError::MissingTensor { tensor: $tensor }),
         }
     };
 }
@@ -168,12 +170,15 @@ impl ModuleExporter for FusedExperts {
         let gated = first == "gate_up_proj";
         let inter = if gated { r / 2 } else { r };
         if e2 != e || h2 != h || inter != i || (gated && r % 2 != 0) {
-            return Err(ExportError::Invalid(format!(
-                "experts `{name}`: `{first}` {:?} and `down_proj` {:?} do not agree (expected [E, {}I, H] and [E, H, I])",
-                [e, r, h],
-                [e2, h2, i],
-                if gated { "2" } else { "" }
-            )));
+            return Err(ExportError::Shape {
+                tensor: full_name(name, "down_proj"),
+                expected: format!(
+                    "[E, H, I] agreeing with `{first}` {:?} ([E, {}I, H])",
+                    [e, r, h],
+                    if gated { "2" } else { "" }
+                ),
+                found: vec![e2, h2, i],
+            });
         }
         for t in module
             .tensors()
@@ -463,10 +468,11 @@ fn bmm_run<T: Element>(b: &Bmm<'_>) -> Result<(), ExportError> {
             ErrorStats::measure(&w, |i| e2m1_to_f32(nibble(&q, i)) * e8m0_to_f32(s[i / 32]))
         }
         other => {
-            return Err(ExportError::Invalid(format!(
-                "tensor `{}`: {other} cannot quantize BMM experts (3-D [experts, in, out]; ModelOpt 0.47 cannot either); formats that can: fp8, fp8-per-channel, fp8-block, nvfp4, w4a16-nvfp4, mxfp8, mxfp4",
-                b.tensor
-            )));
+            return Err(ExportError::Unsupported {
+                target: b.tensor.to_string(),
+                format: other,
+                reason: "cannot quantize BMM experts (3-D [experts, in, out]; ModelOpt 0.47 cannot either); formats that can: fp8, fp8-per-channel, fp8-block, nvfp4, w4a16-nvfp4, mxfp8, mxfp4".into(),
+            });
         }
     };
     b.ctx.record_error(b.format, &error)

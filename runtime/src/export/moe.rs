@@ -85,10 +85,20 @@ impl ModuleExporter for IterableExperts {
                 .fold(None, |acc: Option<f32>, a| {
                     Some(acc.map_or(a, |b| b.max(a)))
                 });
+            // Only experts that saw no calibration tokens are filled from their siblings; a
+            // whole group without statistics is refused before the walk (formats with input
+            // scales), and for the others the value is unused (ModelOpt's 0.5).
+            let used = ctx.recipe()?.format.needs_input_scale();
             for (m, k) in modules.iter().zip(&known) {
                 if k.is_none() {
-                    ctx.set_input_amax(m, fill.unwrap_or(0.5))?;
-                    ctx.note(m, format!("input amax filled with {}", fill.unwrap_or(0.5)));
+                    let value = fill.unwrap_or(0.5);
+                    ctx.set_input_amax(m, value)?;
+                    if used {
+                        ctx.warn(
+                            m,
+                            format!("no input amax (no calibration token reached this expert): filled with its siblings' max, {value}"),
+                        );
+                    }
                 }
             }
         }

@@ -4,7 +4,7 @@
 
 use super::act_amax::ActAmax;
 use super::files;
-use super::linear::input_group;
+use super::groups::input_group;
 use super::recipe::Recipe;
 use super::{ExportContext, ExportError, ExportReport, ModuleOutcome, walk};
 use crate::checkpoint::Checkpoint;
@@ -37,6 +37,26 @@ pub struct ExportOptions {
     pub progress: Option<super::ProgressFn>,
     /// Set to stop the export (Ctrl-C); the partial output is removed.
     pub cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Make warnings errors: statistics keys that name no quantizer, non-finite weights.
+    pub strict: bool,
+}
+
+impl ExportOptions {
+    /// Exporting `model` to `out` with `recipe`: no activation statistics, 5 GB shards, no
+    /// `--force`, not strict.
+    pub fn new(model: impl Into<PathBuf>, out: impl Into<PathBuf>, recipe: Recipe) -> Self {
+        ExportOptions {
+            model: model.into(),
+            out: out.into(),
+            recipe,
+            act_amax: None,
+            max_shard_bytes: 5_000_000_000,
+            force: false,
+            progress: None,
+            cancel: None,
+            strict: false,
+        }
+    }
 }
 
 impl std::fmt::Debug for ExportOptions {
@@ -68,8 +88,15 @@ pub struct ExportSummary {
     pub quantized_modules: usize,
     /// Quantization error per format (max / mean |w − dequant(w)|).
     pub errors: BTreeMap<super::recipe::Format, super::stats::ErrorStats>,
-    /// Modules left unquantized by the recipe.
+    /// `exclude_modules`: the unquantized modules, summarised by prefix wildcards — derived
+    /// from what the exporters declared, not from the recipe.
     pub excluded: Vec<String>,
+    /// Each module declared quantized, with its format.
+    pub quantized: BTreeMap<String, super::recipe::Format>,
+    /// Input tensors holding NaN or ±Inf values, with their counts.
+    pub nonfinite: BTreeMap<String, usize>,
+    /// Everything kiln substituted or ignored, one line each (printed as warnings).
+    pub warnings: Vec<String>,
     /// Tensor bytes read.
     pub bytes_in: u64,
     /// Tensor bytes written.
@@ -94,9 +121,7 @@ pub fn module_tree(checkpoint: &Checkpoint) -> Result<(ModuleTree, String, bool)
         Some(ArchitectureMatch::Named(e)) => (e, false),
         Some(ArchitectureMatch::Fallback(e)) => (e, true),
         None => {
-            return Err(ExportError::Invalid(format!(
-                "no architecture registered for `{name}` and no fallback"
-            )));
+            return Err(ExportError::NoArchitecture { name });
         }
     };
     let tensors: Vec<TensorInfo> = checkpoint
@@ -109,8 +134,25 @@ pub fn module_tree(checkpoint: &Checkpoint) -> Result<(ModuleTree, String, bool)
         .collect();
     let tree = (entry.construct)()
         .module_tree(&Value::Object(config.raw().clone()), &tensors)
-        .map_err(|e| ExportError::Invalid(format!("{}: {e}", checkpoint.dir().display())))?;
+        .map_err(|source| ExportError::ModuleTree {
+            dir: checkpoint.dir().to_path_buf(),
+            source,
+        })?;
     Ok((tree, name, fallback))
+}
+
+/// Whether the model ties `lm_head` to the input embeddings: `tie_word_embeddings` is set,
+/// or absent while the checkpoint has no `lm_head.weight` (transformers' default ties).
+fn ties_lm_head(checkpoint: &Checkpoint) -> bool {
+    match checkpoint
+        .config()
+        .raw()
+        .get("tie_word_embeddings")
+        .and_then(Value::as_bool)
+    {
+        Some(tied) => tied,
+        None => checkpoint.tensor("lm_head.weight").is_none(),
+    }
 }
 
 /// Tied-weight aliases to drop: `lm_head.weight` when `tie_word_embeddings` is set and it
@@ -130,9 +172,10 @@ fn tied_aliases(checkpoint: &Checkpoint) -> Result<BTreeSet<String>, ExportError
         checkpoint.read(alias, &mut a)?;
         checkpoint.read(canonical, &mut b)?;
         if a != b {
-            return Err(ExportError::Invalid(format!(
-                "config.json says tie_word_embeddings, but `{alias}` and `{canonical}` differ"
-            )));
+            return Err(ExportError::TiedWeightsDiffer {
+                alias: alias.into(),
+                canonical: canonical.into(),
+            });
         }
         dropped.insert(alias.to_string());
     }
@@ -152,9 +195,17 @@ fn check_act_amax(tree: &ModuleTree, recipe: &Recipe, act: &ActAmax) -> Result<(
                 && m.tensor("weight").is_some()
                 && recipe.quantizes(m.path())
         })
-        // Experts' inputs are filled from their siblings (or 0.5) by `prepare_moe_inputs`.
-        .filter(|m| !super::moe::in_iterable_expert(*m))
         .filter(|m| {
+            // An expert that saw no calibration token is filled from its siblings by
+            // `prepare_moe_inputs`; a projection no expert has statistics for is missing.
+            if super::moe::in_iterable_expert(*m) {
+                let list = m.parent().and_then(|e| e.parent());
+                return list.is_some_and(|l| {
+                    l.children()
+                        .filter_map(|e| e.child(m.local_name()))
+                        .all(|s| act.input(s.path()).is_none())
+                });
+            }
             // In shared-input groups one member's amax is enough (the max is taken).
             let group = if recipe.format.shares_input_amax() {
                 input_group(*m, |p| recipe.quantizes(p))
@@ -217,7 +268,25 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let recipe = &options.recipe;
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
-    let act = options.act_amax.clone().unwrap_or_default();
+    let (act, binding) = options.act_amax.clone().unwrap_or_default().bind(&tree);
+    let source = act
+        .source()
+        .map_or_else(|| PathBuf::from("--act-amax"), Path::to_path_buf);
+    if options.strict && !binding.unknown.is_empty() {
+        return Err(ExportError::UnknownStatistics {
+            file: source,
+            keys: binding.unknown,
+        });
+    }
+    let mut warnings = Vec::new();
+    if !binding.unknown.is_empty() {
+        warnings.push(format!(
+            "{}: {} key(s) name no quantizer of this model and were ignored: {}",
+            source.display(),
+            binding.unknown.len(),
+            binding.unknown.join(", ")
+        ));
+    }
     check_act_amax(&tree, recipe, &act)?;
     let smoothing = smoothing(&checkpoint, &tree, recipe, &act)?;
     let dropped = tied_aliases(&checkpoint)?;
@@ -243,16 +312,28 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let registry =
         ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
     walk(&tree, registry, &ctx)?;
+    let nonfinite = ctx.nonfinite();
+    if options.strict && !nonfinite.is_empty() {
+        return Err(ExportError::NonFinite {
+            tensors: nonfinite.into_iter().collect(),
+        });
+    }
+    for (tensor, n) in &nonfinite {
+        warnings.push(format!(
+            "`{tensor}` holds {n} NaN/Inf value(s); they are exported as the format encodes them (--strict refuses)"
+        ));
+    }
     let quantized = ctx.quantized();
     let errors = ctx.errors();
     let bytes_out = ctx.bytes_out();
     let (writer, report) = ctx.finish_writer()?;
+    warnings.extend(report.warnings.iter().map(|(m, w)| format!("`{m}`: {w}")));
     let written = writer.finish()?;
 
     // Modules recorded for exclude_modules: every Linear and Embedding, and routers with a
     // weight (GPT-OSS's `GptOssTopKRouter`) — ModelOpt gives each a quantizer; the unquantized
     // ones are summarised by prefix wildcards.
-    let recorded: BTreeSet<String> = tree
+    let mut recorded: BTreeSet<String> = tree
         .walk()
         .filter(|m| {
             m.class_chain().is::<Linear>()
@@ -261,6 +342,13 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         })
         .map(|m| m.path().to_string())
         .collect();
+    // A tied `lm_head` has no tensor on disk, but it is a module in memory with a quantizer:
+    // ModelOpt lists it (FORMATS.md §4.1).
+    if ties_lm_head(&checkpoint) && tree.find("lm_head").is_none() {
+        recorded.insert("lm_head".into());
+    }
+    // Modules a plugin declared that are not Linears / Embeddings are recorded too.
+    recorded.extend(quantized.keys().cloned());
     let quantized_names: BTreeSet<String> = quantized.keys().cloned().collect();
     let unquantized: BTreeSet<String> = recorded.difference(&quantized_names).cloned().collect();
     let excluded = files::exclude_summary(&unquantized, &quantized_names);
@@ -309,6 +397,9 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         report,
         modules_per_exporter,
         quantized_modules: quantized.len(),
+        quantized,
+        nonfinite,
+        warnings,
         errors,
         excluded,
         bytes_in: checkpoint.data_bytes(),
@@ -323,8 +414,10 @@ fn write_json(path: &Path, value: &Value, indent: usize) -> Result<(), ExportErr
     let pad = vec![b' '; indent];
     let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
     let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
-    serde::Serialize::serialize(value, &mut ser)
-        .map_err(|e| ExportError::Invalid(format!("{}: {e}", path.display())))?;
+    serde::Serialize::serialize(value, &mut ser).map_err(|e| crate::sink::SinkError::Io {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })?;
     buf.push(b'\n');
     std::fs::write(path, buf).map_err(|source| {
         crate::sink::SinkError::Io {

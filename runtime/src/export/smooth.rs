@@ -17,7 +17,7 @@
 //!    Linear keep `pre_quant_scale = avg` in the weight's dtype.
 
 use super::ExportError;
-use super::linear::input_group;
+use super::groups::input_group;
 use super::recipe::{Format, Recipe};
 use crate::export::act_amax::ActAmax;
 use crate::module_tree::{Linear, ModuleTree};
@@ -115,9 +115,12 @@ impl SmoothPlan {
     ) -> Result<Option<Self>, ExportError> {
         let format = recipe.format;
         if act.has_weight_amax() && format != Format::Int4Awq {
-            return Err(ExportError::Invalid(format!(
-                "weight amax (`<linear>.weight_quantizer`, AWQ's clipping search) are taken by int4-awq only, not by {format}"
-            )));
+            return Err(ExportError::Unsupported {
+                target: "<linear>.weight_quantizer".into(),
+                format,
+                reason: "does not take weight amax (AWQ's clipping search): only int4-awq does"
+                    .into(),
+            });
         }
         if !uses_pre_quant_scale(format) {
             return Ok(None);
@@ -137,10 +140,11 @@ impl SmoothPlan {
                 && !super::moe::is_iterable_experts(m)
                 && m.tensors().iter().any(|t| t.shape.len() == 3)
         }) {
-            return Err(ExportError::Invalid(format!(
-                "{format} cannot export 3-D experts (`{}`) yet: AWQ / SmoothQuant scales are per expert Linear; leave them unquantized with --exclude '*.experts*' or choose another format",
-                m.path()
-            )));
+            return Err(ExportError::Unsupported {
+                target: m.path().to_string(),
+                format,
+                reason: "cannot export 3-D experts yet: AWQ / SmoothQuant scales are per expert Linear; leave them unquantized with --exclude '*.experts*' or choose another format".into(),
+            });
         }
         let missing: Vec<String> = quantized
             .iter()
@@ -159,9 +163,11 @@ impl SmoothPlan {
                 in_features(m).unwrap_or(0),
             );
             if got != want {
-                return Err(ExportError::Invalid(format!(
-                    "`{m}.input_quantizer._pre_quant_scale` has {got} values; the Linear has {want} input channels"
-                )));
+                return Err(ExportError::StatisticLength {
+                    quantizer: format!("{m}.input_quantizer._pre_quant_scale"),
+                    found: got,
+                    expected: format!("the Linear has {want} input channels"),
+                });
             }
         }
         let mut plan = SmoothPlan::default();
@@ -191,7 +197,7 @@ impl SmoothPlan {
         for m in &quantized {
             let module = tree
                 .find(m)
-                .ok_or_else(|| ExportError::Invalid(format!("no module `{m}`")))?;
+                .ok_or_else(|| ExportError::MissingModule { module: m.clone() })?;
             let group: Vec<String> = input_group(module, |p| recipe.quantizes(p))
                 .into_iter()
                 .filter(|g| plan.linears.get(g).is_some_and(|l| l.scale.is_some()))

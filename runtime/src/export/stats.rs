@@ -5,6 +5,34 @@
 use kiln_kernels::Element;
 use rayon::prelude::*;
 
+/// How many values of a tensor's raw little-endian bytes are NaN or ±Inf (BF16, F16, F32,
+/// F64 and F8 E4M3; 0 for integer dtypes, which have none).
+pub fn nonfinite_in_bytes(dtype: safetensors::Dtype, bytes: &[u8]) -> usize {
+    use safetensors::Dtype;
+    match dtype {
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .filter(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80)
+            .count(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .filter(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00)
+            .count(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .filter(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
+            .count(),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .filter(|b| !f64::from_le_bytes((*b).try_into().expect("8 bytes")).is_finite())
+            .count(),
+        // E4M3FN has no infinities; its NaN is S.1111.111.
+        Dtype::F8_E4M3 => bytes.iter().filter(|&&b| b & 0x7F == 0x7F).count(),
+        Dtype::F8_E5M2 => bytes.iter().filter(|&&b| b & 0x7C == 0x7C).count(),
+        _ => 0,
+    }
+}
+
 /// Absolute-error statistics over many weights.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ErrorStats {

@@ -32,6 +32,7 @@ fn options(model: &Path, out: &Path, format: Format, act: Option<ActAmax>) -> Ex
         force: false,
         progress: None,
         cancel: None,
+        strict: false,
     }
 }
 
