@@ -57,6 +57,7 @@ fn options(root: &Path, out: &Path, recipe: Recipe, act: ActAmax) -> ExportOptio
         progress: None,
         cancel: None,
         strict: false,
+        exporters: None,
     }
 }
 

@@ -657,6 +657,7 @@ fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
                 progress: None,
                 cancel: None,
                 strict: false,
+                exporters: None,
             })
             .unwrap();
             logit_error("llama-tiny", model, &out)

@@ -413,6 +413,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         })),
         cancel: Some(cancel_flag()),
         strict: args.strict,
+        exporters: None,
     };
     let result = run(&options);
     if matches!(result, Err(kiln_runtime::ExportError::Cancelled)) {

@@ -39,6 +39,8 @@ pub struct ExportOptions {
     pub cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Make warnings errors: statistics keys that name no quantizer, non-finite weights.
     pub strict: bool,
+    /// The exporters to use; `None`: the registry the binary's `#[exporter]`s built.
+    pub exporters: Option<Arc<ExporterRegistry>>,
 }
 
 impl ExportOptions {
@@ -55,6 +57,7 @@ impl ExportOptions {
             progress: None,
             cancel: None,
             strict: false,
+            exporters: None,
         }
     }
 }
@@ -309,8 +312,12 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     if let Some(c) = &options.cancel {
         ctx = ctx.with_cancel(c.clone());
     }
-    let registry =
-        ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
+    let registry = match &options.exporters {
+        Some(r) => r.as_ref(),
+        None => {
+            ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?
+        }
+    };
     walk(&tree, registry, &ctx)?;
     let nonfinite = ctx.nonfinite();
     if options.strict && !nonfinite.is_empty() {

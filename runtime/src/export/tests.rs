@@ -33,6 +33,7 @@ fn options(model: &Path, out: &Path, format: Format, act: Option<ActAmax>) -> Ex
         progress: None,
         cancel: None,
         strict: false,
+        exporters: None,
     }
 }
 
@@ -468,4 +469,226 @@ fn fp8_block_scales_cover_partial_tiles_and_single_tile_groups_share_one() {
         f32_scalar(&output, &format!("{o}.weight_scale")),
         input_amax(&input, &format!("{o}.weight")) / 448.0
     );
+}
+
+// ---- what exporters declare is what the configs say ----
+
+use super::{ExportContext, ExportError, ModuleExporter, quantize_linear};
+use crate::module_tree::ModuleRef;
+use crate::registry::RegistryBuilder;
+use crate::registry::exporters::{ExporterEntry, ExporterRegistry, Predicate};
+use std::sync::Arc;
+
+fn is_lm_head(m: &ModuleRef<'_>) -> bool {
+    m.path() == "lm_head"
+}
+
+/// The built-in exporters with `T` ahead of them, taking `lm_head`.
+fn with_head_exporter<T: ModuleExporter + Default + 'static>() -> Arc<ExporterRegistry> {
+    let mut b = RegistryBuilder::<ExporterEntry>::from_static().unwrap();
+    b.prepend(ExporterEntry::of::<T>(
+        vec![],
+        Some(Predicate {
+            func: is_lm_head,
+            name: "is_lm_head".into(),
+        }),
+    ));
+    Arc::new(b.build().unwrap())
+}
+
+/// Quantizes `lm_head` to FP8 through the public API.
+#[derive(Default)]
+struct Fp8Head;
+
+impl ModuleExporter for Fp8Head {
+    fn export(&self, _: &str, m: ModuleRef<'_>, ctx: &ExportContext) -> Result<(), ExportError> {
+        quantize_linear(ctx, m, Format::Fp8)
+    }
+}
+
+/// Writes an FP8 `lm_head` with `ctx.emit` and declares nothing.
+#[derive(Default)]
+struct UndeclaredFp8Head;
+
+impl ModuleExporter for UndeclaredFp8Head {
+    fn export(&self, _: &str, _: ModuleRef<'_>, ctx: &ExportContext) -> Result<(), ExportError> {
+        let w = ctx.checkpoint()?.read_as::<bf16>("lm_head.weight")?;
+        let s = kiln_kernels::ops::fp8::fp8_scale(kiln_kernels::cpu::amax(&w));
+        let mut q = vec![0u8; w.len()];
+        kiln_kernels::cpu::quantize_fp8_per_tensor(&w, s, &mut q).unwrap();
+        ctx.emit("lm_head.weight", Dtype::F8_E4M3, &[96, 64], &q)?;
+        ctx.emit("lm_head.weight_scale", Dtype::F32, &[], &s.to_le_bytes())
+    }
+}
+
+/// Declares NVFP4 but writes FP8 tensors.
+#[derive(Default)]
+struct MislabelledHead;
+
+impl ModuleExporter for MislabelledHead {
+    fn export(&self, n: &str, m: ModuleRef<'_>, ctx: &ExportContext) -> Result<(), ExportError> {
+        UndeclaredFp8Head.export(n, m, ctx)?;
+        ctx.record_quantized("lm_head", Format::Nvfp4)
+    }
+}
+
+fn export_with(
+    registry: Arc<ExporterRegistry>,
+    format: Format,
+) -> (
+    tempfile::TempDir,
+    Result<super::run::ExportSummary, ExportError>,
+) {
+    let root = tempfile::tempdir().unwrap();
+    let (model, out) = (root.path().join("model"), root.path().join("out"));
+    std::fs::create_dir(&model).unwrap();
+    let act = demo(&model);
+    let options = ExportOptions {
+        exporters: Some(registry),
+        ..options(&model, &out, format, Some(act))
+    };
+    let result = run(&options);
+    (root, result)
+}
+
+fn json_file(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn a_plugin_quantized_lm_head_is_not_listed_as_excluded() {
+    let (root, summary) = export_with(with_head_exporter::<Fp8Head>(), Format::Fp8);
+    let summary = summary.unwrap();
+    let out = root.path().join("out");
+    assert_eq!(summary.excluded, ["model.embed_tokens"]);
+    assert_eq!(summary.quantized["lm_head"], Format::Fp8);
+    let hf = json_file(&out.join("hf_quant_config.json"));
+    assert_eq!(hf["quantization"]["quant_algo"], "FP8");
+    assert_eq!(
+        hf["quantization"]["exclude_modules"],
+        serde_json::json!(["model.embed_tokens"])
+    );
+    let config = json_file(&out.join("config.json"));
+    assert_eq!(
+        config["quantization_config"]["ignore"],
+        serde_json::json!(["model.embed_tokens"])
+    );
+    let c = Checkpoint::open(&out).unwrap();
+    assert_eq!(meta(&c, "lm_head.weight"), (Dtype::F8_E4M3, vec![96, 64]));
+    assert_eq!(
+        f32_scalar(&c, "lm_head.input_scale"),
+        8.0 / 448.0,
+        "the demo's lm_head input amax"
+    );
+}
+
+#[test]
+fn a_module_in_another_format_makes_the_checkpoint_mixed_precision() {
+    // ModelOpt's answer to a per-module format: MIXED_PRECISION with `quantized_layers`.
+    let (root, summary) = export_with(with_head_exporter::<Fp8Head>(), Format::Nvfp4);
+    summary.unwrap();
+    let out = root.path().join("out");
+    let hf = json_file(&out.join("hf_quant_config.json"));
+    let q = &hf["quantization"];
+    assert_eq!(q["quant_algo"], "MIXED_PRECISION");
+    assert!(q.get("exclude_modules").is_none());
+    assert_eq!(q["quantized_layers"]["lm_head"]["quant_algo"], "FP8");
+    assert_eq!(
+        q["quantized_layers"]["model.layers.0.self_attn.q_proj"],
+        serde_json::json!({"quant_algo": "NVFP4", "group_size": 16})
+    );
+    let qc = &json_file(&out.join("config.json"))["quantization_config"];
+    assert_eq!(qc["quant_algo"], "MIXED_PRECISION");
+    assert_eq!(qc["config_groups"].as_object().unwrap().len(), 2);
+    assert_eq!(qc["quantized_layers"], q["quantized_layers"]);
+}
+
+#[test]
+fn quantized_tensors_without_a_declaration_are_refused() {
+    let (root, result) = export_with(with_head_exporter::<UndeclaredFp8Head>(), Format::Fp8);
+    let e = result.unwrap_err();
+    assert!(
+        matches!(&e, ExportError::UndeclaredQuantization { module, tensors, .. }
+            if module == "lm_head" && tensors == &["lm_head.weight F8_E4M3", "lm_head.weight_scale F32"]),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("UndeclaredFp8Head wrote quantized tensors"),
+        "{e}"
+    );
+    assert!(!root.path().join("out").exists());
+}
+
+#[test]
+fn a_declared_format_must_match_the_tensors_written() {
+    let (_root, result) = export_with(with_head_exporter::<MislabelledHead>(), Format::Fp8);
+    let e = result.unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "module `lm_head` declared nvfp4, but `weight` is F8_E4M3 [96, 64], the format has U8 [96, 32]"
+    );
+}
+
+#[test]
+fn nan_and_inf_weights_are_counted_and_refused_when_strict() {
+    let root = tempfile::tempdir().unwrap();
+    let (model, out) = (root.path().join("model"), root.path().join("out"));
+    std::fs::create_dir(&model).unwrap();
+    let act = demo(&model);
+    // Poison two values of a q_proj (quantized) and one of a norm (copied).
+    let path = model.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    for (name, _, _, data) in &mut tensors {
+        let poison: &[(usize, f32)] = match name.as_str() {
+            "model.layers.1.self_attn.q_proj.weight" => &[(5, f32::NAN), (70, f32::INFINITY)],
+            "model.norm.weight" => &[(3, f32::NAN)],
+            _ => &[],
+        };
+        for &(i, v) in poison {
+            data[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    drop(st);
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+
+    let summary = run(&options(&model, &out, Format::Fp8, Some(act.clone()))).unwrap();
+    assert_eq!(
+        summary.nonfinite.into_iter().collect::<Vec<_>>(),
+        [
+            ("model.layers.1.self_attn.q_proj.weight".to_string(), 2),
+            ("model.norm.weight".to_string(), 1)
+        ]
+    );
+    assert!(
+        summary.warnings[0]
+            .starts_with("`model.layers.1.self_attn.q_proj.weight` holds 2 NaN/Inf value(s)"),
+        "{:?}",
+        summary.warnings
+    );
+    let strict = ExportOptions {
+        strict: true,
+        ..options(&model, &root.path().join("strict"), Format::Fp8, Some(act))
+    };
+    let e = run(&strict).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "non-finite values (NaN/Inf) in `model.layers.1.self_attn.q_proj.weight` (2), `model.norm.weight` (1) (--strict)"
+    );
+    assert!(!root.path().join("strict").exists());
 }
