@@ -8,11 +8,11 @@
 //! `cargo bench --bench registry`
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kiln::registry::exporters::{ExporterEntry, Key, Predicate};
-use kiln::registry::{EntryMeta, RegistryBuilder, Tier};
 use kiln::{
     Class, ClassChain, ExporterRegistry, ModuleClass, ModuleExporter, ModuleRef, ModuleTree,
 };
+use kiln_runtime::registry::exporters::{ExporterEntry, Key, Predicate};
+use kiln_runtime::registry::{EntryMeta, RegistryBuilder, Tier};
 use seq_macro::seq;
 use std::borrow::Cow;
 use std::hint::black_box;

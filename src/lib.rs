@@ -32,4 +32,39 @@ pub mod cli;
 pub use kiln_kernels as kernels;
 #[doc(hidden)]
 pub use kiln_runtime::__private;
-pub use kiln_runtime::*;
+
+// The attribute macros.
+pub use kiln_runtime::{architecture, exporter, trainer};
+// The module tree exporters match on.
+pub use kiln_runtime::{
+    Class, ClassChain, Embedding, Linear, Module, ModuleClass, ModuleRef, ModuleTree, TensorInfo,
+};
+// Exporters: the trait, the context, the outcome, the formats.
+pub use kiln_runtime::export::format::Format;
+pub use kiln_runtime::{ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome};
+// Trainers and architectures.
+pub use kiln_runtime::{Architecture, ArchitectureError};
+pub use kiln_runtime::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
+// The registries.
+pub use kiln_runtime::{
+    ArchitectureEntry, ArchitectureRegistry, ExporterEntry, ExporterRegistry, Key, Match, Matcher,
+    Predicate, RegistryBuilder, RegistryError, RouteError, SourceLocation, Tier, TrainerEntry,
+    TrainerRegistry, resolve_trainer,
+};
+
+/// Exporting: what a plugin exporter calls, and what a program that runs exports needs.
+pub mod export {
+    pub use kiln_runtime::export::act_amax::{ActAmax, ActAmaxError, Binding};
+    pub use kiln_runtime::export::format::{Format, TensorLayout};
+    pub use kiln_runtime::export::recipe::{KvCache, Recipe};
+    pub use kiln_runtime::export::run::{ExportOptions, ExportSummary, run};
+    pub use kiln_runtime::export::{
+        ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome, ProgressFn,
+        full_name, is_moe, plan, quantize_linear, quantize_weight, walk,
+    };
+}
+
+/// Training: the trainer interface and what a trainer reports.
+pub mod train {
+    pub use kiln_runtime::train::*;
+}

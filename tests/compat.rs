@@ -5,10 +5,10 @@
 //! tensor — name, dtype, shape, bytes — and both JSON files must match. The only allowed
 //! difference is the producer (`kiln`).
 
-use kiln::checkpoint::Checkpoint;
-use kiln::export::act_amax::ActAmax;
-use kiln::export::recipe::{Format, KvCache, Recipe};
-use kiln::export::run::{ExportOptions, run};
+use kiln_runtime::checkpoint::Checkpoint;
+use kiln_runtime::export::act_amax::ActAmax;
+use kiln_runtime::export::recipe::{Format, KvCache, Recipe};
+use kiln_runtime::export::run::{ExportOptions, run};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 

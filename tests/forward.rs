@@ -2,9 +2,9 @@
 //! by `tests/compat/logits_ref.py`, transformers 4.57 in float32, eager attention) must agree
 //! within 1e-4 at every position; and every weight gets a gradient through it.
 
-use kiln::checkpoint::Checkpoint;
-use kiln::model::DecoderModel;
-use kiln::model::candle::{DType, Device, Tensor};
+use kiln_runtime::checkpoint::Checkpoint;
+use kiln_runtime::model::DecoderModel;
+use kiln_runtime::model::candle::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
 
 fn compat_dir(model: &str) -> PathBuf {
@@ -108,7 +108,7 @@ fn every_weight_gets_a_gradient() {
 /// `modelopt_ref.py` calibrated with): every quantizer ModelOpt calibrated is within 1 %.
 /// ModelOpt ran the model in bf16, kiln in f32.
 fn calibration_agrees(model: &str, dump: &str, dtype: DType) {
-    use kiln::model::calib::{calibrate_max, read_samples};
+    use kiln_runtime::model::calib::{calibrate_max, read_samples};
     let root = compat_dir(model);
     let c = Checkpoint::open(root.join("model")).unwrap();
     let m = DecoderModel::load(&c, dtype, &Device::Cpu).unwrap();
@@ -297,7 +297,7 @@ fn quantized_exports_decode_close_to_the_original() {
     }
     // GPT-OSS's exports: BMM experts decoded from every layout ModelOpt writes — the decoded
     // 3-D tensors against the original ones (‖Δ‖ / ‖W‖), then the logits.
-    let original = kiln::model::load::load_weights(
+    let original = kiln_runtime::model::load::load_weights(
         &Checkpoint::open(compat_dir("gpt-oss-tiny").join("model")).unwrap(),
         DType::F32,
         &Device::Cpu,
@@ -313,7 +313,7 @@ fn quantized_exports_decode_close_to_the_original() {
         "mxfp4",
     ] {
         let export = compat_dir("gpt-oss-tiny").join(format).join("modelopt");
-        let decoded = kiln::model::load::load_weights(
+        let decoded = kiln_runtime::model::load::load_weights(
             &Checkpoint::open(&export).unwrap(),
             DType::F32,
             &Device::Cpu,
@@ -376,8 +376,8 @@ fn quantized_exports_decode_close_to_the_original() {
 fn smoothquant_scales_agree_with_modelopt() {
     // ModelOpt's int8-sq calibration of the tiny Llama (α = 1) dumped each Linear's
     // pre-quant scale and smoothed-input amax; kiln's from the same token ids.
-    use kiln::model::MaxCalibrator;
-    use kiln::model::calib::{calibrate, read_samples, smoothquant_scales};
+    use kiln_runtime::model::MaxCalibrator;
+    use kiln_runtime::model::calib::{calibrate, read_samples, smoothquant_scales};
     let root = compat_dir("llama-tiny");
     let c = Checkpoint::open(root.join("model")).unwrap();
     let m = DecoderModel::load(&c, DType::F32, &Device::Cpu).unwrap();
@@ -426,8 +426,8 @@ fn smoothquant_scales_agree_with_modelopt() {
 fn layer_by_layer_calibration_gives_the_same_statistics() {
     // One layer's weights in memory at a time, every sample's hidden states at the boundary:
     // the same amax (and per-channel statistics) as the whole model, bit for bit.
-    use kiln::model::MaxCalibrator;
-    use kiln::model::calib::{calibrate, calibrate_by_layer, read_samples};
+    use kiln_runtime::model::MaxCalibrator;
+    use kiln_runtime::model::calib::{calibrate, calibrate_by_layer, read_samples};
     for model in ["llama-tiny", "mixtral-tiny", "qwen3-tiny"] {
         let root = compat_dir(model);
         let c = Checkpoint::open(root.join("model")).unwrap();
@@ -468,11 +468,11 @@ fn layer_by_layer_calibration_gives_the_same_statistics() {
 fn awq_agreement(
     model: &str,
     dump: &str,
-    quant: kiln::model::awq::AwqWeight,
+    quant: kiln_runtime::model::awq::AwqWeight,
     dtype: DType,
 ) -> (usize, usize, f64) {
-    use kiln::model::awq::{AwqCalibrator, alpha_grid, awq_scale};
-    use kiln::model::calib::{calibrate_by_layer, read_samples};
+    use kiln_runtime::model::awq::{AwqCalibrator, alpha_grid, awq_scale};
+    use kiln_runtime::model::calib::{calibrate_by_layer, read_samples};
     let root = compat_dir(model);
     let c = Checkpoint::open(root.join("model")).unwrap();
     let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
@@ -557,7 +557,7 @@ fn awq_agreement(
 
 #[test]
 fn awq_search_agrees_with_modelopt() {
-    use kiln::model::awq::AwqWeight;
+    use kiln_runtime::model::awq::AwqWeight;
     let int4 = AwqWeight::Int4 { group: 128 };
     // ModelOpt searched in bf16, kiln in f32; the losses of neighbouring α often differ in the
     // third digit, so some choices flip. Where α agrees, the scales differ by the bf16
@@ -592,10 +592,10 @@ fn awq_search_agrees_with_modelopt() {
 ///   error is lower too (max logit errors are not: the tiny random model's logits are noisy).
 #[test]
 fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
-    use kiln::export::recipe::{Format, Recipe};
-    use kiln::export::run::{ExportOptions, run};
-    use kiln::model::awq::{AwqCalibrator, AwqWeight};
-    use kiln::model::calib::{calibrate_by_layer, read_samples};
+    use kiln_runtime::export::recipe::{Format, Recipe};
+    use kiln_runtime::export::run::{ExportOptions, run};
+    use kiln_runtime::model::awq::{AwqCalibrator, AwqWeight};
+    use kiln_runtime::model::calib::{calibrate_by_layer, read_samples};
     let root = compat_dir("llama-tiny");
     let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -690,8 +690,8 @@ fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
 /// Linears whose α agrees, the share of 128-blocks where both chose the same clip ratio.
 #[test]
 fn awq_clip_search_agrees_with_modelopt() {
-    use kiln::model::awq::{AwqCalibrator, AwqWeight, alpha_grid, awq_scale, clip_ratios};
-    use kiln::model::calib::{calibrate_by_layer, read_samples};
+    use kiln_runtime::model::awq::{AwqCalibrator, AwqWeight, alpha_grid, awq_scale, clip_ratios};
+    use kiln_runtime::model::calib::{calibrate_by_layer, read_samples};
     let root = compat_dir("llama-tiny");
     let c = Checkpoint::open(root.join("model")).unwrap();
     let samples = read_samples(&root.join("calib.jsonl"), None, None).unwrap();

@@ -200,8 +200,15 @@ pub struct StepMetrics {
     pub extra: BTreeMap<String, f64>,
 }
 
-/// The outcome of a run.
-#[derive(Debug, Clone, PartialEq)]
+/// The outcome of a run. Start from [`TrainReport::new`] and set what the run measured:
+///
+/// ```
+/// let mut report = kiln_runtime::TrainReport::new("sft", "candle");
+/// report.steps = 10;
+/// report.final_loss = Some(0.25);
+/// assert!(!report.stopped_early);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TrainReport {
     /// The task name (`sft`, `dpo`, ...).
     pub task: String,
@@ -219,6 +226,18 @@ pub struct TrainReport {
     pub elapsed: Duration,
     /// Whether the observer stopped the run before its planned end.
     pub stopped_early: bool,
+}
+
+impl TrainReport {
+    /// A report of a run of `task` on `backend` that has done nothing yet: no steps, no loss,
+    /// no metrics, no output.
+    pub fn new(task: &str, backend: &str) -> Self {
+        TrainReport {
+            task: task.to_string(),
+            backend: backend.to_string(),
+            ..TrainReport::default()
+        }
+    }
 }
 
 /// Progress callbacks. Every method has a default, so an observer implements what it needs.

@@ -102,16 +102,11 @@ impl Trainer for PluginSft {
             });
             done = step;
         }
-        Ok(TrainReport {
-            task: "sft".into(),
-            backend: "candle".into(),
-            steps: done,
-            final_loss: (done > 0).then(|| 1.0 / done as f64),
-            metrics: Default::default(),
-            output: None,
-            elapsed: Default::default(),
-            stopped_early: done < self.steps,
-        })
+        let mut report = TrainReport::new("sft", "candle");
+        report.steps = done;
+        report.final_loss = (done > 0).then(|| 1.0 / done as f64);
+        report.stopped_early = done < self.steps;
+        Ok(report)
     }
 }
 
