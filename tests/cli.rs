@@ -578,3 +578,136 @@ fn awq_clip_search_exports_and_names_what_it_cannot_do() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// A copy of ModelOpt's llama-tiny FP8 export in `dir/name`, its tensors and its two JSON
+/// files (`hf_quant_config.json`, `config.json`) edited.
+fn edited_export(
+    dir: &std::path::Path,
+    name: &str,
+    tensors: impl Fn(&mut Tensors),
+    json: impl Fn(&mut serde_json::Value, &mut serde_json::Value),
+) -> std::path::PathBuf {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/compat/llama-tiny/fp8/modelopt");
+    let dst = dir.join(name);
+    std::fs::create_dir_all(&dst).unwrap();
+    let read = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(src.join(f)).unwrap()).unwrap()
+    };
+    let (mut hf, mut config) = (read("hf_quant_config.json"), read("config.json"));
+    json(&mut hf, &mut config);
+    std::fs::write(dst.join("hf_quant_config.json"), hf.to_string()).unwrap();
+    std::fs::write(dst.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut all: Tensors = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    tensors(&mut all);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = all
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
+    dst
+}
+
+#[test]
+fn verify_checks_what_an_engine_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny/model");
+    let verify = |q: &std::path::Path| run_verify(&reference, q, &[]);
+    let fail = |q: &std::path::Path, want: &str| {
+        let (code, text) = verify(q);
+        assert_eq!(code, Some(1), "{text}");
+        assert!(text.contains(want), "expected `{want}` in:\n{text}");
+    };
+    let no_json_edit = |_: &mut serde_json::Value, _: &mut serde_json::Value| {};
+
+    // An FP8 lm_head (weight + scales) while both configs still exclude it: vLLM would load
+    // the F8_E4M3 bytes as a bf16 weight.
+    let fp8_head = edited_export(
+        dir.path(),
+        "fp8-head",
+        |t| {
+            let head = t.iter_mut().find(|x| x.0 == "lm_head.weight").unwrap();
+            head.1 = safetensors::Dtype::F8_E4M3;
+            head.3 = head.3.chunks(2).map(|b| b[1]).collect();
+            for s in ["lm_head.weight_scale", "lm_head.input_scale"] {
+                t.push((
+                    s.into(),
+                    safetensors::Dtype::F32,
+                    vec![],
+                    0.01f32.to_le_bytes().to_vec(),
+                ));
+            }
+        },
+        no_json_edit,
+    );
+    fail(
+        &fp8_head,
+        "FAIL `lm_head` is listed as excluded (`lm_head`), but `lm_head.weight` is F8_E4M3",
+    );
+
+    // Tensors that do not have the declared format's layout.
+    let mislabelled = edited_export(
+        dir.path(),
+        "nvfp4-label",
+        |_| {},
+        |hf, config| {
+            hf["quantization"]["quant_algo"] = "NVFP4".into();
+            config["quantization_config"]["quant_algo"] = "NVFP4".into();
+        },
+    );
+    fail(
+        &mislabelled,
+        "FAIL `model.layers.0.self_attn.q_proj` is declared NVFP4, but `weight` is F8_E4M3 [128, 128], the format has U8 [128, 64]",
+    );
+
+    // The architecture fields an engine sizes its buffers by.
+    let no_heads = edited_export(
+        dir.path(),
+        "no-heads",
+        |_| {},
+        |_, config| {
+            config
+                .as_object_mut()
+                .unwrap()
+                .remove("num_attention_heads");
+            config["num_hidden_layers"] = 3.into();
+        },
+    );
+    fail(&no_heads, "FAIL config.json has no `num_attention_heads`");
+    fail(
+        &no_heads,
+        "FAIL config.json says num_hidden_layers 3, the checkpoint has 2 layers",
+    );
+
+    // A NaN the reference does not have (E4M3's NaN is 0x7F).
+    let nan = edited_export(
+        dir.path(),
+        "nan",
+        |t| {
+            let w = t
+                .iter_mut()
+                .find(|x| x.0 == "model.layers.1.mlp.up_proj.weight")
+                .unwrap();
+            w.3[17] = 0x7F;
+        },
+        no_json_edit,
+    );
+    fail(
+        &nan,
+        "FAIL `model.layers.1.mlp.up_proj.weight` decodes to 1 NaN/Inf value(s); the reference has 0",
+    );
+}

@@ -103,6 +103,13 @@ fn nvfp4_export_with_an_fp8_lm_head_is_mixed_precision() {
     let qc = &json(&out.join("config.json"))["quantization_config"];
     assert_eq!(qc["quant_algo"], "MIXED_PRECISION");
     assert_eq!(qc["quantized_layers"], q["quantized_layers"]);
+    // Reloaded as an engine would: every module's tensors have its declared format's layout.
+    let checked = run(&["verify", "--reference", &model, "--quantized", o]);
+    let text = String::from_utf8(checked.stdout).unwrap();
+    assert!(
+        text.starts_with("ok: MIXED_PRECISION — 29 quantized Linears"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -137,6 +137,9 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
             ));
         }
     }
+    if let Some(algo) = &algo {
+        engine_checks(&r, &q, quantized, algo, &mut report.problems);
+    }
     if algo.is_none() || !report.problems.is_empty() {
         return Ok(report);
     }
@@ -156,6 +159,17 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
         if !quantized_dtype(o.dtype) {
             continue;
         }
+        // Non-finite values the reference does not have: an engine would run on NaN.
+        let count = |t: &candle_core::Tensor| -> Result<usize, ModelError> {
+            let v = t.flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.iter().filter(|x| !x.is_finite()).count())
+        };
+        let (mine, theirs) = (count(var.as_tensor())?, count(original.get(name)?)?);
+        if mine > theirs {
+            report.problems.push(format!(
+                "`{name}` decodes to {mine} NaN/Inf value(s); the reference has {theirs}"
+            ));
+        }
         let want = original.get(name)?;
         let got = var.as_tensor();
         if got.dims() != want.dims() {
@@ -174,4 +188,173 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
         ));
     }
     Ok(report)
+}
+
+/// The checks an inference engine makes when it loads a quantized checkpoint: what the
+/// configs declare matches the tensors (FORMATS.md §2, §3), and the architecture fields it
+/// sizes its buffers by agree with the weights.
+fn engine_checks(
+    reference: &Checkpoint,
+    export: &Checkpoint,
+    dir: &Path,
+    algo: &str,
+    problems: &mut Vec<String>,
+) {
+    use crate::export::format::Format;
+    use crate::export::recipe::glob_match;
+    let hf: Value = std::fs::read_to_string(dir.join("hf_quant_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Value::Null);
+    let names = |v: Option<&Value>| -> Vec<String> {
+        v.and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let excluded = names(hf.pointer("/quantization/exclude_modules"));
+    let ignore = names(
+        export
+            .config()
+            .raw()
+            .get("quantization_config")
+            .and_then(|q| q.get("ignore")),
+    );
+    if excluded != ignore && algo != "MIXED_PRECISION" {
+        problems.push(format!(
+            "hf_quant_config.json excludes {excluded:?}, config.json's quantization_config.ignore lists {ignore:?}"
+        ));
+    }
+    let layers = hf.pointer("/quantization/quantized_layers");
+    // Every module with a quantized weight: its declared format, and that format's layout.
+    let quantized_dtype = |d: Dtype| matches!(d, Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3);
+    for t in export.tensors() {
+        let Some(module) = t.name.strip_suffix(".weight") else {
+            continue;
+        };
+        let Some(original) = reference.tensor(&t.name) else {
+            continue;
+        };
+        if !quantized_dtype(t.dtype) || quantized_dtype(original.dtype) {
+            continue;
+        }
+        if let Some(pattern) = excluded.iter().find(|p| glob_match(p, module)) {
+            problems.push(format!(
+                "`{module}` is listed as excluded (`{pattern}`), but `{}` is {:?}: an engine would load it as an unquantized weight",
+                t.name, t.dtype
+            ));
+            continue;
+        }
+        let declared = match layers {
+            Some(l) => l
+                .get(module)
+                .and_then(|c| c.get("quant_algo"))
+                .and_then(Value::as_str),
+            None => Some(algo),
+        };
+        let Some(declared) = declared else {
+            problems.push(format!(
+                "`{module}` is quantized ({:?}) but not listed in quantized_layers",
+                t.dtype
+            ));
+            continue;
+        };
+        let Some(format) = Format::from_quant_algo(declared) else {
+            problems.push(format!("`{module}`: unknown quant_algo `{declared}`"));
+            continue;
+        };
+        let [rows, cols] = original.shape[..] else {
+            continue;
+        };
+        let written = |local: &str| {
+            export
+                .tensor(&format!("{module}.{local}"))
+                .map(|t| (t.dtype, t.shape.as_slice()))
+        };
+        if let Some(p) = format.layout_problem(rows, cols, written) {
+            problems.push(format!("`{module}` is declared {declared}, but {p}"));
+        }
+    }
+    if let Some(Value::Object(l)) = layers {
+        for module in l.keys() {
+            let weight = format!("{module}.weight");
+            if export
+                .tensor(&weight)
+                .is_some_and(|t| !quantized_dtype(t.dtype))
+            {
+                problems.push(format!(
+                    "`{module}` is listed in quantized_layers, but `{weight}` is not quantized"
+                ));
+            }
+        }
+    }
+    architecture_checks(reference, export, problems);
+}
+
+/// `hidden_size`, `num_attention_heads`, `num_hidden_layers` and `vocab_size` are present in
+/// the export's config.json and agree with the reference's tensor shapes.
+fn architecture_checks(reference: &Checkpoint, export: &Checkpoint, problems: &mut Vec<String>) {
+    let config = export.config().raw();
+    let field = |name: &str| -> Option<usize> {
+        let v = config.get(name)?.as_u64()?;
+        usize::try_from(v).ok()
+    };
+    let mut get = |name: &str| {
+        let v = field(name);
+        if v.is_none() {
+            problems.push(format!(
+                "config.json has no `{name}` (a positive integer): an engine cannot size the model"
+            ));
+        }
+        v
+    };
+    let (hidden, heads, layers, vocab) = (
+        get("hidden_size"),
+        get("num_attention_heads"),
+        get("num_hidden_layers"),
+        get("vocab_size"),
+    );
+    let shape = |name: &str| reference.tensor(name).map(|t| t.shape.clone());
+    let mut disagree = |what: String| problems.push(format!("config.json {what}"));
+    if let Some(s) = shape("model.embed_tokens.weight") {
+        if vocab.is_some_and(|v| s.first() != Some(&v)) {
+            disagree(format!(
+                "says vocab_size {}, `model.embed_tokens.weight` is {s:?}",
+                vocab.unwrap_or(0)
+            ));
+        }
+        if hidden.is_some_and(|h| s.get(1) != Some(&h)) {
+            disagree(format!(
+                "says hidden_size {}, `model.embed_tokens.weight` is {s:?}",
+                hidden.unwrap_or(0)
+            ));
+        }
+    }
+    let found_layers = reference
+        .tensors()
+        .filter_map(|t| t.name.strip_prefix("model.layers."))
+        .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
+        .max()
+        .map(|n| n + 1);
+    if let (Some(want), Some(found)) = (layers, found_layers)
+        && want != found
+    {
+        disagree(format!(
+            "says num_hidden_layers {want}, the checkpoint has {found} layers"
+        ));
+    }
+    if let (Some(h), Some(n)) = (hidden, heads) {
+        let head_dim = field("head_dim").unwrap_or(if n > 0 { h / n } else { 0 });
+        if let Some(s) = shape("model.layers.0.self_attn.q_proj.weight")
+            && s.first() != Some(&(n * head_dim))
+        {
+            disagree(format!(
+                "says {n} attention heads of {head_dim}, `model.layers.0.self_attn.q_proj.weight` is {s:?}"
+            ));
+        }
+    }
 }
