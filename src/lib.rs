@@ -27,6 +27,7 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cli")]
 pub mod cli;
 
 pub use kiln_kernels as kernels;
