@@ -73,7 +73,9 @@ fn export_without_a_model_exports_the_demo_and_reports() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("quantized modules: 28; left unquantized: lm_head, model.embed_tokens"),
+        stdout.contains(
+            "quantized modules: 28 (fp8: 28); left unquantized: lm_head, model.embed_tokens"
+        ),
         "{stdout}"
     );
     assert!(stdout.contains("(copied unchanged)"), "{stdout}");

@@ -129,3 +129,22 @@ fn kiln_registry_prints_the_errors_and_exits_2() {
         "{out}"
     );
 }
+
+#[test]
+fn every_command_exits_2_on_an_invalid_registry() {
+    for args in [
+        &["kiln", "export", "--format", "fp8"][..],
+        &["kiln", "explain"],
+        &["kiln", "demo-model", "--out", "/nonexistent/never-written"],
+    ] {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = kiln::cli::run(args, &mut out, &mut err);
+        let err = String::from_utf8(err).unwrap();
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: invalid exporter registry")
+                && err.contains("invalid trainer registry"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -1,6 +1,7 @@
 //! `kiln eval`: perplexity and speed of a model — plain or quantized (weights decoded on load)
 //! — on token-id samples.
 
+use super::args::DeviceArgs;
 use anyhow::{Context, Result};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
@@ -28,10 +29,8 @@ pub struct EvalArgs {
     /// default they are fake-quantized as the format prescribes, as an engine runs them.
     #[arg(long)]
     weights_only: bool,
-    /// Where the model runs: `cpu`, `cuda[:N]` (feature `candle-cuda`) or `metal[:N]`
-    /// (feature `candle-metal`).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -50,7 +49,7 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
     let model = DecoderModel::load_with(
         &checkpoint,
         candle::DType::F32,
-        &kiln_runtime::model::device(&args.device)?,
+        &args.device.device()?,
         !args.weights_only,
     )
     .with_context(|| format!("loading {}", args.model.display()))?;

@@ -1,14 +1,15 @@
 //! `kiln export` and `kiln explain`.
 
+use super::args::{CalibDtype, DemoSize, DeviceArgs, FormatArg, KvCacheArg};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
 use kiln_runtime::demo::{DemoConfig, write_demo_model};
 use kiln_runtime::export::act_amax::ActAmax;
-use kiln_runtime::export::recipe::{Format, KvCache, Recipe};
+use kiln_runtime::export::recipe::{Format, Recipe};
 use kiln_runtime::export::run::{ExportOptions, ExportSummary, module_tree, run};
 use kiln_runtime::export::{ModuleOutcome, plan};
-use kiln_runtime::model::awq::AwqWeight;
+use kiln_runtime::model::for_export::{Calibration, CalibrationOptions};
 use kiln_runtime::{ExporterRegistry, Linear};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -40,7 +41,7 @@ pub struct RecipeArgs {
     model: Option<PathBuf>,
     /// The quantization format.
     #[arg(long, default_value = "nvfp4")]
-    format: Format,
+    format: FormatArg,
     /// Leave modules matching this glob unquantized (repeatable).
     #[arg(long, value_name = "GLOB")]
     exclude: Vec<String>,
@@ -49,16 +50,16 @@ pub struct RecipeArgs {
     include: Vec<String>,
     /// Quantize the KV cache too (`fp8` or `nvfp4`).
     #[arg(long, value_name = "FORMAT")]
-    kv_cache: Option<KvCache>,
+    kv_cache: Option<KvCacheArg>,
 }
 
 impl RecipeArgs {
     fn recipe(&self) -> Recipe {
         Recipe {
-            format: self.format,
+            format: self.format.0,
             exclude: self.exclude.clone(),
             include: self.include.clone(),
-            kv_cache: self.kv_cache,
+            kv_cache: self.kv_cache.map(Into::into),
         }
     }
 }
@@ -97,15 +98,12 @@ pub struct ExportArgs {
     /// the Linear's output error.
     #[arg(long, requires = "calib")]
     awq_clip: bool,
-    /// Where --calib runs the model: `cpu`, `cuda[:N]` (feature `candle-cuda`) or
-    /// `metal[:N]` (feature `candle-metal`).
-    #[arg(long, default_value = "cpu", requires = "calib")]
-    device: String,
-    /// The dtype --calib runs the model in: `f32` (default; the most exact) or `bf16`
-    /// (ModelOpt calibrates in the checkpoint's dtype, usually bf16: its MoE routing and AWQ
-    /// choices are reproduced more closely).
-    #[arg(long, default_value = "f32", requires = "calib", value_parser = ["f32", "bf16"])]
-    calib_dtype: String,
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// The dtype --calib runs the model in (ModelOpt calibrates in the checkpoint's dtype,
+    /// usually bf16: its MoE routing and AWQ choices are reproduced more closely).
+    #[arg(long, value_enum, default_value_t = CalibDtype::F32, requires = "calib")]
+    calib_dtype: CalibDtype,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -156,14 +154,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// `--calib-dtype` as a candle dtype.
-fn calib_dtype(args: &ExportArgs) -> kiln_runtime::model::candle::DType {
-    match args.calib_dtype.as_str() {
-        "bf16" => kiln_runtime::model::candle::DType::BF16,
-        _ => kiln_runtime::model::candle::DType::F32,
-    }
-}
-
 fn parse_alpha_step(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
@@ -171,35 +161,30 @@ fn parse_alpha_step(s: &str) -> Result<f64, String> {
     }
 }
 
-/// Max calibration of the model at `model` on `calib` (`--calib`): the activation amax of
-/// every Linear input and of the attention keys and values, under ModelOpt's quantizer names.
+/// `--calib`: the runtime's calibration for this recipe, with a progress bar.
 fn calibrate(
     model: &std::path::Path,
     calib: &std::path::Path,
     args: &ExportArgs,
     err: &mut dyn Write,
 ) -> Result<ActAmax> {
-    use kiln_runtime::export::recipe::Format;
-    use kiln_runtime::model::MaxCalibrator;
-    use kiln_runtime::model::calib::{
-        calibrate_by_layer, model_tokenizer, read_samples_with, smoothquant_scales,
+    let options = CalibrationOptions {
+        samples: args.calib_size,
+        seq_len: args.calib_seq_len,
+        dtype: args.calib_dtype.into(),
+        device: args.device.device()?,
+        sq_alpha: args.sq_alpha,
+        awq_alpha_step: args.awq_alpha_step,
+        awq_clip: args.awq_clip,
+        ..CalibrationOptions::new(calib)
     };
-    let recipe = args.recipe.recipe();
-    let smoothquant = recipe.format == Format::Int8Sq;
-    let tokenizer = model_tokenizer(model)?;
-    let samples = read_samples_with(
-        calib,
-        args.calib_size,
-        args.calib_seq_len,
-        tokenizer.as_ref(),
-    )
-    .with_context(|| format!("--calib {}", calib.display()))?;
-    let checkpoint = kiln_runtime::checkpoint::Checkpoint::open(model)?;
-    let tokens: usize = samples.iter().map(Vec::len).sum();
+    let calibration = Calibration::prepare(model, &args.recipe.recipe(), options)
+        .with_context(|| format!("--calib {}", calib.display()))?;
     writeln!(
         err,
-        "calibrating on {} samples ({tokens} tokens) from {}",
-        samples.len(),
+        "calibrating on {} samples ({} tokens) from {}",
+        calibration.samples().len(),
+        calibration.tokens(),
         calib.display()
     )?;
     let bar = indicatif::ProgressBar::new(0).with_style(
@@ -208,149 +193,25 @@ fn calibrate(
         )
         .expect("a valid template"),
     );
-    let started = std::time::Instant::now();
-    let awq = match recipe.format {
-        Format::Int4Awq | Format::W4a8Awq => Some(AwqWeight::Int4 { group: 128 }),
-        Format::Nvfp4Awq => Some(AwqWeight::Nvfp4),
-        _ => None,
-    };
-    if let Some(quant) = awq {
-        return awq_calibrate(&checkpoint, &samples, &recipe, quant, args, &bar, err)
-            .with_context(|| format!("calibrating {}", model.display()));
-    }
-    let calibrator = if smoothquant {
-        MaxCalibrator::default().with_channels()
-    } else {
-        MaxCalibrator::default()
-    };
-    // One layer's weights at a time: memory is bounded by a layer plus the activations.
-    let amax = calibrate_by_layer(
-        &checkpoint,
-        calib_dtype(args),
-        &kiln_runtime::model::device(&args.device)?,
-        &samples,
-        calibrator,
-        |done, total| {
+    let (act, report) = calibration
+        .run(|done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64)
-        },
-    )
-    .with_context(|| format!("calibrating {}", model.display()))?;
+        })
+        .with_context(|| format!("calibrating {}", model.display()))?;
     bar.finish_and_clear();
-    let secs = started.elapsed().as_secs_f64();
-    writeln!(
-        err,
-        "calibrated {} quantizers in {secs:.2} s ({:.0} tokens/s)",
-        amax.amax().len(),
-        tokens as f64 / secs.max(1e-9)
-    )?;
-    let mut act = ActAmax::from_values(amax.amax().iter().map(|(k, v)| (k.clone(), *v)));
-    if let Some(channels) = amax.channels().filter(|_| smoothquant) {
-        // SmoothQuant (ModelOpt's α = 1 unless --sq-alpha): per-channel scales from the
-        // statistics, and the smoothed inputs' amax.
-        let linears: Vec<String> = channels
-            .keys()
-            .filter(|m| recipe.quantizes(m))
-            .cloned()
-            .collect();
-        for (module, scale, input) in
-            smoothquant_scales(&checkpoint, channels, &linears, args.sq_alpha)?
-        {
-            act.set_pre_quant_scale(&module, scale);
-            act.set_input(&module, input);
-        }
-        writeln!(
-            err,
-            "SmoothQuant (alpha {}): scales for {} Linears",
-            args.sq_alpha,
-            linears.len()
-        )?;
-    }
-    Ok(act)
-}
-
-/// `--calib` for the AWQ formats: max calibration and AWQ's scale search in one layer-by-layer
-/// pass. Every searched Linear gets `pre_quant_scale = 1/s`; the input-quantized formats also
-/// get the amax of the smoothed input.
-fn awq_calibrate(
-    checkpoint: &kiln_runtime::checkpoint::Checkpoint,
-    samples: &[Vec<u32>],
-    recipe: &kiln_runtime::export::recipe::Recipe,
-    quant: AwqWeight,
-    args: &ExportArgs,
-    bar: &indicatif::ProgressBar,
-    err: &mut dyn Write,
-) -> Result<ActAmax> {
-    use kiln_runtime::export::recipe::Format;
-    use kiln_runtime::model::awq::AwqCalibrator;
-    use kiln_runtime::model::calib::calibrate_by_layer;
-    let started = std::time::Instant::now();
-    let tokens: usize = samples.iter().map(Vec::len).sum();
-    let searched = {
-        let recipe = recipe.clone();
-        move |m: &str| recipe.quantizes(m)
-    };
-    let mut calibrator = AwqCalibrator::new(quant, args.awq_alpha_step, searched);
-    if args.awq_clip {
-        if recipe.format != Format::Int4Awq {
-            bail!(
-                "--awq-clip: the clipping search runs for int4-awq only, not {}",
-                recipe.format
-            );
-        }
-        calibrator = calibrator.with_clip_search()?;
-    }
-    let calib = calibrate_by_layer(
-        checkpoint,
-        calib_dtype(args),
-        &kiln_runtime::model::device(&args.device)?,
-        samples,
-        calibrator,
-        |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64)
-        },
-    )?;
-    bar.finish_and_clear();
-    let secs = started.elapsed().as_secs_f64();
-    let act = calib.act_amax(checkpoint, recipe.format != Format::Int4Awq)?;
-    let mut alphas: BTreeMap<String, usize> = BTreeMap::new();
-    for found in calib.results().values() {
-        *alphas.entry(format!("{:.2}", found.alpha)).or_default() += 1;
-    }
-    for module in calib.unexercised() {
-        // ModelOpt: an expert no token reached keeps `pre_quant_scale = 1`.
-        writeln!(
-            err,
-            "warning: awq: no calibration token reached `{module}`; its pre_quant_scale is 1"
-        )?;
+    for w in &report.warnings {
+        writeln!(err, "warning: {w}")?;
     }
     writeln!(
         err,
-        "AWQ (awq_lite, alpha step {}): searched {} Linears on {tokens} tokens in {secs:.2} s; chosen alpha: {}",
-        args.awq_alpha_step,
-        calib.results().len(),
-        alphas
-            .iter()
-            .map(|(a, n)| format!("{a} ×{n}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        "calibrated {} quantizers in {:.2} s ({:.0} tokens/s)",
+        report.quantizers,
+        report.seconds,
+        calibration.tokens() as f64 / report.seconds.max(1e-9)
     )?;
-    if args.awq_clip {
-        let ratios: Vec<f32> = calib
-            .results()
-            .values()
-            .filter_map(|f| f.clip_ratio.as_ref())
-            .flatten()
-            .copied()
-            .collect();
-        let clipped = ratios.iter().filter(|&&r| r < 1.0).count();
-        writeln!(
-            err,
-            "AWQ clipping search: {clipped} of {} blocks clipped (mean ratio {:.3}); the export keeps them where it does not rescale the weight, as ModelOpt's does",
-            ratios.len(),
-            ratios.iter().map(|&r| f64::from(r)).sum::<f64>() / ratios.len().max(1) as f64
-        )?;
+    for step in &report.steps {
+        writeln!(err, "{step}")?;
     }
     Ok(act)
 }
@@ -379,6 +240,9 @@ fn model_dir(
 }
 
 pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
+    if args.calib.is_none() && !args.device.is_cpu() {
+        bail!("--device runs calibration: it needs --calib");
+    }
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
     let act = match (&args.act_amax, &args.calib) {
         (Some(path), _) => Some(ActAmax::read(path)?),
@@ -390,7 +254,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     let (out_dir, force) = match (&args.out, &args.recipe.model) {
         (Some(o), _) => (o.clone(), args.force),
         (None, None) => (
-            std::env::temp_dir().join(format!("kiln-demo-{}", args.recipe.format)),
+            std::env::temp_dir().join(format!("kiln-demo-{}", args.recipe.format.0)),
             true,
         ),
         (None, Some(_)) => bail!("--out is required with --model"),
@@ -430,7 +294,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     for w in &summary.warnings {
         writeln!(err, "warning: {w}")?;
     }
-    print_report(&summary, args.recipe.format, out)?;
+    print_report(&summary, args.recipe.format.0, out)?;
     Ok(0)
 }
 
@@ -555,10 +419,9 @@ pub struct DemoModelArgs {
     /// Where to write the model folder.
     #[arg(long)]
     out: PathBuf,
-    /// `small` (17M parameters), `254m` (the export benchmark's Llama), `1b` (the calibration
-    /// benchmark's) or `8gb` (3.8B parameters).
-    #[arg(long, default_value = "small")]
-    size: String,
+    /// The model's size.
+    #[arg(long, value_enum, default_value_t = DemoSize::Small)]
+    size: DemoSize,
     /// Replace an existing folder.
     #[arg(long)]
     force: bool,
@@ -567,12 +430,7 @@ pub struct DemoModelArgs {
 /// `kiln demo-model`: a deterministic random Llama checkpoint plus `amax.json` (activation
 /// statistics for `--act-amax`), for trying kiln and for the benchmarks.
 pub fn demo_model(args: &DemoModelArgs, out: &mut dyn Write) -> Result<i32> {
-    let config = DemoConfig::preset(&args.size).ok_or_else(|| {
-        anyhow::anyhow!(
-            "unknown --size `{}` (expected small, 254m, 1b or 8gb)",
-            args.size
-        )
-    })?;
+    let config = DemoConfig::preset(args.size.preset()).expect("every --size is a preset");
     let dir = kiln_runtime::sink::OutputDir::create(&args.out, args.force)?;
     let act = write_demo_model(dir.path(), config)?;
     act.write(&dir.path().join("amax.json"))?;

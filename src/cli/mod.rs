@@ -1,6 +1,7 @@
 //! The `kiln` command line. [`run`] takes the arguments and the output streams, so plugin
 //! binaries (`use my_plugins as _; kiln::cli::main()`) and tests drive the same code.
 
+mod args;
 mod eval;
 mod export;
 mod registry;
@@ -72,6 +73,14 @@ where
             return code;
         }
     };
+    // Every command depends on the registries: an invalid one is reported the same way, with
+    // exit code 2, whatever the command (`kiln registry` lists the problems itself).
+    if !matches!(cli.command, Command::Registry(_))
+        && let Err(e) = registry::validate_all()
+    {
+        let _ = writeln!(err, "error: {e}");
+        return EXIT_INVALID;
+    }
     let result = match cli.command {
         Command::Export(args) => export::export(&args, out, err),
         Command::Explain(args) => export::explain(&args, out, err),

@@ -38,6 +38,24 @@ impl std::fmt::Display for InvalidRegistries {
 
 impl std::error::Error for InvalidRegistries {}
 
+/// Validates the three registries; every error at once.
+pub fn validate_all() -> Result<(), InvalidRegistries> {
+    let errors: Vec<RegistryError> = [
+        ExporterRegistry::try_global().err(),
+        TrainerRegistry::try_global().err(),
+        ArchitectureRegistry::try_global().err(),
+    ]
+    .into_iter()
+    .flatten()
+    .cloned()
+    .collect();
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(InvalidRegistries(errors))
+    }
+}
+
 pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     let wants = |k: Kind| args.kind.is_none_or(|a| a == k);
     let mut errors = Vec::new();

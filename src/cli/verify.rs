@@ -1,6 +1,7 @@
 //! `kiln verify`: reload a quantized export as a consumer would, check it against its
 //! reference model, and (with data) compare their perplexity.
 
+use super::args::DeviceArgs;
 use anyhow::{Context, Result};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
@@ -31,10 +32,8 @@ pub struct VerifyArgs {
     /// reference's, relatively (‖Ŵ − W‖/‖W‖; 4-bit formats sit near 0.1).
     #[arg(long, value_name = "X", default_value_t = 0.5)]
     max_weight_error: f64,
-    /// Where the model runs: `cpu`, `cuda[:N]` (feature `candle-cuda`) or `metal[:N]`
-    /// (feature `candle-metal`).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    device: DeviceArgs,
 }
 
 fn ppl(dir: &Path, samples: &[Vec<u32>], device: &candle::Device) -> Result<f64> {
@@ -84,7 +83,7 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
         let tokenizer = model_tokenizer(&args.reference)?;
         let samples = read_samples_with(data, None, None, tokenizer.as_ref())
             .with_context(|| format!("--data {}", data.display()))?;
-        let device = kiln_runtime::model::device(&args.device)?;
+        let device = args.device.device()?;
         let (a, b) = (
             ppl(&args.reference, &samples, &device)?,
             ppl(&args.quantized, &samples, &device)?,

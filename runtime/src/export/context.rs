@@ -186,7 +186,7 @@ impl ExportContext {
     }
 
     fn job(&self) -> Result<&Job, ExportError> {
-        self.job.as_deref().ok_or_else(|| ExportError::DryRun {
+        self.job.as_deref().ok_or(ExportError::DryRun {
             what: "a checkpoint or an output",
         })
     }

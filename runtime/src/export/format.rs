@@ -211,9 +211,13 @@ pub struct TensorLayout {
 const OPTIONAL_LOCALS: [&str; 4] = ["pre_quant_scale", "bias", "k_scale", "v_scale"];
 
 impl Format {
-    /// The format whose `quant_algo` is `algo` (`hf_quant_config.json`, `config.json`).
+    /// The format whose `quant_algo` is `algo` (`hf_quant_config.json`, `config.json`), in
+    /// any case: ModelOpt writes the unmapped formats raw (`mxfp4`, `fp8_pb_wo`), and other
+    /// producers upper-case them (`MXFP4`).
     pub fn from_quant_algo(algo: &str) -> Option<Format> {
-        Format::ALL.into_iter().find(|f| f.quant_algo() == algo)
+        Format::ALL
+            .into_iter()
+            .find(|f| f.quant_algo().eq_ignore_ascii_case(algo))
     }
 
     /// The tensors of a Linear with an `[rows, cols]` (`[out, in]`) weight quantized to this

@@ -7,6 +7,7 @@
 use super::act_quant::{ActQuant, InputQuant, LinearInput};
 use super::{ModelError, Weights};
 use crate::checkpoint::Checkpoint;
+use crate::export::format::Format;
 use candle_core::{DType, Device};
 use half::{bf16, f16};
 use kiln_kernels::formats::{fp4::e2m1_to_f32, fp8::e4m3_to_f32};
@@ -27,26 +28,38 @@ pub(crate) const SCALE_SUFFIXES: [&str; 6] = [
 
 /// The quantization format of each quantized module: `quant_algo` of `hf_quant_config.json`
 /// (or `config.json`'s `quantization_config`), per layer for `MIXED_PRECISION`.
+/// `None` for the whole-model format when it is `MIXED_PRECISION` (each layer then has its
+/// own) or absent; an unknown `quant_algo` is an error naming it.
+#[allow(clippy::type_complexity)]
 fn formats(
     checkpoint: &Checkpoint,
-) -> Result<(Option<String>, BTreeMap<String, String>), ModelError> {
+) -> Result<(bool, Option<Format>, BTreeMap<String, Format>), ModelError> {
     let q = quant_config(checkpoint)?;
     let Some(q) = q else {
-        return Ok((None, BTreeMap::new()));
+        return Ok((false, None, BTreeMap::new()));
     };
-    let algo = q
-        .get("quant_algo")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    let parse = |a: &str, whose: &str| {
+        Format::from_quant_algo(a).ok_or_else(|| {
+            ModelError::Config(format!(
+                "{whose}: unknown quant_algo `{a}` (kiln decodes {})",
+                Format::ALL.map(Format::quant_algo).join(", ")
+            ))
+        })
+    };
+    let algo = q.get("quant_algo").and_then(Value::as_str);
+    let whole = match algo {
+        None | Some("MIXED_PRECISION") => None,
+        Some(a) => Some(parse(a, "quantization config")?),
+    };
     let mut per_layer = BTreeMap::new();
     if let Some(layers) = q.get("quantized_layers").and_then(Value::as_object) {
         for (m, l) in layers {
             if let Some(a) = l.get("quant_algo").and_then(Value::as_str) {
-                per_layer.insert(m.clone(), a.to_string());
+                per_layer.insert(m.clone(), parse(a, m)?);
             }
         }
     }
-    Ok((algo, per_layer))
+    Ok((algo.is_some(), whole, per_layer))
 }
 
 fn f32s(checkpoint: &Checkpoint, name: &str) -> Result<Vec<f32>, ModelError> {
@@ -90,7 +103,7 @@ fn bytes(checkpoint: &Checkpoint, name: &str) -> Result<Vec<u8>, ModelError> {
 fn decode(
     checkpoint: &Checkpoint,
     module: &str,
-    algo: &str,
+    format: Format,
     stored: &[usize],
     fold_pre_quant_scale: bool,
 ) -> Result<(Vec<f32>, [usize; 2]), ModelError> {
@@ -113,19 +126,21 @@ fn decode(
         )));
     };
     let q = bytes(checkpoint, &weight)?;
-    let (rows, cols) = match algo {
-        "W4A16_AWQ" | "W4A8_AWQ" => (2 * r, c),
-        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" | "mxfp4" | "MXFP4" => (r, 2 * c),
+    let (rows, cols) = match format {
+        Format::Int4Awq | Format::W4a8Awq => (2 * r, c),
+        Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq | Format::Mxfp4 => (r, 2 * c),
         _ => (r, c),
     };
     let mut out = vec![0f32; rows * cols];
-    match algo {
-        "FP8" => fp8::dequantize_fp8(&q, scale("weight_scale")?[0], &mut out).map_err(kernel)?,
-        "FP8_PER_CHANNEL_PER_TOKEN" => {
+    match format {
+        Format::Fp8 => {
+            fp8::dequantize_fp8(&q, scale("weight_scale")?[0], &mut out).map_err(kernel)?
+        }
+        Format::Fp8PerChannel => {
             let s = scale("weight_scale")?;
             fp8::dequantize_fp8_with(&q, rows, cols, |i, _| s[i], &mut out).map_err(kernel)?
         }
-        "fp8_pb_wo" => {
+        Format::Fp8Block => {
             let s = scale("weight_scale")?;
             let tc = cols.div_ceil(128);
             fp8::dequantize_fp8_with(
@@ -143,12 +158,12 @@ fn decode(
             )
             .map_err(kernel)?
         }
-        "W8A16" | "W8A8_SQ_PER_CHANNEL" => {
+        Format::Int8Wo | Format::Int8Sq => {
             let q: Vec<i8> = q.iter().map(|&b| b as i8).collect();
             int::dequantize_int8_per_channel(&q, rows, cols, &scale("weight_scale")?, &mut out)
                 .map_err(kernel)?
         }
-        "W4A16_AWQ" | "W4A8_AWQ" => {
+        Format::Int4Awq | Format::W4a8Awq => {
             let groups = scale_shape("weight_scale")
                 .get(1)
                 .copied()
@@ -164,20 +179,19 @@ fn decode(
             )
             .map_err(kernel)?
         }
-        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" => {
+        Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq => {
             let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
             let ws2 = scale("weight_scale_2")?[0];
             nvfp4::dequantize_nvfp4(&q, &s, ws2, &mut out).map_err(kernel)?
         }
-        "mxfp4" | "MXFP4" => {
+        Format::Mxfp4 => {
             let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
             mx::dequantize_mxfp4(&q, &s, &mut out).map_err(kernel)?
         }
-        "MXFP8" => {
+        Format::Mxfp8 => {
             let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
             mx::dequantize_mxfp8(&q, &s, &mut out).map_err(kernel)?
         }
-        other => return Err(bad(format!("quantization `{other}` cannot be decoded"))),
     }
     // y = W (x ⊙ pqs): the scale multiplies the weight's columns (unless the input quantizer
     // applies it to the input).
@@ -234,9 +248,9 @@ fn kv_cache_algo(checkpoint: &Checkpoint) -> Result<Option<String>, ModelError> 
 fn input_quant(
     checkpoint: &Checkpoint,
     module: &str,
-    algo: &str,
+    format: Format,
 ) -> Result<Option<InputQuant>, ModelError> {
-    input_quant_named(checkpoint, &format!("{module}.input_scale"), algo)
+    input_quant_named(checkpoint, &format!("{module}.input_scale"), format)
 }
 
 /// [`input_quant`] with the input scale's tensor name given (BMM experts:
@@ -244,26 +258,29 @@ fn input_quant(
 fn input_quant_named(
     checkpoint: &Checkpoint,
     input_scale_name: &str,
-    algo: &str,
+    format: Format,
 ) -> Result<Option<InputQuant>, ModelError> {
     let input_scale = || -> Result<f32, ModelError> {
         let name = input_scale_name.to_string();
         if checkpoint.tensor(&name).is_none() {
             return Err(ModelError::Tensor {
                 tensor: name,
-                message: format!("missing: a {algo} Linear quantizes its input with it"),
+                message: format!(
+                    "missing: a {} Linear quantizes its input with it",
+                    format.quant_algo()
+                ),
             });
         }
         Ok(f32s(checkpoint, &name)?[0])
     };
-    Ok(match algo {
-        "FP8" | "W4A8_AWQ" => Some(InputQuant::Fp8(input_scale()?)),
-        "NVFP4" | "NVFP4_AWQ" => Some(InputQuant::Nvfp4(input_scale()?)),
-        "W8A8_SQ_PER_CHANNEL" => Some(InputQuant::Int8(input_scale()?)),
-        "FP8_PER_CHANNEL_PER_TOKEN" => Some(InputQuant::Fp8PerToken),
-        "MXFP8" => Some(InputQuant::Mxfp8),
-        "mxfp4" | "MXFP4" => Some(InputQuant::Mxfp4),
-        _ => None,
+    Ok(match format {
+        Format::Fp8 | Format::W4a8Awq => Some(InputQuant::Fp8(input_scale()?)),
+        Format::Nvfp4 | Format::Nvfp4Awq => Some(InputQuant::Nvfp4(input_scale()?)),
+        Format::Int8Sq => Some(InputQuant::Int8(input_scale()?)),
+        Format::Fp8PerChannel => Some(InputQuant::Fp8PerToken),
+        Format::Mxfp8 => Some(InputQuant::Mxfp8),
+        Format::Mxfp4 => Some(InputQuant::Mxfp4),
+        Format::Int8Wo | Format::Int4Awq | Format::W4a16Nvfp4 | Format::Fp8Block => None,
     })
 }
 
@@ -287,7 +304,7 @@ pub(crate) fn is_bmm_expert_scale(name: &str) -> bool {
 fn decode_bmm(
     checkpoint: &Checkpoint,
     name: &str,
-    algo: &str,
+    format: Format,
     stored: &[usize],
 ) -> Result<(Vec<f32>, Vec<usize>), ModelError> {
     let bad = |message: String| ModelError::Tensor {
@@ -300,30 +317,31 @@ fn decode_bmm(
     };
     let scale_name = format!("{name}_weight_scale");
     let q = bytes(checkpoint, name)?;
-    let (rows, cols) = match algo {
-        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" => (2 * r, c),
-        "mxfp4" | "MXFP4" => (r, 2 * c),
+    let (rows, cols) = match format {
+        Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq => (2 * r, c),
+        Format::Mxfp4 => (r, 2 * c),
         _ => (r, c),
     };
     let mut out = vec![0f32; e * rows * cols];
-    match algo {
-        "FP8" | "FP8_PER_CHANNEL_PER_TOKEN" | "fp8_pb_wo" => {
+    match format {
+        Format::Fp8 | Format::Fp8PerChannel | Format::Fp8Block => {
             let s = f32s(checkpoint, &scale_name)?;
             let (tr, tc) = (rows.div_ceil(128), cols.div_ceil(128));
-            let scale_of = |x: usize, i: usize, j: usize| match algo {
-                "FP8" => s[0],
-                "FP8_PER_CHANNEL_PER_TOKEN" => s[x],
+            let scale_of = |x: usize, i: usize, j: usize| match format {
+                Format::Fp8 => s[0],
+                Format::Fp8PerChannel => s[x],
                 _ => s[(x * tr + i / 128) * tc + j / 128],
             };
-            let want = match algo {
-                "FP8" => 1,
-                "FP8_PER_CHANNEL_PER_TOKEN" => e,
+            let want = match format {
+                Format::Fp8 => 1,
+                Format::Fp8PerChannel => e,
                 _ => e * tr * tc,
             };
             if s.len() != want {
                 return Err(bad(format!(
-                    "`{scale_name}` has {} values, {algo} needs {want}",
-                    s.len()
+                    "`{scale_name}` has {} values, {} needs {want}",
+                    s.len(),
+                    format.quant_algo()
                 )));
             }
             for (x, expert) in out.chunks_mut(rows * cols).enumerate() {
@@ -332,7 +350,7 @@ fn decode_bmm(
                     .map_err(kernel)?;
             }
         }
-        "NVFP4" | "W4A16_NVFP4" | "NVFP4_AWQ" => {
+        Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq => {
             let s = bytes(checkpoint, &scale_name)?;
             let ws2 = f32s(checkpoint, &format!("{name}_weight_scale_2"))?[0];
             if s.len() != e * (rows / 16) * cols {
@@ -355,15 +373,19 @@ fn decode_bmm(
                 }
             }
         }
-        "MXFP8" => {
+        Format::Mxfp8 => {
             let s = bytes(checkpoint, &scale_name)?;
             mx::dequantize_mxfp8(&q, &s, &mut out).map_err(kernel)?
         }
-        "mxfp4" | "MXFP4" => {
+        Format::Mxfp4 => {
             let s = bytes(checkpoint, &scale_name)?;
             mx::dequantize_mxfp4(&q, &s, &mut out).map_err(kernel)?
         }
-        other => return Err(bad(format!("quantization `{other}` cannot be decoded"))),
+        other => {
+            return Err(bad(format!(
+                "{other} BMM experts cannot be decoded (ModelOpt 0.47 cannot write them)"
+            )));
+        }
     }
     Ok((out, vec![e, rows, cols]))
 }
@@ -388,8 +410,8 @@ pub fn load_for_execution(
     device: &Device,
     activations: bool,
 ) -> Result<(Weights, ActQuant), ModelError> {
-    let (algo, per_layer) = formats(checkpoint)?;
-    if algo.is_none() {
+    let (quantized, algo, per_layer) = formats(checkpoint)?;
+    if !quantized {
         return Ok((
             Weights::load(checkpoint, dtype, device)?,
             ActQuant::default(),
@@ -422,7 +444,7 @@ pub fn load_for_execution(
             Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3 if t.name.ends_with(".weight") => {
                 let module = t.name.trim_end_matches(".weight");
                 let a =
-                    per_layer
+                    *per_layer
                         .get(module)
                         .or(algo.as_ref())
                         .ok_or_else(|| ModelError::Tensor {
@@ -453,7 +475,7 @@ pub fn load_for_execution(
             }
             Dtype::U8 | Dtype::F8_E4M3 if is_bmm_expert_weight(&t.name) => {
                 let experts = t.name.rsplit_once('.').map_or("", |(e, _)| e);
-                let a = per_layer
+                let a = *per_layer
                     .get(&t.name)
                     .or_else(|| per_layer.get(experts))
                     .or(algo.as_ref())

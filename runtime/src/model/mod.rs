@@ -14,6 +14,7 @@ pub mod awq;
 pub mod calib;
 mod config;
 pub mod eval;
+pub mod for_export;
 pub mod load;
 pub mod verify;
 

@@ -348,7 +348,7 @@ fn architecture_checks(reference: &Checkpoint, export: &Checkpoint, problems: &m
         ));
     }
     if let (Some(h), Some(n)) = (hidden, heads) {
-        let head_dim = field("head_dim").unwrap_or(if n > 0 { h / n } else { 0 });
+        let head_dim = field("head_dim").unwrap_or(h.checked_div(n).unwrap_or(0));
         if let Some(s) = shape("model.layers.0.self_attn.q_proj.weight")
             && s.first() != Some(&(n * head_dim))
         {
