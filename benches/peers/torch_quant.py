@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch on the CPU as the peer of `cargo bench -p kiln-kernels`: the same operations on the
-same sizes (bf16 weights), written as ModelOpt / FORMATS.md compute them, timed the same way
+same sizes (bf16 weights), written as ModelOpt / docs/FORMATS.md compute them, timed the same way
 (bytes read + written per second, mean of repeated runs after a warm-up).
 
     pip install -r ../../kernels/tests/vectors/requirements.txt

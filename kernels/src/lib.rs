@@ -2,7 +2,7 @@
 //! INT8/INT4, each with a scalar reference and SIMD / CUDA / Metal implementations.
 //!
 //! Kernels know nothing of models, files or registries; exporters call them. The exact
-//! rounding of every format follows `../shared/docs/FORMATS.md`.
+//! rounding of every format follows `docs/FORMATS.md`.
 //!
 //! ```
 //! use kiln_kernels::formats::{Overflow, fp8};

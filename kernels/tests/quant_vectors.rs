@@ -1,5 +1,5 @@
 //! Every quantizer against `tests/vectors/quant_cases.json`: the same operations computed by
-//! the generator's own PyTorch implementation of FORMATS.md, on random and adversarial inputs
+//! the generator's own PyTorch implementation of docs/FORMATS.md, on random and adversarial inputs
 //! (zeros, all equal, exact E2M1 ties, a huge outlier, subnormals, ±Inf, NaN) in bf16, f16 and
 //! f32. Scales are recomputed here from kiln's own amax; every output byte must match.
 

@@ -313,6 +313,40 @@ pub enum TrainError {
 }
 
 /// A trainer for one `(task, backend)`. Register it with `#[trainer(task = ..., backend = ...)]`.
+///
+/// ```
+/// use kiln_runtime::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
+///
+/// #[kiln_runtime::trainer(task = "count", backend = "candle", crate = kiln_runtime)]
+/// struct Count {
+///     steps: u64,
+/// }
+///
+/// impl Trainer for Count {
+///     fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+///         let steps = config.hyper.max_steps.ok_or_else(|| TrainError::Config {
+///             field: "max_steps".into(),
+///             message: "required".into(),
+///         })?;
+///         Ok(Count { steps })
+///     }
+///
+///     fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+///         let mut report = TrainReport::new("count", "candle");
+///         while report.steps < self.steps && !observer.should_stop() {
+///             report.steps += 1;
+///         }
+///         report.stopped_early = report.steps < self.steps;
+///         Ok(report)
+///     }
+/// }
+///
+/// let mut config = TrainConfig::new("count", "candle", "model", "out");
+/// config.hyper.max_steps = Some(3);
+/// let entry = kiln_runtime::resolve_trainer(&config).unwrap();
+/// let report = entry.construct(&config).unwrap().train(&mut kiln_runtime::train::NoopObserver).unwrap();
+/// assert_eq!(report.steps, 3);
+/// ```
 pub trait Trainer: Send {
     /// Builds the trainer from a configuration (validate it here: fail before any work).
     fn new(config: &TrainConfig) -> Result<Self, TrainError>

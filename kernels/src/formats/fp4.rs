@@ -1,5 +1,5 @@
 //! FP4 E2M1: the values {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives, as 4-bit codes
-//! `sign << 3 | index`, under the two rounding rules FORMATS.md gives.
+//! `sign << 3 | index`, under the two rounding rules docs/FORMATS.md gives.
 
 use super::minifloat::{MiniFloat, Specials};
 

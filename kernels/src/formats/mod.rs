@@ -1,6 +1,6 @@
 //! Number formats with exact conversions: FP8 (E4M3FN, E5M2), FP4 (E2M1 under the NVFP4 and
 //! MXFP4 rounding rules), E8M0 scales. Each format's conversion here is the readable scalar
-//! reference the SIMD and GPU kernels are tested against; FORMATS.md defines the rules.
+//! reference the SIMD and GPU kernels are tested against; docs/FORMATS.md defines the rules.
 
 pub mod e8m0;
 pub mod fp4;

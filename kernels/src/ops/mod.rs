@@ -1,7 +1,7 @@
 //! The quantization operations, as readable scalar code: the ground truth every faster path
 //! (SIMD, CUDA) is tested against, bit for bit. Layouts are row-major `[rows, cols]`, or
 //! `[experts, rows, cols]` where stated; blocks run along `cols` (the input dimension K)
-//! unless a function says otherwise. The formulas and their arithmetic order are FORMATS.md's.
+//! unless a function says otherwise. The formulas and their arithmetic order are docs/FORMATS.md's.
 
 pub mod amax;
 pub mod fp8;

@@ -1,6 +1,6 @@
 //! NVFP4: E2M1 values in 16-element blocks, an E4M3 scale per block, an f32 global scale.
 //!
-//! All arithmetic in f32, in ModelOpt's order (FORMATS.md "NVFP4"):
+//! All arithmetic in f32, in ModelOpt's order (docs/FORMATS.md "NVFP4"):
 //! ```text
 //! ws2 = amax / 2688                     (6 · 448)
 //! s   = bmax / (6 · ws2); s == 0 → 1;   ws = e4m3(clamp(s, 2^-9, 448))

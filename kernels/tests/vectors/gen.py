@@ -10,9 +10,9 @@ Outputs (all committed, all small):
   e4m3fn_to_f32.bin       256 little-endian f32: every E4M3FN byte decoded (ml_dtypes)
   e5m2_to_f32.bin         256 little-endian f32: every E5M2 byte decoded
   e2m1_sweep.bin          f32 inputs then u8 codes: a dense sweep of [-7, 7] with every tie, under
-                          FORMATS.md's NVFP4 rule (searchsorted), implemented here in numpy
+                          docs/FORMATS.md's NVFP4 rule (searchsorted), implemented here in numpy
   quant_cases.json        every quantizer on random and adversarial tensors, computed by this
-                          script's own PyTorch implementation of FORMATS.md (hex-encoded bytes)
+                          script's own PyTorch implementation of docs/FORMATS.md (hex-encoded bytes)
 """
 import pathlib
 
@@ -32,7 +32,7 @@ def write(name: str, data: np.ndarray) -> None:
 
 
 def e2m1_nvfp4(x: np.ndarray) -> np.ndarray:
-    """FORMATS.md: code = (x<0)<<3 | idx, idx = searchsorted(bounds, |x|) (+1 on .75, 1.75, 3.5)."""
+    """docs/FORMATS.md: code = (x<0)<<3 | idx, idx = searchsorted(bounds, |x|) (+1 on .75, 1.75, 3.5)."""
     bounds = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
     a = np.abs(x)
     idx = np.searchsorted(bounds, a, side="left")
@@ -60,7 +60,7 @@ def main() -> None:
     write("e2m1_sweep.bin", np.concatenate([sweep.view(np.uint8), e2m1_nvfp4(sweep)]))
 
 
-# ---- quantizers, in PyTorch, as FORMATS.md and ModelOpt's dtype rules define them ----
+# ---- quantizers, in PyTorch, as docs/FORMATS.md and ModelOpt's dtype rules define them ----
 
 def quant_cases() -> None:
     import json
@@ -190,7 +190,7 @@ E2M1_TABLE = None
 
 
 def e2m1_torch(x):
-    """FORMATS.md's NVFP4 E2M1 rule, in torch: (x<0)<<3 | searchsorted(bounds, |x|) (+1 on ties)."""
+    """docs/FORMATS.md's NVFP4 E2M1 rule, in torch: (x<0)<<3 | searchsorted(bounds, |x|) (+1 on ties)."""
     import torch
 
     bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])

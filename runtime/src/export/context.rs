@@ -52,7 +52,7 @@ struct Job {
     recipe: Recipe,
     act: Mutex<ActAmax>,
     writer: Mutex<ShardWriter>,
-    /// Output tensors not written: aliases of tied weights (FORMATS.md §4.1).
+    /// Output tensors not written: aliases of tied weights (docs/FORMATS.md §4.1).
     dropped: BTreeSet<String>,
     /// AWQ / SmoothQuant smoothing, for formats with pre-quant scales.
     smooth: Option<smooth::SmoothPlan>,
@@ -292,7 +292,7 @@ impl ExportContext {
                 tensor: name.to_string(),
             })?;
         if let Some(factor) = job.smooth.as_ref().and_then(|p| p.norm_factor(name)) {
-            // A norm absorbing its Linears' AWQ scale (FORMATS.md §4.2).
+            // A norm absorbing its Linears' AWQ scale (docs/FORMATS.md §4.2).
             let shape = meta.shape.clone();
             let folded: Vec<u8> = match meta.dtype {
                 safetensors::Dtype::BF16 => bytemuck::cast_slice(&smooth::fold_norm(
@@ -421,7 +421,7 @@ impl ExportContext {
     /// `quantization_config` and the report are built from these declarations alone. The walk
     /// refuses a module whose quantized tensors (a `weight_scale`, an FP8 / INT / packed
     /// `weight`) were written without one, or whose tensors lack the declared format's layout
-    /// (FORMATS.md §2). A module declared in another format than the others makes the
+    /// (docs/FORMATS.md §2). A module declared in another format than the others makes the
     /// checkpoint ModelOpt's `MIXED_PRECISION`.
     ///
     /// ```

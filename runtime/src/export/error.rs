@@ -149,7 +149,7 @@ pub enum ExportError {
         /// The quantized tensors it wrote.
         tensors: Vec<String>,
     },
-    /// A module's tensors do not have the layout of the format it declared (FORMATS.md §2).
+    /// A module's tensors do not have the layout of the format it declared (docs/FORMATS.md §2).
     #[error("module `{module}` declared {format}, but {problem}")]
     Layout {
         /// The module.

@@ -1,4 +1,4 @@
-//! Experts stored as 3-D tensors (FORMATS.md §4.3b–c), the two layouts transformers uses:
+//! Experts stored as 3-D tensors (docs/FORMATS.md §4.3b–c), the two layouts transformers uses:
 //!
 //! - **Fused experts** (transformers 5's in-memory layout, and checkpoints saved in it):
 //!   `gate_up_proj [E, 2I, H]` (gate rows first) and `down_proj [E, H, I]` — `[E, out, in]`,

@@ -1,5 +1,5 @@
 //! The JSON files beside the weights: `hf_quant_config.json` and `config.json` with its
-//! `quantization_config` (FORMATS.md §3.2, §3.4), plus the tokenizer files copied as they are.
+//! `quantization_config` (docs/FORMATS.md §3.2, §3.4), plus the tokenizer files copied as they are.
 
 use super::recipe::{Format, KvCache};
 use serde_json::{Map, Value, json};

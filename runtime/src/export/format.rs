@@ -69,7 +69,7 @@ impl Format {
         }
     }
 
-    /// ModelOpt's `quant_algo` (FORMATS.md §2).
+    /// ModelOpt's `quant_algo` (docs/FORMATS.md §2).
     pub fn quant_algo(self) -> &'static str {
         match self {
             Format::Fp8 => "FP8",
@@ -105,7 +105,7 @@ impl Format {
         )
     }
 
-    /// The input quantizer's `maxbound` (what a zero amax becomes, FORMATS.md "Where a comes
+    /// The input quantizer's `maxbound` (what a zero amax becomes, docs/FORMATS.md "Where a comes
     /// from") and the divisor of the input scale.
     pub fn input_bound_and_divisor(self) -> (f32, f32) {
         match self {
@@ -115,7 +115,7 @@ impl Format {
         }
     }
 
-    /// Whether q/k/v and gate/up share `input_scale` and `weight_scale_2` (FORMATS.md §4.2).
+    /// Whether q/k/v and gate/up share `input_scale` and `weight_scale_2` (docs/FORMATS.md §4.2).
     pub fn shares_group_scales(self) -> bool {
         matches!(
             self,
@@ -129,7 +129,7 @@ impl Format {
         self.shares_group_scales() || self == Format::Int8Sq
     }
 
-    /// The per-layer dict of `hf_quant_config.json` (FORMATS.md §3.2).
+    /// The per-layer dict of `hf_quant_config.json` (docs/FORMATS.md §3.2).
     pub fn layer_config(self) -> Value {
         match self {
             // Unmapped formats (`mxfp4`, `fp8_pb_wo`) record the raw name only, like FP8/INT8.
@@ -150,7 +150,7 @@ impl Format {
     }
 
     /// `config_groups.group_0` of `config.json`'s `quantization_config`, for the formats
-    /// ModelOpt writes one for (FORMATS.md §3.4); `None` for the others.
+    /// ModelOpt writes one for (docs/FORMATS.md §3.4); `None` for the others.
     pub fn config_group(self) -> Option<Value> {
         let gs = self.group_size();
         match self {
@@ -221,7 +221,7 @@ impl Format {
     }
 
     /// The tensors of a Linear with an `[rows, cols]` (`[out, in]`) weight quantized to this
-    /// format, as ModelOpt writes them (FORMATS.md §2). `pre_quant_scale` is not listed: it is
+    /// format, as ModelOpt writes them (docs/FORMATS.md §2). `pre_quant_scale` is not listed: it is
     /// present only where no norm absorbed the AWQ scale.
     pub fn linear_layout(self, rows: usize, cols: usize) -> Vec<TensorLayout> {
         let t = |local, dtype, shape: &[usize]| TensorLayout {

@@ -1,11 +1,11 @@
 //! Linears that receive the same input (q/k/v; gate/up; Mixtral's w1/w3) and so share scales
-//! in some formats (FORMATS.md §4.2). Used by the Linear exporter, the smoothing plan and the
+//! in some formats (docs/FORMATS.md §4.2). Used by the Linear exporter, the smoothing plan and the
 //! export's up-front checks.
 
 use crate::module_tree::ModuleRef;
 
 /// Siblings that receive the same input and so share `input_scale` and `weight_scale_2` in the
-/// NVFP4 family (FORMATS.md §4.2): q/k/v; gate/up; Mixtral's w1/w3.
+/// NVFP4 family (docs/FORMATS.md §4.2): q/k/v; gate/up; Mixtral's w1/w3.
 const SHARED_INPUT_GROUPS: [&[&str]; 3] = [
     &["q_proj", "k_proj", "v_proj"],
     &["gate_proj", "up_proj"],

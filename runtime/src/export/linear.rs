@@ -1,5 +1,5 @@
 //! The built-in exporter for `Linear` modules (ModelOpt's `_export_quant_linear`): quantizes
-//! `weight` with the recipe's format and writes ModelOpt's tensors (FORMATS.md §2); excluded
+//! `weight` with the recipe's format and writes ModelOpt's tensors (docs/FORMATS.md §2); excluded
 //! Linears (`lm_head`, routers, `--exclude`) are copied unchanged. Any other tensor the module
 //! owns (`bias`) is copied unchanged.
 
@@ -33,7 +33,7 @@ impl ModuleExporter for QuantLinear {
 
 /// With `--kv-cache`, an attention's `k_proj` / `v_proj` carry the KV-cache scale:
 /// `<attention>.k_proj.k_scale = k_bmm amax / 448` (likewise `v`), the same formula for FP8 and
-/// NVFP4 KV (FORMATS.md "KV cache"). Without a calibrated amax no scale is written — ModelOpt's
+/// NVFP4 KV (docs/FORMATS.md "KV cache"). Without a calibrated amax no scale is written — ModelOpt's
 /// constant-amax default — while `kv_cache_quant_algo` still names the format.
 fn kv_cache_scale(
     name: &str,

@@ -2,7 +2,7 @@
 //!
 //! An export call creates one [`ExportContext`], walks the module tree in pre-order, calls
 //! `prepare_moe_inputs` for every MoE block whose experts container an exporter takes, then
-//! `export` for every module with the first matching exporter (DESIGN.md §4). Exporters are
+//! `export` for every module with the first matching exporter (docs/DESIGN.md §4). Exporters are
 //! constructed once per call, on first use; nothing about an export outlives the call.
 
 pub mod act_amax;

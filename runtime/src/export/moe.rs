@@ -1,5 +1,5 @@
 //! Mixture-of-experts blocks whose experts are a list of modules (Qwen-MoE, Mixtral, DeepSeek
-//! in transformers 4; FORMATS.md §4.3a). The experts' Linears are exported one by one by
+//! in transformers 4; docs/FORMATS.md §4.3a). The experts' Linears are exported one by one by
 //! [`super::linear::QuantLinear`]; this exporter prepares their inputs first.
 
 use super::{ExportContext, ExportError, ModuleExporter, is_moe};

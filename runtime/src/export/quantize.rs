@@ -1,5 +1,5 @@
 //! The per-format writer of one Linear-shaped weight: quantizes it with the kernels and writes
-//! ModelOpt's tensors (FORMATS.md §2) and the error statistics.
+//! ModelOpt's tensors (docs/FORMATS.md §2) and the error statistics.
 
 use super::recipe::Format;
 use super::scales::{
@@ -82,7 +82,7 @@ pub fn quantize_linear(
         Dtype::F16 => q.run_smoothed(c.read_as::<f16>(&weight)?)?,
         Dtype::F32 => q.run_smoothed(c.read_as::<f32>(&weight)?)?,
         Dtype::F8_E4M3 if format == Format::Fp8 => {
-            // Already FP8 (FORMATS.md: "weights already in float8_e4m3fn pass through").
+            // Already FP8 (docs/FORMATS.md: "weights already in float8_e4m3fn pass through").
             ctx.copy_tensor(&weight)?;
         }
         dtype => {
@@ -266,7 +266,7 @@ impl Quantize<'_> {
         let nibble = |p: &[u8], i: usize| (p[i / 2] >> (4 * (i % 2))) & 0xf;
         let error = match self.format {
             Format::Fp8 => {
-                // FORMATS.md: the raw weight amax (a zero amax gives a zero scale), the quotient
+                // docs/FORMATS.md: the raw weight amax (a zero amax gives a zero scale), the quotient
                 // rounded to the weight's dtype before the cast; an expert's gate/up share it.
                 let s = ops::fp8::fp8_scale(self.scales.tensor_amax(self.format)?);
                 let mut q = vec![0u8; n];
@@ -288,7 +288,7 @@ impl Quantize<'_> {
                 ErrorStats::measure(w, |i| e4m3_to_f32(q[i]) * s[i / cols])
             }
             Format::Fp8Block => {
-                // FORMATS.md fp8_pb_wo: one f32 scale per 128×128 tile (edge tiles partial),
+                // docs/FORMATS.md fp8_pb_wo: one f32 scale per 128×128 tile (edge tiles partial),
                 // stored [N/128, 1, K/128, 1] — a 0-d tensor when there is one tile.
                 const TILE: usize = 128;
                 let mut s = self.amax_scales(w, Granularity::Tiles(TILE), 448.0)?;

@@ -1,4 +1,4 @@
-//! One export, end to end (DESIGN.md §4): open the checkpoint, build its module tree, check
+//! One export, end to end (docs/DESIGN.md §4): open the checkpoint, build its module tree, check
 //! the recipe's needs, walk the exporters into a temporary folder, write the JSON files, copy
 //! the tokenizer, and move the folder into place. Any error leaves nothing at the target.
 
@@ -159,7 +159,7 @@ fn ties_lm_head(checkpoint: &Checkpoint) -> bool {
 }
 
 /// Tied-weight aliases to drop: `lm_head.weight` when `tie_word_embeddings` is set and it
-/// equals `model.embed_tokens.weight` byte for byte (FORMATS.md §4.1). A quantized `lm_head`
+/// equals `model.embed_tokens.weight` byte for byte (docs/FORMATS.md §4.1). A quantized `lm_head`
 /// keeps both (its exporter writes it, not a copy).
 fn tied_aliases(checkpoint: &Checkpoint) -> Result<BTreeSet<String>, ExportError> {
     let tied = checkpoint
@@ -350,7 +350,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         .map(|m| m.path().to_string())
         .collect();
     // A tied `lm_head` has no tensor on disk, but it is a module in memory with a quantizer:
-    // ModelOpt lists it (FORMATS.md §4.1).
+    // ModelOpt lists it (docs/FORMATS.md §4.1).
     if ties_lm_head(&checkpoint) && tree.find("lm_head").is_none() {
         recorded.insert("lm_head".into());
     }

@@ -1,4 +1,4 @@
-//! Where a weight's scales come from (FORMATS.md §2 "Where a comes from", §4): ModelOpt's
+//! Where a weight's scales come from (docs/FORMATS.md §2 "Where each amax comes from", §4): ModelOpt's
 //! `export_amax` rules, and the amax a weight shares with its siblings or its MoE partner.
 
 use super::groups::input_group;
@@ -43,7 +43,7 @@ pub(crate) fn scalar_div(format: Format, x: f32, divisor: f32) -> f32 {
     }
 }
 
-/// Where the scales a weight shares with other weights come from (FORMATS.md §4): a Linear
+/// Where the scales a weight shares with other weights come from (docs/FORMATS.md §4): a Linear
 /// of the module tree takes them from its siblings ([`TreeScales`]); one expert of fused 3-D
 /// experts from its expert and the experts' single input quantizer per projection.
 pub(crate) trait ScaleSource {

@@ -1,4 +1,4 @@
-//! AWQ and SmoothQuant with given scales (FORMATS.md §4.2): the weight smoothing, the resmooth
+//! AWQ and SmoothQuant with given scales (docs/FORMATS.md §4.2): the weight smoothing, the resmooth
 //! of Linears that share an input, and the folding of the shared scale into the norm that
 //! produces that input — ModelOpt's arithmetic, step for step.
 //!

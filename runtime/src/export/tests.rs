@@ -1,4 +1,4 @@
-//! Exports of the demo model, end to end, checked against FORMATS.md's table and against
+//! Exports of the demo model, end to end, checked against docs/FORMATS.md's table and against
 //! values recomputed here from the input bytes.
 
 use super::act_amax::ActAmax;

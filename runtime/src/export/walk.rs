@@ -1,4 +1,4 @@
-//! The module walk (DESIGN.md §4): MoE preparation, then one `export` per matched module in
+//! The module walk (docs/DESIGN.md §4): MoE preparation, then one `export` per matched module in
 //! pre-order, a window of modules at a time in parallel, written in module order.
 
 use super::context::lock;

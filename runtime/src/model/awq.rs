@@ -1,4 +1,4 @@
-//! AWQ's per-channel scale search, as ModelOpt's `awq_lite` runs it (FORMATS.md §4.2), and its
+//! AWQ's per-channel scale search, as ModelOpt's `awq_lite` runs it (docs/FORMATS.md §4.2), and its
 //! clipping search, as `awq_clip` runs it after the scale search (`awq_full`, [`clip_search`]).
 //!
 //! For a quantized Linear `y = x·Wᵀ + b` that sees calibration inputs `x₁ … x_n` (one per

@@ -191,7 +191,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
 }
 
 /// The checks an inference engine makes when it loads a quantized checkpoint: what the
-/// configs declare matches the tensors (FORMATS.md §2, §3), and the architecture fields it
+/// configs declare matches the tensors (docs/FORMATS.md §2, §3), and the architecture fields it
 /// sizes its buffers by agree with the weights.
 fn engine_checks(
     reference: &Checkpoint,

@@ -1,6 +1,6 @@
 //! The exporter registry: which exporter takes a module.
 //!
-//! Matching (DESIGN.md §2): a type key matches when its `TypeId` is in the module's class
+//! Matching (docs/DESIGN.md §2): a type key matches when its `TypeId` is in the module's class
 //! chain, a string key when its name is; keys are OR-ed; with keys *and* a predicate both must
 //! hold; the first entry in registry order that matches wins.
 //!

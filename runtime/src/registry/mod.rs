@@ -328,7 +328,7 @@ fn list(issues: &[RegistryIssue]) -> String {
     issues.iter().map(|i| format!("\n  - {i}")).collect()
 }
 
-/// Validates and sorts the link-time entries of one kind (DESIGN.md §2).
+/// Validates and sorts the link-time entries of one kind (docs/DESIGN.md §2).
 pub fn build_static<E: RegistryEntry>() -> Result<E::Registry, RegistryError> {
     build_from_collected(E::collected())
 }
