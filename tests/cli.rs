@@ -351,41 +351,20 @@ fn corrupted_export(
     corrupted_copy("llama-tiny/fp8", dir, edit)
 }
 
-/// [`corrupted_export`] of ModelOpt's export `tests/compat/<export>/modelopt`.
+/// [`corrupted_export`] of ModelOpt's export `tests/compat/<export>/modelopt`: tensors for
+/// which `edit` returns false are dropped.
 fn corrupted_copy(
     export: &str,
     dir: &std::path::Path,
     edit: impl Fn(&str, &mut Vec<u8>) -> bool,
 ) -> std::path::PathBuf {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/compat")
-        .join(export)
-        .join("modelopt");
-    let dst = dir.join("corrupted");
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["config.json", "hf_quant_config.json"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, view) in st.tensors() {
-        let mut data = view.data().to_vec();
-        if edit(&name, &mut data) {
-            kept.push((name, view.dtype(), view.shape().to_vec(), data));
-        }
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = kept
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
-    dst
+    edited_export(
+        dir,
+        export,
+        "corrupted",
+        |t| t.retain_mut(|(name, _, _, data)| edit(name, data)),
+        |_, _| {},
+    )
 }
 
 /// `kiln verify --reference R --quantized Q EXTRA…`: (exit code, stdout).
@@ -583,16 +562,19 @@ fn awq_clip_search_exports_and_names_what_it_cannot_do() {
 
 type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
 
-/// A copy of ModelOpt's llama-tiny FP8 export in `dir/name`, its tensors and its two JSON
-/// files (`hf_quant_config.json`, `config.json`) edited.
+/// A copy of ModelOpt's export `tests/compat/<export>/modelopt` in `dir/name`, its tensors
+/// and its two JSON files (`hf_quant_config.json`, `config.json`) edited.
 fn edited_export(
     dir: &std::path::Path,
+    export: &str,
     name: &str,
     tensors: impl Fn(&mut Tensors),
     json: impl Fn(&mut serde_json::Value, &mut serde_json::Value),
 ) -> std::path::PathBuf {
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/compat/llama-tiny/fp8/modelopt");
+        .join("tests/compat")
+        .join(export)
+        .join("modelopt");
     let dst = dir.join(name);
     std::fs::create_dir_all(&dst).unwrap();
     let read = |f: &str| -> serde_json::Value {
@@ -640,6 +622,7 @@ fn verify_checks_what_an_engine_checks() {
     // the F8_E4M3 bytes as a bf16 weight.
     let fp8_head = edited_export(
         dir.path(),
+        "llama-tiny/fp8",
         "fp8-head",
         |t| {
             let head = t.iter_mut().find(|x| x.0 == "lm_head.weight").unwrap();
@@ -664,6 +647,7 @@ fn verify_checks_what_an_engine_checks() {
     // Tensors that do not have the declared format's layout.
     let mislabelled = edited_export(
         dir.path(),
+        "llama-tiny/fp8",
         "nvfp4-label",
         |_| {},
         |hf, config| {
@@ -679,6 +663,7 @@ fn verify_checks_what_an_engine_checks() {
     // The architecture fields an engine sizes its buffers by.
     let no_heads = edited_export(
         dir.path(),
+        "llama-tiny/fp8",
         "no-heads",
         |_| {},
         |_, config| {
@@ -698,6 +683,7 @@ fn verify_checks_what_an_engine_checks() {
     // A NaN the reference does not have (E4M3's NaN is 0x7F).
     let nan = edited_export(
         dir.path(),
+        "llama-tiny/fp8",
         "nan",
         |t| {
             let w = t

@@ -141,14 +141,6 @@ impl ScaleSource for SliceScales<'_> {
                 quantizers: vec![self.quantizer.clone()],
             })
     }
-    fn partner_amax(
-        &self,
-        _by: Granularity,
-        _rows: usize,
-        _cols: usize,
-    ) -> Result<Option<Vec<f32>>, ExportError> {
-        Ok(None)
-    }
     fn shared_tile_amax(&self) -> Result<Option<f32>, ExportError> {
         Ok(self.single_tile.then_some(self.amax))
     }

@@ -54,16 +54,21 @@ pub(crate) trait ScaleSource {
     /// [`ExportError::MissingActAmax`] when none is known.
     fn input_amax(&self, format: Format) -> Result<f32, ExportError>;
     /// Per-row, per-tile or per-block amax of a partner weight whose amax this one's is
-    /// synced with element-wise (an expert's gate/up), if any.
+    /// synced with element-wise (an expert's gate/up), if any (by default none).
     fn partner_amax(
         &self,
         by: Granularity,
         rows: usize,
         cols: usize,
-    ) -> Result<Option<Vec<f32>>, ExportError>;
+    ) -> Result<Option<Vec<f32>>, ExportError> {
+        let _ = (by, rows, cols);
+        Ok(None)
+    }
     /// FP8 128×128 blocks: the one amax a shared-input group shares when every member is a
-    /// single tile (ModelOpt's `preprocess_linear_fusion`), if that applies.
-    fn shared_tile_amax(&self) -> Result<Option<f32>, ExportError>;
+    /// single tile (ModelOpt's `preprocess_linear_fusion`), if that applies (by default not).
+    fn shared_tile_amax(&self) -> Result<Option<f32>, ExportError> {
+        Ok(None)
+    }
 }
 
 /// The scales of a weight that shares none: its own amax, and an input amax given by the caller.
@@ -83,19 +88,6 @@ impl ScaleSource for GivenScales<'_> {
             format,
             quantizers: vec![format!("{}.input_quantizer", self.module)],
         })
-    }
-
-    fn partner_amax(
-        &self,
-        _by: Granularity,
-        _rows: usize,
-        _cols: usize,
-    ) -> Result<Option<Vec<f32>>, ExportError> {
-        Ok(None)
-    }
-
-    fn shared_tile_amax(&self) -> Result<Option<f32>, ExportError> {
-        Ok(None)
     }
 }
 
