@@ -14,7 +14,7 @@
 
 use super::quantize::{Quantize, f32s, scalar};
 use super::recipe::{Format, Recipe};
-use super::scales::{Granularity, ScaleSource, export_scale, input_scale_of};
+use super::scales::{ScaleSource, export_scale, input_scale_of};
 use super::stats::ErrorStats;
 use super::{ExportContext, ExportError, ModuleExporter, full_name, is_moe};
 use crate::export::act_amax::ActAmax;
