@@ -171,7 +171,7 @@ impl Default for LoraConfig {
 }
 
 /// What a run will do, announced before the first step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TrainPlan {
     /// Optimisation steps planned.
     pub total_steps: u64,
@@ -182,7 +182,7 @@ pub struct TrainPlan {
 }
 
 /// One optimisation step's figures.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepMetrics {
     /// The step, from 1.
     pub step: u64,

@@ -9,7 +9,7 @@ pub mod act_amax;
 mod context;
 mod error;
 pub mod experts;
-mod exporter;
+pub mod exporter;
 pub mod files;
 pub mod format;
 pub mod groups;

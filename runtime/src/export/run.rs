@@ -274,7 +274,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let (act, binding) = options.act_amax.clone().unwrap_or_default().bind(&tree);
     let source = act
         .source()
-        .map_or_else(|| PathBuf::from("--act-amax"), Path::to_path_buf);
+        .map_or_else(|| PathBuf::from("the activation statistics"), Path::to_path_buf);
     if options.strict && !binding.unknown.is_empty() {
         return Err(ExportError::UnknownStatistics {
             file: source,

@@ -11,7 +11,7 @@
 //! [`Matcher`] owns one (no locking, for one export's hot loop).
 
 use super::{EntryMeta, Registry, RegistryEntry, RegistryIssue};
-use crate::export::ModuleExporter;
+use crate::export::exporter::ModuleExporter;
 use crate::module_tree::{ClassChain, ModuleClass, ModuleRef};
 use rustc_hash::FxHashMap;
 use std::any::TypeId;

@@ -93,12 +93,8 @@ impl Trainer for PluginSft {
             }
             observer.on_step(&kiln::train::StepMetrics {
                 step,
-                epoch: 0.0,
                 loss: 1.0 / step as f64,
-                learning_rate: 0.0,
-                grad_norm: None,
-                tokens: 0,
-                extra: Default::default(),
+                ..Default::default()
             });
             done = step;
         }
