@@ -15,6 +15,10 @@ ModelOpt for each format kiln implements. Everything it writes is small and comm
     .venv/bin/python tests/compat/modelopt_ref.py [MODEL ...] [FORMAT ...]   # all by default
     # and, for the transformers-5 models (fused experts), the same in a second venv:
     python3 -m venv --system-site-packages .venv5 && .venv5/bin/pip install -r requirements-tf5.txt
+    .venv5/bin/python tests/compat/modelopt_ref.py [MODEL ...] [FORMAT ...]
+    # transformers 5 dumps of the committed per-expert Mixtral and Qwen3-MoE (fused experts in
+    # memory, `<experts>.gate_up_proj_input_quantizer`), written to <model>/<format>-tf5/:
+    .venv5/bin/python tests/compat/modelopt_ref.py --tf5-dumps
 Runs on the CPU (a few seconds per format).
 """
 import copy
