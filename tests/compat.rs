@@ -5,12 +5,15 @@
 //! tensor — name, dtype, shape, bytes — and both JSON files must match. The only allowed
 //! difference is the producer (`kiln`).
 
+use kiln::export::{ExportContext, ExportError, ModuleExporter, quantize_linear};
+use kiln::{ExporterEntry, ExporterRegistry, ModuleRef, Predicate, RegistryBuilder};
 use kiln_runtime::checkpoint::Checkpoint;
 use kiln_runtime::export::act_amax::ActAmax;
 use kiln_runtime::export::recipe::{Format, KvCache, Recipe};
 use kiln_runtime::export::run::{ExportOptions, run};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 fn compat_dir(model: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -69,13 +72,28 @@ fn check_recipe(model: &str, dir: &str, recipe: Recipe) {
 /// [`check_recipe`]; `whole_config`: compare all of config.json, not only its
 /// `quantization_config` (a reference written by another transformers rewrites the rest).
 fn check_with(model: &str, dir: &str, recipe: Recipe, whole_config: bool) {
+    check_exported_by(model, dir, recipe, whole_config, None)
+}
+
+/// [`check_with`], exporting with `exporters` instead of the built-in registry.
+fn check_exported_by(
+    model: &str,
+    dir: &str,
+    recipe: Recipe,
+    whole_config: bool,
+    exporters: Option<Arc<ExporterRegistry>>,
+) {
     let format = recipe.format;
     let root = compat_dir(model);
     let reference = root.join(dir).join("modelopt");
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
     let act = ActAmax::read(&root.join(dir).join("amax.json")).unwrap();
-    run(&options(&root, &out, recipe, act)).unwrap_or_else(|e| panic!("{format}: {e}"));
+    let options = ExportOptions {
+        exporters,
+        ..options(&root, &out, recipe, act)
+    };
+    run(&options).unwrap_or_else(|e| panic!("{format}: {e}"));
 
     let (ours, theirs) = (
         Checkpoint::open(&out).unwrap(),
@@ -525,4 +543,40 @@ fn awq_on_moe_experts_matches_modelopt_bit_for_bit() {
     // routed subset, not the norm's output), so every expert writes `pre_quant_scale`.
     check("qwen3-moe-awq-tiny", Format::Int4Awq);
     check("mixtral-awq-tiny", Format::Int4Awq);
+}
+
+/// Quantizes `lm_head` to FP8, whatever the export's format.
+#[derive(Default)]
+struct Fp8LmHead;
+
+impl ModuleExporter for Fp8LmHead {
+    fn export(&self, _: &str, m: ModuleRef<'_>, ctx: &ExportContext) -> Result<(), ExportError> {
+        quantize_linear(ctx, m, Format::Fp8)
+    }
+}
+
+fn is_lm_head(m: &ModuleRef<'_>) -> bool {
+    m.path() == "lm_head"
+}
+
+#[test]
+fn a_second_format_is_modelopts_mixed_precision_bit_for_bit() {
+    // ModelOpt with NVFP4 everywhere and an FP8 `lm_head` writes MIXED_PRECISION:
+    // `quantized_layers` in module order, and config_groups of compressed-tensors entries.
+    // kiln gets there with a plugin exporter for `lm_head`.
+    let mut b = RegistryBuilder::<ExporterEntry>::from_static().unwrap();
+    b.prepend(ExporterEntry::of::<Fp8LmHead>(
+        vec![],
+        Some(Predicate {
+            func: is_lm_head,
+            name: "is_lm_head".into(),
+        }),
+    ));
+    check_exported_by(
+        "llama-tiny",
+        "nvfp4+fp8-lm-head",
+        Recipe::new(Format::Nvfp4),
+        true,
+        Some(Arc::new(b.build().unwrap())),
+    );
 }

@@ -72,11 +72,24 @@ def bf16_exact_smoothing():
 bf16_exact_smoothing()
 
 
+def with_fp8_lm_head(cfg):
+    """`cfg` with `lm_head` quantized to FP8 (per-tensor weight and input scales): two formats
+    in one checkpoint, which ModelOpt writes as MIXED_PRECISION."""
+    cfg = copy.deepcopy(cfg)
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    cfg["quant_cfg"].extend([
+        {"quantizer_name": "*lm_head.weight_quantizer", "cfg": fp8, "enable": True},
+        {"quantizer_name": "*lm_head.input_quantizer", "cfg": fp8, "enable": True},
+    ])
+    return cfg
+
+
 FORMATS = {
     "fp8": mtq.FP8_DEFAULT_CFG,
     "fp8+kv-fp8": with_fp8_kv(mtq.FP8_DEFAULT_CFG),
     "nvfp4+kv-fp8": with_fp8_kv(mtq.NVFP4_DEFAULT_CFG),
     "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    "nvfp4+fp8-lm-head": with_fp8_lm_head(mtq.NVFP4_DEFAULT_CFG),
     "w4a16-nvfp4": mtq.W4A16_NVFP4_CFG,
     "fp8-per-channel": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
     "int8-wo": mtq.INT8_WEIGHT_ONLY_CFG,

@@ -56,8 +56,11 @@ struct Job {
     dropped: BTreeSet<String>,
     /// AWQ / SmoothQuant smoothing, for formats with pre-quant scales.
     smooth: Option<smooth::SmoothPlan>,
-    /// Module → format, for every module quantized.
+    /// Module → format, for every module declared quantized.
     quantized: Mutex<BTreeMap<String, Format>>,
+    /// The declared modules in declaration order — the walk's order, which ModelOpt's
+    /// `quantized_layers` and `config_groups` follow.
+    declared_order: Mutex<Vec<String>>,
     /// Weight amax by tensor name, computed once.
     weight_amax: Mutex<HashMap<String, f32>>,
     /// Quantization error per format.
@@ -65,6 +68,18 @@ struct Job {
     /// Input tensors holding NaN or ±Inf, with how many such values.
     nonfinite: Mutex<BTreeMap<String, usize>>,
     bytes_out: Mutex<u64>,
+}
+
+impl Job {
+    /// Records a declaration; a module declared again keeps its place and takes the new format.
+    fn declare(&self, module: &str, format: Format) {
+        if lock(&self.quantized)
+            .insert(module.to_string(), format)
+            .is_none()
+        {
+            lock(&self.declared_order).push(module.to_string());
+        }
+    }
 }
 
 impl ExportContext {
@@ -95,6 +110,7 @@ impl ExportContext {
                 dropped,
                 smooth: None,
                 quantized: Mutex::default(),
+                declared_order: Mutex::default(),
                 weight_amax: Mutex::default(),
                 errors: Mutex::default(),
                 nonfinite: Mutex::default(),
@@ -138,9 +154,8 @@ impl ExportContext {
             .unwrap_or_default();
         if let Some(job) = &self.job {
             check_declared(job, &captured, exporter)?;
-            let mut quantized = lock(&job.quantized);
             for (m, f) in &captured.declared {
-                quantized.insert(m.clone(), *f);
+                job.declare(m, *f);
             }
         }
         for (name, dtype, shape, data) in captured.tensors {
@@ -433,9 +448,7 @@ impl ExportContext {
         let job = self.job()?;
         match &self.capture {
             Some(c) => lock(c).declared.push((module.to_string(), format)),
-            None => {
-                lock(&job.quantized).insert(module.to_string(), format);
-            }
+            None => job.declare(module, format),
         }
         Ok(())
     }
@@ -487,6 +500,18 @@ impl ExportContext {
             .as_ref()
             .map(|j| lock(&j.errors).clone())
             .unwrap_or_default()
+    }
+
+    /// Every module declared quantized so far, with its format, in declaration (walk) order.
+    pub fn declarations(&self) -> Vec<(String, Format)> {
+        let Some(job) = &self.job else {
+            return Vec::new();
+        };
+        let quantized = lock(&job.quantized);
+        lock(&job.declared_order)
+            .iter()
+            .map(|m| (m.clone(), quantized[m]))
+            .collect()
     }
 
     /// Every module quantized so far, with its format.

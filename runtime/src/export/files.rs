@@ -3,7 +3,7 @@
 
 use super::recipe::{Format, KvCache};
 use serde_json::{Map, Value, json};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 /// Files copied from the model folder unchanged, when present.
 pub const COPIED_FILES: &[&str] = &[
@@ -51,82 +51,85 @@ pub fn producer() -> Value {
     json!({"name": "kiln", "version": env!("CARGO_PKG_VERSION")})
 }
 
-/// `hf_quant_config.json`. One format for every quantized module gives a single merged
-/// dict with `exclude_modules`; several give `MIXED_PRECISION` with `quantized_layers`.
+/// `hf_quant_config.json` from the declarations, in declaration order. One format for every
+/// quantized module gives a single merged dict with `exclude_modules`; several give
+/// `MIXED_PRECISION` with `quantized_layers` in that order (docs/FORMATS.md §3.2).
 pub fn hf_quant_config(
-    quantized: &BTreeMap<String, Format>,
+    declared: &[(String, Format)],
     exclude: &[String],
     kv: Option<KvCache>,
 ) -> Value {
-    let formats: BTreeSet<Format> = quantized.values().copied().collect();
+    let formats: BTreeSet<Format> = declared.iter().map(|(_, f)| *f).collect();
+    let kv = kv.map_or(Value::Null, |k| json!(k.quant_algo()));
     let mut q = Map::new();
-    match formats.len() {
-        0 | 1 => {
-            let layer = formats.iter().next().map(|f| f.layer_config());
-            q.insert(
-                "quant_algo".into(),
-                layer
-                    .as_ref()
-                    .map_or(Value::Null, |l| l["quant_algo"].clone()),
-            );
-            q.insert(
-                "kv_cache_quant_algo".into(),
-                kv.map_or(Value::Null, |k| json!(k.quant_algo())),
-            );
-            if let Some(Value::Object(l)) = layer {
-                for (k, v) in l.into_iter().filter(|(k, _)| k != "quant_algo") {
-                    q.insert(k, v);
-                }
+    if formats.len() <= 1 {
+        let layer = formats.iter().next().map(|f| f.layer_config());
+        q.insert(
+            "quant_algo".into(),
+            layer
+                .as_ref()
+                .map_or(Value::Null, |l| l["quant_algo"].clone()),
+        );
+        q.insert("kv_cache_quant_algo".into(), kv);
+        if let Some(Value::Object(l)) = layer {
+            for (k, v) in l.into_iter().filter(|(k, _)| k != "quant_algo") {
+                q.insert(k, v);
             }
-            q.insert("exclude_modules".into(), json!(exclude));
         }
-        _ => {
-            q.insert("quant_algo".into(), json!("MIXED_PRECISION"));
-            q.insert(
-                "kv_cache_quant_algo".into(),
-                kv.map_or(Value::Null, |k| json!(k.quant_algo())),
-            );
-            let layers: Map<String, Value> = quantized
-                .iter()
-                .map(|(m, f)| (m.clone(), f.layer_config()))
-                .collect();
-            q.insert("quantized_layers".into(), Value::Object(layers));
-        }
+        q.insert("exclude_modules".into(), json!(exclude));
+    } else {
+        q.insert("quant_algo".into(), json!("MIXED_PRECISION"));
+        q.insert("kv_cache_quant_algo".into(), kv);
+        let layers: Map<String, Value> = declared
+            .iter()
+            .map(|(m, f)| (m.clone(), f.layer_config()))
+            .collect();
+        q.insert("quantized_layers".into(), Value::Object(layers));
     }
     json!({"producer": producer(), "quantization": Value::Object(q)})
 }
 
 /// `config.json`'s `quantization_config`, converted from `hf_quant_config` as ModelOpt's
-/// `convert_hf_quant_config_format` does, keys in its order.
-pub fn quantization_config(hf: &Value, formats: &BTreeSet<Format>) -> Value {
+/// `convert_hf_quant_config_format` does, keys in its order (docs/FORMATS.md §3.4).
+pub fn quantization_config(hf: &Value) -> Value {
     let q = &hf["quantization"];
+    let algo = q.get("quant_algo").and_then(Value::as_str);
     let mut out = Map::new();
-    if formats.len() == 1 {
-        let f = *formats.iter().next().expect("one format");
-        if let Some(group) = f.config_group() {
-            out.insert("config_groups".into(), json!({"group_0": group}));
-        }
-    } else if formats.len() > 1 {
-        // One group per distinct per-layer dict, targets = its modules, sorted.
-        let mut groups: BTreeMap<String, (Value, Vec<String>)> = BTreeMap::new();
+    if algo == Some("MIXED_PRECISION") {
+        // One group per distinct per-layer dict, in order of first appearance; targets sorted.
+        let mut groups: Vec<(&Value, Vec<String>)> = Vec::new();
         if let Some(Value::Object(layers)) = q.get("quantized_layers") {
             for (m, cfg) in layers {
-                groups
-                    .entry(cfg.to_string())
-                    .or_insert_with(|| (cfg.clone(), Vec::new()))
-                    .1
-                    .push(m.clone());
+                match groups.iter_mut().find(|(c, _)| *c == cfg) {
+                    Some((_, targets)) => targets.push(m.clone()),
+                    None => groups.push((cfg, vec![m.clone()])),
+                }
             }
         }
         let mut config_groups = Map::new();
-        for (i, (_, (cfg, mut targets))) in groups.into_iter().enumerate() {
+        for (i, (cfg, mut targets)) in groups.into_iter().enumerate() {
             targets.sort();
-            let mut g = cfg.as_object().cloned().unwrap_or_default();
+            let format = cfg
+                .get("quant_algo")
+                .and_then(Value::as_str)
+                .and_then(Format::from_quant_algo);
+            let group_size = cfg
+                .get("group_size")
+                .and_then(Value::as_u64)
+                .and_then(|g| u32::try_from(g).ok());
+            let mut g = format
+                .map(|f| f.mixed_group(group_size))
+                .unwrap_or_default();
             g.insert("targets".into(), json!(targets));
             config_groups.insert(format!("group_{i}"), Value::Object(g));
         }
         out.insert("config_groups".into(), Value::Object(config_groups));
         out.insert("quantized_layers".into(), q["quantized_layers"].clone());
+    } else if let Some(group) = algo
+        .and_then(Format::from_quant_algo)
+        .and_then(Format::config_group)
+    {
+        out.insert("config_groups".into(), json!({"group_0": group}));
     }
     out.insert(
         "ignore".into(),
@@ -194,13 +197,13 @@ mod tests {
 
     #[test]
     fn single_format_configs_match_modelopt_shapes() {
-        let quantized: BTreeMap<String, Format> = [("m.q".to_string(), Format::Nvfp4)].into();
+        let quantized = [("m.q".to_string(), Format::Nvfp4)];
         let hf = hf_quant_config(&quantized, &["lm_head".into()], Some(KvCache::Fp8));
         assert_eq!(
             serde_json::to_string(&hf["quantization"]).unwrap(),
             r#"{"quant_algo":"NVFP4","kv_cache_quant_algo":"FP8","group_size":16,"exclude_modules":["lm_head"]}"#
         );
-        let qc = quantization_config(&hf, &[Format::Nvfp4].into());
+        let qc = quantization_config(&hf);
         let keys: Vec<&String> = qc.as_object().unwrap().keys().collect();
         assert_eq!(
             keys,
@@ -219,35 +222,55 @@ mod tests {
             json!({"dynamic": false, "num_bits": 8, "type": "float"})
         );
 
-        let fp8: BTreeMap<String, Format> = [("m.q".to_string(), Format::Fp8)].into();
+        let fp8 = [("m.q".to_string(), Format::Fp8)];
         let hf = hf_quant_config(&fp8, &[], None);
         assert_eq!(
             serde_json::to_string(&hf["quantization"]).unwrap(),
             r#"{"quant_algo":"FP8","kv_cache_quant_algo":null,"exclude_modules":[]}"#
         );
-        let qc = quantization_config(&hf, &[Format::Fp8].into());
+        let qc = quantization_config(&hf);
         assert!(qc.get("kv_cache_scheme").is_none());
         // Formats without a config group (W8A16) get none.
-        let int8: BTreeMap<String, Format> = [("m.q".to_string(), Format::Int8Wo)].into();
-        let qc = quantization_config(&hf_quant_config(&int8, &[], None), &[Format::Int8Wo].into());
+        let int8 = [("m.q".to_string(), Format::Int8Wo)];
+        let qc = quantization_config(&hf_quant_config(&int8, &[], None));
         assert!(qc.get("config_groups").is_none());
         assert_eq!(qc["quant_algo"], "W8A16");
     }
 
     #[test]
-    fn mixed_formats_list_every_layer() {
-        let q: BTreeMap<String, Format> = [
+    fn mixed_formats_group_layers_as_modelopt_does() {
+        // In declaration order; groups numbered by first appearance, targets sorted, each
+        // group the compressed-tensors entry of its format (not the per-layer dict).
+        let q = [
+            ("z".to_string(), Format::Nvfp4),
             ("a".to_string(), Format::Fp8),
-            ("b".to_string(), Format::Nvfp4),
             ("c".to_string(), Format::Nvfp4),
-        ]
-        .into();
+        ];
         let hf = hf_quant_config(&q, &["lm_head".into()], None);
         assert_eq!(hf["quantization"]["quant_algo"], "MIXED_PRECISION");
         assert!(hf["quantization"].get("exclude_modules").is_none());
-        let qc = quantization_config(&hf, &q.values().copied().collect());
-        let groups = qc["config_groups"].as_object().unwrap();
-        assert_eq!(groups.len(), 2);
-        assert!(groups.values().any(|g| g["targets"] == json!(["b", "c"])));
+        let layers: Vec<&String> = hf["quantization"]["quantized_layers"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(layers, ["z", "a", "c"]);
+        let qc = quantization_config(&hf);
+        assert_eq!(
+            qc["config_groups"],
+            json!({
+                "group_0": {
+                    "input_activations": {"dynamic": false, "num_bits": 4, "type": "float", "group_size": 16},
+                    "weights": {"dynamic": false, "num_bits": 4, "type": "float", "group_size": 16},
+                    "targets": ["c", "z"],
+                },
+                "group_1": {
+                    "input_activations": {"dynamic": false, "num_bits": 8, "type": "float"},
+                    "weights": {"dynamic": false, "num_bits": 8, "type": "float"},
+                    "targets": ["a"],
+                },
+            })
+        );
+        assert_eq!(qc["ignore"], json!([]));
     }
 }

@@ -311,6 +311,48 @@ impl Format {
         None
     }
 
+    /// A `MIXED_PRECISION` checkpoint's `config_groups` entry for modules in this format
+    /// (without `targets`), as ModelOpt's `_quant_algo_to_group_config` writes it; `group_size`
+    /// is the per-layer dict's. ModelOpt has none for `mxfp4` and `fp8_pb_wo` (an empty entry).
+    pub fn mixed_group(self, group_size: Option<u32>) -> serde_json::Map<String, Value> {
+        let gs = |default: u32| group_size.unwrap_or(default);
+        let float = |bits: u32| json!({"dynamic": false, "num_bits": bits, "type": "float"});
+        let grouped = |bits: u32, kind: &str, g: u32| json!({"dynamic": false, "num_bits": bits, "type": kind, "group_size": g});
+        let channel = |kind: &str| json!({"dynamic": false, "num_bits": 8, "type": kind, "strategy": "channel"});
+        let entry = match self {
+            Format::Fp8 => json!({"input_activations": float(8), "weights": float(8)}),
+            Format::Fp8PerChannel => {
+                json!({"input_activations": float(8), "weights": channel("float")})
+            }
+            Format::Nvfp4 => json!({
+                "input_activations": grouped(4, "float", gs(16)),
+                "weights": grouped(4, "float", gs(16)),
+            }),
+            Format::Int4Awq => json!({"weights": grouped(4, "int", gs(128))}),
+            Format::W4a16Nvfp4 => json!({"weights": grouped(4, "float", gs(16))}),
+            Format::Nvfp4Awq | Format::W4a8Awq => json!({
+                "input_activations": grouped(8, "float", gs(128)),
+                "weights": grouped(4, "float", gs(128)),
+            }),
+            Format::Int8Wo => {
+                json!({"weights": {"dynamic": false, "num_bits": 8, "type": "int"}})
+            }
+            Format::Int8Sq => json!({
+                "input_activations": {"dynamic": false, "num_bits": 8, "type": "int"},
+                "weights": channel("int"),
+            }),
+            Format::Mxfp8 => json!({
+                "input_activations": grouped(8, "float", gs(32)),
+                "weights": grouped(8, "float", gs(32)),
+            }),
+            Format::Mxfp4 | Format::Fp8Block => json!({}),
+        };
+        match entry {
+            Value::Object(m) => m,
+            _ => unreachable!("every entry is an object"),
+        }
+    }
+
     /// Whether the format may carry `pre_quant_scale` (AWQ and SmoothQuant).
     pub fn has_pre_quant_scale(self) -> bool {
         matches!(

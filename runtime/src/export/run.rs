@@ -272,9 +272,10 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
     let (act, binding) = options.act_amax.clone().unwrap_or_default().bind(&tree);
-    let source = act
-        .source()
-        .map_or_else(|| PathBuf::from("the activation statistics"), Path::to_path_buf);
+    let source = act.source().map_or_else(
+        || PathBuf::from("the activation statistics"),
+        Path::to_path_buf,
+    );
     if options.strict && !binding.unknown.is_empty() {
         return Err(ExportError::UnknownStatistics {
             file: source,
@@ -331,6 +332,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         ));
     }
     let quantized = ctx.quantized();
+    let ctx_declarations = ctx.declarations();
     let errors = ctx.errors();
     let bytes_out = ctx.bytes_out();
     let (writer, report) = ctx.finish_writer()?;
@@ -359,12 +361,12 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     let quantized_names: BTreeSet<String> = quantized.keys().cloned().collect();
     let unquantized: BTreeSet<String> = recorded.difference(&quantized_names).cloned().collect();
     let excluded = files::exclude_summary(&unquantized, &quantized_names);
-    let hf = files::hf_quant_config(&quantized, &excluded, recipe.kv_cache);
+    let hf = files::hf_quant_config(&ctx_declarations, &excluded, recipe.kv_cache);
     write_json(&out.path().join("hf_quant_config.json"), &hf, 4)?;
     let mut config = checkpoint.config().raw().clone();
     config.insert(
         "quantization_config".into(),
-        files::quantization_config(&hf, &quantized.values().copied().collect()),
+        files::quantization_config(&hf),
     );
     write_json(&out.path().join("config.json"), &Value::Object(config), 2)?;
     let mut copied = Vec::new();
