@@ -691,11 +691,32 @@ fn verify_checks_what_an_engine_checks() {
                 .find(|x| x.0 == "model.layers.1.mlp.up_proj.weight")
                 .unwrap();
             w.3[17] = 0x7F;
+            // And an Inf in a copied norm (bf16 0x7F80).
+            let norm = t.iter_mut().find(|x| x.0 == "model.norm.weight").unwrap();
+            norm.3[2..4].copy_from_slice(&[0x80, 0x7F]);
         },
         no_json_edit,
     );
     fail(
         &nan,
+        "FAIL `model.norm.weight` holds 1 NaN/Inf value(s); the reference has 0",
+    );
+    // Once the structure is sound, the decoded weights are checked too.
+    let nan_weight = edited_export(
+        dir.path(),
+        "llama-tiny/fp8",
+        "nan-weight",
+        |t| {
+            let w = t
+                .iter_mut()
+                .find(|x| x.0 == "model.layers.1.mlp.up_proj.weight")
+                .unwrap();
+            w.3[17] = 0x7F;
+        },
+        no_json_edit,
+    );
+    fail(
+        &nan_weight,
         "FAIL `model.layers.1.mlp.up_proj.weight` decodes to 1 NaN/Inf value(s); the reference has 0",
     );
 }

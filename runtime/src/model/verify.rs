@@ -121,7 +121,20 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
                 "`{}` is {:?} {:?} in the export, {:?} {:?} in the reference",
                 t.name, o.dtype, o.shape, t.dtype, t.shape
             )),
-            Some(_) => {}
+            Some(o) => {
+                // An unquantized tensor: NaN/Inf the reference does not have.
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                q.read(&o.name, &mut a)?;
+                r.read(&t.name, &mut b)?;
+                let count = crate::export::stats::nonfinite_in_bytes;
+                let (mine, theirs) = (count(o.dtype, &a), count(t.dtype, &b));
+                if mine > theirs {
+                    report.problems.push(format!(
+                        "`{}` holds {mine} NaN/Inf value(s); the reference has {theirs}",
+                        t.name
+                    ));
+                }
+            }
         }
     }
     for o in q.tensors() {
