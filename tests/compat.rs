@@ -83,15 +83,26 @@ fn check_exported_by(
     whole_config: bool,
     exporters: Option<Arc<ExporterRegistry>>,
 ) {
-    let format = recipe.format;
     let root = compat_dir(model);
-    let reference = root.join(dir).join("modelopt");
+    check_at(&root, &root.join(dir), recipe, whole_config, exporters)
+}
+
+/// The model at `root/model` exported with `dir/amax.json` against ModelOpt's `dir/modelopt`.
+fn check_at(
+    root: &Path,
+    dir: &Path,
+    recipe: Recipe,
+    whole_config: bool,
+    exporters: Option<Arc<ExporterRegistry>>,
+) {
+    let format = recipe.format;
+    let reference = dir.join("modelopt");
     let out_root = tempfile::tempdir().unwrap();
     let out = out_root.path().join("kiln");
-    let act = ActAmax::read(&root.join(dir).join("amax.json")).unwrap();
+    let act = ActAmax::read(&dir.join("amax.json")).unwrap();
     let options = ExportOptions {
         exporters,
-        ..options(&root, &out, recipe, act)
+        ..options(root, &out, recipe, act)
     };
     run(&options).unwrap_or_else(|e| panic!("{format}: {e}"));
 
@@ -371,6 +382,50 @@ fn transformers_5_dumps_apply_to_per_expert_checkpoints_bit_for_bit() {
             check_with(model, &dir, Recipe::new(format), false);
         }
     }
+}
+
+#[test]
+fn transformers_4_dumps_apply_to_fused_checkpoints_bit_for_bit() {
+    // The other direction: per-expert keys (`<experts>.<e>.gate_proj.input_quantizer`, as a
+    // transformers 4 calibration names them) on a checkpoint holding the experts fused. The
+    // fused projection's one quantizer sees every expert's tokens: the max over the experts.
+    // Spread ModelOpt's fused amax over the experts so that their max is exactly it.
+    let root = compat_dir("qwen3-moe-fused-tiny");
+    let fused: serde_json::Map<String, Value> =
+        serde_json::from_value(json(&root.join("fp8/amax.json"))).unwrap();
+    let mut per_expert: Vec<(String, f32)> = Vec::new();
+    for (k, v) in &fused {
+        let v = v.as_f64().unwrap() as f32;
+        let Some((experts, projection)) = k
+            .strip_suffix("_input_quantizer")
+            .and_then(|s| s.rsplit_once('.'))
+            .filter(|(e, _)| e.ends_with(".experts"))
+        else {
+            per_expert.push((k.clone(), v));
+            continue;
+        };
+        let locals: &[&str] = match projection {
+            "gate_up_proj" => &["gate_proj", "up_proj"],
+            _ => &["down_proj"],
+        };
+        for (e, share) in [0.5f32, 1.0, 0.25, 0.75].into_iter().enumerate() {
+            for l in locals {
+                per_expert.push((format!("{experts}.{e}.{l}.input_quantizer"), v * share));
+            }
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("fp8-tf4");
+    std::fs::create_dir_all(dump.join("modelopt")).unwrap();
+    ActAmax::from_values(per_expert)
+        .write(&dump.join("amax.json"))
+        .unwrap();
+    // The reference is ModelOpt's fused export; only the statistics are renamed.
+    for f in std::fs::read_dir(root.join("fp8/modelopt")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dump.join("modelopt").join(f.file_name().unwrap())).unwrap();
+    }
+    check_at(&root, &dump, Recipe::new(Format::Fp8), true, None);
 }
 
 #[test]

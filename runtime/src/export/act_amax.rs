@@ -43,6 +43,24 @@ fn find_module<'t>(tree: &'t ModuleTree, path: &str) -> Option<ModuleRef<'t>> {
     })
 }
 
+/// The fused experts' input quantizer that the per-expert Linear `path`
+/// (`<experts>.<e>.<gate_proj | up_proj | down_proj | w1 | w3 | w2>`, transformers 4's names)
+/// feeds, when the checkpoint holds those experts fused (`<experts>.gate_up_proj`, …).
+fn per_expert_to_fused(tree: &ModuleTree, path: &str) -> Option<String> {
+    let (expert, local) = path.rsplit_once('.')?;
+    let (experts, index) = expert.rsplit_once('.')?;
+    index.parse::<usize>().ok()?;
+    let experts = find_module(tree, experts)?;
+    let is_3d = |p: &str| experts.tensor(p).is_some_and(|t| t.shape.len() == 3);
+    let projection = match local {
+        "gate_proj" | "w1" | "up_proj" | "w3" if is_3d("gate_up_proj") => "gate_up_proj",
+        "up_proj" if is_3d("up_proj") => "up_proj",
+        "down_proj" | "w2" if is_3d("down_proj") => "down_proj",
+        _ => return None,
+    };
+    Some(format!("{}.{projection}_input_quantizer", experts.path()))
+}
+
 /// The keys of the checkpoint's quantizers that statistics key `key` applies to; `None` when
 /// it names none.
 fn bind_key(tree: &ModuleTree, key: &str) -> Option<Vec<String>> {
@@ -50,7 +68,12 @@ fn bind_key(tree: &ModuleTree, key: &str) -> Option<Vec<String>> {
         let Some(path) = key.strip_suffix(suffix) else {
             continue;
         };
-        let module = find_module(tree, path)?;
+        let Some(module) = find_module(tree, path) else {
+            return (suffix == ".input_quantizer")
+                .then(|| per_expert_to_fused(tree, path))
+                .flatten()
+                .map(|q| vec![q]);
+        };
         let has_weight = module.tensor("weight").is_some();
         let is_attention = suffix.contains("_bmm_") && module.child("k_proj").is_some();
         return (has_weight || is_attention).then(|| vec![format!("{}{suffix}", module.path())]);
@@ -289,6 +312,10 @@ impl ActAmax {
     /// - a Linear, attention or experts path with `mlp` where the checkpoint has
     ///   `block_sparse_moe` (Mixtral) → that path.
     ///
+    /// - the other way, transformers 4's per-expert `<experts>.<e>.<linear>.input_quantizer`
+    ///   onto experts the checkpoint holds fused: the projection's one quantizer takes the max
+    ///   over the experts (it sees every expert's tokens).
+    ///
     /// A value the file gives under the checkpoint's own name wins over a mapped one. Keys
     /// that name no quantizer of the tree are returned in [`Binding::unknown`].
     pub fn bind(mut self, tree: &ModuleTree) -> (ActAmax, Binding) {
@@ -300,13 +327,14 @@ impl ActAmax {
             .chain(self.weight_amax.keys())
             .cloned()
             .collect();
+        let given: std::collections::BTreeSet<String> = keys.iter().cloned().collect();
         for key in keys {
             let targets = bind_key(tree, &key);
             match targets {
                 None => binding.unknown.push(key),
                 Some(t) if t.len() == 1 && t[0] == key => {}
                 Some(targets) => {
-                    self.map_key(&key, &targets);
+                    self.map_key(&key, &targets, &given);
                     binding.mapped.push((key, targets));
                 }
             }
@@ -314,18 +342,37 @@ impl ActAmax {
         (self, binding)
     }
 
-    /// Copies the value of `key` to each of `targets` that has none of its own, then drops `key`.
-    fn map_key(&mut self, key: &str, targets: &[String]) {
-        fn copy<V: Clone>(map: &mut BTreeMap<String, V>, key: &str, targets: &[String]) {
+    /// Moves the value of `key` to each of `targets` the file did not give itself (`given`):
+    /// an amax several keys map onto takes their max; a list the first one's.
+    fn map_key(
+        &mut self,
+        key: &str,
+        targets: &[String],
+        given: &std::collections::BTreeSet<String>,
+    ) {
+        fn copy<V: Clone>(
+            map: &mut BTreeMap<String, V>,
+            key: &str,
+            targets: &[String],
+            given: &std::collections::BTreeSet<String>,
+            merge: impl Fn(&mut V, &V),
+        ) {
             if let Some(v) = map.remove(key) {
-                for t in targets {
-                    map.entry(t.clone()).or_insert_with(|| v.clone());
+                for t in targets.iter().filter(|t| !given.contains(*t)) {
+                    match map.get_mut(t) {
+                        Some(old) => merge(old, &v),
+                        None => {
+                            map.insert(t.clone(), v.clone());
+                        }
+                    }
                 }
             }
         }
-        copy(&mut self.values, key, targets);
-        copy(&mut self.pre_quant_scales, key, targets);
-        copy(&mut self.weight_amax, key, targets);
+        copy(&mut self.values, key, targets, given, |old, v| {
+            *old = old.max(*v)
+        });
+        copy(&mut self.pre_quant_scales, key, targets, given, |_, _| {});
+        copy(&mut self.weight_amax, key, targets, given, |_, _| {});
     }
 
     /// Whether no value is present.
