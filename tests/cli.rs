@@ -720,3 +720,44 @@ fn verify_checks_what_an_engine_checks() {
         "FAIL `model.layers.1.mlp.up_proj.weight` decodes to 1 NaN/Inf value(s); the reference has 0",
     );
 }
+
+/// Fused 3-D experts (transformers 5's layout) are written as per-expert Linears; verify
+/// compares each with its slice of the reference's fused tensor.
+#[test]
+fn verify_compares_fused_experts_slice_by_slice() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/qwen3-moe-fused-tiny");
+    let verify = |q: &std::path::Path| run_verify(&compat.join("model"), q, &[]);
+    let (code, text) = verify(&compat.join("fp8/modelopt"));
+    assert_eq!(code, Some(0), "{text}");
+    // 4 attention Linears and 4 experts × 3 per layer.
+    assert!(
+        text.starts_with("ok: FP8 — 32 quantized Linears decode"),
+        "{text}"
+    );
+    // Expert 1's gate and up swapped: every tensor is there, the slices are wrong.
+    let swapped = edited_export(
+        dir.path(),
+        "qwen3-moe-fused-tiny/fp8",
+        "swapped",
+        |t| {
+            let find = |t: &Tensors, n: &str| t.iter().position(|x| x.0 == n).unwrap();
+            let e = "model.layers.0.mlp.experts.1";
+            let (g, u) = (
+                find(t, &format!("{e}.gate_proj.weight")),
+                find(t, &format!("{e}.up_proj.weight")),
+            );
+            let gate = t[g].3.clone();
+            t[g].3 = t[u].3.clone();
+            t[u].3 = gate;
+        },
+        |_, _| {},
+    );
+    let (code, text) = verify(&swapped);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("FAIL `model.layers.0.mlp.experts.1.gate_proj` decodes to a weight"),
+        "{text}"
+    );
+}

@@ -9,6 +9,7 @@ use crate::checkpoint::Checkpoint;
 use candle_core::{DType, Device};
 use safetensors::Dtype;
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// What `verify` found.
@@ -61,6 +62,73 @@ fn quant_algo(dir: &Path, checkpoint: &Checkpoint, problems: &mut Vec<String>) -
     from_hf.or(from_config)
 }
 
+/// Where a reference tensor the export holds under per-expert names comes from: rows
+/// `first_row..first_row + rows` of expert `expert` of the fused 3-D tensor `fused`.
+#[derive(Debug, Clone)]
+struct Slice {
+    fused: String,
+    expert: usize,
+    first_row: usize,
+    rows: usize,
+}
+
+/// One reference tensor, under the name the export should hold it by.
+struct RefTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    slice: Option<Slice>,
+}
+
+/// The reference's tensors as an export names them: a fused experts tensor
+/// (`<experts>.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, `up_proj [E, I, H]` without a
+/// gate) that the export does not hold is split into `<experts>.<e>.{gate,up,down}_proj.weight`
+/// (docs/FORMATS.md §4.3b); every other tensor is itself.
+fn reference_tensors(r: &Checkpoint, q: &Checkpoint) -> Vec<RefTensor> {
+    let mut out = Vec::new();
+    for t in r.tensors() {
+        let split = match (t.name.rsplit_once('.'), &t.shape[..]) {
+            (Some((experts, local)), &[e, rows, cols]) if q.tensor(&t.name).is_none() => {
+                let parts: &[&str] = match local {
+                    "gate_up_proj" => &["gate_proj", "up_proj"],
+                    "down_proj" => &["down_proj"],
+                    "up_proj" => &["up_proj"],
+                    _ => &[],
+                };
+                let first = format!("{experts}.0.{}.weight", parts.first().unwrap_or(&""));
+                (!parts.is_empty() && q.tensor(&first).is_some() && rows % parts.len() == 0)
+                    .then_some((experts, parts, e, rows / parts.len(), cols))
+            }
+            _ => None,
+        };
+        let Some((experts, parts, experts_n, rows, cols)) = split else {
+            out.push(RefTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                slice: None,
+            });
+            continue;
+        };
+        for expert in 0..experts_n {
+            for (i, part) in parts.iter().enumerate() {
+                out.push(RefTensor {
+                    name: format!("{experts}.{expert}.{part}.weight"),
+                    dtype: t.dtype,
+                    shape: vec![rows, cols],
+                    slice: Some(Slice {
+                        fused: t.name.clone(),
+                        expert,
+                        first_row: i * rows,
+                        rows,
+                    }),
+                });
+            }
+        }
+    }
+    out
+}
+
 /// Checks the export at `quantized` against the model at `reference`.
 pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelError> {
     let r = Checkpoint::open(reference)?;
@@ -77,20 +145,15 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
         .get("tie_word_embeddings")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    // Fused 3-D experts that the export split into per-expert Linears (transformers 5's
-    // layout) are not compared yet; BMM experts (GPT-OSS) stay 3-D and are.
-    if let Some(t) = r
-        .tensors()
-        .find(|t| t.shape.len() == 3 && q.tensor(&t.name).is_none())
-    {
-        report.problems.push(format!(
-            "`{}` is a fused 3-D experts tensor the export split into per-expert Linears: kiln verify does not check that layout yet",
-            t.name
-        ));
-        return Ok(report);
-    }
+    // The reference's tensors as the export names them: fused 3-D experts (transformers 5's
+    // layout) are written as per-expert Linears, so they are compared slice by slice.
+    let tensors = reference_tensors(&r, &q);
+    let shapes: BTreeMap<String, (Dtype, Vec<usize>)> = tensors
+        .iter()
+        .map(|t| (t.name.clone(), (t.dtype, t.shape.clone())))
+        .collect();
     let quantized_dtype = |d: Dtype| matches!(d, Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3);
-    for t in r.tensors() {
+    for t in &tensors {
         match q.tensor(&t.name) {
             None if tied && t.name == "lm_head.weight" => {}
             None => report
@@ -121,6 +184,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
                 "`{}` is {:?} {:?} in the export, {:?} {:?} in the reference",
                 t.name, o.dtype, o.shape, t.dtype, t.shape
             )),
+            Some(_) if t.slice.is_some() => {}
             Some(o) => {
                 // An unquantized tensor: NaN/Inf the reference does not have.
                 let (mut a, mut b) = (Vec::new(), Vec::new());
@@ -138,7 +202,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
         }
     }
     for o in q.tensors() {
-        let known = r.tensor(&o.name).is_some()
+        let known = shapes.contains_key(&o.name)
             || is_bmm_expert_scale(&o.name)
             || super::load::SCALE_SUFFIXES
                 .iter()
@@ -151,7 +215,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
         }
     }
     if let Some(algo) = &algo {
-        engine_checks(&r, &q, quantized, algo, &mut report.problems);
+        engine_checks(&r, &shapes, &q, quantized, algo, &mut report.problems);
     }
     if algo.is_none() || !report.problems.is_empty() {
         return Ok(report);
@@ -167,23 +231,33 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
         }
     };
     let original = load_weights(&r, DType::F32, &Device::Cpu)?;
+    let slices: BTreeMap<&str, &Slice> = tensors
+        .iter()
+        .filter_map(|t| Some((t.name.as_str(), t.slice.as_ref()?)))
+        .collect();
     for (name, var) in decoded.vars() {
         let Some(o) = q.tensor(name) else { continue };
         if !quantized_dtype(o.dtype) {
             continue;
         }
+        let want = match slices.get(name.as_str()) {
+            Some(s) => original
+                .get(&s.fused)?
+                .get(s.expert)?
+                .narrow(0, s.first_row, s.rows)?,
+            None => original.get(name)?.clone(),
+        };
         // Non-finite values the reference does not have: an engine would run on NaN.
         let count = |t: &candle_core::Tensor| -> Result<usize, ModelError> {
             let v = t.flatten_all()?.to_vec1::<f32>()?;
             Ok(v.iter().filter(|x| !x.is_finite()).count())
         };
-        let (mine, theirs) = (count(var.as_tensor())?, count(original.get(name)?)?);
+        let (mine, theirs) = (count(var.as_tensor())?, count(&want)?);
         if mine > theirs {
             report.problems.push(format!(
                 "`{name}` decodes to {mine} NaN/Inf value(s); the reference has {theirs}"
             ));
         }
-        let want = original.get(name)?;
         let got = var.as_tensor();
         if got.dims() != want.dims() {
             report.problems.push(format!(
@@ -193,7 +267,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
             ));
             continue;
         }
-        let diff = (got - want)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        let diff = (got - &want)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
         let norm = want.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
         report.weight_errors.push((
             name.trim_end_matches(".weight").to_string(),
@@ -208,6 +282,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
 /// sizes its buffers by agree with the weights.
 fn engine_checks(
     reference: &Checkpoint,
+    shapes: &BTreeMap<String, (Dtype, Vec<usize>)>,
     export: &Checkpoint,
     dir: &Path,
     algo: &str,
@@ -249,10 +324,10 @@ fn engine_checks(
         let Some(module) = t.name.strip_suffix(".weight") else {
             continue;
         };
-        let Some(original) = reference.tensor(&t.name) else {
+        let Some((original_dtype, original_shape)) = shapes.get(&t.name) else {
             continue;
         };
-        if !quantized_dtype(t.dtype) || quantized_dtype(original.dtype) {
+        if !quantized_dtype(t.dtype) || quantized_dtype(*original_dtype) {
             continue;
         }
         if let Some(pattern) = excluded.iter().find(|p| glob_match(p, module)) {
@@ -280,7 +355,7 @@ fn engine_checks(
             problems.push(format!("`{module}`: unknown quant_algo `{declared}`"));
             continue;
         };
-        let [rows, cols] = original.shape[..] else {
+        let [rows, cols] = original_shape[..] else {
             continue;
         };
         let written = |local: &str| {
