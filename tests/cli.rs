@@ -721,6 +721,34 @@ fn verify_checks_what_an_engine_checks() {
     );
 }
 
+/// BMM experts' scales must have the declared format's 3-D layout (docs/FORMATS.md §4.3c):
+/// the same bytes under another shape are refused before anything is decoded.
+#[test]
+fn verify_checks_the_layout_of_bmm_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/gpt-oss-tiny");
+    let reshaped = edited_export(
+        dir.path(),
+        "gpt-oss-tiny/nvfp4",
+        "reshaped",
+        |t| {
+            let s = t
+                .iter_mut()
+                .find(|x| x.0 == "model.layers.1.mlp.experts.gate_up_proj_weight_scale")
+                .unwrap();
+            assert_eq!(s.2, [4, 4, 64]);
+            s.2 = vec![4, 64, 4];
+        },
+        |_, _| {},
+    );
+    let (code, text) = run_verify(&compat.join("model"), &reshaped, &[]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("FAIL `model.layers.1.mlp.experts.gate_up_proj` is declared NVFP4, but `weight_scale` is F8_E4M3 [4, 64, 4], the format has F8_E4M3 [4, 4, 64]"),
+        "{text}"
+    );
+}
+
 /// Fused 3-D experts (transformers 5's layout) are written as per-expert Linears; verify
 /// compares each with its slice of the reference's fused tensor.
 #[test]

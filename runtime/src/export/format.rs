@@ -206,6 +206,30 @@ pub struct TensorLayout {
     pub shape: Vec<usize>,
 }
 
+/// The first tensor of `layout` that is missing or has another dtype or shape, or a scale
+/// present that the layout does not have.
+fn missing_or_wrong<'a>(
+    layout: &[TensorLayout],
+    written: &impl Fn(&str) -> Option<(Dtype, &'a [usize])>,
+) -> Option<String> {
+    for want in layout {
+        match written(want.local) {
+            None => return Some(format!("`{}` is missing", want.local)),
+            Some((dtype, shape)) if dtype != want.dtype || shape != want.shape.as_slice() => {
+                return Some(format!(
+                    "`{}` is {dtype:?} {shape:?}, the format has {:?} {:?}",
+                    want.local, want.dtype, want.shape
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    ["weight_scale_2", "input_scale"]
+        .into_iter()
+        .find(|l| written(l).is_some() && !layout.iter().any(|t| t.local == *l))
+        .map(|local| format!("`{local}` is present, and the format has none"))
+}
+
 /// Tensors a quantized Linear may carry beside its layout: `pre_quant_scale` (AWQ /
 /// SmoothQuant formats, when no norm absorbed it), `bias`, and the KV-cache scales.
 const OPTIONAL_LOCALS: [&str; 4] = ["pre_quant_scale", "bias", "k_scale", "v_scale"];
@@ -286,29 +310,80 @@ impl Format {
         cols: usize,
         written: impl Fn(&str) -> Option<(Dtype, &'a [usize])>,
     ) -> Option<String> {
-        let layout = self.linear_layout(rows, cols);
-        for want in &layout {
-            match written(want.local) {
-                None => return Some(format!("`{}` is missing", want.local)),
-                Some((dtype, shape)) if dtype != want.dtype || shape != want.shape.as_slice() => {
-                    return Some(format!(
-                        "`{}` is {dtype:?} {shape:?}, the format has {:?} {:?}",
-                        want.local, want.dtype, want.shape
-                    ));
-                }
-                Some(_) => {}
-            }
-        }
-        let extra = ["weight_scale_2", "input_scale"]
-            .into_iter()
-            .find(|l| written(l).is_some() && !layout.iter().any(|t| t.local == *l));
-        if let Some(local) = extra {
-            return Some(format!("`{local}` is present, and the format has none"));
+        if let Some(p) = missing_or_wrong(&self.linear_layout(rows, cols), &written) {
+            return Some(p);
         }
         if written("pre_quant_scale").is_some() && !self.has_pre_quant_scale() {
             return Some("`pre_quant_scale` is present, and the format has none".into());
         }
         None
+    }
+
+    /// The tensors of a BMM experts projection (GPT-OSS, Llama4: `[E, in, out]`, one quantizer
+    /// across the experts) quantized to this format, as ModelOpt writes them
+    /// (docs/FORMATS.md §4.3c); `local` `weight` is the projection itself and the others are
+    /// its `_weight_scale`, `_weight_scale_2`, `_input_scale`. `None` for the formats ModelOpt
+    /// 0.47 cannot write there.
+    pub fn bmm_layout(self, experts: usize, rows: usize, cols: usize) -> Option<Vec<TensorLayout>> {
+        let t = |local, dtype, shape: &[usize]| TensorLayout {
+            local,
+            dtype,
+            shape: shape.to_vec(),
+        };
+        let scalar = |local| t(local, Dtype::F32, &[]);
+        let e = experts;
+        let mut out = match self {
+            Format::Fp8 => vec![
+                t("weight", Dtype::F8_E4M3, &[e, rows, cols]),
+                scalar("weight_scale"),
+            ],
+            Format::Fp8PerChannel => vec![
+                t("weight", Dtype::F8_E4M3, &[e, rows, cols]),
+                t("weight_scale", Dtype::F32, &[e]),
+            ],
+            Format::Fp8Block => vec![
+                t("weight", Dtype::F8_E4M3, &[e, rows, cols]),
+                t(
+                    "weight_scale",
+                    Dtype::F32,
+                    &[e, rows.div_ceil(128), 1, cols.div_ceil(128), 1],
+                ),
+            ],
+            Format::Nvfp4 | Format::W4a16Nvfp4 => vec![
+                t("weight", Dtype::U8, &[e, rows / 2, cols]),
+                t("weight_scale", Dtype::F8_E4M3, &[e, rows / 16, cols]),
+                scalar("weight_scale_2"),
+            ],
+            Format::Mxfp8 => vec![
+                t("weight", Dtype::F8_E4M3, &[e, rows, cols]),
+                t("weight_scale", Dtype::U8, &[e, rows, cols / 32]),
+            ],
+            Format::Mxfp4 => vec![
+                t("weight", Dtype::U8, &[e, rows, cols / 2]),
+                t("weight_scale", Dtype::U8, &[e, rows, cols / 32]),
+            ],
+            _ => return None,
+        };
+        if self.needs_input_scale() {
+            out.push(scalar("input_scale"));
+        }
+        Some(out)
+    }
+
+    /// What is wrong with a BMM experts projection's tensors for this format (`None`: they
+    /// have its layout); `written(local)` as for [`Format::layout_problem`], `local` as in
+    /// [`Format::bmm_layout`].
+    pub fn bmm_layout_problem<'a>(
+        self,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+        written: impl Fn(&str) -> Option<(Dtype, &'a [usize])>,
+    ) -> Option<String> {
+        match self.bmm_layout(experts, rows, cols) {
+            Some(layout) => missing_or_wrong(&layout, &written),
+            None => Some("ModelOpt cannot write BMM experts in this format".into()),
+        }
     }
 
     /// A `MIXED_PRECISION` checkpoint's `config_groups` entry for modules in this format

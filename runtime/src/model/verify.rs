@@ -321,6 +321,10 @@ fn engine_checks(
     // Every module with a quantized weight: its declared format, and that format's layout.
     let quantized_dtype = |d: Dtype| matches!(d, Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3);
     for t in export.tensors() {
+        if is_bmm_expert_weight(&t.name) && quantized_dtype(t.dtype) {
+            bmm_checks(t, shapes, export, &excluded, layers, algo, problems);
+            continue;
+        }
         let Some(module) = t.name.strip_suffix(".weight") else {
             continue;
         };
@@ -381,6 +385,62 @@ fn engine_checks(
         }
     }
     architecture_checks(reference, export, problems);
+}
+
+/// [`engine_checks`] for a quantized BMM experts projection (`<experts>.gate_up_proj`,
+/// `[E, in, out]`): not excluded, and the declared format's 3-D layout.
+fn bmm_checks(
+    t: &crate::checkpoint::TensorMeta,
+    shapes: &BTreeMap<String, (Dtype, Vec<usize>)>,
+    export: &Checkpoint,
+    excluded: &[String],
+    layers: Option<&Value>,
+    algo: &str,
+    problems: &mut Vec<String>,
+) {
+    use crate::export::format::Format;
+    use crate::export::recipe::glob_match;
+    let experts = t.name.rsplit_once('.').map_or("", |(e, _)| e);
+    if let Some(pattern) = excluded.iter().find(|p| glob_match(p, experts)) {
+        problems.push(format!(
+            "`{experts}` is listed as excluded (`{pattern}`), but `{}` is {:?}",
+            t.name, t.dtype
+        ));
+        return;
+    }
+    let declared = match layers {
+        Some(l) => l
+            .get(&t.name)
+            .or_else(|| l.get(experts))
+            .and_then(|c| c.get("quant_algo"))
+            .and_then(Value::as_str),
+        None => Some(algo),
+    };
+    let Some(format) = declared.and_then(Format::from_quant_algo) else {
+        problems.push(format!(
+            "`{}` is quantized ({:?}) but no known format is declared for it",
+            t.name, t.dtype
+        ));
+        return;
+    };
+    let Some((_, &[e, rows, cols])) = shapes.get(&t.name).map(|(d, s)| (d, s.as_slice())) else {
+        return;
+    };
+    let written = |local: &str| {
+        let name = if local == "weight" {
+            t.name.clone()
+        } else {
+            format!("{}_{local}", t.name)
+        };
+        export.tensor(&name).map(|x| (x.dtype, x.shape.as_slice()))
+    };
+    if let Some(p) = format.bmm_layout_problem(e, rows, cols, written) {
+        problems.push(format!(
+            "`{}` is declared {}, but {p}",
+            t.name,
+            format.quant_algo()
+        ));
+    }
 }
 
 /// `hidden_size`, `num_attention_heads`, `num_hidden_layers` and `vocab_size` are present in
