@@ -51,16 +51,8 @@ fn check(model: &str, format: Format) {
 /// Export options for the compat model at `root` into `out`.
 fn options(root: &Path, out: &Path, recipe: Recipe, act: ActAmax) -> ExportOptions {
     ExportOptions {
-        model: root.join("model"),
-        out: out.to_path_buf(),
-        recipe,
         act_amax: Some(act),
-        max_shard_bytes: 5_000_000_000,
-        force: false,
-        progress: None,
-        cancel: None,
-        strict: false,
-        exporters: None,
+        ..ExportOptions::new(root.join("model"), out, recipe)
     }
 }
 

@@ -648,16 +648,8 @@ fn awq_exports_from_kiln_calibration_decode_as_well_as_modelopts() {
                     .to_string_lossy()
             ));
             run(&ExportOptions {
-                model: model.to_path_buf(),
-                out: out.clone(),
-                recipe: recipe.clone(),
                 act_amax: Some(act),
-                max_shard_bytes: 5_000_000_000,
-                force: false,
-                progress: None,
-                cancel: None,
-                strict: false,
-                exporters: None,
+                ..ExportOptions::new(model, &out, recipe.clone())
             })
             .unwrap();
             logit_error("llama-tiny", model, &out)

@@ -24,16 +24,9 @@ fn demo(dir: &Path) -> ActAmax {
 
 fn options(model: &Path, out: &Path, format: Format, act: Option<ActAmax>) -> ExportOptions {
     ExportOptions {
-        model: model.into(),
-        out: out.into(),
-        recipe: Recipe::new(format),
         act_amax: act,
         max_shard_bytes: 1 << 30,
-        force: false,
-        progress: None,
-        cancel: None,
-        strict: false,
-        exporters: None,
+        ..ExportOptions::new(model, out, Recipe::new(format))
     }
 }
 
