@@ -19,11 +19,11 @@ macro_rules! stub_trainer {
     };
 }
 
-#[trainer(task = "sft", backend = "candle")]
+#[trainer(task = "tune", backend = "candle")]
 struct FirstSft;
 stub_trainer!(FirstSft);
 
-#[trainer(task = "sft", backend = "candle")]
+#[trainer(task = "tune", backend = "candle")]
 struct SecondSft;
 stub_trainer!(SecondSft);
 
@@ -31,7 +31,7 @@ stub_trainer!(SecondSft);
 struct Unregistered;
 stub_trainer!(Unregistered);
 
-#[trainer(task = "dpo", backend = "candle", replaces = Unregistered)]
+#[trainer(task = "align", backend = "candle", replaces = Unregistered)]
 struct ReplacesNothing;
 stub_trainer!(ReplacesNothing);
 
@@ -66,7 +66,7 @@ fn trainer_validation_reports_every_problem_with_locations() {
     assert!(text.starts_with("invalid trainer registry:"), "{text}");
     assert!(
         text.contains(&format!(
-            "two trainers for task 'sft' on backend 'candle': `invalid_registry::FirstSft` ({f}:{}) and \
+            "two trainers for task 'tune' on backend 'candle': `invalid_registry::FirstSft` ({f}:{}) and \
              `invalid_registry::SecondSft` ({f}:{})",
             attr_line("FirstSft", 1),
             attr_line("SecondSft", 1)
@@ -83,7 +83,7 @@ fn trainer_validation_reports_every_problem_with_locations() {
     );
     assert_eq!(err.issues.len(), 2);
     // Routing surfaces the same error instead of guessing.
-    let route = kiln::resolve_trainer(&TrainConfig::new("sft", "candle", "m", "o")).unwrap_err();
+    let route = kiln::resolve_trainer(&TrainConfig::new("tune", "candle", "m", "o")).unwrap_err();
     assert_eq!(route.to_string(), text);
 }
 

@@ -299,7 +299,6 @@ macro_rules! test_trainers {
 }
 
 test_trainers! {
-    CandleDpo => "dpo" on "candle",
     CandleOrpo => "orpo" on "candle",
     CandleSimpo => "simpo" on "candle",
     CandleKto => "kto" on "candle",
@@ -343,6 +342,13 @@ fn routing_messages_are_exact() {
             .unwrap()
             .meta
             .path,
+        "kiln_runtime::train::candle::CandleSft"
+    );
+    assert_eq!(
+        kiln::resolve_trainer(&cfg("count", "candle"))
+            .unwrap()
+            .meta
+            .path,
         "kiln_test_plugin::PluginSft"
     );
     assert_eq!(
@@ -357,7 +363,7 @@ fn routing_messages_are_exact() {
 #[test]
 fn trainers_are_constructed_only_after_resolution() {
     let registry = TrainerRegistry::try_global().unwrap();
-    assert_eq!(registry.entries().len(), 13);
+    assert_eq!(registry.entries().len(), 14);
     let entry = kiln::resolve_trainer(&cfg("kto", "candle")).unwrap();
     let before = CONSTRUCTED.load(Ordering::SeqCst);
     let mut trainer = entry.construct(&cfg("kto", "candle")).unwrap();
@@ -383,7 +389,7 @@ impl TrainObserver for StopAfterTwo {
 
 #[test]
 fn a_plugin_trainer_runs_with_progress_callbacks_and_can_be_stopped() {
-    let mut config = cfg("sft", "candle");
+    let mut config = cfg("count", "candle");
     let entry = kiln::resolve_trainer(&config).unwrap();
     let err = entry
         .construct(&config)

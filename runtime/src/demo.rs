@@ -227,11 +227,88 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
     )?;
     amax.push(("lm_head.input_quantizer".into(), 8.0));
     w.finish()?;
+    write_byte_tokenizer(dir)?;
     let mut act = ActAmax::from_values(amax);
     for (module, scales) in pqs {
         act.set_pre_quant_scale(&module, scales);
     }
     Ok(act)
+}
+
+/// The byte a byte-level tokenizer's symbol stands for, GPT-2's `bytes_to_unicode`:
+/// printable Latin-1 bytes are themselves, the other 68 are moved to U+0100 onwards.
+fn byte_symbol(b: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(b) {
+        return char::from(b);
+    }
+    let shifted = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + shifted).expect("in range")
+}
+
+/// The special tokens of the demo tokenizer, ids 0 to 3; byte `b` is token `4 + b`.
+pub const DEMO_SPECIAL_TOKENS: [&str; 4] = ["<unk>", "<s>", "</s>", "<pad>"];
+
+/// Writes a byte-level tokenizer (`tokenizer.json`: BPE without merges, so every byte is
+/// one token; a BOS `<s>` before every sequence, as Llama's tokenizer adds) and its
+/// `tokenizer_config.json` (`</s>` ends sequences, `<pad>` pads) into `dir`. transformers
+/// loads it as a `PreTrainedTokenizerFast`; any UTF-8 text round-trips.
+pub fn write_byte_tokenizer(dir: &Path) -> Result<(), SinkError> {
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in DEMO_SPECIAL_TOKENS.iter().enumerate() {
+        vocab.insert(t.to_string(), json!(i));
+    }
+    for b in 0..=255u8 {
+        vocab.insert(byte_symbol(b).to_string(), json!(4 + b as usize));
+    }
+    let added: Vec<serde_json::Value> = DEMO_SPECIAL_TOKENS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []}
+    });
+    let config = json!({
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "model_max_length": 2048,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": false,
+    });
+    for (name, v) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", config),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&v).expect("JSON") + "\n",
+        )
+        .map_err(|source| SinkError::Io { path, source })?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -506,5 +506,5 @@ pub fn load_for_execution(
         };
         vars.insert(t.name.clone(), super::to_var(data, &shape, dtype, device)?);
     }
-    Ok((Weights { vars }, act))
+    Ok((Weights { vars, frozen: None }, act))
 }

@@ -16,6 +16,7 @@ mod config;
 pub mod eval;
 pub mod for_export;
 pub mod load;
+pub mod lora;
 pub mod verify;
 
 pub use candle_core as candle;
@@ -103,10 +104,12 @@ fn to_var(
     })
 }
 
-/// The weights by tensor name, as candle variables (so gradients can flow to them).
+/// The weights by tensor name, as candle variables (so gradients can flow to them), or
+/// frozen ([`Weights::freeze`]: the same storage, outside autograd, as under LoRA).
 #[derive(Debug, Clone)]
 pub struct Weights {
     vars: BTreeMap<String, Var>,
+    frozen: Option<BTreeMap<String, Tensor>>,
 }
 
 impl Weights {
@@ -151,23 +154,48 @@ impl Weights {
             };
             vars.insert(t.name.clone(), to_var(data, &t.shape, dtype, device)?);
         }
-        Ok(Weights { vars })
+        Ok(Weights { vars, frozen: None })
+    }
+
+    /// Takes every weight out of autograd (LoRA training: only the adapters learn); the
+    /// storage is shared, nothing is copied.
+    pub fn freeze(&mut self) {
+        self.frozen = Some(
+            self.vars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+                .collect(),
+        );
+    }
+
+    /// A copy of every weight in new storage (a frozen reference model for full fine-tuning,
+    /// whose own weights then change under it).
+    pub fn deep_copy(&self) -> Result<Self, ModelError> {
+        let mut vars = BTreeMap::new();
+        for (k, v) in &self.vars {
+            vars.insert(k.clone(), Var::from_tensor(&v.as_tensor().copy()?)?);
+        }
+        Ok(Weights { vars, frozen: None })
+    }
+
+    fn tensor(&self, name: &str) -> Option<&Tensor> {
+        match &self.frozen {
+            Some(f) => f.get(name),
+            None => self.vars.get(name).map(|v| v.as_tensor()),
+        }
     }
 
     /// The tensor `name`, or a named error.
     pub fn get(&self, name: &str) -> Result<&Tensor, ModelError> {
-        self.vars
-            .get(name)
-            .map(|v| v.as_tensor())
-            .ok_or_else(|| ModelError::Tensor {
-                tensor: name.to_string(),
-                message: "missing from the checkpoint".into(),
-            })
+        self.tensor(name).ok_or_else(|| ModelError::Tensor {
+            tensor: name.to_string(),
+            message: "missing from the checkpoint".into(),
+        })
     }
 
     /// The tensor `name`, if present.
     pub fn maybe(&self, name: &str) -> Option<&Tensor> {
-        self.vars.get(name).map(|v| v.as_tensor())
+        self.tensor(name)
     }
 
     /// Every variable, by name (for optimizers and gradient checks).
@@ -384,6 +412,8 @@ pub struct DecoderModel {
     device: Device,
     /// Fake quantization of activations (a quantized export); empty for a plain model.
     act: act_quant::ActQuant,
+    /// LoRA adapters on Linear layers, by module path (training, or a PEFT adapter loaded).
+    adapters: Option<std::sync::Arc<lora::Adapters>>,
 }
 
 /// `x · Wᵀ (+ b)` for `x` of any rank (the last dimension is the input).
@@ -461,6 +491,7 @@ impl DecoderModel {
             weights,
             device: device.clone(),
             act,
+            adapters: None,
         })
     }
 
@@ -483,6 +514,7 @@ impl DecoderModel {
             weights: Weights::load_where(checkpoint, dtype, device, keep)?,
             device: device.clone(),
             act: act_quant::ActQuant::default(),
+            adapters: None,
         })
     }
 
@@ -499,6 +531,55 @@ impl DecoderModel {
     /// Its weights (candle variables).
     pub fn weights(&self) -> &Weights {
         &self.weights
+    }
+
+    /// Its weights, to freeze or update in place (training).
+    pub fn weights_mut(&mut self) -> &mut Weights {
+        &mut self.weights
+    }
+
+    /// The model with `adapters` on its Linear layers (`None`: the base model alone, as PEFT's
+    /// `disable_adapter()`). The weights are shared, not copied.
+    pub fn with_adapters(&self, adapters: Option<std::sync::Arc<lora::Adapters>>) -> Self {
+        DecoderModel {
+            adapters,
+            ..self.clone()
+        }
+    }
+
+    /// The LoRA adapters the model runs with, if any.
+    pub fn adapters(&self) -> Option<&lora::Adapters> {
+        self.adapters.as_deref()
+    }
+
+    /// The Linear at `module` on `x` — the one seam every Linear goes through: its weight
+    /// (plain or decoded from a quantized export) and bias, the input's fake quantization
+    /// when the export prescribes one (`quantized_input`), and a LoRA adapter when the model
+    /// has one there.
+    fn linear_at(
+        &self,
+        module: &str,
+        x: &Tensor,
+        quantized_input: bool,
+    ) -> Result<Tensor, ModelError> {
+        let w = &self.weights;
+        let input = if quantized_input {
+            self.act.input(module, x)?
+        } else {
+            x.clone()
+        };
+        let y = linear(
+            &input,
+            w.get(&format!("{module}.weight"))?,
+            w.maybe(&format!("{module}.bias")),
+        )?;
+        match &self.adapters {
+            Some(a) => match a.get(module) {
+                Some(adapter) => Ok((y + adapter.delta(x, a.training())?)?),
+                None => Ok(y),
+            },
+            None => Ok(y),
+        }
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (u32).
@@ -576,12 +657,18 @@ impl DecoderModel {
         if w.maybe("lm_head.weight").is_some() {
             observer.linear_input("lm_head", &h)?;
         }
-        let head = match w.maybe("lm_head.weight") {
-            Some(head) => head,
-            None if c.tie_word_embeddings => w.get("model.embed_tokens.weight")?,
-            None => w.get("lm_head.weight")?,
-        };
-        linear(&self.act.input("lm_head", &h)?, head, None)
+        match w.maybe("lm_head.weight") {
+            Some(_) => self.linear_at("lm_head", &h, true),
+            None if c.tie_word_embeddings => linear(
+                &self.act.input("lm_head", &h)?,
+                w.get("model.embed_tokens.weight")?,
+                None,
+            ),
+            None => Err(ModelError::Tensor {
+                tensor: "lm_head.weight".into(),
+                message: "missing from the checkpoint (and config.json does not tie it to the embeddings)".into(),
+            }),
+        }
     }
 
     /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
@@ -624,12 +711,9 @@ impl DecoderModel {
         let (nh, nkv, hd) = (c.heads, c.kv_heads, c.head_dim);
         let a = format!("{p}.self_attn");
         let proj = |name: &str, heads: usize| -> Result<Tensor, ModelError> {
-            let y = linear(
-                &self.act.input(&format!("{a}.{name}"), x)?,
-                w.get(&format!("{a}.{name}.weight"))?,
-                w.maybe(&format!("{a}.{name}.bias")),
-            )?
-            .reshape((b, t, heads, hd))?;
+            let y = self
+                .linear_at(&format!("{a}.{name}"), x, true)?
+                .reshape((b, t, heads, hd))?;
             // Qwen3: RMSNorm over each head before RoPE.
             let norm = format!("{a}.{}_norm.weight", &name[..1]);
             let y = match w.maybe(&norm) {
@@ -677,11 +761,7 @@ impl DecoderModel {
             .transpose(1, 2)?
             .reshape((b, t, nh * hd))?;
         observer.linear_input(&format!("{a}.o_proj"), &o)?;
-        linear(
-            &self.act.input(&format!("{a}.o_proj"), &o)?,
-            w.get(&format!("{a}.o_proj.weight"))?,
-            w.maybe(&format!("{a}.o_proj.bias")),
-        )
+        self.linear_at(&format!("{a}.o_proj"), &o, true)
     }
 
     /// The causal mask `[seq, seq]` (−∞ above the diagonal and, with a sliding window, at
@@ -705,28 +785,14 @@ impl DecoderModel {
         names: [&str; 3],
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
-        let w = &self.weights;
         let [gate, up, down] = names.map(|n| format!("{p}.{n}"));
         observer.linear_input(&gate, x)?;
         observer.linear_input(&up, x)?;
-        let g = linear(
-            &self.act.input(&gate, x)?,
-            w.get(&format!("{gate}.weight"))?,
-            None,
-        )?
-        .silu()?;
-        let u = linear(
-            &self.act.input(&up, x)?,
-            w.get(&format!("{up}.weight"))?,
-            None,
-        )?;
+        let g = self.linear_at(&gate, x, true)?.silu()?;
+        let u = self.linear_at(&up, x, true)?;
         let gu = (g * u)?;
         observer.linear_input(&down, &gu)?;
-        linear(
-            &self.act.input(&down, &gu)?,
-            w.get(&format!("{down}.weight"))?,
-            None,
-        )
+        self.linear_at(&down, &gu, true)
     }
 
     fn mlp(&self, x: &Tensor, p: &str, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
@@ -760,7 +826,7 @@ impl DecoderModel {
         let (b, t, hidden) = x.dims3()?;
         let x2 = x.reshape((b * t, hidden))?;
         observer.linear_input(&format!("{p}.{block}.{router}"), &x2)?;
-        let logits = linear(&x2, w.get(&format!("{p}.{block}.{router}.weight"))?, None)?;
+        let logits = self.linear_at(&format!("{p}.{block}.{router}"), &x2, false)?;
         let probs = softmax(&logits)?;
         let (chosen, idx) = self.top_k(&probs, moe.top_k)?;
         let mut weights = probs.gather(&idx, 1)?;
@@ -801,11 +867,7 @@ impl DecoderModel {
         let x2 = x.reshape((b * t, hidden))?;
         let router = format!("{p}.mlp.router");
         observer.linear_input(&router, &x2)?;
-        let logits = linear(
-            &x2,
-            w.get(&format!("{router}.weight"))?,
-            w.maybe(&format!("{router}.bias")),
-        )?;
+        let logits = self.linear_at(&router, &x2, false)?;
         let (chosen, idx) = self.top_k(&logits, moe.top_k)?;
         let weights = softmax(&logits.gather(&idx, 1)?)?.to_dtype(x.dtype())?;
         let experts = format!("{p}.mlp.experts");

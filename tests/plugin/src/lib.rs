@@ -69,8 +69,8 @@ pub fn has_tensors(m: &ModuleRef<'_>) -> bool {
 
 impl ModuleExporter for PluginCatchAll {}
 
-/// A supervised fine-tuning trainer that counts steps (a stand-in for a real one).
-#[trainer(task = "sft", backend = "candle")]
+/// A trainer for a plugin's own task that counts steps (a stand-in for a real one).
+#[trainer(task = "count", backend = "candle")]
 #[derive(Debug)]
 pub struct PluginSft {
     steps: u64,
@@ -98,7 +98,7 @@ impl Trainer for PluginSft {
             });
             done = step;
         }
-        let mut report = TrainReport::new("sft", "candle");
+        let mut report = TrainReport::new("count", "candle");
         report.steps = done;
         report.final_loss = (done > 0).then(|| 1.0 / done as f64);
         report.stopped_early = done < self.steps;

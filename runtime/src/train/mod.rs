@@ -4,6 +4,14 @@
 //! ([`crate::resolve_trainer`]), then `train` runs to completion, reporting progress to a
 //! [`TrainObserver`] that can also stop it early.
 
+#[cfg(feature = "exec")]
+pub mod candle;
+#[cfg(feature = "exec")]
+pub mod data;
+pub mod losses;
+pub mod ops;
+pub mod schedule;
+
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -38,6 +46,12 @@ pub struct TrainConfig {
     /// LoRA adapters on Linear layers; `None` = full fine-tuning.
     #[serde(default)]
     pub lora: Option<LoraConfig>,
+    /// Start from this PEFT adapter folder (trainable; implies LoRA with its settings).
+    #[serde(default)]
+    pub init_adapter: Option<PathBuf>,
+    /// With LoRA, also write the merged full checkpoint (`<output>/merged`).
+    #[serde(default)]
+    pub merge: bool,
     /// Task-specific settings, by TRL's names.
     #[serde(default)]
     pub task_options: serde_json::Map<String, serde_json::Value>,
@@ -69,6 +83,8 @@ impl TrainConfig {
             device: default_device(),
             hyper: Hyperparameters::default(),
             lora: None,
+            init_adapter: None,
+            merge: false,
             task_options: serde_json::Map::new(),
         }
     }
@@ -109,14 +125,23 @@ pub struct Hyperparameters {
     pub gradient_accumulation_steps: usize,
     /// Linear warm-up steps.
     pub warmup_steps: u64,
-    /// AdamW weight decay.
+    /// AdamW weight decay (not on biases and norm weights, as transformers).
     pub weight_decay: f64,
+    /// AdamW β₁.
+    pub adam_beta1: f64,
+    /// AdamW β₂.
+    pub adam_beta2: f64,
+    /// AdamW ε.
+    pub adam_epsilon: f64,
     /// Gradient-norm clip (`None`: no clipping).
     pub max_grad_norm: Option<f64>,
     /// Truncate sequences to this many tokens.
     pub max_length: Option<usize>,
     /// `linear`, `cosine`, `constant`.
     pub lr_scheduler_type: String,
+    /// `random` (shuffled each epoch, seeded) or `sequential` (file order), transformers'
+    /// `train_sampling_strategy`.
+    pub train_sampling_strategy: String,
     /// Seed for shuffling and initialisation.
     pub seed: u64,
     /// Report metrics every N steps.
@@ -135,9 +160,13 @@ impl Default for Hyperparameters {
             gradient_accumulation_steps: 1,
             warmup_steps: 0,
             weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
             max_grad_norm: Some(1.0),
             max_length: Some(1024),
             lr_scheduler_type: "linear".to_string(),
+            train_sampling_strategy: "random".to_string(),
             seed: 42,
             logging_steps: 10,
             save_steps: None,
@@ -155,8 +184,10 @@ pub struct LoraConfig {
     pub lora_alpha: f64,
     /// Dropout on the adapter input.
     pub lora_dropout: f64,
-    /// Module names (`q_proj`, ...) or `all-linear`.
+    /// Module names (`q_proj`, ...), globs over module paths, or `all-linear`.
     pub target_modules: Vec<String>,
+    /// rsLoRA: scale by `alpha / sqrt(r)` instead of `alpha / r`.
+    pub use_rslora: bool,
 }
 
 impl Default for LoraConfig {
@@ -166,6 +197,7 @@ impl Default for LoraConfig {
             lora_alpha: 32.0,
             lora_dropout: 0.0,
             target_modules: vec!["all-linear".into()],
+            use_rslora: false,
         }
     }
 }

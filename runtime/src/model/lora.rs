@@ -1,0 +1,540 @@
+//! LoRA adapters on a model's Linear layers, as PEFT defines them: a Linear `W` at module `m`
+//! computes `x·Wᵀ + (dropout(x)·Aᵀ)·Bᵀ · s` with `A [r, in]`, `B [out, r]` and
+//! `s = α / r` (`α / √r` with rsLoRA). `A` starts Kaiming-uniform (bound `1/√in`), `B` at zero,
+//! so a new adapter leaves the model's output unchanged. On disk: PEFT's
+//! `adapter_model.safetensors` (`base_model.model.<m>.lora_A.weight`, `…lora_B.weight`) and
+//! `adapter_config.json` (docs/TRAINING.md §4).
+
+use super::{DecoderModel, ModelError, linear};
+use candle_core::{DType, Tensor, Var};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Which Linear layers get an adapter, and how it is scaled (PEFT's `LoraConfig` fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    /// Rank `r`.
+    pub r: usize,
+    /// `lora_alpha`.
+    pub alpha: f64,
+    /// `lora_dropout` on the adapter's input (training only).
+    pub dropout: f64,
+    /// `use_rslora`: scale by `α/√r` instead of `α/r`.
+    pub rslora: bool,
+    /// Module names as PEFT takes them: a name matches a module whose path is it or ends in
+    /// `.<name>`; `all-linear` takes every Linear but the output layer; a name with `*`
+    /// is a glob over the whole module path (`model.layers.*.self_attn.q_proj`).
+    pub target_modules: Vec<String>,
+}
+
+impl LoraSpec {
+    /// PEFT's scaling factor `s`.
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.r as f64).sqrt()
+        } else {
+            self.alpha / self.r as f64
+        }
+    }
+
+    /// Whether the Linear at `module` gets an adapter.
+    pub fn targets(&self, module: &str) -> bool {
+        self.target_modules.iter().any(|t| {
+            if t == "all-linear" {
+                module != "lm_head"
+            } else if t.contains('*') {
+                glob(t, module)
+            } else {
+                module == t || module.ends_with(&format!(".{t}"))
+            }
+        })
+    }
+}
+
+/// `*` matches any run of characters (dots included).
+fn glob(pattern: &str, text: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !text.starts_with(first) || text.len() < first.len() + last.len() || !text.ends_with(last) {
+        return false;
+    }
+    let mut rest = &text[first.len()..text.len() - last.len()];
+    for mid in &parts[1..parts.len() - 1] {
+        match rest.find(mid) {
+            Some(i) => rest = &rest[i + mid.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// One adapter: `A [r, in]`, `B [out, r]`, its scale and dropout.
+#[derive(Debug, Clone)]
+pub struct LoraLayer {
+    /// `lora_A.weight`.
+    pub a: Var,
+    /// `lora_B.weight`.
+    pub b: Var,
+    /// `α / r` (or `α / √r`).
+    pub scale: f64,
+    /// Dropout probability on the input (applied only when the adapters are training).
+    pub dropout: f64,
+}
+
+/// The adapters of a model, by Linear module path.
+#[derive(Debug, Clone)]
+pub struct Adapters {
+    layers: BTreeMap<String, LoraLayer>,
+    spec: LoraSpec,
+    training: bool,
+}
+
+impl LoraLayer {
+    /// The adapter's contribution for input `x` `[.., in]`.
+    pub fn delta(&self, x: &Tensor, training: bool) -> Result<Tensor, ModelError> {
+        let x = if training && self.dropout > 0.0 {
+            let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
+                .ge(self.dropout as f32)?
+                .to_dtype(x.dtype())?;
+            (x * keep)?.affine(1.0 / (1.0 - self.dropout), 0.0)?
+        } else {
+            x.clone()
+        };
+        let h = linear(&x, self.a.as_tensor(), None)?;
+        Ok(linear(&h, self.b.as_tensor(), None)?.affine(self.scale, 0.0)?)
+    }
+}
+
+/// The Linear layers of `model` (2-D `<module>.weight` tensors but the embeddings and norms),
+/// in name order.
+pub fn linear_modules(model: &DecoderModel) -> Vec<(String, usize, usize)> {
+    model
+        .weights()
+        .vars()
+        .iter()
+        .filter_map(|(name, v)| {
+            let module = name.strip_suffix(".weight")?;
+            let dims = v.as_tensor().dims();
+            (dims.len() == 2 && !module.ends_with("embed_tokens") && !module.ends_with("norm"))
+                .then(|| (module.to_string(), dims[1], dims[0]))
+        })
+        .collect()
+}
+
+/// Little-endian F32 / BF16 / F16 bytes as f32 values.
+fn decode_float(dtype: safetensors::Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    use safetensors::Dtype;
+    match dtype {
+        Dtype::F32 => Some(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ),
+        Dtype::BF16 => Some(
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        ),
+        Dtype::F16 => Some(
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
+/// A small seeded generator for adapter initialisation (SplitMix64).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self, bound: f32) -> f32 {
+        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        (2.0 * u - 1.0) * bound
+    }
+}
+
+impl Adapters {
+    /// New adapters on every Linear of `model` that `spec` targets: `A` Kaiming-uniform from
+    /// `seed`, `B` zero (PEFT's default initialisation). No Linear targeted is an error
+    /// naming the targets.
+    pub fn new(model: &DecoderModel, spec: &LoraSpec, seed: u64) -> Result<Self, ModelError> {
+        if spec.r == 0 {
+            return Err(ModelError::Config("LoRA rank r must be at least 1".into()));
+        }
+        let mut rng = SplitMix(seed);
+        let mut layers = BTreeMap::new();
+        let device = model.device();
+        for (module, inputs, outputs) in linear_modules(model) {
+            if !spec.targets(&module) {
+                continue;
+            }
+            let bound = 1.0 / (inputs as f32).sqrt();
+            let a: Vec<f32> = (0..spec.r * inputs).map(|_| rng.uniform(bound)).collect();
+            let a = Var::from_vec(a, (spec.r, inputs), device)?;
+            let b = Var::zeros((outputs, spec.r), DType::F32, device)?;
+            layers.insert(
+                module,
+                LoraLayer {
+                    a,
+                    b,
+                    scale: spec.scale(),
+                    dropout: spec.dropout,
+                },
+            );
+        }
+        if layers.is_empty() {
+            return Err(ModelError::Config(format!(
+                "LoRA target modules {:?} match no Linear layer of the model",
+                spec.target_modules
+            )));
+        }
+        Ok(Adapters {
+            layers,
+            spec: spec.clone(),
+            training: false,
+        })
+    }
+
+    /// The adapter at `module`, if any.
+    pub fn get(&self, module: &str) -> Option<&LoraLayer> {
+        self.layers.get(module)
+    }
+
+    /// Every adapter, by module path.
+    pub fn layers(&self) -> &BTreeMap<String, LoraLayer> {
+        &self.layers
+    }
+
+    /// The settings the adapters were made with.
+    pub fn spec(&self) -> &LoraSpec {
+        &self.spec
+    }
+
+    /// Whether dropout is applied (training) or not (evaluation, reference passes).
+    pub fn training(&self) -> bool {
+        self.training
+    }
+
+    /// The same adapters (shared variables) with dropout on or off.
+    pub fn set_training(&self, training: bool) -> Self {
+        Adapters {
+            training,
+            ..self.clone()
+        }
+    }
+
+    /// A copy of the adapters in new storage, which later training does not move (TRL's "ref"
+    /// adapter when DPO continues an existing one).
+    pub fn frozen_copy(&self) -> Result<Self, ModelError> {
+        let mut layers = BTreeMap::new();
+        for (m, l) in &self.layers {
+            layers.insert(
+                m.clone(),
+                LoraLayer {
+                    a: Var::from_tensor(&l.a.as_tensor().copy()?)?,
+                    b: Var::from_tensor(&l.b.as_tensor().copy()?)?,
+                    ..l.clone()
+                },
+            );
+        }
+        Ok(Adapters {
+            layers,
+            spec: self.spec.clone(),
+            training: false,
+        })
+    }
+
+    /// Every trainable variable, by PEFT's tensor name.
+    pub fn vars(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::with_capacity(self.layers.len() * 2);
+        for (m, l) in &self.layers {
+            out.push((format!("base_model.model.{m}.lora_A.weight"), l.a.clone()));
+            out.push((format!("base_model.model.{m}.lora_B.weight"), l.b.clone()));
+        }
+        out
+    }
+
+    /// The `target_modules` PEFT needs to adapt exactly these layers: the leaf names when
+    /// they select nothing more, else the full module paths.
+    pub fn peft_target_modules(&self, all: &[(String, usize, usize)]) -> Vec<String> {
+        let leaves: BTreeSet<&str> = self
+            .layers
+            .keys()
+            .map(|m| m.rsplit('.').next().unwrap_or(m))
+            .collect();
+        let by_leaf = all
+            .iter()
+            .filter(|(m, _, _)| leaves.contains(m.rsplit('.').next().unwrap_or(m)))
+            .count();
+        if by_leaf == self.layers.len() {
+            leaves.into_iter().map(str::to_string).collect()
+        } else {
+            self.layers.keys().cloned().collect()
+        }
+    }
+
+    /// Writes PEFT's `adapter_model.safetensors` and `adapter_config.json` into `dir`.
+    pub fn save_peft(
+        &self,
+        dir: &Path,
+        model: &DecoderModel,
+        base_model: &str,
+    ) -> Result<(), ModelError> {
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, var) in self.vars() {
+            let t = var.as_tensor().to_dtype(DType::F32)?;
+            let dims = t.dims().to_vec();
+            let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
+            tensors.push((name, dims, bytemuck::cast_slice(&data).to_vec()));
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, b)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| ModelError::Tensor {
+                        tensor: n.clone(),
+                        message: e.to_string(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        let metadata = Some(std::collections::HashMap::from([(
+            "format".to_string(),
+            "pt".to_string(),
+        )]));
+        let io = |path: &Path, e: String| ModelError::Config(format!("{}: {e}", path.display()));
+        let path = dir.join("adapter_model.safetensors");
+        safetensors::serialize_to_file(views, metadata, &path)
+            .map_err(|e| io(&path, e.to_string()))?;
+        let s = &self.spec;
+        let config = json!({
+            "alpha_pattern": {},
+            "auto_mapping": null,
+            "base_model_name_or_path": base_model,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "layers_pattern": null,
+            "layers_to_transform": null,
+            "lora_alpha": s.alpha,
+            "lora_dropout": s.dropout,
+            "modules_to_save": null,
+            "peft_type": "LORA",
+            "r": s.r,
+            "rank_pattern": {},
+            "revision": null,
+            "target_modules": self.peft_target_modules(&linear_modules(model)),
+            "task_type": "CAUSAL_LM",
+            "use_dora": false,
+            "use_rslora": s.rslora,
+        });
+        let path = dir.join("adapter_config.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&config).expect("JSON") + "\n",
+        )
+        .map_err(|e| io(&path, e.to_string()))
+    }
+
+    /// Reads a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`) for
+    /// `model`: every tensor must name a Linear of the model with the right shape.
+    pub fn load_peft(dir: &Path, model: &DecoderModel) -> Result<Self, ModelError> {
+        let cfg_path = dir.join("adapter_config.json");
+        let err = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
+        let cfg: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+        if cfg.get("peft_type").and_then(Value::as_str) != Some("LORA") {
+            return Err(err("`peft_type` is not \"LORA\"".into()));
+        }
+        let r = cfg
+            .get("r")
+            .and_then(Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| err("`r` must be a positive integer".into()))? as usize;
+        let alpha = cfg
+            .get("lora_alpha")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| err("`lora_alpha` must be a number".into()))?;
+        for (key, ok) in [
+            ("use_dora", Value::Bool(false)),
+            ("fan_in_fan_out", Value::Bool(false)),
+        ] {
+            if cfg.get(key).is_some_and(|v| !v.is_null() && *v != ok) {
+                return Err(err(format!("`{key}` = {} is not supported", cfg[key])));
+            }
+        }
+        if cfg
+            .get("bias")
+            .and_then(Value::as_str)
+            .is_some_and(|b| b != "none")
+        {
+            return Err(err("only `bias: \"none\"` adapters are supported".into()));
+        }
+        let targets = match cfg.get("target_modules") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| err("`target_modules` must be a list of names".into()))?,
+            Some(Value::String(s)) => vec![s.clone()],
+            _ => return Err(err("`target_modules` is missing".into())),
+        };
+        let spec = LoraSpec {
+            r,
+            alpha,
+            dropout: cfg
+                .get("lora_dropout")
+                .and_then(Value::as_f64)
+                .unwrap_or(0.0),
+            rslora: cfg
+                .get("use_rslora")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            target_modules: targets,
+        };
+        let st_path = dir.join("adapter_model.safetensors");
+        let st_err = |m: String| ModelError::Config(format!("{}: {m}", st_path.display()));
+        let bytes = std::fs::read(&st_path).map_err(|e| st_err(e.to_string()))?;
+        let st =
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+        let shapes: BTreeMap<String, (usize, usize)> = linear_modules(model)
+            .into_iter()
+            .map(|(m, i, o)| (m, (i, o)))
+            .collect();
+        let device = model.device();
+        let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
+        for (name, view) in st.tensors() {
+            let rest = name
+                .strip_prefix("base_model.model.")
+                .ok_or_else(|| st_err(format!("tensor `{name}` is not a PEFT LoRA tensor")))?;
+            let (module, which) = if let Some(m) = rest.strip_suffix(".lora_A.weight") {
+                (m, 0)
+            } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
+                (m, 1)
+            } else {
+                return Err(st_err(format!(
+                    "tensor `{name}` is not a LoRA A/B weight (only LoRA on Linear layers is supported)"
+                )));
+            };
+            let &(inputs, outputs) = shapes.get(module).ok_or_else(|| {
+                st_err(format!(
+                    "tensor `{name}`: the model has no Linear `{module}`"
+                ))
+            })?;
+            let expect = if which == 0 {
+                vec![r, inputs]
+            } else {
+                vec![outputs, r]
+            };
+            if view.shape() != expect.as_slice() {
+                return Err(st_err(format!(
+                    "tensor `{name}` has shape {:?}, expected {expect:?}",
+                    view.shape()
+                )));
+            }
+            let data = decode_float(view.dtype(), view.data()).ok_or_else(|| {
+                st_err(format!(
+                    "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
+                    view.dtype()
+                ))
+            })?;
+            let var = Var::from_vec(data, expect.as_slice(), device)?;
+            let e = halves.entry(module.to_string()).or_default();
+            if which == 0 {
+                e.0 = Some(var);
+            } else {
+                e.1 = Some(var);
+            }
+        }
+        let mut layers = BTreeMap::new();
+        for (module, (a, b)) in halves {
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(st_err(format!(
+                    "`{module}` has only one of lora_A / lora_B"
+                )));
+            };
+            layers.insert(
+                module,
+                LoraLayer {
+                    a,
+                    b,
+                    scale: spec.scale(),
+                    dropout: spec.dropout,
+                },
+            );
+        }
+        if layers.is_empty() {
+            return Err(st_err("holds no LoRA tensors".into()));
+        }
+        Ok(Adapters {
+            layers,
+            spec,
+            training: false,
+        })
+    }
+
+    /// `W + s·B·A` for every adapted Linear: the merged weights by tensor name (`--merge`).
+    pub fn merged(&self, model: &DecoderModel) -> Result<BTreeMap<String, Tensor>, ModelError> {
+        let mut out = BTreeMap::new();
+        for (m, l) in &self.layers {
+            let name = format!("{m}.weight");
+            let w = model.weights().get(&name)?;
+            let delta =
+                l.b.as_tensor()
+                    .matmul(l.a.as_tensor())?
+                    .affine(l.scale, 0.0)?
+                    .to_dtype(w.dtype())?;
+            out.insert(name, (w + delta)?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peft_target_names_match_by_suffix_and_globs_match_paths() {
+        let spec = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            rslora: false,
+            target_modules: vec!["q_proj".into(), "model.layers.*.mlp.down_proj".into()],
+        };
+        assert!(spec.targets("model.layers.0.self_attn.q_proj"));
+        assert!(!spec.targets("model.layers.0.self_attn.qq_proj"));
+        assert!(spec.targets("model.layers.11.mlp.down_proj"));
+        assert!(!spec.targets("model.layers.1.mlp.up_proj"));
+        assert_eq!(spec.scale(), 2.0);
+        let all = LoraSpec {
+            target_modules: vec!["all-linear".into()],
+            rslora: true,
+            ..spec
+        };
+        assert!(all.targets("model.layers.0.mlp.up_proj") && !all.targets("lm_head"));
+        assert_eq!(all.scale(), 4.0);
+    }
+
+    #[test]
+    fn glob_star_spans_dots() {
+        assert!(glob("a.*.c", "a.b.x.c"));
+        assert!(glob("*", "anything"));
+        assert!(!glob("a.*.c", "a.c"));
+        assert!(glob("*.q_*", "m.l.q_proj"));
+    }
+}

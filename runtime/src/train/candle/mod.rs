@@ -1,0 +1,855 @@
+//! The candle backend: the training loop (batching, gradient accumulation, clipping, AdamW,
+//! schedules, logging, saving) shared by every task, and the built-in trainers
+//! `#[trainer(task = "sft" | "dpo", backend = "candle")]`.
+//!
+//! A task is an [`Objective`]: it turns a micro-batch of example indices into a loss through
+//! the model's per-token log-probabilities and the losses of [`crate::train::losses`]; the
+//! loop does the rest exactly as transformers' `Trainer` does it (docs/TRAINING.md §3).
+
+pub mod ops;
+pub mod optim;
+
+use self::ops::CandleOps;
+use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
+use super::data::{
+    DataFormat, Dataset, LmExample, PairExample, TextTokenizer, pair_examples, sft_examples,
+};
+use super::losses::{self, DpoLoss, PreferenceLogps, TokenInputs};
+use super::ops::TensorOps;
+use super::schedule::{Schedule, ScheduleKind};
+use super::{StepMetrics, TrainConfig, TrainError, TrainObserver, TrainPlan, TrainReport};
+use crate::checkpoint::Checkpoint;
+use crate::model::lora::{Adapters, LoraSpec};
+use crate::model::{DecoderModel, ModelError};
+use crate::sink::{OutputDir, ShardWriter};
+use candle_core::{D, DType, Tensor, Var};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+const BACKEND: &str = "candle";
+
+fn backend_err(e: impl std::fmt::Display) -> TrainError {
+    TrainError::Backend {
+        backend: BACKEND.into(),
+        message: e.to_string(),
+    }
+}
+
+fn config_err(field: &str, message: impl Into<String>) -> TrainError {
+    TrainError::Config {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+impl From<ModelError> for TrainError {
+    fn from(e: ModelError) -> Self {
+        backend_err(e)
+    }
+}
+
+impl From<candle_core::Error> for TrainError {
+    fn from(e: candle_core::Error) -> Self {
+        backend_err(e)
+    }
+}
+
+/// The model, its trainable parameters and the tokenizer, ready to train.
+pub struct Setup {
+    /// The run's configuration.
+    pub config: TrainConfig,
+    /// The policy: the model being trained (with its adapters under LoRA).
+    pub model: DecoderModel,
+    /// The adapters being trained (`None`: full fine-tuning).
+    pub adapters: Option<Arc<Adapters>>,
+    /// The trainable parameters, by name.
+    pub trainable: Vec<(String, Var)>,
+    /// The model's tokenizer.
+    pub tokenizer: TextTokenizer,
+    /// The loss operations on the model's device.
+    pub ops: CandleOps,
+}
+
+impl Setup {
+    /// Loads the model named by `config` in f32 on its device, freezes it and adds adapters
+    /// under LoRA (new, or `init_adapter`'s), and reads the tokenizer.
+    pub fn load(config: &TrainConfig) -> Result<Self, TrainError> {
+        let device = crate::model::device(&config.device)?;
+        let checkpoint = Checkpoint::open(&config.model).map_err(backend_err)?;
+        if checkpoint
+            .config()
+            .raw()
+            .get("quantization_config")
+            .is_some()
+        {
+            return Err(config_err(
+                "model",
+                format!(
+                    "{} is a quantized export; train the original model",
+                    config.model.display()
+                ),
+            ));
+        }
+        let mut model = DecoderModel::load(&checkpoint, DType::F32, &device)?;
+        let tokenizer = TextTokenizer::from_model_dir(&config.model)?;
+        let (adapters, trainable) = match (&config.lora, &config.init_adapter) {
+            (None, None) => {
+                let trainable = model
+                    .weights()
+                    .vars()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                (None, trainable)
+            }
+            (lora, init) => {
+                model.weights_mut().freeze();
+                let adapters = match init {
+                    Some(dir) => Adapters::load_peft(dir, &model)?,
+                    None => {
+                        let l = lora.as_ref().expect("one of the two is set");
+                        let spec = LoraSpec {
+                            r: l.r,
+                            alpha: l.lora_alpha,
+                            dropout: l.lora_dropout,
+                            rslora: l.use_rslora,
+                            target_modules: l.target_modules.clone(),
+                        };
+                        Adapters::new(&model, &spec, config.hyper.seed)?
+                    }
+                };
+                let trainable = adapters.vars();
+                (Some(Arc::new(adapters)), trainable)
+            }
+        };
+        if let Some(a) = &adapters {
+            model = model.with_adapters(Some(Arc::new(a.set_training(true))));
+        }
+        Ok(Setup {
+            config: config.clone(),
+            model,
+            adapters,
+            trainable,
+            tokenizer,
+            ops: CandleOps { device },
+        })
+    }
+
+    /// The frozen reference, as TRL makes it: under LoRA the base model without adapters
+    /// (PEFT's `disable_adapter()`), or, when training continues an existing adapter, the
+    /// model with a frozen copy of that adapter (TRL's "ref" adapter); in full fine-tuning a
+    /// copy of the starting weights.
+    pub fn reference(&self) -> Result<DecoderModel, TrainError> {
+        match &self.adapters {
+            Some(a) if self.config.init_adapter.is_some() => {
+                Ok(self.model.with_adapters(Some(Arc::new(a.frozen_copy()?))))
+            }
+            Some(_) => Ok(self.model.with_adapters(None)),
+            None => {
+                let mut m = self.model.clone();
+                *m.weights_mut() = m.weights().deep_copy()?;
+                m.weights_mut().freeze();
+                Ok(m)
+            }
+        }
+    }
+}
+
+/// A micro-batch's logits and labels, shifted for next-token prediction.
+pub struct Shifted {
+    /// `[batch, len − 1, vocab]`: the logits at positions `0..len−1`.
+    pub logits: Tensor,
+    /// The unshifted logits `[batch, len, vocab]` (entropy over every position, as TRL).
+    pub full_logits: Tensor,
+    /// `[batch, len − 1]` ids of tokens `1..len`.
+    pub labels: Tensor,
+    /// The per-token log-probabilities of the labels.
+    pub logps: Tensor,
+    /// The label mask (shifted), on the device.
+    pub mask: Tensor,
+    /// The label mask (shifted), on the host.
+    pub mask_host: Vec<Vec<f32>>,
+    /// The attention mask (1 for real tokens) `[batch, len]`, on the host.
+    pub attention: Vec<Vec<f32>>,
+}
+
+/// Right-pads `seqs` (ids, label mask) with `pad`, runs `model`, and shifts.
+pub fn forward_shifted(
+    model: &DecoderModel,
+    ops: &CandleOps,
+    seqs: &[(Vec<u32>, Vec<u8>)],
+    pad: u32,
+) -> Result<Shifted, TrainError> {
+    let len = seqs.iter().map(|(i, _)| i.len()).max().unwrap_or(0);
+    if len < 2 {
+        return Err(config_err(
+            "max_length",
+            "every sequence of a batch is shorter than two tokens: nothing to predict",
+        ));
+    }
+    let b = seqs.len();
+    let mut ids = Vec::with_capacity(b * len);
+    let mut mask_host = Vec::with_capacity(b);
+    let mut attention = Vec::with_capacity(b);
+    for (s, m) in seqs {
+        ids.extend(
+            s.iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, len - s.len())),
+        );
+        let mut row: Vec<f32> = m.iter().map(|&x| f32::from(x)).collect();
+        row.resize(len, 0.0);
+        mask_host.push(row[1..].to_vec());
+        let mut att = vec![1f32; s.len()];
+        att.resize(len, 0.0);
+        attention.push(att);
+    }
+    let dev = &ops.device;
+    let ids = Tensor::from_vec(ids, (b, len), dev)?;
+    let full_logits = model.forward(&ids)?;
+    let logits = full_logits.narrow(1, 0, len - 1)?;
+    let labels = ids.narrow(1, 1, len - 1)?.contiguous()?;
+    let flat: Vec<f32> = mask_host.iter().flatten().copied().collect();
+    let mask = Tensor::from_vec(flat, (b, len - 1), dev)?;
+    let logps = ops.token_logps(&logits, &labels)?;
+    Ok(Shifted {
+        logits,
+        full_logits,
+        labels,
+        logps,
+        mask,
+        mask_host,
+        attention,
+    })
+}
+
+impl Shifted {
+    /// TRL's `mean_token_accuracy`: arg-max hits over the masked positions.
+    pub fn token_accuracy(
+        &self,
+        ops: &CandleOps,
+        rows: std::ops::Range<usize>,
+    ) -> Result<f64, TrainError> {
+        let n = rows.len();
+        let pred = ops.argmax(&self.logits.narrow(0, rows.start, n)?)?;
+        let labels = self.labels.narrow(0, rows.start, n)?.to_dtype(DType::F32)?;
+        let hits: Vec<f64> = ops.to_f64(&pred.eq(&labels)?.to_dtype(DType::F32)?)?;
+        let mask: Vec<f32> = self.mask_host[rows].iter().flatten().copied().collect();
+        let total: f64 = mask.iter().map(|&m| f64::from(m)).sum();
+        let correct: f64 = hits.iter().zip(&mask).map(|(h, &m)| h * f64::from(m)).sum();
+        Ok(if total > 0.0 { correct / total } else { 0.0 })
+    }
+
+    /// The mean entropy over `weights` `[batch, positions]` of the per-position entropies of
+    /// `logits`.
+    fn entropy(ops: &CandleOps, logits: &Tensor, weights: &[Vec<f32>]) -> Result<f64, TrainError> {
+        let h = ops.to_f64(&ops.token_entropy(logits)?)?;
+        let w: Vec<f32> = weights.iter().flatten().copied().collect();
+        let total: f64 = w.iter().map(|&x| f64::from(x)).sum();
+        let sum: f64 = h.iter().zip(&w).map(|(h, &w)| h * f64::from(w)).sum();
+        Ok(if total > 0.0 { sum / total } else { 0.0 })
+    }
+}
+
+/// One task's part of a training run.
+pub trait Objective {
+    /// The task's name (`sft`, `dpo`, …).
+    fn task(&self) -> &'static str;
+    /// Examples in the training set.
+    fn examples(&self) -> usize;
+    /// Whether the loop divides each micro-batch's loss by the step's micro-batch count
+    /// (transformers does unless the loss is already normalised over the whole step).
+    fn divide_by_accumulation(&self) -> bool {
+        true
+    }
+    /// Called with every micro-batch of the coming step before the first is run.
+    fn begin_step(&mut self, micro_batches: &[Vec<usize>]) {
+        let _ = micro_batches;
+    }
+    /// The loss of one micro-batch, its figures and its token count.
+    fn micro_batch(
+        &mut self,
+        setup: &Setup,
+        indices: &[usize],
+    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError>;
+}
+
+/// A seeded permutation (Fisher–Yates over SplitMix64).
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+/// The steps of each epoch: lists of micro-batches (lists of example indices).
+fn epoch_steps(
+    n: usize,
+    batch: usize,
+    accumulation: usize,
+    order: Vec<usize>,
+) -> Vec<Vec<Vec<usize>>> {
+    let batches: Vec<Vec<usize>> = order.chunks(batch).map(<[usize]>::to_vec).collect();
+    batches
+        .chunks(accumulation)
+        .map(<[Vec<usize>]>::to_vec)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .filter(|s| !s.is_empty() && n > 0)
+        .collect()
+}
+
+/// Runs `objective` to the end of the plan (or until the observer stops it) and saves the
+/// result into the configured output folder.
+pub fn run(
+    setup: &Setup,
+    objective: &mut dyn Objective,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainReport, TrainError> {
+    let start = Instant::now();
+    let c = &setup.config;
+    let h = &c.hyper;
+    let n = objective.examples();
+    if n == 0 {
+        return Err(config_err("train_data", "holds no examples"));
+    }
+    let bs = h.per_device_train_batch_size;
+    let ga = h.gradient_accumulation_steps;
+    if bs == 0 || ga == 0 {
+        return Err(config_err(
+            if bs == 0 {
+                "per_device_train_batch_size"
+            } else {
+                "gradient_accumulation_steps"
+            },
+            "must be at least 1",
+        ));
+    }
+    let kind = ScheduleKind::parse(&h.lr_scheduler_type).ok_or_else(|| {
+        config_err(
+            "lr_scheduler_type",
+            format!(
+                "`{}` is not one of {}",
+                h.lr_scheduler_type,
+                ScheduleKind::NAMES.join(", ")
+            ),
+        )
+    })?;
+    let shuffle = match h.train_sampling_strategy.as_str() {
+        "random" => true,
+        "sequential" => false,
+        other => {
+            return Err(config_err(
+                "train_sampling_strategy",
+                format!("`{other}` is not one of random, sequential"),
+            ));
+        }
+    };
+    let order = |epoch: u64| {
+        if shuffle {
+            permutation(n, h.seed ^ epoch.wrapping_mul(0x5851_f42d_4c95_7f2d))
+        } else {
+            (0..n).collect()
+        }
+    };
+    let per_epoch = n.div_ceil(bs).div_ceil(ga) as u64;
+    let total = match h.max_steps {
+        Some(s) if s > 0 => s,
+        _ => ((h.num_train_epochs * per_epoch as f64).ceil() as u64).max(1),
+    };
+    let schedule = Schedule {
+        kind,
+        warmup: h.warmup_steps,
+        total,
+    };
+    let trainable_params: u64 = setup
+        .trainable
+        .iter()
+        .map(|(_, v)| v.as_tensor().elem_count() as u64)
+        .sum();
+    observer.on_start(&TrainPlan {
+        total_steps: total,
+        examples: n as u64,
+        trainable_parameters: trainable_params,
+    });
+    let mut adam = AdamW::new(
+        AdamWConfig {
+            beta1: h.adam_beta1,
+            beta2: h.adam_beta2,
+            eps: h.adam_epsilon,
+            weight_decay: h.weight_decay,
+        },
+        setup.trainable.clone(),
+    )?;
+    let mut report = TrainReport::new(objective.task(), BACKEND);
+    let mut epoch = 0u64;
+    let mut steps = epoch_steps(n, bs, ga, order(epoch)).into_iter();
+    let mut tokens = 0u64;
+    let mut window: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    let mut window_loss = (0f64, 0usize);
+    let logging = h.logging_steps.max(1);
+    for step in 1..=total {
+        if observer.should_stop() {
+            report.stopped_early = true;
+            break;
+        }
+        let micro = match steps.next() {
+            Some(m) => m,
+            None => {
+                epoch += 1;
+                steps = epoch_steps(n, bs, ga, order(epoch)).into_iter();
+                steps.next().expect("a non-empty dataset has a step")
+            }
+        };
+        objective.begin_step(&micro);
+        let mut grads: Vec<Option<Tensor>> = vec![None; setup.trainable.len()];
+        let mut step_loss = 0f64;
+        let count = micro.len() as f64;
+        for indices in &micro {
+            let (loss, figures, t) = objective.micro_batch(setup, indices)?;
+            let loss = if objective.divide_by_accumulation() {
+                (loss / count)?
+            } else {
+                loss
+            };
+            step_loss += loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+            tokens += t;
+            for (k, v) in figures {
+                let e = window.entry(k).or_insert((0.0, 0));
+                e.0 += v;
+                e.1 += 1;
+            }
+            let store = loss.backward()?;
+            for (g, (_, var)) in grads.iter_mut().zip(&setup.trainable) {
+                if let Some(new) = store.get(var.as_tensor()) {
+                    *g = Some(match g.take() {
+                        Some(old) => (old + new)?,
+                        None => new.clone(),
+                    });
+                }
+            }
+        }
+        let grad_norm = clip_grad_norm(&mut grads, h.max_grad_norm)?;
+        let lr = h.learning_rate * schedule.factor(step - 1);
+        adam.update(lr, &grads)?;
+        window_loss.0 += step_loss;
+        window_loss.1 += 1;
+        report.steps = step;
+        report.final_loss = Some(step_loss);
+        if step % logging == 0 || step == total {
+            let mut extra: BTreeMap<String, f64> = window
+                .iter()
+                .map(|(k, (s, n))| (k.clone(), s / *n as f64))
+                .collect();
+            if let Some(t) = extra.get_mut("num_tokens") {
+                *t = tokens as f64;
+            }
+            let metrics = StepMetrics {
+                step,
+                epoch: step as f64 / per_epoch as f64,
+                loss: window_loss.0 / window_loss.1 as f64,
+                // transformers logs the rate the step ran with.
+                learning_rate: lr,
+                grad_norm: Some(grad_norm),
+                tokens,
+                extra,
+            };
+            observer.on_step(&metrics);
+            report.metrics = metrics.extra.clone();
+            window.clear();
+            window_loss = (0.0, 0);
+        }
+    }
+    let out = save(setup, &c.output)?;
+    report.output = Some(out.clone());
+    report.elapsed = start.elapsed();
+    observer.on_checkpoint(report.steps, &out);
+    observer.on_end(&report);
+    Ok(report)
+}
+
+/// Writes the trained result into `target` through a temporary folder beside it: a PEFT
+/// adapter under LoRA (and with `merge` the merged full checkpoint in `target/merged`), else
+/// the full checkpoint (f32) with the model's config and tokenizer files.
+pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainError> {
+    let out = OutputDir::create(target, true).map_err(backend_err)?;
+    let base = setup.config.model.display().to_string();
+    match &setup.adapters {
+        Some(a) => {
+            a.save_peft(out.path(), &setup.model, &base)?;
+            if setup.config.merge {
+                let dir = out.path().join("merged");
+                std::fs::create_dir(&dir).map_err(|source| TrainError::Io {
+                    path: dir.clone(),
+                    source,
+                })?;
+                let merged = a.merged(&setup.model)?;
+                write_full(setup, &dir, &merged)?;
+            }
+        }
+        None => write_full(setup, out.path(), &BTreeMap::new())?,
+    }
+    out.commit().map_err(backend_err)
+}
+
+/// The full checkpoint: every weight in f32 (those in `replaced` taken from there), config.json
+/// with `torch_dtype` float32, and the model folder's tokenizer and generation files.
+fn write_full(
+    setup: &Setup,
+    dir: &Path,
+    replaced: &BTreeMap<String, Tensor>,
+) -> Result<(), TrainError> {
+    let mut w = ShardWriter::new(dir, 5_000_000_000);
+    for (name, var) in setup.model.weights().vars() {
+        let t = replaced.get(name).unwrap_or(var.as_tensor());
+        let data: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        w.write(
+            name,
+            safetensors::Dtype::F32,
+            t.dims(),
+            bytemuck::cast_slice(&data),
+        )
+        .map_err(backend_err)?;
+    }
+    w.finish().map_err(backend_err)?;
+    let src = setup.config.model.join("config.json");
+    let text = std::fs::read_to_string(&src).map_err(|source| TrainError::Io {
+        path: src.clone(),
+        source,
+    })?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::Data {
+        path: src.clone(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    if let Some(o) = cfg.as_object_mut() {
+        o.insert("torch_dtype".into(), "float32".into());
+        o.remove("quantization_config");
+    }
+    let dest = dir.join("config.json");
+    std::fs::write(
+        &dest,
+        serde_json::to_string_pretty(&cfg).expect("JSON") + "\n",
+    )
+    .map_err(|source| TrainError::Io { path: dest, source })?;
+    for name in crate::export::files::COPIED_FILES {
+        let src = setup.config.model.join(name);
+        if src.is_file() {
+            let dest = dir.join(name);
+            std::fs::copy(&src, &dest).map_err(|source| TrainError::Io { path: dest, source })?;
+        }
+    }
+    Ok(())
+}
+
+fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Dataset, TrainError> {
+    let path = config
+        .train_data
+        .as_ref()
+        .ok_or_else(|| config_err("train_data", "required (a JSONL file)"))?;
+    Dataset::read(path, accepted)
+}
+
+// ---------------------------------------------------------------- sft
+
+/// Supervised fine-tuning (TRL's `SFTTrainer`): causal-LM cross-entropy over the label
+/// tokens, the token mean over the whole optimisation step.
+pub struct SftObjective {
+    examples: Vec<LmExample>,
+    num_items: f64,
+}
+
+impl SftObjective {
+    /// The examples of `config.train_data` (`text` or `prompt`+`completion`), tokenized as TRL
+    /// does; `completion_only_loss` (default: on for prompt+completion data).
+    pub fn new(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
+        let data = read_data(config, &[DataFormat::Text, DataFormat::PromptCompletion])?;
+        let completion_only = config
+            .option::<bool>("completion_only_loss")?
+            .unwrap_or(true);
+        let examples = sft_examples(&data, tok, completion_only, config.hyper.max_length)?;
+        Ok(SftObjective {
+            examples,
+            num_items: 0.0,
+        })
+    }
+}
+
+impl Objective for SftObjective {
+    fn task(&self) -> &'static str {
+        "sft"
+    }
+    fn examples(&self) -> usize {
+        self.examples.len()
+    }
+    fn divide_by_accumulation(&self) -> bool {
+        false
+    }
+    fn begin_step(&mut self, micro_batches: &[Vec<usize>]) {
+        // transformers counts `labels[..., 1:] != -100` over every micro-batch of the step.
+        self.num_items = micro_batches
+            .iter()
+            .flatten()
+            .map(|&i| {
+                self.examples[i]
+                    .mask
+                    .iter()
+                    .skip(1)
+                    .map(|&m| f64::from(m))
+                    .sum::<f64>()
+            })
+            .sum();
+    }
+    fn micro_batch(
+        &mut self,
+        setup: &Setup,
+        indices: &[usize],
+    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
+        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
+            .iter()
+            .map(|&i| (self.examples[i].ids.clone(), self.examples[i].mask.clone()))
+            .collect();
+        let s = forward_shifted(&setup.model, &setup.ops, &seqs, setup.tokenizer.pad_id)?;
+        let inputs = TokenInputs {
+            logps: s.logps.clone(),
+            mask: s.mask.clone(),
+            mask_host: s.mask_host.clone(),
+        };
+        let loss = losses::sft(&setup.ops, &inputs, self.num_items)?;
+        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
+        let mut m = BTreeMap::new();
+        m.insert(
+            "entropy".into(),
+            Shifted::entropy(&setup.ops, &s.full_logits, &s.attention)?,
+        );
+        m.insert(
+            "mean_token_accuracy".into(),
+            s.token_accuracy(&setup.ops, 0..seqs.len())?,
+        );
+        m.insert("num_tokens".into(), 0.0);
+        Ok((loss, m, tokens))
+    }
+}
+
+/// `sft` on candle.
+#[crate::trainer(task = "sft", backend = "candle", crate = crate)]
+pub struct CandleSft {
+    setup: Setup,
+    objective: SftObjective,
+}
+
+impl crate::Trainer for CandleSft {
+    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let setup = Setup::load(config)?;
+        let objective = SftObjective::new(config, &setup.tokenizer)?;
+        Ok(CandleSft { setup, objective })
+    }
+    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+        run(&self.setup, &mut self.objective, observer)
+    }
+}
+
+// ---------------------------------------------------------------- dpo
+
+/// Direct preference optimisation (TRL's `DPOTrainer`).
+pub struct DpoObjective {
+    pairs: Vec<PairExample>,
+    beta: f64,
+    loss: DpoLoss,
+    max_length: Option<usize>,
+    reference: Option<DecoderModel>,
+    /// Reference log-probs computed before training (`precompute_ref_log_probs`).
+    precomputed: Option<Vec<(f64, f64)>>,
+}
+
+impl DpoObjective {
+    /// The pairs of `config.train_data` and DPO's options (`beta`, `loss_type`,
+    /// `precompute_ref_log_probs`).
+    pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
+        let data = read_data(config, &[DataFormat::Preference])?;
+        let pairs = pair_examples(&data, &setup.tokenizer)?;
+        let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
+        let loss_name = config
+            .option::<String>("loss_type")?
+            .unwrap_or_else(|| "sigmoid".into());
+        let loss = DpoLoss::parse(&loss_name).ok_or_else(|| {
+            config_err(
+                "loss_type",
+                format!("`{loss_name}` is not one of {}", DpoLoss::NAMES.join(", ")),
+            )
+        })?;
+        let mut me = DpoObjective {
+            pairs,
+            beta,
+            loss,
+            max_length: config.hyper.max_length,
+            reference: Some(setup.reference()?),
+            precomputed: None,
+        };
+        if config
+            .option::<bool>("precompute_ref_log_probs")?
+            .unwrap_or(false)
+        {
+            let bs = config.hyper.per_device_train_batch_size.max(1);
+            let mut all = Vec::with_capacity(me.pairs.len());
+            let idx: Vec<usize> = (0..me.pairs.len()).collect();
+            for chunk in idx.chunks(bs) {
+                let (c, r) = me.ref_logps(setup, chunk)?;
+                all.extend(c.into_iter().zip(r));
+            }
+            me.precomputed = Some(all);
+            me.reference = None;
+        }
+        Ok(me)
+    }
+
+    /// `[chosen…, rejected…]` sequences with completion masks, truncated as TRL truncates
+    /// (`keep_start` to `max_length`).
+    fn sequences(&self, indices: &[usize]) -> Vec<(Vec<u32>, Vec<u8>)> {
+        let mut out = Vec::with_capacity(indices.len() * 2);
+        for pick in [0, 1] {
+            for &i in indices {
+                let p = &self.pairs[i];
+                let completion = if pick == 0 { &p.chosen } else { &p.rejected };
+                let mut ids = p.prompt.clone();
+                ids.extend(completion);
+                let mut mask = vec![0u8; p.prompt.len()];
+                mask.extend(std::iter::repeat_n(1, completion.len()));
+                if let Some(n) = self.max_length {
+                    ids.truncate(n);
+                    mask.truncate(n);
+                }
+                out.push((ids, mask));
+            }
+        }
+        out
+    }
+
+    fn ref_logps(
+        &self,
+        setup: &Setup,
+        indices: &[usize],
+    ) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
+        let reference = self.reference.as_ref().expect("reference model kept");
+        let s = forward_shifted(
+            reference,
+            &setup.ops,
+            &self.sequences(indices),
+            setup.tokenizer.pad_id,
+        )?;
+        let sums = setup.ops.sum_last(&setup.ops.mul(&s.logps, &s.mask)?)?;
+        let v = setup.ops.to_f64(&sums)?;
+        let n = indices.len();
+        Ok((v[..n].to_vec(), v[n..].to_vec()))
+    }
+}
+
+impl Objective for DpoObjective {
+    fn task(&self) -> &'static str {
+        "dpo"
+    }
+    fn examples(&self) -> usize {
+        self.pairs.len()
+    }
+    fn micro_batch(
+        &mut self,
+        setup: &Setup,
+        indices: &[usize],
+    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
+        let ops = &setup.ops;
+        let n = indices.len();
+        let seqs = self.sequences(indices);
+        let s = forward_shifted(&setup.model, ops, &seqs, setup.tokenizer.pad_id)?;
+        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask)?)?;
+        let (chosen, rejected) = ops.halves(&sums)?;
+        let (rc, rr) = match &self.precomputed {
+            Some(all) => indices.iter().map(|&i| all[i]).unzip(),
+            None => self.ref_logps(setup, indices)?,
+        };
+        let lens: Vec<f64> = seqs
+            .iter()
+            .map(|(_, m)| m.iter().map(|&x| f64::from(x)).sum())
+            .collect();
+        let p = PreferenceLogps {
+            chosen,
+            rejected,
+            ref_chosen: ops.tensor(&rc, &[n])?,
+            ref_rejected: ops.tensor(&rr, &[n])?,
+            chosen_len: lens[..n].to_vec(),
+            rejected_len: lens[n..].to_vec(),
+        };
+        let out = losses::dpo(ops, self.loss, self.beta, &p)?;
+        let mut m = out.metrics;
+        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
+        m.insert(
+            "entropy".into(),
+            Shifted::entropy(ops, &s.logits, &s.mask_host)?,
+        );
+        m.insert("mean_token_accuracy".into(), s.token_accuracy(ops, 0..n)?);
+        // TRL: the mean over vocabulary of the logits, averaged over completion tokens.
+        let mean_logits = ops.to_f64(&s.logits.detach().mean(D::Minus1)?)?;
+        let width = s.mask_host[0].len();
+        for (name, rows) in [("logits/chosen", 0..n), ("logits/rejected", n..2 * n)] {
+            let (mut sum, mut count) = (0f64, 0f64);
+            for r in rows {
+                for (t, &mk) in s.mask_host[r].iter().enumerate() {
+                    sum += mean_logits[r * width + t] * f64::from(mk);
+                    count += f64::from(mk);
+                }
+            }
+            m.insert(name.into(), if count > 0.0 { sum / count } else { 0.0 });
+        }
+        m.insert("num_tokens".into(), 0.0);
+        Ok((out.loss, m, tokens))
+    }
+}
+
+/// `dpo` on candle.
+#[crate::trainer(task = "dpo", backend = "candle", crate = crate)]
+pub struct CandleDpo {
+    setup: Setup,
+    objective: DpoObjective,
+}
+
+impl crate::Trainer for CandleDpo {
+    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let setup = Setup::load(config)?;
+        let objective = DpoObjective::new(config, &setup)?;
+        Ok(CandleDpo { setup, objective })
+    }
+    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+        run(&self.setup, &mut self.objective, observer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epochs_split_into_steps_of_micro_batches_with_a_short_last_step() {
+        let s = epoch_steps(7, 2, 3, (0..7).collect());
+        assert_eq!(
+            s,
+            vec![vec![vec![0, 1], vec![2, 3], vec![4, 5]], vec![vec![6]]]
+        );
+        let p = permutation(10, 42);
+        let mut sorted = p.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        assert_eq!(p, permutation(10, 42));
+        assert_ne!(p, permutation(10, 43));
+    }
+}

@@ -1,0 +1,436 @@
+//! Training data as users have it (JSONL, one example per line) and its tokenization as TRL
+//! 0.29.1 does it (docs/TRAINING.md §1): the format is detected from the first line and every
+//! line is checked against it; a bad line is an error naming the file and line.
+
+use super::TrainError;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// A dataset format, by its columns (TRL's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataFormat {
+    /// `{"text"}`: language modelling.
+    Text,
+    /// `{"prompt", "completion"}`.
+    PromptCompletion,
+    /// `{"messages"}`: a conversation rendered with the chat template.
+    Messages,
+    /// `{"prompt", "chosen", "rejected"}`.
+    Preference,
+}
+
+impl DataFormat {
+    /// The columns the format needs.
+    pub fn columns(self) -> &'static [&'static str] {
+        match self {
+            DataFormat::Text => &["text"],
+            DataFormat::PromptCompletion => &["prompt", "completion"],
+            DataFormat::Messages => &["messages"],
+            DataFormat::Preference => &["prompt", "chosen", "rejected"],
+        }
+    }
+
+    fn detect(obj: &serde_json::Map<String, Value>) -> Option<Self> {
+        let has = |k| obj.contains_key(k);
+        Some(if has("chosen") && has("rejected") {
+            DataFormat::Preference
+        } else if has("prompt") && has("completion") {
+            DataFormat::PromptCompletion
+        } else if has("messages") {
+            DataFormat::Messages
+        } else if has("text") {
+            DataFormat::Text
+        } else {
+            return None;
+        })
+    }
+}
+
+/// One line of a dataset: its 1-based line number and its object.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The line in the file.
+    pub line: usize,
+    /// The JSON object.
+    pub fields: serde_json::Map<String, Value>,
+}
+
+/// A parsed dataset: its file, format and records.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    /// The file it came from.
+    pub path: PathBuf,
+    /// The detected format.
+    pub format: DataFormat,
+    /// Every non-blank line.
+    pub records: Vec<Record>,
+}
+
+impl Dataset {
+    /// Reads `path`; `accepted` lists the formats the task takes (the first line's format must
+    /// be one of them, every other line must have the same columns as strings).
+    pub fn read(path: &Path, accepted: &[DataFormat]) -> Result<Self, TrainError> {
+        let err = |line: Option<usize>, message: String| TrainError::Data {
+            path: path.to_path_buf(),
+            line,
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut format = None;
+        let mut records = Vec::new();
+        for (i, raw) in text.lines().enumerate() {
+            let line = i + 1;
+            if raw.trim().is_empty() {
+                continue;
+            }
+            let v: Value = serde_json::from_str(raw)
+                .map_err(|e| err(Some(line), format!("not valid JSON: {e}")))?;
+            let Value::Object(fields) = v else {
+                return Err(err(Some(line), "expected a JSON object".into()));
+            };
+            let f = match format {
+                Some(f) => f,
+                None => {
+                    let f = DataFormat::detect(&fields).ok_or_else(|| {
+                        err(
+                            Some(line),
+                            "unknown format: expected the columns text, prompt+completion, messages or prompt+chosen+rejected".into(),
+                        )
+                    })?;
+                    if !accepted.contains(&f) {
+                        let names: Vec<String> =
+                            accepted.iter().map(|a| a.columns().join("+")).collect();
+                        return Err(err(
+                            Some(line),
+                            format!(
+                                "this task takes {} data, not {}",
+                                names.join(" or "),
+                                f.columns().join("+")
+                            ),
+                        ));
+                    }
+                    format = Some(f);
+                    f
+                }
+            };
+            for col in f.columns() {
+                match fields.get(*col) {
+                    Some(Value::String(_)) => {}
+                    Some(Value::Array(_)) if matches!(f, DataFormat::Messages) => {}
+                    Some(Value::Array(_)) => {
+                        return Err(err(
+                            Some(line),
+                            format!(
+                                "`{col}` is a conversation; conversational {} data is not supported yet (give strings)",
+                                f.columns().join("+")
+                            ),
+                        ));
+                    }
+                    Some(other) => {
+                        return Err(err(
+                            Some(line),
+                            format!("`{col}` must be a string, found {other}"),
+                        ));
+                    }
+                    None => {
+                        return Err(err(
+                            Some(line),
+                            format!(
+                                "missing `{col}` (the file's first example has the {} columns)",
+                                f.columns().join("+")
+                            ),
+                        ));
+                    }
+                }
+            }
+            if f == DataFormat::Messages {
+                return Err(err(
+                    Some(line),
+                    "`messages` data needs the chat template, which kiln does not render yet; use prompt+completion".into(),
+                ));
+            }
+            records.push(Record { line, fields });
+        }
+        let format = format.ok_or_else(|| err(None, "holds no examples".into()))?;
+        Ok(Dataset {
+            path: path.to_path_buf(),
+            format,
+            records,
+        })
+    }
+}
+
+/// The model's tokenizer with the special tokens TRL uses (`tokenizer.json` +
+/// `tokenizer_config.json`).
+pub struct TextTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    /// The end-of-sequence token's text (appended to completions as TRL does).
+    pub eos_token: String,
+    /// Its id.
+    pub eos_id: u32,
+    /// The padding id (`pad_token`, else the EOS, as TRL falls back).
+    pub pad_id: u32,
+}
+
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// The tokenizer of the model in `dir`.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, TrainError> {
+        let tok_path = dir.join("tokenizer.json");
+        let cfg_path = dir.join("tokenizer_config.json");
+        let io = |path: &Path, message: String| TrainError::Data {
+            path: path.to_path_buf(),
+            line: None,
+            message,
+        };
+        if !tok_path.exists() {
+            return Err(io(
+                &tok_path,
+                "missing: training needs the model's tokenizer".into(),
+            ));
+        }
+        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+            .map_err(|e| io(&tok_path, format!("unreadable: {e}")))?;
+        let cfg: Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(t) => serde_json::from_str(&t)
+                .map_err(|e| io(&cfg_path, format!("not valid JSON: {e}")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Value::Null,
+            Err(e) => return Err(io(&cfg_path, e.to_string())),
+        };
+        let eos_token = token_text(cfg.get("eos_token")).ok_or_else(|| {
+            io(
+                &cfg_path,
+                "names no `eos_token` (TRL appends it to every completion)".into(),
+            )
+        })?;
+        let id = |t: &str| tokenizer.token_to_id(t);
+        let eos_id = id(&eos_token).ok_or_else(|| {
+            io(
+                &cfg_path,
+                format!("`eos_token` {eos_token:?} is not in tokenizer.json's vocabulary"),
+            )
+        })?;
+        let pad_id = token_text(cfg.get("pad_token"))
+            .and_then(|t| id(&t))
+            .unwrap_or(eos_id);
+        Ok(TextTokenizer {
+            tokenizer,
+            eos_token,
+            eos_id,
+            pad_id,
+        })
+    }
+
+    /// `tokenizer(text)["input_ids"]`: the text's ids with the special tokens the tokenizer's
+    /// post-processor adds (a BOS for Llama-style tokenizers).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer
+            .encode(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Token ids back to text (special tokens dropped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
+    }
+}
+
+/// A tokenized causal-LM example: ids and which of them are trained on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LmExample {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// 1 where the token is a label (the completion, or every token of `text` data).
+    pub mask: Vec<u8>,
+}
+
+/// A tokenized preference pair: the prompt's ids and each completion's ids after it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PairExample {
+    /// The prompt.
+    pub prompt: Vec<u32>,
+    /// The chosen completion (after the prompt).
+    pub chosen: Vec<u32>,
+    /// The rejected completion.
+    pub rejected: Vec<u32>,
+}
+
+fn field<'a>(r: &'a Record, k: &str) -> &'a str {
+    r.fields.get(k).and_then(Value::as_str).unwrap_or_default()
+}
+
+fn with_eos(s: &str, eos: &str) -> String {
+    if s.ends_with(eos) {
+        s.to_string()
+    } else {
+        format!("{s}{eos}")
+    }
+}
+
+/// The ids of `prompt + completion` split at the prompt's length, as TRL splits them (it
+/// tokenizes the prompt alone and the concatenation, and takes the concatenation's ids past
+/// the prompt's count).
+fn split_ids(
+    tok: &TextTokenizer,
+    data: &Dataset,
+    r: &Record,
+    prompt: &str,
+    full: &str,
+) -> Result<(Vec<u32>, Vec<u32>), TrainError> {
+    let err = |m: String| TrainError::Data {
+        path: data.path.clone(),
+        line: Some(r.line),
+        message: format!("tokenizing: {m}"),
+    };
+    let p = tok.encode(prompt).map_err(err)?;
+    let all = tok.encode(full).map_err(err)?;
+    let rest = all.get(p.len()..).unwrap_or_default().to_vec();
+    Ok((p, rest))
+}
+
+/// SFT examples (TRL's `SFTTrainer` preprocessing): `text` gets the EOS appended and every
+/// token is a label; `prompt`+`completion` gets the EOS appended to the completion and, with
+/// `completion_only_loss` (TRL's default for this format), only the completion's tokens are
+/// labels. Sequences are cut to `max_length` tokens, keeping the start.
+pub fn sft_examples(
+    data: &Dataset,
+    tok: &TextTokenizer,
+    completion_only_loss: bool,
+    max_length: Option<usize>,
+) -> Result<Vec<LmExample>, TrainError> {
+    let mut out = Vec::with_capacity(data.records.len());
+    for r in &data.records {
+        let mut ex = match data.format {
+            DataFormat::Text => {
+                let text = with_eos(field(r, "text"), &tok.eos_token);
+                let ids = tok.encode(&text).map_err(|m| TrainError::Data {
+                    path: data.path.clone(),
+                    line: Some(r.line),
+                    message: format!("tokenizing: {m}"),
+                })?;
+                let mask = vec![1; ids.len()];
+                LmExample { ids, mask }
+            }
+            DataFormat::PromptCompletion => {
+                let prompt = field(r, "prompt");
+                let full = format!(
+                    "{prompt}{}",
+                    with_eos(field(r, "completion"), &tok.eos_token)
+                );
+                let (p, c) = split_ids(tok, data, r, prompt, &full)?;
+                let label = u8::from(!completion_only_loss);
+                let mut mask = vec![label; p.len()];
+                mask.extend(std::iter::repeat_n(1, c.len()));
+                let mut ids = p;
+                ids.extend(c);
+                LmExample { ids, mask }
+            }
+            other => {
+                return Err(TrainError::Data {
+                    path: data.path.clone(),
+                    line: Some(r.line),
+                    message: format!("sft does not take {} data", other.columns().join("+")),
+                });
+            }
+        };
+        if let Some(n) = max_length {
+            ex.ids.truncate(n);
+            ex.mask.truncate(n);
+        }
+        out.push(ex);
+    }
+    Ok(out)
+}
+
+/// Preference pairs (TRL's `DPOTrainer` preprocessing): the EOS is appended to both
+/// completions; each is the ids of `prompt + completion` past the prompt's ids.
+pub fn pair_examples(data: &Dataset, tok: &TextTokenizer) -> Result<Vec<PairExample>, TrainError> {
+    data.records
+        .iter()
+        .map(|r| {
+            let prompt = field(r, "prompt");
+            let chosen = format!("{prompt}{}", with_eos(field(r, "chosen"), &tok.eos_token));
+            let rejected = format!("{prompt}{}", with_eos(field(r, "rejected"), &tok.eos_token));
+            let (p, c) = split_ids(tok, data, r, prompt, &chosen)?;
+            let (_, rj) = split_ids(tok, data, r, prompt, &rejected)?;
+            Ok(PairExample {
+                prompt: p,
+                chosen: c,
+                rejected: rj,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn formats_are_detected_and_bad_lines_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = write(
+            dir.path(),
+            "a.jsonl",
+            "{\"prompt\":\"1+1=\",\"completion\":\"2\"}\n\n{\"prompt\":\"2+2=\",\"completion\":\"4\"}\n",
+        );
+        let d = Dataset::read(&ok, &[DataFormat::PromptCompletion]).unwrap();
+        assert_eq!(
+            (d.format, d.records.len(), d.records[1].line),
+            (DataFormat::PromptCompletion, 2, 3)
+        );
+        let bad = write(
+            dir.path(),
+            "b.jsonl",
+            "{\"prompt\":\"a\",\"completion\":\"b\"}\n{\"prompt\":\"a\"}\n",
+        );
+        let e = Dataset::read(&bad, &[DataFormat::PromptCompletion])
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("b.jsonl:2: missing `completion` (the file's first example has the prompt+completion columns)"), "{e}");
+        let e = Dataset::read(&ok, &[DataFormat::Preference])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with(
+                "a.jsonl:1: this task takes prompt+chosen+rejected data, not prompt+completion"
+            ),
+            "{e}"
+        );
+        let junk = write(dir.path(), "c.jsonl", "{\"text\": 3}\n");
+        let e = Dataset::read(&junk, &[DataFormat::Text])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with("c.jsonl:1: `text` must be a string, found 3"),
+            "{e}"
+        );
+        let broken = write(dir.path(), "d.jsonl", "{\"text\": \n");
+        let e = Dataset::read(&broken, &[DataFormat::Text])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("d.jsonl:1: not valid JSON"), "{e}");
+        let empty = write(dir.path(), "e.jsonl", "\n");
+        let e = Dataset::read(&empty, &[DataFormat::Text])
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("e.jsonl: holds no examples"), "{e}");
+    }
+}

@@ -1,0 +1,167 @@
+//! kiln's candle trainers against TRL 0.29.1: from the same tiny model, initial adapter and
+//! data, every logged step matches `tests/train/reference.json` (made by
+//! `tests/train/trl_ref.py` with TRL, transformers, peft and torch on the CPU). Step 1's loss
+//! within 1e-5 relative, all six steps within 1e-3; gradient norms, learning rates and the
+//! task's figures too.
+
+use kiln_runtime::train::{StepMetrics, TrainConfig, TrainObserver};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn here() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/train")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(here().join("reference.json")).expect("reference.json");
+    serde_json::from_str(&text).expect("JSON")
+}
+
+#[derive(Default)]
+struct Collect(Vec<StepMetrics>);
+
+impl TrainObserver for Collect {
+    fn on_step(&mut self, m: &StepMetrics) {
+        self.0.push(m.clone());
+    }
+}
+
+/// The kiln configuration of reference run `name`: TRL's settings, spelled as kiln takes them.
+fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
+    let task = run["task"].as_str().unwrap();
+    let mut c = TrainConfig::new(task, "candle", here().join("tiny/model"), out);
+    c.train_data = Some(here().join(run["data"].as_str().unwrap()));
+    c.hyper.max_steps = Some(6);
+    c.hyper.logging_steps = 1;
+    c.hyper.per_device_train_batch_size = 2;
+    c.hyper.train_sampling_strategy = "sequential".into();
+    c.hyper.max_length = Some(1024);
+    for (k, v) in run["settings"].as_object().unwrap() {
+        match k.as_str() {
+            "learning_rate" => c.hyper.learning_rate = v.as_f64().unwrap(),
+            "gradient_accumulation_steps" => {
+                c.hyper.gradient_accumulation_steps = v.as_u64().unwrap() as usize
+            }
+            "lr_scheduler_type" => c.hyper.lr_scheduler_type = v.as_str().unwrap().into(),
+            "warmup_steps" => c.hyper.warmup_steps = v.as_u64().unwrap(),
+            "weight_decay" => c.hyper.weight_decay = v.as_f64().unwrap(),
+            "loss_type" => {
+                c.task_options
+                    .insert("loss_type".into(), v.as_array().unwrap()[0].clone());
+            }
+            "beta" | "precompute_ref_log_probs" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
+            other => panic!("{name}: setting `{other}` is not mapped"),
+        }
+    }
+    if run["adapter"].as_bool().unwrap() {
+        c.init_adapter = Some(here().join("tiny/init-adapter"));
+    }
+    c
+}
+
+fn close(got: f64, want: f64, rel: f64, abs: f64) -> bool {
+    (got - want).abs() <= rel * want.abs() + abs
+}
+
+fn check(name: &str) {
+    let all = reference();
+    let run = &all[name];
+    let out = tempfile::tempdir().unwrap();
+    let cfg = config(name, run, &out.path().join("run"));
+    let entry = kiln_runtime::resolve_trainer(&cfg).unwrap();
+    let mut trainer = entry.construct(&cfg).unwrap();
+    let mut seen = Collect::default();
+    let report = trainer.train(&mut seen).unwrap();
+    let want = run["logs"].as_array().unwrap();
+    assert_eq!(seen.0.len(), want.len(), "{name}: logged steps");
+    for (got, want) in seen.0.iter().zip(want) {
+        let step = got.step;
+        let w = |k: &str| want[k].as_f64().unwrap_or_else(|| panic!("{name}: no {k}"));
+        let loss_tol = if step == 1 { 1e-5 } else { 1e-3 };
+        assert!(
+            close(got.loss, w("loss"), loss_tol, 0.0),
+            "{name} step {step}: loss {} vs TRL {}",
+            got.loss,
+            w("loss")
+        );
+        assert!(
+            close(got.grad_norm.unwrap(), w("grad_norm"), 1e-3, 1e-6),
+            "{name} step {step}: grad_norm {} vs TRL {}",
+            got.grad_norm.unwrap(),
+            w("grad_norm")
+        );
+        assert!(
+            close(got.learning_rate, w("learning_rate"), 1e-9, 1e-15),
+            "{name} step {step}: learning_rate {} vs {}",
+            got.learning_rate,
+            w("learning_rate")
+        );
+        assert!(
+            close(got.epoch, w("epoch"), 1e-9, 0.0),
+            "{name} step {step}: epoch"
+        );
+        for (k, v) in want.as_object().unwrap() {
+            if matches!(
+                k.as_str(),
+                "step" | "loss" | "grad_norm" | "learning_rate" | "epoch"
+            ) {
+                continue;
+            }
+            let g = *got
+                .extra
+                .get(k)
+                .unwrap_or_else(|| panic!("{name} step {step}: kiln does not log `{k}`"));
+            let v = v.as_f64().unwrap();
+            // Log-probabilities and rewards are sums over tokens: relative, with a floor for
+            // the values that start at zero.
+            assert!(
+                close(g, v, 1e-3, 1e-4),
+                "{name} step {step}: {k} {g} vs TRL {v}"
+            );
+        }
+    }
+    let out_dir = report.output.unwrap();
+    if run["adapter"].as_bool().unwrap() {
+        assert!(out_dir.join("adapter_model.safetensors").is_file());
+        assert!(out_dir.join("adapter_config.json").is_file());
+    } else {
+        assert!(out_dir.join("model.safetensors").is_file());
+    }
+}
+
+#[test]
+fn sft_full_fine_tuning_with_gradient_accumulation_matches_trl() {
+    check("sft-full");
+}
+
+#[test]
+fn sft_on_text_with_cosine_warmup_and_weight_decay_matches_trl() {
+    check("sft-text");
+}
+
+#[test]
+fn sft_lora_from_a_shared_adapter_matches_trl() {
+    check("sft-lora");
+}
+
+#[test]
+fn dpo_full_fine_tuning_matches_trl() {
+    check("dpo-full");
+}
+
+#[test]
+fn dpo_continuing_an_adapter_takes_a_frozen_copy_as_reference_like_trl() {
+    check("dpo-lora");
+}
+
+#[test]
+fn dpo_ipo_matches_trl() {
+    check("dpo-ipo");
+}
+
+#[test]
+fn dpo_hinge_with_precomputed_reference_log_probs_matches_trl() {
+    check("dpo-hinge-precompute");
+}

@@ -1,0 +1,202 @@
+"""Per-step TRL 0.29.1 references for kiln's trainers (tests/train.rs).
+
+Builds a tiny random Llama (f32) with a byte-level tokenizer, an initial LoRA adapter, small
+SFT / DPO datasets, trains each with TRL on the CPU for six steps from those exact starting
+weights, and records every logged figure (loss, grad_norm, learning_rate, the task's metrics)
+in reference.json. kiln trains from the same files and must reproduce the numbers.
+
+    python3 -m venv venv && venv/bin/pip install -r tests/train/requirements.txt
+    venv/bin/python tests/train/trl_ref.py            # rewrites tests/train/{tiny,data,reference.json}
+
+Every run uses `train_sampling_strategy="sequential"` (transformers' option) so both sides see
+the examples in file order; kiln's default is shuffled, like TRL's.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(HERE, "tiny")
+DATA = os.path.join(HERE, "data")
+
+
+def byte_symbol(b):
+    printable = lambda x: (33 <= x <= 126) or (0xA1 <= x <= 0xAC) or (0xAE <= x <= 0xFF)
+    if printable(b):
+        return chr(b)
+    return chr(256 + sum(1 for x in range(b) if not printable(x)))
+
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+def write_tokenizer(d):
+    """The byte-level tokenizer kiln's demo model ships (runtime/src/demo.rs), written here
+    independently: BPE with no merges, byte b = token 4 + b, a <s> before every sequence."""
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({byte_symbol(b): 4 + b for b in range(256)})
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, t in enumerate(SPECIALS)
+    ]
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": []},
+    }
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(tok, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+                   "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast",
+                   "clean_up_tokenization_spaces": False}, f, indent=2)
+
+
+def build_model():
+    model_dir = os.path.join(TINY, "model")
+    if os.path.isdir(TINY):
+        shutil.rmtree(TINY)
+    os.makedirs(model_dir)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=260, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=3)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    write_tokenizer(model_dir)
+    return model_dir
+
+
+def build_adapter(model_dir):
+    """A shared initial LoRA adapter with non-zero A and B (init_lora_weights=False), so the
+    first step already moves both."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                     init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.3)
+    out = os.path.join(TINY, "init-adapter")
+    peft_model.save_pretrained(out)
+    return out
+
+
+def write_data():
+    os.makedirs(DATA, exist_ok=True)
+    sft = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in
+           [(1, 2), (3, 4), (5, 2), (7, 1), (2, 2), (6, 3), (4, 4), (9, 0), (8, 1), (0, 5), (3, 3), (1, 1)]]
+    with open(os.path.join(DATA, "sft.jsonl"), "w") as f:
+        for r in sft:
+            f.write(json.dumps(r) + "\n")
+    text = [{"text": f"the {w} is {c}"} for w, c in
+            [("sky", "blue"), ("grass", "green"), ("sun", "bright"), ("night", "dark"), ("sea", "deep"), ("snow", "white")]]
+    with open(os.path.join(DATA, "sft-text.jsonl"), "w") as f:
+        for r in text:
+            f.write(json.dumps(r) + "\n")
+    dpo = [{"prompt": f"Q: {a}+{b}? A: ", "chosen": str(a + b), "rejected": str(a + b + 1 + (a % 3))}
+           for a, b in [(1, 2), (3, 4), (5, 2), (7, 1), (2, 2), (6, 3), (4, 4), (9, 0), (8, 1), (0, 5), (3, 3), (1, 1)]]
+    with open(os.path.join(DATA, "dpo.jsonl"), "w") as f:
+        for r in dpo:
+            f.write(json.dumps(r) + "\n")
+
+
+class Record(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
+
+
+def run(task, model_dir, data, adapter=None, **overrides):
+    from datasets import load_dataset
+    from peft import PeftModel
+
+    ds = load_dataset("json", data_files=data, split="train")
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter:
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    common = dict(output_dir=tempfile.mkdtemp(), max_steps=6, logging_steps=1, bf16=False, use_cpu=True,
+                  gradient_checkpointing=False, report_to=[], save_strategy="no", seed=42,
+                  train_sampling_strategy="sequential", per_device_train_batch_size=2)
+    common.update(overrides)
+    rec = Record()
+    if task == "sft":
+        from trl import SFTConfig, SFTTrainer
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, processing_class=tok,
+                             callbacks=[rec])
+    elif task == "dpo":
+        from trl import DPOConfig, DPOTrainer
+        trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok,
+                             callbacks=[rec])
+    else:
+        raise SystemExit(f"unknown task {task}")
+    trainer.train()
+    return rec.logs
+
+
+def main():
+    model_dir = build_model()
+    adapter = build_adapter(model_dir)
+    write_data()
+    d = lambda n: os.path.join(DATA, n)
+    runs = {
+        "sft-full": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2)),
+        "sft-text": ("sft", d("sft-text.jsonl"), None, dict(learning_rate=1e-3, lr_scheduler_type="cosine",
+                                                              warmup_steps=2, weight_decay=0.1)),
+        "sft-lora": ("sft", d("sft.jsonl"), adapter, dict(learning_rate=1e-2)),
+        "dpo-full": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3)),
+        "dpo-lora": ("dpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2)),
+        "dpo-ipo": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["ipo"], beta=0.5)),
+        "dpo-hinge-precompute": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["hinge"],
+                                                                   precompute_ref_log_probs=True)),
+    }
+    only = sys.argv[1:]
+    out = {}
+    for name, (task, data, ad, over) in runs.items():
+        if only and name not in only:
+            continue
+        out[name] = {"task": task, "data": os.path.relpath(data, HERE), "adapter": ad is not None,
+                     "settings": {k: v for k, v in over.items()}, "logs": run(task, model_dir, data, ad, **over)}
+        print(name, [round(l["loss"], 6) for l in out[name]["logs"]], flush=True)
+    import peft, transformers, trl
+    out["_versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "trl": trl.__version__, "peft": peft.__version__}
+    with open(os.path.join(HERE, "reference.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
