@@ -299,8 +299,6 @@ macro_rules! test_trainers {
 }
 
 test_trainers! {
-    CandleOrpo => "orpo" on "candle",
-    CandleSimpo => "simpo" on "candle",
     CandleKto => "kto" on "candle",
     CandleGrpo => "grpo" on "candle",
     CandlePpo => "ppo" on "candle",

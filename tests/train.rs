@@ -46,10 +46,15 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             "warmup_steps" => c.hyper.warmup_steps = v.as_u64().unwrap(),
             "weight_decay" => c.hyper.weight_decay = v.as_f64().unwrap(),
             "loss_type" => {
-                c.task_options
-                    .insert("loss_type".into(), v.as_array().unwrap()[0].clone());
+                let v = v.as_array().map(|a| a[0].clone()).unwrap_or(v.clone());
+                c.task_options.insert("loss_type".into(), v);
             }
-            "beta" | "precompute_ref_log_probs" => {
+            "max_length" => c.hyper.max_length = Some(v.as_u64().unwrap() as usize),
+            "beta"
+            | "precompute_ref_log_probs"
+            | "simpo_gamma"
+            | "cpo_alpha"
+            | "label_smoothing" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -164,4 +169,34 @@ fn dpo_ipo_matches_trl() {
 #[test]
 fn dpo_hinge_with_precomputed_reference_log_probs_matches_trl() {
     check("dpo-hinge-precompute");
+}
+
+#[test]
+fn orpo_full_fine_tuning_matches_trl() {
+    check("orpo-full");
+}
+
+#[test]
+fn orpo_lora_with_gradient_accumulation_matches_trl() {
+    check("orpo-lora");
+}
+
+#[test]
+fn simpo_full_fine_tuning_matches_trls_cpo_trainer() {
+    check("simpo-full");
+}
+
+#[test]
+fn simpo_lora_matches_trl() {
+    check("simpo-lora");
+}
+
+#[test]
+fn cpo_sigmoid_with_label_smoothing_matches_trl() {
+    check("cpo-sigmoid");
+}
+
+#[test]
+fn simpo_with_truncated_completions_and_no_nll_matches_trl() {
+    check("simpo-short");
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 /// A flag set by Ctrl-C (SIGINT): the export stops between modules and removes its partial
 /// output instead of dying with it in place.
-fn cancel_flag() -> Arc<std::sync::atomic::AtomicBool> {
+pub(super) fn cancel_flag() -> Arc<std::sync::atomic::AtomicBool> {
     static FLAG: std::sync::OnceLock<Arc<std::sync::atomic::AtomicBool>> =
         std::sync::OnceLock::new();
     FLAG.get_or_init(|| {

@@ -6,6 +6,7 @@ mod eval;
 mod export;
 mod registry;
 mod table;
+mod train;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,8 @@ enum Command {
     /// Check a quantized export against its reference model (structure, decoding, errors,
     /// perplexity).
     Verify(verify::VerifyArgs),
+    /// Fine-tune a model: a task (sft, dpo, ...) on a backend (candle, mlx), TRL's settings.
+    Train(Box<train::TrainArgs>),
     /// List the registered exporters, trainers and architectures in registry order.
     Registry(registry::RegistryArgs),
 }
@@ -87,6 +90,7 @@ where
         Command::DemoModel(args) => export::demo_model(&args, out),
         Command::Eval(args) => eval::eval(&args, out),
         Command::Verify(args) => verify::verify(&args, out),
+        Command::Train(args) => train::train(&args, out, err),
         Command::Registry(args) => registry::run(&args, out),
     };
     match result {

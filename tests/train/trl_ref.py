@@ -161,6 +161,15 @@ def run(task, model_dir, data, adapter=None, **overrides):
         from trl import DPOConfig, DPOTrainer
         trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok,
                              callbacks=[rec])
+    elif task == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+        trainer = ORPOTrainer(model=model, args=ORPOConfig(**common), train_dataset=ds, processing_class=tok,
+                              callbacks=[rec])
+    elif task == "simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+        common.setdefault("loss_type", "simpo")
+        trainer = CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=ds, processing_class=tok,
+                             callbacks=[rec])
     else:
         raise SystemExit(f"unknown task {task}")
     trainer.train()
@@ -182,9 +191,18 @@ def main():
         "dpo-ipo": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["ipo"], beta=0.5)),
         "dpo-hinge-precompute": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["hinge"],
                                                                    precompute_ref_log_probs=True)),
+        "orpo-full": ("orpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3)),
+        "orpo-lora": ("orpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2, gradient_accumulation_steps=2)),
+        "simpo-full": ("simpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, beta=2.0, simpo_gamma=1.0)),
+        "simpo-lora": ("simpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2)),
+        "cpo-sigmoid": ("simpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type="sigmoid",
+                                                            label_smoothing=0.1, cpo_alpha=0.5)),
+        "simpo-short": ("simpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, max_length=12, cpo_alpha=0.0)),
     }
     only = sys.argv[1:]
     out = {}
+    if only and os.path.exists(os.path.join(HERE, "reference.json")):
+        out = json.load(open(os.path.join(HERE, "reference.json")))
     for name, (task, data, ad, over) in runs.items():
         if only and name not in only:
             continue

@@ -69,6 +69,38 @@ fn glob(pattern: &str, text: &str) -> bool {
     true
 }
 
+/// The dropout masks' generator: one SplitMix64 stream shared by every adapter of a model,
+/// seeded by the run's seed, so a CPU run is reproducible bit for bit (and resumable: the
+/// position is saved with a checkpoint).
+#[derive(Debug, Default)]
+pub struct DropoutRng(std::sync::atomic::AtomicU64);
+
+impl DropoutRng {
+    /// A stream at position `state`.
+    pub fn new(state: u64) -> Self {
+        DropoutRng(std::sync::atomic::AtomicU64::new(state))
+    }
+
+    /// The current position.
+    pub fn state(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// `n` keep-masks (1 with probability `1 − p`, else 0).
+    fn keep(&self, n: usize, p: f64) -> Vec<f32> {
+        let start = self
+            .0
+            .fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+        let mut g = SplitMix(start);
+        (0..n)
+            .map(|_| {
+                let u = (g.next() >> 11) as f64 / (1u64 << 53) as f64;
+                if u >= p { 1.0 } else { 0.0 }
+            })
+            .collect()
+    }
+}
+
 /// One adapter: `A [r, in]`, `B [out, r]`, its scale and dropout.
 #[derive(Debug, Clone)]
 pub struct LoraLayer {
@@ -88,15 +120,19 @@ pub struct Adapters {
     layers: BTreeMap<String, LoraLayer>,
     spec: LoraSpec,
     training: bool,
+    rng: std::sync::Arc<DropoutRng>,
 }
 
 impl LoraLayer {
     /// The adapter's contribution for input `x` `[.., in]`.
-    pub fn delta(&self, x: &Tensor, training: bool) -> Result<Tensor, ModelError> {
-        let x = if training && self.dropout > 0.0 {
-            let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
-                .ge(self.dropout as f32)?
-                .to_dtype(x.dtype())?;
+    pub fn delta(&self, x: &Tensor, dropout: Option<&DropoutRng>) -> Result<Tensor, ModelError> {
+        let x = if let Some(rng) = dropout.filter(|_| self.dropout > 0.0) {
+            let keep = Tensor::from_vec(
+                rng.keep(x.elem_count(), self.dropout),
+                x.shape(),
+                x.device(),
+            )?
+            .to_dtype(x.dtype())?;
             (x * keep)?.affine(1.0 / (1.0 - self.dropout), 0.0)?
         } else {
             x.clone()
@@ -204,6 +240,7 @@ impl Adapters {
             layers,
             spec: spec.clone(),
             training: false,
+            rng: std::sync::Arc::new(DropoutRng::new(seed ^ 0x6472_6f70)),
         })
     }
 
@@ -225,6 +262,20 @@ impl Adapters {
     /// Whether dropout is applied (training) or not (evaluation, reference passes).
     pub fn training(&self) -> bool {
         self.training
+    }
+
+    /// The dropout generator while training, `None` otherwise.
+    pub fn dropout_rng(&self) -> Option<&DropoutRng> {
+        self.training.then_some(&*self.rng)
+    }
+
+    /// The same adapters drawing dropout masks from a stream at `state` (a seed, or a saved
+    /// position when a run resumes).
+    pub fn with_dropout_state(&self, state: u64) -> Self {
+        Adapters {
+            rng: std::sync::Arc::new(DropoutRng::new(state)),
+            ..self.clone()
+        }
     }
 
     /// The same adapters (shared variables) with dropout on or off.
@@ -253,6 +304,7 @@ impl Adapters {
             layers,
             spec: self.spec.clone(),
             training: false,
+            rng: self.rng.clone(),
         })
     }
 
@@ -483,6 +535,7 @@ impl Adapters {
             layers,
             spec,
             training: false,
+            rng: std::sync::Arc::new(DropoutRng::new(0x6472_6f70)),
         })
     }
 

@@ -575,7 +575,7 @@ impl DecoderModel {
         )?;
         match &self.adapters {
             Some(a) => match a.get(module) {
-                Some(adapter) => Ok((y + adapter.delta(x, a.training())?)?),
+                Some(adapter) => Ok((y + adapter.delta(x, a.dropout_rng())?)?),
                 None => Ok(y),
             },
             None => Ok(y),
@@ -594,10 +594,47 @@ impl DecoderModel {
         ids: &Tensor,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
+        self.forward_inner(ids, None, observer)
+    }
+
+    /// [`DecoderModel::forward`] of a right-padded batch: row `i` holds `lengths[i]` real
+    /// tokens, and no position attends to the padding after them (transformers'
+    /// `attention_mask`). The logits of real tokens equal an unpadded run's; those of padding
+    /// positions are what transformers computes there.
+    pub fn forward_padded(&self, ids: &Tensor, lengths: &[usize]) -> Result<Tensor, ModelError> {
+        let (b, t) = ids.dims2()?;
+        if lengths.len() != b {
+            return Err(ModelError::Config(format!(
+                "{} lengths for a batch of {b}",
+                lengths.len()
+            )));
+        }
+        let mut m = Vec::with_capacity(b * t);
+        for &len in lengths {
+            m.extend((0..t).map(|j| if j < len { 0f32 } else { f32::NEG_INFINITY }));
+        }
+        let dtype = self.dtype();
+        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(dtype)?;
+        self.forward_inner(ids, Some(&mask), &mut NoObserver)
+    }
+
+    fn dtype(&self) -> DType {
+        self.weights
+            .maybe("model.embed_tokens.weight")
+            .map(|t| t.dtype())
+            .unwrap_or(DType::F32)
+    }
+
+    fn forward_inner(
+        &self,
+        ids: &Tensor,
+        key_mask: Option<&Tensor>,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
         let mut h = self.embed(ids)?;
         let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
         for layer in 0..self.config.layers {
-            h = self.layer(&h, layer, &rope, observer)?;
+            h = self.layer_masked(&h, layer, &rope, key_mask, observer)?;
         }
         self.head(&h, observer)
     }
@@ -624,13 +661,24 @@ impl DecoderModel {
         &self,
         h: &Tensor,
         layer: usize,
+        rope: &(Tensor, Tensor),
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        self.layer_masked(h, layer, rope, None, observer)
+    }
+
+    fn layer_masked(
+        &self,
+        h: &Tensor,
+        layer: usize,
         (cos, sin): &(Tensor, Tensor),
+        key_mask: Option<&Tensor>,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let (c, w) = (&self.config, &self.weights);
         let p = format!("model.layers.{layer}");
         let x = rms_norm(h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
-        let h = (h + self.attention(&x, &p, layer, cos, sin, observer)?)?;
+        let h = (h + self.attention(&x, &p, layer, cos, sin, key_mask, observer)?)?;
         let x = rms_norm(
             &h,
             w.get(&format!("{p}.post_attention_layernorm.weight"))?,
@@ -696,6 +744,7 @@ impl DecoderModel {
         ))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         x: &Tensor,
@@ -703,6 +752,7 @@ impl DecoderModel {
         layer: usize,
         cos: &Tensor,
         sin: &Tensor,
+        key_mask: Option<&Tensor>,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let c = &self.config;
@@ -745,6 +795,10 @@ impl DecoderModel {
         let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
         let mask = self.mask(t, c.sliding_window_of(layer), scores.dtype())?;
         let scores = scores.broadcast_add(&mask)?;
+        let scores = match key_mask {
+            Some(k) => scores.broadcast_add(k)?,
+            None => scores,
+        };
         let probs = match w.maybe(&format!("{a}.sinks")) {
             // GPT-OSS: a learned logit per head joins every row's softmax, then is dropped.
             Some(sinks) => {

@@ -173,6 +173,8 @@ pub struct TextTokenizer {
     pub eos_id: u32,
     /// The padding id (`pad_token`, else the EOS, as TRL falls back).
     pub pad_id: u32,
+    /// The beginning-of-sequence id (`bos_token`), if the tokenizer has one.
+    pub bos_id: Option<u32>,
 }
 
 fn token_text(v: Option<&Value>) -> Option<String> {
@@ -223,11 +225,13 @@ impl TextTokenizer {
         let pad_id = token_text(cfg.get("pad_token"))
             .and_then(|t| id(&t))
             .unwrap_or(eos_id);
+        let bos_id = token_text(cfg.get("bos_token")).and_then(|t| id(&t));
         Ok(TextTokenizer {
             tokenizer,
             eos_token,
             eos_id,
             pad_id,
+            bos_id,
         })
     }
 
@@ -236,6 +240,14 @@ impl TextTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         self.tokenizer
             .encode(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    /// `tokenizer(text, add_special_tokens=False)["input_ids"]`.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer
+            .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| e.to_string())
     }
@@ -371,6 +383,89 @@ pub fn pair_examples(data: &Dataset, tok: &TextTokenizer) -> Result<Vec<PairExam
             })
         })
         .collect()
+}
+
+/// A preference pair as TRL's ORPO and CPO trainers tokenize it: each side is the prompt's
+/// ids (a BOS put first when missing) and the completion's (the EOS put last when missing),
+/// with a label mask over the completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredPair {
+    /// `prompt + chosen` and its label mask.
+    pub chosen: LmExample,
+    /// `prompt + rejected` and its label mask.
+    pub rejected: LmExample,
+}
+
+/// `v[..end]` with Python's slice semantics (a negative end counts from the back).
+fn py_head(v: &mut Vec<u32>, end: i64) {
+    let n = v.len() as i64;
+    let end = if end < 0 {
+        (n + end).max(0)
+    } else {
+        end.min(n)
+    };
+    v.truncate(end as usize);
+}
+
+/// ORPO / CPO preprocessing (`build_tokenized_answer` + `tokenize_row` of TRL's experimental
+/// trainers): the completion is `enc(prompt + answer)[len(enc(prompt)):]` without special
+/// tokens (one token earlier when the tokenizer merged across the boundary); a BOS is put
+/// before each prompt and an EOS after each completion when missing; when the prompt plus the
+/// longer completion exceeds `max_length`, both completions are cut to
+/// `max_length − longer` tokens (Python slicing: a negative count cuts from the end).
+pub fn scored_pairs(
+    data: &Dataset,
+    tok: &TextTokenizer,
+    max_length: usize,
+) -> Result<Vec<ScoredPair>, TrainError> {
+    let mut out = Vec::with_capacity(data.records.len());
+    for r in &data.records {
+        let err = |m: String| TrainError::Data {
+            path: data.path.clone(),
+            line: Some(r.line),
+            message: m,
+        };
+        let prompt = field(r, "prompt");
+        let plain_prompt = tok.encode_plain(prompt).map_err(&err)?;
+        let mut sides = Vec::with_capacity(2);
+        for answer in [field(r, "chosen"), field(r, "rejected")] {
+            let full = tok
+                .encode_plain(&format!("{prompt}{answer}"))
+                .map_err(&err)?;
+            let mut start = plain_prompt.len().min(full.len());
+            if full[..start] != plain_prompt[..] {
+                start = start.saturating_sub(1);
+            }
+            let (mut p, mut a) = (full[..start].to_vec(), full[start..].to_vec());
+            if let Some(bos) = tok.bos_id
+                && p.first() != Some(&bos)
+            {
+                p.insert(0, bos);
+            }
+            if a.last() != Some(&tok.eos_id) {
+                a.push(tok.eos_id);
+            }
+            sides.push((p, a));
+        }
+        let longer = sides.iter().map(|(_, a)| a.len()).max().unwrap_or(0);
+        let make = |(p, mut a): (Vec<u32>, Vec<u32>)| {
+            if p.len() + longer > max_length {
+                py_head(&mut a, max_length as i64 - longer as i64);
+            }
+            let mut mask = vec![0u8; p.len()];
+            mask.extend(std::iter::repeat_n(1, a.len()));
+            let mut ids = p;
+            ids.extend(a);
+            LmExample { ids, mask }
+        };
+        let rejected = sides.pop().expect("two sides");
+        let chosen = sides.pop().expect("two sides");
+        out.push(ScoredPair {
+            chosen: make(chosen),
+            rejected: make(rejected),
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

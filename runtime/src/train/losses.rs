@@ -113,29 +113,170 @@ pub fn dpo<O: TensorOps>(
         }
     };
     let loss = ops.mean_all(&per_pair)?;
-    let rc: Vec<f64> = ops
-        .to_f64(&ops.detach(&chosen_ratio))?
-        .into_iter()
-        .map(|v| v * beta)
-        .collect();
-    let rr: Vec<f64> = ops
-        .to_f64(&ops.detach(&rejected_ratio))?
-        .into_iter()
-        .map(|v| v * beta)
-        .collect();
+    let scaled = |t: &O::T| -> Result<Vec<f64>, O::Error> {
+        Ok(ops
+            .to_f64(&ops.detach(t))?
+            .into_iter()
+            .map(|v| v * beta)
+            .collect())
+    };
+    let metrics = reward_metrics(
+        &scaled(&chosen_ratio)?,
+        &scaled(&rejected_ratio)?,
+        &ops.to_f64(&p.chosen)?,
+        &ops.to_f64(&p.rejected)?,
+    );
+    Ok(LossOutput { loss, metrics })
+}
+
+/// Per-pair figures every preference loss logs (TRL's names; means over the pairs):
+/// `rewards/chosen`, `rewards/rejected` (the rewards given), `rewards/accuracies`,
+/// `rewards/margins`, `logps/chosen`, `logps/rejected`.
+fn reward_metrics(
+    chosen_rewards: &[f64],
+    rejected_rewards: &[f64],
+    chosen_logps: &[f64],
+    rejected_logps: &[f64],
+) -> BTreeMap<String, f64> {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let mut metrics = BTreeMap::new();
-    metrics.insert("rewards/chosen".into(), mean(&rc));
-    metrics.insert("rewards/rejected".into(), mean(&rr));
-    let acc: Vec<f64> = rc
+    let acc: Vec<f64> = chosen_rewards
         .iter()
-        .zip(&rr)
+        .zip(rejected_rewards)
         .map(|(c, r)| f64::from(u8::from(c > r)))
         .collect();
-    metrics.insert("rewards/accuracies".into(), mean(&acc));
-    let margins: Vec<f64> = rc.iter().zip(&rr).map(|(c, r)| c - r).collect();
-    metrics.insert("rewards/margins".into(), mean(&margins));
-    metrics.insert("logps/chosen".into(), mean(&ops.to_f64(&p.chosen)?));
-    metrics.insert("logps/rejected".into(), mean(&ops.to_f64(&p.rejected)?));
+    let margins: Vec<f64> = chosen_rewards
+        .iter()
+        .zip(rejected_rewards)
+        .map(|(c, r)| c - r)
+        .collect();
+    BTreeMap::from([
+        ("rewards/chosen".to_string(), mean(chosen_rewards)),
+        ("rewards/rejected".to_string(), mean(rejected_rewards)),
+        ("rewards/accuracies".to_string(), mean(&acc)),
+        ("rewards/margins".to_string(), mean(&margins)),
+        ("logps/chosen".to_string(), mean(chosen_logps)),
+        ("logps/rejected".to_string(), mean(rejected_logps)),
+    ])
+}
+
+/// ORPO (TRL's `ORPOTrainer`): `nll − mean(β · log σ(log_odds))` with
+/// `log_odds = (c − r) − (log(1 − eᶜ) − log(1 − eʳ))` over the average completion
+/// log-probabilities `c`, `r`, and `nll` the chosen sequences' mean cross-entropy (prompt
+/// included). Also logs `nll_loss`, `log_odds_ratio` (mean `log σ(log_odds)`) and
+/// `log_odds_chosen` (mean `log_odds`); rewards are `β·c`, `β·r`.
+pub fn orpo<O: TensorOps>(
+    ops: &O,
+    beta: f64,
+    chosen_avg: &O::T,
+    rejected_avg: &O::T,
+    nll: &O::T,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let log_odds = ops.sub(
+        &ops.sub(chosen_avg, rejected_avg)?,
+        &ops.sub(&ops.log1mexp(chosen_avg)?, &ops.log1mexp(rejected_avg)?)?,
+    )?;
+    let ratio = ops.log_sigmoid(&log_odds)?;
+    let loss = ops.sub(nll, &ops.mean_all(&ops.affine(&ratio, beta, 0.0)?)?)?;
+    let c = ops.to_f64(&ops.detach(chosen_avg))?;
+    let r = ops.to_f64(&ops.detach(rejected_avg))?;
+    let scaled = |v: &[f64]| -> Vec<f64> { v.iter().map(|x| x * beta).collect() };
+    let mut metrics = reward_metrics(&scaled(&c), &scaled(&r), &c, &r);
+    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    metrics.insert("nll_loss".into(), ops.to_f64(&ops.detach(nll))?[0]);
+    metrics.insert(
+        "log_odds_ratio".into(),
+        mean(ops.to_f64(&ops.detach(&ratio))?),
+    );
+    metrics.insert(
+        "log_odds_chosen".into(),
+        mean(ops.to_f64(&ops.detach(&log_odds))?),
+    );
+    Ok(LossOutput { loss, metrics })
+}
+
+/// CPO's loss variants (TRL's `CPOConfig.loss_type`); `simpo` is kiln's `simpo` task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpoLoss {
+    /// `−log σ(β·Δ)` with label smoothing.
+    Sigmoid,
+    /// `relu(1 − β·Δ)`.
+    Hinge,
+    /// `(Δ − 1/(2β))²` over average log-probabilities.
+    Ipo,
+    /// SimPO: the sigmoid loss of `Δ − γ/β` over average log-probabilities.
+    Simpo,
+}
+
+impl CpoLoss {
+    /// Every accepted name.
+    pub const NAMES: &'static [&'static str] = &["sigmoid", "hinge", "ipo", "simpo"];
+
+    /// The variant named `name`.
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "sigmoid" => CpoLoss::Sigmoid,
+            "hinge" => CpoLoss::Hinge,
+            "ipo" => CpoLoss::Ipo,
+            "simpo" => CpoLoss::Simpo,
+            _ => return None,
+        })
+    }
+
+    /// Whether the sequence log-probabilities are per-token averages (else sums).
+    pub fn averages(self) -> bool {
+        matches!(self, CpoLoss::Ipo | CpoLoss::Simpo)
+    }
+}
+
+/// CPO's settings (TRL's `CPOConfig`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpoSettings {
+    /// The variant.
+    pub kind: CpoLoss,
+    /// β.
+    pub beta: f64,
+    /// SimPO's target margin γ.
+    pub simpo_gamma: f64,
+    /// The weight of the chosen NLL term.
+    pub cpo_alpha: f64,
+    /// Label smoothing of the sigmoid losses.
+    pub label_smoothing: f64,
+}
+
+/// CPO / SimPO (TRL's `CPOTrainer.cpo_loss`, `alpha = 0`): `mean(loss(Δ)) + cpo_alpha · nll`
+/// with `Δ = c − r` (minus `γ/β` for SimPO) over the policy's completion log-probabilities and
+/// `nll` the chosen completions' mean cross-entropy. Also logs `nll_loss`; rewards `β·c`, `β·r`.
+pub fn cpo<O: TensorOps>(
+    ops: &O,
+    s: CpoSettings,
+    chosen: &O::T,
+    rejected: &O::T,
+    nll: &O::T,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let mut delta = ops.sub(chosen, rejected)?;
+    if s.kind == CpoLoss::Simpo {
+        delta = ops.affine(&delta, 1.0, -s.simpo_gamma / s.beta)?;
+    }
+    let per_pair = match s.kind {
+        CpoLoss::Sigmoid | CpoLoss::Simpo => {
+            let pos = ops.log_sigmoid(&ops.affine(&delta, s.beta, 0.0)?)?;
+            let neg = ops.log_sigmoid(&ops.affine(&delta, -s.beta, 0.0)?)?;
+            ops.add(
+                &ops.affine(&pos, -(1.0 - s.label_smoothing), 0.0)?,
+                &ops.affine(&neg, -s.label_smoothing, 0.0)?,
+            )?
+        }
+        CpoLoss::Hinge => ops.relu(&ops.affine(&delta, -s.beta, 1.0)?)?,
+        CpoLoss::Ipo => ops.sqr(&ops.affine(&delta, 1.0, -1.0 / (2.0 * s.beta))?)?,
+    };
+    let loss = ops.add(
+        &ops.mean_all(&per_pair)?,
+        &ops.affine(nll, s.cpo_alpha, 0.0)?,
+    )?;
+    let c = ops.to_f64(&ops.detach(chosen))?;
+    let r = ops.to_f64(&ops.detach(rejected))?;
+    let scaled = |v: &[f64]| -> Vec<f64> { v.iter().map(|x| x * s.beta).collect() };
+    let mut metrics = reward_metrics(&scaled(&c), &scaled(&r), &c, &r);
+    metrics.insert("nll_loss".into(), ops.to_f64(&ops.detach(nll))?[0]);
     Ok(LossOutput { loss, metrics })
 }

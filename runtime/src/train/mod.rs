@@ -8,6 +8,7 @@
 pub mod candle;
 #[cfg(feature = "exec")]
 pub mod data;
+pub mod fields;
 pub mod losses;
 pub mod ops;
 pub mod schedule;

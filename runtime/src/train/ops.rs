@@ -34,6 +34,8 @@ pub trait TensorOps {
     fn log_sigmoid(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `max(a, 0)`.
     fn relu(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
+    /// `log(1 − eᵃ)` for `a < 0`, accurate near 0 too (ORPO's odds).
+    fn log1mexp(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `a²`.
     fn sqr(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `eᵃ`.

@@ -12,9 +12,10 @@ pub mod optim;
 use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
 use super::data::{
-    DataFormat, Dataset, LmExample, PairExample, TextTokenizer, pair_examples, sft_examples,
+    DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, pair_examples,
+    scored_pairs, sft_examples,
 };
-use super::losses::{self, DpoLoss, PreferenceLogps, TokenInputs};
+use super::losses::{self, CpoLoss, CpoSettings, DpoLoss, PreferenceLogps, TokenInputs};
 use super::ops::TensorOps;
 use super::schedule::{Schedule, ScheduleKind};
 use super::{StepMetrics, TrainConfig, TrainError, TrainObserver, TrainPlan, TrainReport};
@@ -120,6 +121,7 @@ impl Setup {
                         Adapters::new(&model, &spec, config.hyper.seed)?
                     }
                 };
+                let adapters = adapters.with_dropout_state(config.hyper.seed ^ 0x6472_6f70);
                 let trainable = adapters.vars();
                 (Some(Arc::new(adapters)), trainable)
             }
@@ -208,7 +210,8 @@ pub fn forward_shifted(
     }
     let dev = &ops.device;
     let ids = Tensor::from_vec(ids, (b, len), dev)?;
-    let full_logits = model.forward(&ids)?;
+    let lengths: Vec<usize> = seqs.iter().map(|(i, _)| i.len()).collect();
+    let full_logits = model.forward_padded(&ids, &lengths)?;
     let logits = full_logits.narrow(1, 0, len - 1)?;
     let labels = ids.narrow(1, 1, len - 1)?.contiguous()?;
     let flat: Vec<f32> = mask_host.iter().flatten().copied().collect();
@@ -828,6 +831,192 @@ impl crate::Trainer for CandleDpo {
         let setup = Setup::load(config)?;
         let objective = DpoObjective::new(config, &setup)?;
         Ok(CandleDpo { setup, objective })
+    }
+    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+        run(&self.setup, &mut self.objective, observer)
+    }
+}
+
+// ---------------------------------------------------------------- orpo, simpo (cpo)
+
+/// Which reference-free preference loss a [`ScoredPairObjective`] runs.
+#[derive(Debug, Clone, Copy)]
+pub enum ScoredLoss {
+    /// ORPO with its β.
+    Orpo(f64),
+    /// CPO / SimPO.
+    Cpo(CpoSettings),
+}
+
+/// ORPO and CPO/SimPO (TRL's experimental `ORPOTrainer`, `CPOTrainer`): no reference model;
+/// both tokenize pairs the same way ([`scored_pairs`]).
+pub struct ScoredPairObjective {
+    pairs: Vec<ScoredPair>,
+    loss: ScoredLoss,
+}
+
+impl ScoredPairObjective {
+    /// ORPO's options: `beta` (0.1).
+    pub fn orpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
+        let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
+        Self::new(config, setup, ScoredLoss::Orpo(beta))
+    }
+
+    /// SimPO's options, TRL's `CPOConfig` defaults: `loss_type` simpo (or sigmoid, hinge, ipo:
+    /// plain CPO), `beta` 0.1, `simpo_gamma` 0.5, `cpo_alpha` 1, `label_smoothing` 0.
+    pub fn simpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
+        let name = config
+            .option::<String>("loss_type")?
+            .unwrap_or_else(|| "simpo".into());
+        let kind = CpoLoss::parse(&name).ok_or_else(|| {
+            config_err(
+                "loss_type",
+                format!("`{name}` is not one of {}", CpoLoss::NAMES.join(", ")),
+            )
+        })?;
+        let s = CpoSettings {
+            kind,
+            beta: config.option::<f64>("beta")?.unwrap_or(0.1),
+            simpo_gamma: config.option::<f64>("simpo_gamma")?.unwrap_or(0.5),
+            cpo_alpha: config.option::<f64>("cpo_alpha")?.unwrap_or(1.0),
+            label_smoothing: config.option::<f64>("label_smoothing")?.unwrap_or(0.0),
+        };
+        Self::new(config, setup, ScoredLoss::Cpo(s))
+    }
+
+    fn new(config: &TrainConfig, setup: &Setup, loss: ScoredLoss) -> Result<Self, TrainError> {
+        let data = read_data(config, &[DataFormat::Preference])?;
+        let max_length = config.hyper.max_length.unwrap_or(usize::MAX);
+        let pairs = scored_pairs(&data, &setup.tokenizer, max_length)?;
+        Ok(ScoredPairObjective { pairs, loss })
+    }
+}
+
+impl Objective for ScoredPairObjective {
+    fn task(&self) -> &'static str {
+        match self.loss {
+            ScoredLoss::Orpo(_) => "orpo",
+            ScoredLoss::Cpo(_) => "simpo",
+        }
+    }
+    fn examples(&self) -> usize {
+        self.pairs.len()
+    }
+    fn micro_batch(
+        &mut self,
+        setup: &Setup,
+        indices: &[usize],
+    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
+        let ops = &setup.ops;
+        let n = indices.len();
+        let mut seqs = Vec::with_capacity(2 * n);
+        for pick in [0, 1] {
+            for &i in indices {
+                let p = &self.pairs[i];
+                let side = if pick == 0 { &p.chosen } else { &p.rejected };
+                seqs.push((side.ids.clone(), side.mask.clone()));
+            }
+        }
+        let s = forward_shifted(&setup.model, ops, &seqs, setup.tokenizer.pad_id)?;
+        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask)?)?;
+        let counts: Vec<f64> = s
+            .mask_host
+            .iter()
+            .map(|r| r.iter().map(|&m| f64::from(m)).sum())
+            .collect();
+        let averaged = match self.loss {
+            ScoredLoss::Orpo(_) => true,
+            ScoredLoss::Cpo(c) => c.kind.averages(),
+        };
+        let seq = if averaged {
+            ops.div(&sums, &ops.tensor(&counts, &[2 * n])?)?
+        } else {
+            sums
+        };
+        let (chosen, rejected) = ops.halves(&seq)?;
+        let chosen_logps = s.logps.narrow(0, 0, n)?;
+        // The chosen rows' mean cross-entropy: over every real token for ORPO, over the
+        // completion for CPO.
+        let nll_mask: Vec<Vec<f32>> = match self.loss {
+            ScoredLoss::Orpo(_) => s.attention[..n].iter().map(|r| r[1..].to_vec()).collect(),
+            ScoredLoss::Cpo(_) => s.mask_host[..n].to_vec(),
+        };
+        let width = nll_mask[0].len();
+        let count: f64 = nll_mask.iter().flatten().map(|&m| f64::from(m)).sum();
+        let flat: Vec<f64> = nll_mask.iter().flatten().map(|&m| f64::from(m)).collect();
+        let mask_t = ops.tensor(&flat, &[n, width])?;
+        let nll = losses::sft(
+            ops,
+            &TokenInputs {
+                logps: chosen_logps,
+                mask: mask_t,
+                mask_host: nll_mask,
+            },
+            count,
+        )?;
+        let (out, logits) = match self.loss {
+            ScoredLoss::Orpo(beta) => (
+                losses::orpo(ops, beta, &chosen, &rejected, &nll)?,
+                &s.logits,
+            ),
+            ScoredLoss::Cpo(c) => {
+                let nll = if c.cpo_alpha == 0.0 {
+                    nll.zeros_like()?
+                } else {
+                    nll
+                };
+                (
+                    losses::cpo(ops, c, &chosen, &rejected, &nll)?,
+                    &s.full_logits,
+                )
+            }
+        };
+        let mut m = out.metrics;
+        // TRL: the mean of every logit of the chosen (rejected) rows, padding included.
+        let l = logits.detach();
+        m.insert(
+            "logits/chosen".into(),
+            l.narrow(0, 0, n)?.mean_all()?.to_scalar::<f32>()? as f64,
+        );
+        m.insert(
+            "logits/rejected".into(),
+            l.narrow(0, n, n)?.mean_all()?.to_scalar::<f32>()? as f64,
+        );
+        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
+        Ok((out.loss, m, tokens))
+    }
+}
+
+/// `orpo` on candle.
+#[crate::trainer(task = "orpo", backend = "candle", crate = crate)]
+pub struct CandleOrpo {
+    setup: Setup,
+    objective: ScoredPairObjective,
+}
+
+impl crate::Trainer for CandleOrpo {
+    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let setup = Setup::load(config)?;
+        let objective = ScoredPairObjective::orpo(config, &setup)?;
+        Ok(CandleOrpo { setup, objective })
+    }
+    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+        run(&self.setup, &mut self.objective, observer)
+    }
+}
+
+/// `simpo` on candle (TRL's CPO trainer; `loss_type` simpo by default).
+#[crate::trainer(task = "simpo", backend = "candle", crate = crate)]
+pub struct CandleSimpo {
+    setup: Setup,
+    objective: ScoredPairObjective,
+}
+
+impl crate::Trainer for CandleSimpo {
+    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let setup = Setup::load(config)?;
+        let objective = ScoredPairObjective::simpo(config, &setup)?;
+        Ok(CandleSimpo { setup, objective })
     }
     fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
         run(&self.setup, &mut self.objective, observer)

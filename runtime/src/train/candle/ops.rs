@@ -63,6 +63,13 @@ impl TensorOps for CandleOps {
     fn relu(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.maximum(0f64)
     }
+    fn log1mexp(&self, a: &Tensor) -> candle_core::Result<Tensor> {
+        // In f64, `1 − eᵃ` keeps 1e-16 / |a| relative accuracy: enough for any f32 result
+        // (TRL branches between log1p and expm1 for the same reason).
+        let dtype = a.dtype();
+        let x = a.to_dtype(DType::F64)?;
+        x.exp()?.neg()?.affine(1.0, 1.0)?.log()?.to_dtype(dtype)
+    }
     fn sqr(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.sqr()
     }

@@ -1,0 +1,421 @@
+//! The training settings by TRL's field names: one table drives `kiln train`'s flags
+//! (`--learning-rate`), the keys of its `--config` TOML file (`learning_rate`) and where each
+//! lands in a [`TrainConfig`]. An unknown name is an error naming the nearest known one; a
+//! task's own field given to another task is an error naming the tasks that take it.
+
+use super::{LoraConfig, TrainConfig, TrainError};
+use serde_json::Value;
+
+/// A field's value type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A number.
+    Float,
+    /// A non-negative integer.
+    Int,
+    /// `true` / `false`.
+    Bool,
+    /// A string.
+    Text,
+    /// A list of strings (comma-separated on the command line).
+    List,
+}
+
+/// One setting.
+#[derive(Debug, Clone, Copy)]
+pub struct Field {
+    /// TRL's name (snake_case; the flag is the kebab-case form).
+    pub name: &'static str,
+    /// Its type.
+    pub kind: Kind,
+    /// The tasks that take it (empty: every task).
+    pub tasks: &'static [&'static str],
+    /// One line of help, with TRL's default.
+    pub help: &'static str,
+}
+
+const SFT: &[&str] = &["sft"];
+const BETA: &[&str] = &["dpo", "orpo", "simpo"];
+const LOSS: &[&str] = &["dpo", "simpo"];
+const DPO: &[&str] = &["dpo"];
+const SIMPO: &[&str] = &["simpo"];
+
+/// Every setting `kiln train` takes.
+pub const FIELDS: &[Field] = &[
+    f(
+        "learning_rate",
+        Kind::Float,
+        &[],
+        "Peak learning rate (TRL: sft 2e-5, dpo 1e-6)",
+    ),
+    f(
+        "num_train_epochs",
+        Kind::Float,
+        &[],
+        "Passes over the data [3]",
+    ),
+    f(
+        "max_steps",
+        Kind::Int,
+        &[],
+        "Optimisation steps; overrides num_train_epochs",
+    ),
+    f(
+        "per_device_train_batch_size",
+        Kind::Int,
+        &[],
+        "Examples per micro-batch [8]",
+    ),
+    f(
+        "gradient_accumulation_steps",
+        Kind::Int,
+        &[],
+        "Micro-batches per optimisation step [1]",
+    ),
+    f("warmup_steps", Kind::Int, &[], "Linear warm-up steps [0]"),
+    f(
+        "weight_decay",
+        Kind::Float,
+        &[],
+        "AdamW decoupled weight decay [0]",
+    ),
+    f("adam_beta1", Kind::Float, &[], "AdamW beta1 [0.9]"),
+    f("adam_beta2", Kind::Float, &[], "AdamW beta2 [0.999]"),
+    f("adam_epsilon", Kind::Float, &[], "AdamW epsilon [1e-8]"),
+    f(
+        "max_grad_norm",
+        Kind::Float,
+        &[],
+        "Clip the global gradient norm to this; 0 = no clipping [1]",
+    ),
+    f(
+        "max_length",
+        Kind::Int,
+        &[],
+        "Truncate sequences to this many tokens, keeping the start; 0 = none [1024]",
+    ),
+    f(
+        "lr_scheduler_type",
+        Kind::Text,
+        &[],
+        "linear, cosine, constant or constant_with_warmup [linear]",
+    ),
+    f(
+        "train_sampling_strategy",
+        Kind::Text,
+        &[],
+        "random (shuffled, seeded) or sequential [random]",
+    ),
+    f(
+        "seed",
+        Kind::Int,
+        &[],
+        "Seed for shuffling, adapter initialisation and dropout [42]",
+    ),
+    f(
+        "logging_steps",
+        Kind::Int,
+        &[],
+        "Log (and write --metrics) every N steps [1]",
+    ),
+    f(
+        "lora_r",
+        Kind::Int,
+        &[],
+        "LoRA rank; 0 = full fine-tuning [16]",
+    ),
+    f(
+        "lora_alpha",
+        Kind::Float,
+        &[],
+        "LoRA alpha; the scale is alpha/r [32]",
+    ),
+    f(
+        "lora_dropout",
+        Kind::Float,
+        &[],
+        "Dropout on the LoRA input [0.05]",
+    ),
+    f(
+        "lora_target_modules",
+        Kind::List,
+        &[],
+        "Linear layers to adapt: names, globs or all-linear [all-linear]",
+    ),
+    f(
+        "use_rslora",
+        Kind::Bool,
+        &[],
+        "Scale by alpha/sqrt(r) (rsLoRA) [false]",
+    ),
+    f(
+        "completion_only_loss",
+        Kind::Bool,
+        SFT,
+        "Train only on completions of prompt+completion data [true]",
+    ),
+    f(
+        "beta",
+        Kind::Float,
+        BETA,
+        "The preference loss's beta [0.1]",
+    ),
+    f(
+        "loss_type",
+        Kind::Text,
+        LOSS,
+        "dpo: sigmoid, hinge or ipo [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]",
+    ),
+    f(
+        "precompute_ref_log_probs",
+        Kind::Bool,
+        DPO,
+        "Compute the reference log-probs once, before training [false]",
+    ),
+    f(
+        "simpo_gamma",
+        Kind::Float,
+        SIMPO,
+        "SimPO's target reward margin [0.5]",
+    ),
+    f(
+        "cpo_alpha",
+        Kind::Float,
+        SIMPO,
+        "Weight of the chosen NLL term; 0 = pure SimPO [1]",
+    ),
+    f(
+        "label_smoothing",
+        Kind::Float,
+        SIMPO,
+        "Label smoothing of the sigmoid losses [0]",
+    ),
+];
+
+const fn f(
+    name: &'static str,
+    kind: Kind,
+    tasks: &'static [&'static str],
+    help: &'static str,
+) -> Field {
+    Field {
+        name,
+        kind,
+        tasks,
+        help,
+    }
+}
+
+/// The field named `name`.
+pub fn field(name: &str) -> Option<&'static Field> {
+    FIELDS.iter().find(|f| f.name == name)
+}
+
+/// The known name nearest to `name` (edit distance), for "did you mean".
+pub fn nearest(name: &str) -> Option<&'static str> {
+    FIELDS
+        .iter()
+        .map(|f| (strsim::levenshtein(name, f.name), f.name))
+        .filter(|(d, _)| *d <= name.len().max(3) / 2 + 1)
+        .min()
+        .map(|(_, n)| n)
+}
+
+/// The settings TRL starts `task` from, before any field is applied: its learning rate and
+/// transformers' `TrainingArguments` defaults, LoRA as TRL's `ModelConfig` sets it up
+/// (r 16, alpha 32, dropout 0.05) on every Linear, metrics logged every step.
+pub fn defaults_for(config: &mut TrainConfig) {
+    let h = &mut config.hyper;
+    h.learning_rate = match config.task.as_str() {
+        "sft" => 2e-5,
+        _ => 1e-6,
+    };
+    h.num_train_epochs = 3.0;
+    h.logging_steps = 1;
+    config.lora = Some(LoraConfig {
+        r: 16,
+        lora_alpha: 32.0,
+        lora_dropout: 0.05,
+        target_modules: vec!["all-linear".into()],
+        use_rslora: false,
+    });
+}
+
+fn bad(name: &str, message: String) -> TrainError {
+    TrainError::Config {
+        field: name.to_string(),
+        message,
+    }
+}
+
+/// Parses a command-line value of `field` into JSON.
+pub fn parse_flag(field: &Field, text: &str) -> Result<Value, TrainError> {
+    let err = |what: &str| bad(field.name, format!("`{text}` is not {what}"));
+    Ok(match field.kind {
+        Kind::Float => Value::from(text.parse::<f64>().map_err(|_| err("a number"))?),
+        Kind::Int => Value::from(
+            text.parse::<u64>()
+                .map_err(|_| err("a non-negative integer"))?,
+        ),
+        Kind::Bool => Value::Bool(text.parse::<bool>().map_err(|_| err("true or false"))?),
+        Kind::Text => Value::String(text.to_string()),
+        Kind::List => Value::Array(
+            text.split(',')
+                .map(|s| Value::String(s.trim().to_string()))
+                .collect(),
+        ),
+    })
+}
+
+/// Applies `value` to the field `name` of `config` (whose `task` is set).
+pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), TrainError> {
+    let Some(fld) = field(name) else {
+        let hint = nearest(name)
+            .map(|n| format!("; did you mean `{n}`?"))
+            .unwrap_or_default();
+        return Err(bad(name, format!("unknown setting{hint}")));
+    };
+    if !fld.tasks.is_empty() && !fld.tasks.contains(&config.task.as_str()) {
+        return Err(bad(
+            name,
+            format!(
+                "task `{}` does not take it (it is for {})",
+                config.task,
+                fld.tasks.join(", ")
+            ),
+        ));
+    }
+    let want = |what: &str| bad(name, format!("expected {what}, found {value}"));
+    let float = || value.as_f64().ok_or_else(|| want("a number"));
+    let int = || value.as_u64().ok_or_else(|| want("a non-negative integer"));
+    let text = || {
+        value
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| want("a string"))
+    };
+    let boolean = || value.as_bool().ok_or_else(|| want("true or false"));
+    let h = &mut config.hyper;
+    match name {
+        "learning_rate" => h.learning_rate = float()?,
+        "num_train_epochs" => h.num_train_epochs = float()?,
+        "max_steps" => h.max_steps = Some(int()?).filter(|&s| s > 0),
+        "per_device_train_batch_size" => h.per_device_train_batch_size = int()? as usize,
+        "gradient_accumulation_steps" => h.gradient_accumulation_steps = int()? as usize,
+        "warmup_steps" => h.warmup_steps = int()?,
+        "weight_decay" => h.weight_decay = float()?,
+        "adam_beta1" => h.adam_beta1 = float()?,
+        "adam_beta2" => h.adam_beta2 = float()?,
+        "adam_epsilon" => h.adam_epsilon = float()?,
+        "max_grad_norm" => h.max_grad_norm = Some(float()?).filter(|&n| n > 0.0),
+        "max_length" => h.max_length = Some(int()? as usize).filter(|&n| n > 0),
+        "lr_scheduler_type" => h.lr_scheduler_type = text()?,
+        "train_sampling_strategy" => h.train_sampling_strategy = text()?,
+        "seed" => h.seed = int()?,
+        "logging_steps" => h.logging_steps = int()?.max(1),
+        "lora_r" => {
+            let r = int()? as usize;
+            if r == 0 {
+                config.lora = None;
+            } else {
+                config.lora.get_or_insert_with(LoraConfig::default).r = r;
+            }
+        }
+        "lora_alpha" | "lora_dropout" | "lora_target_modules" | "use_rslora" => {
+            // Settings of an adapter that `lora_r = 0` turned off are ignored.
+            if let Some(l) = config.lora.as_mut() {
+                match name {
+                    "lora_alpha" => l.lora_alpha = float()?,
+                    "lora_dropout" => l.lora_dropout = float()?,
+                    "use_rslora" => l.use_rslora = boolean()?,
+                    _ => {
+                        l.target_modules = match value {
+                            Value::Array(a) => a
+                                .iter()
+                                .map(|v| v.as_str().map(str::to_string))
+                                .collect::<Option<Vec<_>>>()
+                                .ok_or_else(|| want("a list of strings"))?,
+                            Value::String(s) => vec![s.clone()],
+                            _ => return Err(want("a list of strings")),
+                        }
+                    }
+                }
+            }
+        }
+        _ => {
+            // A task's own field: checked by kind here, read by the trainer.
+            let ok = match fld.kind {
+                Kind::Float => value.is_number(),
+                Kind::Int => value.is_u64(),
+                Kind::Bool => value.is_boolean(),
+                Kind::Text => value.is_string(),
+                Kind::List => value.is_array(),
+            };
+            if !ok {
+                return Err(want(match fld.kind {
+                    Kind::Float => "a number",
+                    Kind::Int => "a non-negative integer",
+                    Kind::Bool => "true or false",
+                    Kind::Text => "a string",
+                    Kind::List => "a list",
+                }));
+            }
+            config.task_options.insert(name.to_string(), value.clone());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_land_where_trainers_read_them_and_mistakes_are_named() {
+        let mut c = TrainConfig::new("dpo", "candle", "m", "o");
+        defaults_for(&mut c);
+        assert_eq!(c.hyper.learning_rate, 1e-6);
+        apply(&mut c, "learning_rate", &Value::from(5e-4)).unwrap();
+        apply(
+            &mut c,
+            "beta",
+            &parse_flag(field("beta").unwrap(), "0.5").unwrap(),
+        )
+        .unwrap();
+        apply(
+            &mut c,
+            "lora_target_modules",
+            &parse_flag(field("lora_target_modules").unwrap(), "q_proj, v_proj").unwrap(),
+        )
+        .unwrap();
+        assert_eq!(c.hyper.learning_rate, 5e-4);
+        assert_eq!(c.option::<f64>("beta").unwrap(), Some(0.5));
+        assert_eq!(
+            c.lora.as_ref().unwrap().target_modules,
+            ["q_proj", "v_proj"]
+        );
+        apply(&mut c, "lora_r", &Value::from(0)).unwrap();
+        assert!(c.lora.is_none());
+        let e = apply(&mut c, "learnin_rate", &Value::from(1)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config field `learnin_rate`: unknown setting; did you mean `learning_rate`?"
+        );
+        let mut s = TrainConfig::new("sft", "candle", "m", "o");
+        let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo)"
+        );
+        let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config field `max_steps`: expected a non-negative integer, found \"ten\""
+        );
+        let e = parse_flag(field("seed").unwrap(), "-1").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config field `seed`: `-1` is not a non-negative integer"
+        );
+    }
+}

@@ -1,0 +1,345 @@
+//! `kiln train`: a task routed to its backend's trainer, every TRL setting a flag
+//! (`--learning-rate`) and a `--config` TOML key (`learning_rate`), metrics as JSONL, a live
+//! progress bar, Ctrl-C ends the run cleanly with the result saved (exit 130).
+
+use anyhow::{Context, Result, bail};
+use clap::{ArgMatches, Args, FromArgMatches};
+use kiln_runtime::demo::{DemoConfig, write_demo_model};
+use kiln_runtime::train::fields::{self, FIELDS, Kind};
+use kiln_runtime::train::{StepMetrics, TrainConfig, TrainObserver, TrainPlan, TrainReport};
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+/// Sample data for the built-in demo model, used when no --data is given.
+const SAMPLE_DATA: &[(&str, &str)] = &[
+    ("sft", include_str!("../../examples/data/sft.jsonl")),
+    ("dpo", include_str!("../../examples/data/dpo.jsonl")),
+];
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The task: sft, dpo (and plugin tasks); `kiln registry trainers` lists them.
+    #[arg(long)]
+    task: String,
+    /// The backend: candle (default) or mlx (feature `mlx`).
+    #[arg(long, default_value = "candle")]
+    backend: String,
+    /// The model folder (config.json, safetensors, tokenizer.json, tokenizer_config.json).
+    /// Without it, kiln writes its small random demo Llama and trains that.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Training data, JSONL (the task's format). Without it, the task's sample data shipped
+    /// with kiln (examples/data/<task>.jsonl).
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// The output folder: a PEFT adapter (LoRA) or a full checkpoint (`--lora-r 0`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Settings by TRL's field names (`learning_rate = 1e-5`); flags override them.
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
+    /// Write one JSON object per logged step (step, loss, learning_rate, grad_norm, the task's
+    /// figures) to this file.
+    #[arg(long, value_name = "FILE.jsonl")]
+    metrics: Option<PathBuf>,
+    /// Start from this PEFT adapter (trainable).
+    #[arg(long, value_name = "DIR")]
+    init_adapter: Option<PathBuf>,
+    /// With LoRA, also write the merged full checkpoint to <out>/merged.
+    #[arg(long)]
+    merge: bool,
+    /// Where the model runs: cpu, cuda[:N] (feature candle-cuda), metal[:N].
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+    #[command(flatten)]
+    fields: FieldArgs,
+}
+
+/// One flag per [`FIELDS`] entry, by its kebab-case name.
+#[derive(Debug, Default, Clone)]
+pub struct FieldArgs {
+    given: Vec<(&'static str, String)>,
+}
+
+fn flag(name: &str) -> String {
+    name.replace('_', "-")
+}
+
+fn leaked(s: String) -> &'static str {
+    Box::leak(s.into_boxed_str())
+}
+
+impl FromArgMatches for FieldArgs {
+    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut given = Vec::new();
+        for f in FIELDS {
+            if let Some(v) = m.get_one::<String>(f.name) {
+                given.push((f.name, v.clone()));
+            }
+        }
+        Ok(FieldArgs { given })
+    }
+    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
+}
+
+impl Args for FieldArgs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        let mut cmd = cmd.next_help_heading("Training settings (TRL's names; also TOML keys)");
+        for f in FIELDS {
+            let mut help = f.help.to_string();
+            if !f.tasks.is_empty() {
+                help.push_str(&format!(" ({} only)", f.tasks.join(", ")));
+            }
+            let value = match f.kind {
+                Kind::Float => "X",
+                Kind::Int => "N",
+                Kind::Bool => "BOOL",
+                Kind::Text => "NAME",
+                Kind::List => "A,B",
+            };
+            cmd = cmd.arg(
+                clap::Arg::new(f.name)
+                    .long(leaked(flag(f.name)))
+                    .value_name(value)
+                    .help(help),
+            );
+        }
+        cmd
+    }
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+/// The TOML file's keys as JSON values, each checked against the known fields.
+fn read_toml(path: &Path) -> Result<Vec<(String, Value)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let table: toml::Table =
+        toml::from_str(&text).with_context(|| format!("{}: not valid TOML", path.display()))?;
+    let mut out = Vec::new();
+    for (k, v) in table {
+        let v = serde_json::to_value(&v).context("TOML value")?;
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
+/// The run's configuration: TRL's defaults for the task, then the TOML file, then the flags.
+fn build_config(
+    args: &TrainArgs,
+    model: PathBuf,
+    data: PathBuf,
+    out: PathBuf,
+) -> Result<TrainConfig> {
+    let mut c = TrainConfig::new(&args.task, &args.backend, model, out);
+    c.train_data = Some(data);
+    c.device = args.device.clone();
+    fields::defaults_for(&mut c);
+    if let Some(path) = &args.config {
+        for (k, v) in read_toml(path)? {
+            fields::apply(&mut c, &k, &v).with_context(|| format!("{}", path.display()))?;
+        }
+    }
+    for (name, text) in &args.fields.given {
+        let f = fields::field(name).expect("flags come from FIELDS");
+        let v = fields::parse_flag(f, text).with_context(|| format!("--{}", flag(name)))?;
+        fields::apply(&mut c, name, &v).with_context(|| format!("--{}", flag(name)))?;
+    }
+    if let Some(dir) = &args.init_adapter {
+        c.init_adapter = Some(dir.clone());
+    }
+    c.merge = args.merge;
+    if c.merge && c.lora.is_none() && c.init_adapter.is_none() {
+        bail!(
+            "--merge needs LoRA (it merges the adapter); with --lora-r 0 the output is already a full checkpoint"
+        );
+    }
+    Ok(c)
+}
+
+/// Progress bar, metrics file and Ctrl-C.
+struct CliObserver {
+    bar: Option<indicatif::ProgressBar>,
+    metrics: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
+    error: Option<anyhow::Error>,
+    start: Instant,
+    key: &'static [&'static str],
+}
+
+impl TrainObserver for CliObserver {
+    fn on_start(&mut self, plan: &TrainPlan) {
+        if let Some(bar) = &self.bar {
+            bar.set_length(plan.total_steps);
+            bar.println(format!(
+                "training: {} steps, {} examples, {} trainable parameters",
+                plan.total_steps, plan.examples, plan.trainable_parameters
+            ));
+        }
+    }
+    fn on_step(&mut self, m: &StepMetrics) {
+        if let Some((path, w)) = &mut self.metrics {
+            let mut o = serde_json::Map::new();
+            o.insert("step".into(), m.step.into());
+            o.insert("epoch".into(), m.epoch.into());
+            o.insert("loss".into(), m.loss.into());
+            o.insert("learning_rate".into(), m.learning_rate.into());
+            if let Some(g) = m.grad_norm {
+                o.insert("grad_norm".into(), g.into());
+            }
+            for (k, v) in &m.extra {
+                o.insert(k.clone(), (*v).into());
+            }
+            if let Err(e) = writeln!(w, "{}", Value::Object(o)).and_then(|_| w.flush()) {
+                self.error.get_or_insert(
+                    anyhow::Error::new(e).context(format!("writing {}", path.display())),
+                );
+            }
+        }
+        if let Some(bar) = &self.bar {
+            let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+            let mut msg = format!(
+                "loss {:.4}  lr {:.2e}  {:.0} tok/s",
+                m.loss,
+                m.learning_rate,
+                m.tokens as f64 / secs
+            );
+            for k in self.key {
+                if let Some(v) = m.extra.get(*k) {
+                    msg.push_str(&format!("  {k} {v:.3}"));
+                }
+            }
+            bar.set_position(m.step);
+            bar.set_message(msg);
+        }
+    }
+    fn should_stop(&mut self) -> bool {
+        self.error.is_some() || super::export::cancel_flag().load(Ordering::Relaxed)
+    }
+    fn on_end(&mut self, _report: &TrainReport) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
+    let _demo;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => {
+            let dir =
+                tempfile::tempdir().context("creating a temporary folder for the demo model")?;
+            write_demo_model(dir.path(), DemoConfig::default())
+                .context("writing the demo model")?;
+            writeln!(
+                err,
+                "no --model given: training kiln's built-in demo model (a random Llama, {} parameters)",
+                DemoConfig::default().parameters()
+            )?;
+            let p = dir.path().to_path_buf();
+            _demo = dir;
+            p
+        }
+    };
+    let _data_file;
+    let data = match &args.data {
+        Some(d) => d.clone(),
+        None => {
+            let Some((_, text)) = SAMPLE_DATA.iter().find(|(t, _)| *t == args.task) else {
+                bail!(
+                    "--data is required for task `{}` (kiln ships sample data for: {})",
+                    args.task,
+                    SAMPLE_DATA
+                        .iter()
+                        .map(|(t, _)| *t)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            };
+            let f = tempfile::NamedTempFile::new().context("writing the sample data")?;
+            std::fs::write(f.path(), text).context("writing the sample data")?;
+            writeln!(
+                err,
+                "no --data given: using kiln's sample {} data (examples/data/{}.jsonl)",
+                args.task, args.task
+            )?;
+            let p = f.path().to_path_buf();
+            _data_file = f;
+            p
+        }
+    };
+    let target = match &args.out {
+        Some(o) => o.clone(),
+        None => std::env::temp_dir().join(format!("kiln-train-{}", args.task)),
+    };
+    let config = build_config(args, model, data, target)?;
+    let entry = kiln_runtime::resolve_trainer(&config)?;
+    let mut trainer = entry.construct(&config)?;
+    let metrics = match &args.metrics {
+        Some(p) => Some((
+            p.clone(),
+            std::io::BufWriter::new(
+                std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+            ),
+        )),
+        None => None,
+    };
+    let bar = (!args.quiet).then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
+                .expect("template"),
+        );
+        bar
+    });
+    let mut observer = CliObserver {
+        bar,
+        metrics,
+        error: None,
+        start: Instant::now(),
+        key: match args.task.as_str() {
+            "dpo" => &["rewards/accuracies", "rewards/margins"],
+            "sft" => &["mean_token_accuracy"],
+            _ => &[],
+        },
+    };
+    let _ = super::export::cancel_flag();
+    let report = trainer.train(&mut observer)?;
+    if let Some(e) = observer.error.take() {
+        return Err(e);
+    }
+    let loss = report
+        .final_loss
+        .map(|l| format!("{l:.4}"))
+        .unwrap_or_else(|| "-".into());
+    writeln!(
+        out,
+        "{} on {}: {} steps in {:.1}s, final loss {loss}",
+        report.task,
+        report.backend,
+        report.steps,
+        report.elapsed.as_secs_f64()
+    )?;
+    if let Some(o) = &report.output {
+        writeln!(out, "wrote {}", o.display())?;
+    }
+    if report.stopped_early {
+        writeln!(
+            err,
+            "interrupted: stopped after step {} and saved the result",
+            report.steps
+        )?;
+        return Ok(130);
+    }
+    Ok(0)
+}
