@@ -299,7 +299,6 @@ macro_rules! test_trainers {
 }
 
 test_trainers! {
-    CandleKto => "kto" on "candle",
     CandleGrpo => "grpo" on "candle",
     CandlePpo => "ppo" on "candle",
     MlxSft => "sft" on "mlx",
@@ -362,9 +361,9 @@ fn routing_messages_are_exact() {
 fn trainers_are_constructed_only_after_resolution() {
     let registry = TrainerRegistry::try_global().unwrap();
     assert_eq!(registry.entries().len(), 14);
-    let entry = kiln::resolve_trainer(&cfg("kto", "candle")).unwrap();
+    let entry = kiln::resolve_trainer(&cfg("ppo", "candle")).unwrap();
     let before = CONSTRUCTED.load(Ordering::SeqCst);
-    let mut trainer = entry.construct(&cfg("kto", "candle")).unwrap();
+    let mut trainer = entry.construct(&cfg("ppo", "candle")).unwrap();
     assert_eq!(CONSTRUCTED.load(Ordering::SeqCst), before + 1);
     let err = trainer.train(&mut kiln::train::NoopObserver).unwrap_err();
     assert_eq!(err.to_string(), "backend 'candle': test trainer");

@@ -49,12 +49,17 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
                 let v = v.as_array().map(|a| a[0].clone()).unwrap_or(v.clone());
                 c.task_options.insert("loss_type".into(), v);
             }
+            "per_device_train_batch_size" => {
+                c.hyper.per_device_train_batch_size = v.as_u64().unwrap() as usize
+            }
             "max_length" => c.hyper.max_length = Some(v.as_u64().unwrap() as usize),
             "beta"
             | "precompute_ref_log_probs"
             | "simpo_gamma"
             | "cpo_alpha"
-            | "label_smoothing" => {
+            | "label_smoothing"
+            | "desirable_weight"
+            | "undesirable_weight" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -199,4 +204,19 @@ fn cpo_sigmoid_with_label_smoothing_matches_trl() {
 #[test]
 fn simpo_with_truncated_completions_and_no_nll_matches_trl() {
     check("simpo-short");
+}
+
+#[test]
+fn kto_full_fine_tuning_matches_trl() {
+    check("kto-full");
+}
+
+#[test]
+fn kto_lora_with_weights_matches_trl() {
+    check("kto-lora");
+}
+
+#[test]
+fn kto_apo_zero_with_precomputed_reference_matches_trl() {
+    check("kto-apo-precompute");
 }

@@ -14,9 +14,32 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// Sample data for the built-in demo model, used when no --data is given.
-const SAMPLE_DATA: &[(&str, &str)] = &[
-    ("sft", include_str!("../../examples/data/sft.jsonl")),
-    ("dpo", include_str!("../../examples/data/dpo.jsonl")),
+const SAMPLE_DATA: &[(&str, &str, &str)] = &[
+    (
+        "sft",
+        "sft.jsonl",
+        include_str!("../../examples/data/sft.jsonl"),
+    ),
+    (
+        "dpo",
+        "dpo.jsonl",
+        include_str!("../../examples/data/dpo.jsonl"),
+    ),
+    (
+        "orpo",
+        "dpo.jsonl",
+        include_str!("../../examples/data/dpo.jsonl"),
+    ),
+    (
+        "simpo",
+        "dpo.jsonl",
+        include_str!("../../examples/data/dpo.jsonl"),
+    ),
+    (
+        "kto",
+        "kto.jsonl",
+        include_str!("../../examples/data/kto.jsonl"),
+    ),
 ];
 
 #[derive(Debug, Args)]
@@ -255,7 +278,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
     let data = match &args.data {
         Some(d) => d.clone(),
         None => {
-            let Some((_, text)) = SAMPLE_DATA.iter().find(|(t, _)| *t == args.task) else {
+            let Some((_, file, text)) = SAMPLE_DATA.iter().find(|(t, _, _)| *t == args.task) else {
                 bail!(
                     "--data is required for task `{}` (kiln ships sample data for: {})",
                     args.task,
@@ -308,7 +331,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         error: None,
         start: Instant::now(),
         key: match args.task.as_str() {
-            "dpo" => &["rewards/accuracies", "rewards/margins"],
+            "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "sft" => &["mean_token_accuracy"],
             _ => &[],
         },

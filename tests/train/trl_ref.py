@@ -128,6 +128,15 @@ def write_data():
     with open(os.path.join(DATA, "dpo.jsonl"), "w") as f:
         for r in dpo:
             f.write(json.dumps(r) + "\n")
+    # Unpaired: each pair's chosen (desirable) and rejected (undesirable), interleaved unevenly.
+    kto = []
+    for i, r in enumerate(dpo):
+        kto.append({"prompt": r["prompt"], "completion": r["chosen"], "label": True})
+        if i % 3 != 0:
+            kto.append({"prompt": r["prompt"], "completion": r["rejected"], "label": False})
+    with open(os.path.join(DATA, "kto.jsonl"), "w") as f:
+        for r in kto:
+            f.write(json.dumps(r) + "\n")
 
 
 class Record(TrainerCallback):
@@ -170,6 +179,10 @@ def run(task, model_dir, data, adapter=None, **overrides):
         common.setdefault("loss_type", "simpo")
         trainer = CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=ds, processing_class=tok,
                              callbacks=[rec])
+    elif task == "kto":
+        from trl.experimental.kto import KTOConfig, KTOTrainer
+        trainer = KTOTrainer(model=model, args=KTOConfig(**common), train_dataset=ds, processing_class=tok,
+                             callbacks=[rec])
     else:
         raise SystemExit(f"unknown task {task}")
     trainer.train()
@@ -198,6 +211,12 @@ def main():
         "cpo-sigmoid": ("simpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type="sigmoid",
                                                             label_smoothing=0.1, cpo_alpha=0.5)),
         "simpo-short": ("simpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, max_length=12, cpo_alpha=0.0)),
+        "kto-full": ("kto", d("kto.jsonl"), None, dict(learning_rate=1e-3, per_device_train_batch_size=3)),
+        "kto-lora": ("kto", d("kto.jsonl"), adapter, dict(learning_rate=1e-2, desirable_weight=1.5,
+                                                          undesirable_weight=0.7)),
+        "kto-apo-precompute": ("kto", d("kto.jsonl"), None, dict(learning_rate=1e-3, loss_type="apo_zero_unpaired",
+                                                                 precompute_ref_log_probs=True,
+                                                                 gradient_accumulation_steps=2)),
     }
     only = sys.argv[1:]
     out = {}

@@ -17,6 +17,8 @@ pub enum DataFormat {
     Messages,
     /// `{"prompt", "chosen", "rejected"}`.
     Preference,
+    /// `{"prompt", "completion", "label"}`: an unpaired completion marked desirable or not.
+    Unpaired,
 }
 
 impl DataFormat {
@@ -27,6 +29,7 @@ impl DataFormat {
             DataFormat::PromptCompletion => &["prompt", "completion"],
             DataFormat::Messages => &["messages"],
             DataFormat::Preference => &["prompt", "chosen", "rejected"],
+            DataFormat::Unpaired => &["prompt", "completion", "label"],
         }
     }
 
@@ -34,6 +37,8 @@ impl DataFormat {
         let has = |k| obj.contains_key(k);
         Some(if has("chosen") && has("rejected") {
             DataFormat::Preference
+        } else if has("prompt") && has("completion") && has("label") {
+            DataFormat::Unpaired
         } else if has("prompt") && has("completion") {
             DataFormat::PromptCompletion
         } else if has("messages") {
@@ -118,6 +123,13 @@ impl Dataset {
             };
             for col in f.columns() {
                 match fields.get(*col) {
+                    Some(Value::Bool(_)) if *col == "label" => {}
+                    Some(other) if *col == "label" => {
+                        return Err(err(
+                            Some(line),
+                            format!("`label` must be true (desirable) or false, found {other}"),
+                        ));
+                    }
                     Some(Value::String(_)) => {}
                     Some(Value::Array(_)) if matches!(f, DataFormat::Messages) => {}
                     Some(Value::Array(_)) => {
@@ -383,6 +395,119 @@ pub fn pair_examples(data: &Dataset, tok: &TextTokenizer) -> Result<Vec<PairExam
             })
         })
         .collect()
+}
+
+/// An unpaired example as TRL's KTO trainer tokenizes it (`_tokenize` + `_process_tokens`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnpairedExample {
+    /// `prompt + completion` with the completion's label mask.
+    pub seq: LmExample,
+    /// The same prompt with the previous example's completion (TRL's KL batch; empty when the
+    /// KL term is not computed).
+    pub kl_seq: LmExample,
+    /// Desirable (`true`) or not.
+    pub label: bool,
+}
+
+/// The prompt's and the answer's ids of `prompt + answer` without special tokens, split as
+/// TRL splits them (one token earlier when the tokenizer merged across the boundary).
+fn split_plain(
+    tok: &TextTokenizer,
+    prompt: &str,
+    answer: &str,
+) -> Result<(Vec<u32>, Vec<u32>), String> {
+    let plain_prompt = tok.encode_plain(prompt)?;
+    let full = tok.encode_plain(&format!("{prompt}{answer}"))?;
+    let mut start = plain_prompt.len().min(full.len());
+    if full[..start] != plain_prompt[..] {
+        start = start.saturating_sub(1);
+    }
+    Ok((full[..start].to_vec(), full[start..].to_vec()))
+}
+
+/// KTO's `_process_tokens`: the completion is cut so that the sequence with its BOS and EOS
+/// fits `max_length`; a BOS goes first and an EOS last when missing; the prompt is masked.
+fn kto_sequence(
+    tok: &TextTokenizer,
+    prompt: &[u32],
+    answer: &[u32],
+    max_length: usize,
+) -> LmExample {
+    let mut max = max_length as i64;
+    let bos_missing = !prompt.is_empty() && tok.bos_id != Some(prompt[0]);
+    if bos_missing {
+        max -= 1;
+    }
+    if answer.last().is_some_and(|&a| a != tok.eos_id) {
+        max -= 1;
+    }
+    let mut answer = answer.to_vec();
+    if (prompt.len() + answer.len()) as i64 > max {
+        py_head(&mut answer, max - prompt.len() as i64);
+    }
+    let mut ids = Vec::with_capacity(prompt.len() + answer.len() + 2);
+    if let Some(bos) = tok.bos_id
+        && prompt.first() != Some(&bos)
+    {
+        ids.push(bos);
+    }
+    ids.extend(prompt);
+    let prompt_len = ids.len();
+    ids.extend(&answer);
+    if answer.last() != Some(&tok.eos_id) {
+        ids.push(tok.eos_id);
+    }
+    let mut mask = vec![0u8; prompt_len];
+    mask.resize(ids.len(), 1);
+    LmExample { ids, mask }
+}
+
+/// KTO preprocessing; with `kl_batch` (the KL term is computed) each example's KL sequence
+/// pairs its prompt with the completion of the example before it within consecutive groups
+/// of `kl_batch` (the first takes the group's last), as TRL builds its KL dataset.
+pub fn unpaired_examples(
+    data: &Dataset,
+    tok: &TextTokenizer,
+    max_length: usize,
+    kl_batch: Option<usize>,
+) -> Result<Vec<UnpairedExample>, TrainError> {
+    let mut split = Vec::with_capacity(data.records.len());
+    for r in &data.records {
+        let (p, a) = split_plain(tok, field(r, "prompt"), field(r, "completion")).map_err(|m| {
+            TrainError::Data {
+                path: data.path.clone(),
+                line: Some(r.line),
+                message: format!("tokenizing: {m}"),
+            }
+        })?;
+        let label = r
+            .fields
+            .get("label")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        split.push((p, a, label));
+    }
+    let mut out = Vec::with_capacity(split.len());
+    for (i, (p, a, label)) in split.iter().enumerate() {
+        let kl_seq = match kl_batch {
+            Some(b) => {
+                let start = i / b * b;
+                let end = (start + b).min(split.len());
+                let from = if i == start { end - 1 } else { i - 1 };
+                kto_sequence(tok, p, &split[from].1, max_length)
+            }
+            None => LmExample {
+                ids: Vec::new(),
+                mask: Vec::new(),
+            },
+        };
+        out.push(UnpairedExample {
+            seq: kto_sequence(tok, p, a, max_length),
+            kl_seq,
+            label: *label,
+        });
+    }
+    Ok(out)
 }
 
 /// A preference pair as TRL's ORPO and CPO trainers tokenize it: each side is the prompt's

@@ -35,9 +35,10 @@ pub struct Field {
 }
 
 const SFT: &[&str] = &["sft"];
-const BETA: &[&str] = &["dpo", "orpo", "simpo"];
-const LOSS: &[&str] = &["dpo", "simpo"];
-const DPO: &[&str] = &["dpo"];
+const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto"];
+const LOSS: &[&str] = &["dpo", "simpo", "kto"];
+const REF: &[&str] = &["dpo", "kto"];
+const KTO: &[&str] = &["kto"];
 const SIMPO: &[&str] = &["simpo"];
 
 /// Every setting `kiln train` takes.
@@ -164,12 +165,24 @@ pub const FIELDS: &[Field] = &[
         "loss_type",
         Kind::Text,
         LOSS,
-        "dpo: sigmoid, hinge or ipo [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]",
+        "dpo: sigmoid, hinge or ipo [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]; kto: kto or apo_zero_unpaired [kto]",
+    ),
+    f(
+        "desirable_weight",
+        Kind::Float,
+        KTO,
+        "Weight of desirable examples' losses [1]",
+    ),
+    f(
+        "undesirable_weight",
+        Kind::Float,
+        KTO,
+        "Weight of undesirable examples' losses [1]",
     ),
     f(
         "precompute_ref_log_probs",
         Kind::Bool,
-        DPO,
+        REF,
         "Compute the reference log-probs once, before training [false]",
     ),
     f(
@@ -405,7 +418,7 @@ mod tests {
         let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo)"
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto)"
         );
         let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
         assert_eq!(

@@ -280,3 +280,113 @@ pub fn cpo<O: TensorOps>(
     metrics.insert("nll_loss".into(), ops.to_f64(&ops.detach(nll))?[0]);
     Ok(LossOutput { loss, metrics })
 }
+
+/// KTO's loss variants (TRL's `KTOConfig.loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KtoLoss {
+    /// The paper's loss, with the KL reference point.
+    Kto,
+    /// APO-zero, unpaired (no KL term).
+    ApoZeroUnpaired,
+}
+
+impl KtoLoss {
+    /// Every accepted name.
+    pub const NAMES: &'static [&'static str] = &["kto", "apo_zero_unpaired"];
+
+    /// The variant named `name`.
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "kto" => KtoLoss::Kto,
+            "apo_zero_unpaired" => KtoLoss::ApoZeroUnpaired,
+            _ => return None,
+        })
+    }
+}
+
+/// KTO (TRL's `KTOTrainer.kto_loss`): per example `w · (1 − σ(β(ρ − z)))` for desirable
+/// completions and `w · (1 − σ(β(z − ρ)))` for undesirable ones, with `ρ` the policy/reference
+/// log-ratio and `z = max(0, kl)` the detached KL estimate (APO-zero: `z = 0` and
+/// `σ(βρ)` for undesirable ones), averaged over the batch. `weights` are
+/// `desirable_weight` / `undesirable_weight`. Logs `kl` and, per side present, the sums TRL
+/// averages at logging time (`rewards/chosen_sum`, `count/chosen`, …; `logps/*_sum` from
+/// `logps`).
+#[allow(clippy::too_many_arguments)]
+pub fn kto<O: TensorOps>(
+    ops: &O,
+    kind: KtoLoss,
+    beta: f64,
+    logratios: &O::T,
+    logps: &O::T,
+    labels: &[bool],
+    kl: f64,
+    weights: (f64, f64),
+) -> Result<LossOutput<O::T>, O::Error> {
+    let n = labels.len();
+    let z = match kind {
+        KtoLoss::Kto => kl.max(0.0),
+        KtoLoss::ApoZeroUnpaired => 0.0,
+    };
+    // 1 − σ(β(ρ − z)) = σ(−β(ρ − z)); 1 − σ(β(z − ρ)) = σ(β(ρ − z)): one sign per row.
+    let sign: Vec<f64> = labels.iter().map(|&l| if l { -1.0 } else { 1.0 }).collect();
+    let w: Vec<f64> = labels
+        .iter()
+        .map(|&l| if l { weights.0 } else { weights.1 })
+        .collect();
+    let shifted = ops.affine(logratios, beta, -beta * z)?;
+    let signed = ops.mul(&shifted, &ops.tensor(&sign, &[n])?)?;
+    let per = ops.mul(
+        &ops.exp(&ops.log_sigmoid(&signed)?)?,
+        &ops.tensor(&w, &[n])?,
+    )?;
+    let loss = ops.mean_all(&per)?;
+    let rho = ops.to_f64(&ops.detach(logratios))?;
+    let lp = ops.to_f64(&ops.detach(logps))?;
+    let mut metrics = BTreeMap::from([("kl".to_string(), kl.max(0.0))]);
+    for (side, want) in [("chosen", true), ("rejected", false)] {
+        let rows: Vec<usize> = (0..n).filter(|&i| labels[i] == want).collect();
+        if rows.is_empty() {
+            continue;
+        }
+        metrics.insert(
+            format!("rewards/{side}_sum"),
+            rows.iter().map(|&i| beta * rho[i]).sum(),
+        );
+        metrics.insert(
+            format!("logps/{side}_sum"),
+            rows.iter().map(|&i| lp[i]).sum(),
+        );
+        metrics.insert(format!("count/{side}"), rows.len() as f64);
+    }
+    Ok(LossOutput { loss, metrics })
+}
+
+/// TRL's KTO logging: `rewards/*`, `logps/*`, `logits/*` as the window's sums over its counts,
+/// `rewards/margins` when both sides were seen, and every other figure averaged. `window`
+/// holds each figure's total and how many micro-batches reported it.
+pub fn kto_window(window: &BTreeMap<String, (f64, usize)>) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let mut consumed = std::collections::BTreeSet::new();
+    for side in ["chosen", "rejected"] {
+        let Some(&(count, _)) = window.get(&format!("count/{side}")) else {
+            continue;
+        };
+        consumed.insert(format!("count/{side}"));
+        for metric in ["rewards", "logps", "logits"] {
+            let key = format!("{metric}/{side}_sum");
+            if let Some(&(sum, _)) = window.get(&key) {
+                out.insert(format!("{metric}/{side}"), sum / count);
+                consumed.insert(key);
+            }
+        }
+    }
+    if let (Some(c), Some(r)) = (out.get("rewards/chosen"), out.get("rewards/rejected")) {
+        out.insert("rewards/margins".into(), c - r);
+    }
+    for (k, (sum, n)) in window {
+        if !consumed.contains(k) {
+            out.insert(k.clone(), sum / *n as f64);
+        }
+    }
+    out
+}

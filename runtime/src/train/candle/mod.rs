@@ -12,10 +12,10 @@ pub mod optim;
 use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
 use super::data::{
-    DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, pair_examples,
-    scored_pairs, sft_examples,
+    DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, UnpairedExample,
+    pair_examples, scored_pairs, sft_examples, unpaired_examples,
 };
-use super::losses::{self, CpoLoss, CpoSettings, DpoLoss, PreferenceLogps, TokenInputs};
+use super::losses::{self, CpoLoss, CpoSettings, DpoLoss, KtoLoss, PreferenceLogps, TokenInputs};
 use super::ops::TensorOps;
 use super::schedule::{Schedule, ScheduleKind};
 use super::{StepMetrics, TrainConfig, TrainError, TrainObserver, TrainPlan, TrainReport};
@@ -267,6 +267,19 @@ pub trait Objective {
     fn divide_by_accumulation(&self) -> bool {
         true
     }
+    /// Whether examples are always taken in file order (TRL's KTO trainer ignores shuffling:
+    /// its KL pairs are built over consecutive examples).
+    fn sequential(&self) -> bool {
+        false
+    }
+    /// The logged figures of a window of micro-batches, from each figure's total and how many
+    /// micro-batches reported it (default: the mean).
+    fn window(&self, totals: &BTreeMap<String, (f64, usize)>) -> BTreeMap<String, f64> {
+        totals
+            .iter()
+            .map(|(k, (s, n))| (k.clone(), s / *n as f64))
+            .collect()
+    }
     /// Called with every micro-batch of the coming step before the first is run.
     fn begin_step(&mut self, micro_batches: &[Vec<usize>]) {
         let _ = micro_batches;
@@ -351,6 +364,7 @@ pub fn run(
         )
     })?;
     let shuffle = match h.train_sampling_strategy.as_str() {
+        _ if objective.sequential() => false,
         "random" => true,
         "sequential" => false,
         other => {
@@ -452,10 +466,7 @@ pub fn run(
         report.steps = step;
         report.final_loss = Some(step_loss);
         if step % logging == 0 || step == total {
-            let mut extra: BTreeMap<String, f64> = window
-                .iter()
-                .map(|(k, (s, n))| (k.clone(), s / *n as f64))
-                .collect();
+            let mut extra = objective.window(&window);
             if let Some(t) = extra.get_mut("num_tokens") {
                 *t = tokens as f64;
             }
@@ -1017,6 +1028,207 @@ impl crate::Trainer for CandleSimpo {
         let setup = Setup::load(config)?;
         let objective = ScoredPairObjective::simpo(config, &setup)?;
         Ok(CandleSimpo { setup, objective })
+    }
+    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
+        run(&self.setup, &mut self.objective, observer)
+    }
+}
+
+// ---------------------------------------------------------------- kto
+
+/// KTO (TRL's `KTOTrainer`): unpaired desirable / undesirable completions against a frozen
+/// reference, with the KL reference point estimated on mismatched prompt/completion pairs.
+pub struct KtoObjective {
+    examples: Vec<UnpairedExample>,
+    kind: KtoLoss,
+    beta: f64,
+    weights: (f64, f64),
+    reference: Option<DecoderModel>,
+    /// Reference log-probs of each completion and KL sequence, computed before training.
+    precomputed: Option<Vec<(f64, f64)>>,
+}
+
+impl KtoObjective {
+    /// KTO's options (TRL's `KTOConfig`): `beta` 0.1, `loss_type` kto (or
+    /// apo_zero_unpaired), `desirable_weight` 1, `undesirable_weight` 1,
+    /// `precompute_ref_log_probs`.
+    pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
+        let name = config
+            .option::<String>("loss_type")?
+            .unwrap_or_else(|| "kto".into());
+        let kind = KtoLoss::parse(&name).ok_or_else(|| {
+            config_err(
+                "loss_type",
+                format!("`{name}` is not one of {}", KtoLoss::NAMES.join(", ")),
+            )
+        })?;
+        let bs = config.hyper.per_device_train_batch_size;
+        if kind == KtoLoss::Kto && bs <= 1 {
+            return Err(config_err(
+                "per_device_train_batch_size",
+                "KTO needs at least 2 examples per micro-batch: its KL term pairs each prompt with another example's completion",
+            ));
+        }
+        let data = read_data(config, &[DataFormat::Unpaired])?;
+        let max_length = config.hyper.max_length.unwrap_or(512);
+        let kl = (kind == KtoLoss::Kto).then_some(bs);
+        let examples = unpaired_examples(&data, &setup.tokenizer, max_length, kl)?;
+        // TRL: with LoRA the reference is the base model (adapters off), even when training
+        // continues an existing adapter.
+        let reference = match &setup.adapters {
+            Some(_) => setup.model.with_adapters(None),
+            None => setup.reference()?,
+        };
+        let mut me = KtoObjective {
+            examples,
+            kind,
+            beta: config.option::<f64>("beta")?.unwrap_or(0.1),
+            weights: (
+                config.option::<f64>("desirable_weight")?.unwrap_or(1.0),
+                config.option::<f64>("undesirable_weight")?.unwrap_or(1.0),
+            ),
+            reference: Some(reference),
+            precomputed: None,
+        };
+        if config
+            .option::<bool>("precompute_ref_log_probs")?
+            .unwrap_or(false)
+        {
+            let idx: Vec<usize> = (0..me.examples.len()).collect();
+            let mut all = Vec::with_capacity(idx.len());
+            for chunk in idx.chunks(bs.max(1)) {
+                let model = me.reference.as_ref().expect("kept until now");
+                let c = me.sums(setup, model, chunk, false)?;
+                let k = match kl {
+                    Some(_) => setup.ops.to_f64(&me.sums(setup, model, chunk, true)?)?,
+                    None => vec![0.0; chunk.len()],
+                };
+                all.extend(setup.ops.to_f64(&c)?.into_iter().zip(k));
+            }
+            me.precomputed = Some(all);
+            me.reference = None;
+        }
+        Ok(me)
+    }
+
+    /// Summed completion log-probs of `model` over the completions (or the KL sequences).
+    fn sums(
+        &self,
+        setup: &Setup,
+        model: &DecoderModel,
+        indices: &[usize],
+        kl: bool,
+    ) -> Result<Tensor, TrainError> {
+        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
+            .iter()
+            .map(|&i| {
+                let e = if kl {
+                    &self.examples[i].kl_seq
+                } else {
+                    &self.examples[i].seq
+                };
+                (e.ids.clone(), e.mask.clone())
+            })
+            .collect();
+        let s = forward_shifted(model, &setup.ops, &seqs, setup.tokenizer.pad_id)?;
+        Ok(setup.ops.sum_last(&setup.ops.mul(&s.logps, &s.mask)?)?)
+    }
+}
+
+impl Objective for KtoObjective {
+    fn task(&self) -> &'static str {
+        "kto"
+    }
+    fn examples(&self) -> usize {
+        self.examples.len()
+    }
+    fn sequential(&self) -> bool {
+        true
+    }
+    fn window(&self, totals: &BTreeMap<String, (f64, usize)>) -> BTreeMap<String, f64> {
+        losses::kto_window(totals)
+    }
+    fn micro_batch(
+        &mut self,
+        setup: &Setup,
+        indices: &[usize],
+    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
+        let ops = &setup.ops;
+        let n = indices.len();
+        let with_kl = self.kind == KtoLoss::Kto;
+        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
+            .iter()
+            .map(|&i| {
+                (
+                    self.examples[i].seq.ids.clone(),
+                    self.examples[i].seq.mask.clone(),
+                )
+            })
+            .collect();
+        let s = forward_shifted(&setup.model, ops, &seqs, setup.tokenizer.pad_id)?;
+        let logps = ops.sum_last(&ops.mul(&s.logps, &s.mask)?)?;
+        let (ref_logps, ref_kl): (Vec<f64>, Vec<f64>) = match &self.precomputed {
+            Some(all) => indices.iter().map(|&i| all[i]).unzip(),
+            None => {
+                let model = self.reference.as_ref().expect("reference kept");
+                let c = ops.to_f64(&self.sums(setup, model, indices, false)?)?;
+                let k = if with_kl {
+                    ops.to_f64(&self.sums(setup, model, indices, true)?)?
+                } else {
+                    vec![0.0; n]
+                };
+                (c, k)
+            }
+        };
+        let kl = if with_kl {
+            // The policy's KL log-probs, without gradient, as TRL computes them.
+            let p = ops.to_f64(&self.sums(setup, &setup.model, indices, true)?)?;
+            p.iter().zip(&ref_kl).map(|(a, b)| a - b).sum::<f64>() / n as f64
+        } else {
+            0.0
+        };
+        let logratios = ops.sub(&logps, &ops.tensor(&ref_logps, &[n])?)?;
+        let labels: Vec<bool> = indices.iter().map(|&i| self.examples[i].label).collect();
+        let out = losses::kto(
+            ops,
+            self.kind,
+            self.beta,
+            &logratios,
+            &logps,
+            &labels,
+            kl,
+            self.weights,
+        )?;
+        let mut m = out.metrics;
+        // TRL: the sum of every logit of each side's rows (all positions, padding included).
+        let per_row: Vec<f64> =
+            ops.to_f64(&s.full_logits.detach().sum(D::Minus1)?.sum(D::Minus1)?)?;
+        for (side, want) in [("chosen", true), ("rejected", false)] {
+            if labels.contains(&want) {
+                let sum: f64 = (0..n)
+                    .filter(|&i| labels[i] == want)
+                    .map(|i| per_row[i])
+                    .sum();
+                m.insert(format!("logits/{side}_sum"), sum);
+            }
+        }
+        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
+        Ok((out.loss, m, tokens))
+    }
+}
+
+/// `kto` on candle.
+#[crate::trainer(task = "kto", backend = "candle", crate = crate)]
+pub struct CandleKto {
+    setup: Setup,
+    objective: KtoObjective,
+}
+
+impl crate::Trainer for CandleKto {
+    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let setup = Setup::load(config)?;
+        let objective = KtoObjective::new(config, &setup)?;
+        Ok(CandleKto { setup, objective })
     }
     fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
         run(&self.setup, &mut self.objective, observer)
