@@ -284,7 +284,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
                     args.task,
                     SAMPLE_DATA
                         .iter()
-                        .map(|(t, _)| *t)
+                        .map(|(t, _, _)| *t)
                         .collect::<Vec<_>>()
                         .join(", ")
                 );
