@@ -293,8 +293,8 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
             std::fs::write(f.path(), text).context("writing the sample data")?;
             writeln!(
                 err,
-                "no --data given: using kiln's sample {} data (examples/data/{}.jsonl)",
-                args.task, args.task
+                "no --data given: using kiln's sample {} data (examples/data/{file})",
+                args.task
             )?;
             let p = f.path().to_path_buf();
             _data_file = f;
