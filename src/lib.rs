@@ -35,7 +35,7 @@ pub use kiln_kernels as kernels;
 pub use kiln_runtime::__private;
 
 // The attribute macros.
-pub use kiln_runtime::{architecture, exporter, trainer};
+pub use kiln_runtime::{architecture, exporter, reward, trainer};
 // The module tree exporters match on.
 pub use kiln_runtime::{
     Class, ClassChain, Embedding, Linear, Module, ModuleClass, ModuleRef, ModuleTree, TensorInfo,
@@ -52,6 +52,7 @@ pub use kiln_runtime::{
     Predicate, RegistryBuilder, RegistryError, RouteError, SourceLocation, Tier, TrainerEntry,
     TrainerRegistry, resolve_trainer,
 };
+pub use kiln_runtime::{RewardEntry, RewardInput, RewardRegistry};
 
 /// Exporting: what a plugin exporter calls, and what a program that runs exports needs.
 pub mod export {

@@ -11,6 +11,7 @@ pub enum Kind {
     Exporter,
     Trainer,
     Architecture,
+    Reward,
 }
 
 impl Kind {
@@ -19,6 +20,7 @@ impl Kind {
             Kind::Exporter => "ExporterEntry",
             Kind::Trainer => "TrainerEntry",
             Kind::Architecture => "ArchitectureEntry",
+            Kind::Reward => "RewardEntry",
         }
     }
 
@@ -27,6 +29,7 @@ impl Kind {
             Kind::Exporter => "EXPORTERS",
             Kind::Trainer => "TRAINERS",
             Kind::Architecture => "ARCHITECTURES",
+            Kind::Reward => "REWARDS",
         }
     }
 }

@@ -26,6 +26,7 @@ mod args;
 mod emit;
 mod exporter;
 mod item;
+mod reward;
 mod trainer;
 
 use proc_macro::TokenStream;
@@ -52,4 +53,11 @@ pub fn architecture(args: TokenStream, input: TokenStream) -> TokenStream {
         architecture::expand(args.into(), input.clone().into()),
         input,
     )
+}
+
+/// Registers a reward function for GRPO under `name = "..."` (`crate = path` as the others):
+/// the function has the signature `fn(&RewardInput<'_>) -> Option<f64>`.
+#[proc_macro_attribute]
+pub fn reward(args: TokenStream, input: TokenStream) -> TokenStream {
+    emit::finish(reward::expand(args.into(), input.clone().into()), input)
 }

@@ -29,12 +29,13 @@ pub mod train;
 
 pub use architecture::{Architecture, ArchitectureError};
 pub use export::{ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome};
-pub use kiln_macros::{architecture, exporter, trainer};
+pub use kiln_macros::{architecture, exporter, reward, trainer};
 pub use module_tree::{
     Class, ClassChain, Embedding, Linear, Module, ModuleClass, ModuleRef, ModuleTree, TensorInfo,
 };
 pub use registry::architectures::{ArchitectureEntry, ArchitectureRegistry};
 pub use registry::exporters::{ExporterEntry, ExporterRegistry, Key, Match, Matcher, Predicate};
+pub use registry::rewards::{RewardEntry, RewardInput, RewardRegistry};
 pub use registry::trainers::{RouteError, TrainerEntry, TrainerRegistry, resolve_trainer};
 pub use registry::{RegistryBuilder, RegistryError, SourceLocation, Tier};
 pub use train::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
@@ -44,8 +45,9 @@ pub use train::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
 pub mod __private {
     pub use crate::registry::architectures::ArchitectureEntry;
     #[cfg(not(feature = "inventory"))]
-    pub use crate::registry::collect::{ARCHITECTURES, EXPORTERS, TRAINERS};
+    pub use crate::registry::collect::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS};
     pub use crate::registry::exporters::{ExporterEntry, Key, Predicate, PredicateFn};
+    pub use crate::registry::rewards::{RewardEntry, RewardFn};
     pub use crate::registry::trainers::TrainerEntry;
     pub use crate::registry::{EntryMeta, Replaces, SourceLocation, Tier};
     #[cfg(feature = "inventory")]

@@ -44,7 +44,8 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The task: sft, dpo (and plugin tasks); `kiln registry trainers` lists them.
+    /// The task: sft, dpo, orpo, simpo, kto, grpo (and plugin tasks); `kiln registry
+    /// trainers` lists them.
     #[arg(long)]
     task: String,
     /// The backend: candle (default) or mlx (feature `mlx`).
@@ -128,6 +129,7 @@ impl Args for FieldArgs {
                 Kind::Bool => "BOOL",
                 Kind::Text => "NAME",
                 Kind::List => "A,B",
+                Kind::Numbers => "X,Y",
             };
             cmd = cmd.arg(
                 clap::Arg::new(f.name)
@@ -333,6 +335,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         key: match args.task.as_str() {
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "sft" => &["mean_token_accuracy"],
+            "grpo" => &["reward", "reward_std", "completions/mean_length"],
             _ => &[],
         },
     };

@@ -137,6 +137,19 @@ def write_data():
     with open(os.path.join(DATA, "kto.jsonl"), "w") as f:
         for r in kto:
             f.write(json.dumps(r) + "\n")
+    with open(os.path.join(DATA, "grpo.jsonl"), "w") as f:
+        for a, b in [(1, 2), (3, 4), (5, 2), (7, 1), (2, 2), (6, 3), (4, 4), (9, 0), (8, 1), (0, 5)]:
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+
+
+def exact_match(prompts, completions, answer, **kwargs):
+    """kiln's built-in `exact_match`: 1 when the answer appears in the completion."""
+    return [1.0 if str(a).strip() in c else 0.0 for a, c in zip(answer, completions)]
+
+
+def count_digits(prompts, completions, **kwargs):
+    """The `count_digits` reward tests/train.rs registers with #[reward]."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
 class Record(TrainerCallback):
@@ -179,6 +192,23 @@ def run(task, model_dir, data, adapter=None, **overrides):
         common.setdefault("loss_type", "simpo")
         trainer = CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=ds, processing_class=tok,
                              callbacks=[rec])
+    elif task == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+        funcs = {"exact_match": exact_match, "count_digits": count_digits}
+        names = common.pop("reward_funcs")
+        trainer = GRPOTrainer(model=model, args=GRPOConfig(**common), train_dataset=ds, processing_class=tok,
+                              reward_funcs=[funcs[n] for n in names], callbacks=[rec])
+        generated = []
+        original = trainer._generate_single_turn
+
+        def record(prompt_ids, images, multimodal_fields):
+            out = original(prompt_ids, images, multimodal_fields)
+            generated.append([list(map(int, c)) for c in out[0]])
+            return out
+
+        trainer._generate_single_turn = record
+        trainer.train()
+        return rec.logs, generated
     elif task == "kto":
         from trl.experimental.kto import KTOConfig, KTOTrainer
         trainer = KTOTrainer(model=model, args=KTOConfig(**common), train_dataset=ds, processing_class=tok,
@@ -186,7 +216,7 @@ def run(task, model_dir, data, adapter=None, **overrides):
     else:
         raise SystemExit(f"unknown task {task}")
     trainer.train()
-    return rec.logs
+    return rec.logs, None
 
 
 def main():
@@ -217,6 +247,21 @@ def main():
         "kto-apo-precompute": ("kto", d("kto.jsonl"), None, dict(learning_rate=1e-3, loss_type="apo_zero_unpaired",
                                                                  precompute_ref_log_probs=True,
                                                                  gradient_accumulation_steps=2)),
+        "grpo-dapo": ("grpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
+            temperature=0.7, shuffle_dataset=False, reward_funcs=["exact_match", "count_digits"],
+            reward_weights=[1.0, 0.5], max_steps=4)),
+        "grpo-beta": ("grpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+            shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="grpo", beta=0.04, max_steps=4)),
+        "grpo-lora": ("grpo", d("grpo.jsonl"), adapter, dict(
+            learning_rate=1e-2, num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
+            shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="bnpo", scale_rewards="batch",
+            max_steps=4)),
+        "grpo-dr": ("grpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
+            shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",
+            max_steps=4)),
     }
     only = sys.argv[1:]
     out = {}
@@ -225,8 +270,11 @@ def main():
     for name, (task, data, ad, over) in runs.items():
         if only and name not in only:
             continue
+        logs, generated = run(task, model_dir, data, ad, **dict(over))
         out[name] = {"task": task, "data": os.path.relpath(data, HERE), "adapter": ad is not None,
-                     "settings": {k: v for k, v in over.items()}, "logs": run(task, model_dir, data, ad, **over)}
+                     "settings": {k: v for k, v in over.items()}, "logs": logs}
+        if generated is not None:
+            out[name]["completions"] = generated
         print(name, [round(l["loss"], 6) for l in out[name]["logs"]], flush=True)
     import peft, transformers, trl
     out["_versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,

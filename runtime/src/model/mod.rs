@@ -15,6 +15,7 @@ pub mod calib;
 mod config;
 pub mod eval;
 pub mod for_export;
+pub mod generate;
 pub mod load;
 pub mod lora;
 pub mod verify;
@@ -226,6 +227,58 @@ pub trait Observer {
 
 /// An observer that looks at nothing.
 pub struct NoObserver;
+
+/// One attention layer's cached keys and values `[batch, kv_heads, positions, head_dim]`.
+#[derive(Debug, Clone, Default)]
+pub struct LayerCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+/// The keys and values of every position run so far, per layer (generation).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keeps only the rows `rows` of the batch (sequences that are still generating).
+    pub fn select_rows(&mut self, rows: &Tensor) -> Result<(), ModelError> {
+        for l in &mut self.layers {
+            if let (Some(k), Some(v)) = (&l.k, &l.v) {
+                l.k = Some(k.index_select(rows, 0)?);
+                l.v = Some(v.index_select(rows, 0)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Repeats every row `n` times (one prompt's cache for `n` samples).
+    pub fn repeat_rows(&mut self, n: usize) -> Result<(), ModelError> {
+        for l in &mut self.layers {
+            if let (Some(k), Some(v)) = (&l.k, &l.v) {
+                let idx: Vec<u32> = (0..k.dim(0)? as u32)
+                    .flat_map(|r| std::iter::repeat_n(r, n))
+                    .collect();
+                let idx = Tensor::from_vec(idx, n * k.dim(0)?, k.device())?;
+                l.k = Some(k.index_select(&idx, 0)?);
+                l.v = Some(v.index_select(&idx, 0)?);
+            }
+        }
+        Ok(())
+    }
+}
 
 impl Observer for NoObserver {
     fn linear_input(&mut self, _module: &str, _x: &Tensor) -> Result<(), ModelError> {
@@ -602,20 +655,61 @@ impl DecoderModel {
     /// `attention_mask`). The logits of real tokens equal an unpadded run's; those of padding
     /// positions are what transformers computes there.
     pub fn forward_padded(&self, ids: &Tensor, lengths: &[usize]) -> Result<Tensor, ModelError> {
+        let t = ids.dim(1)?;
+        let attention: Vec<Vec<bool>> = lengths
+            .iter()
+            .map(|&len| (0..t).map(|j| j < len).collect())
+            .collect();
+        self.forward_masked(ids, &attention)
+    }
+
+    /// [`DecoderModel::forward`] with transformers' `attention_mask`: `attention[i][j]` false
+    /// hides token `j` of row `i` from every query (padding on either side; positions are
+    /// `0..seq` whatever the padding, as transformers numbers them without `position_ids`).
+    /// Hidden keys get the most negative finite score, as transformers masks, so a query
+    /// that sees only padding stays finite.
+    pub fn forward_masked(
+        &self,
+        ids: &Tensor,
+        attention: &[Vec<bool>],
+    ) -> Result<Tensor, ModelError> {
         let (b, t) = ids.dims2()?;
-        if lengths.len() != b {
+        if attention.len() != b || attention.iter().any(|r| r.len() != t) {
             return Err(ModelError::Config(format!(
-                "{} lengths for a batch of {b}",
-                lengths.len()
+                "an attention mask of {} rows for a batch of {b} × {t}",
+                attention.len()
             )));
         }
-        let mut m = Vec::with_capacity(b * t);
-        for &len in lengths {
-            m.extend((0..t).map(|j| if j < len { 0f32 } else { f32::NEG_INFINITY }));
-        }
-        let dtype = self.dtype();
-        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(dtype)?;
+        let m: Vec<f32> = attention
+            .iter()
+            .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
+            .collect();
+        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
         self.forward_inner(ids, Some(&mask), &mut NoObserver)
+    }
+
+    /// An empty key/value cache for [`DecoderModel::forward_cached`].
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: (0..self.config.layers)
+                .map(|_| LayerCache::default())
+                .collect(),
+            len: 0,
+        }
+    }
+
+    /// The logits `[batch, new, vocab]` of `ids` `[batch, new]` placed after the positions
+    /// `cache` holds, whose keys and values it then also holds: generation one token at a
+    /// time after one pass over the prompt. Equal to the matching rows of a full forward.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor, ModelError> {
+        let mut h = self.embed(ids)?;
+        let t = h.dim(1)?;
+        let rope = self.rope_tables_from(cache.len, t, h.dtype())?;
+        for (layer, lc) in cache.layers.iter_mut().enumerate() {
+            h = self.layer_masked(&h, layer, &rope, None, Some(lc), &mut NoObserver)?;
+        }
+        cache.len += t;
+        self.head(&h, &mut NoObserver)
     }
 
     fn dtype(&self) -> DType {
@@ -634,7 +728,7 @@ impl DecoderModel {
         let mut h = self.embed(ids)?;
         let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
         for layer in 0..self.config.layers {
-            h = self.layer_masked(&h, layer, &rope, key_mask, observer)?;
+            h = self.layer_masked(&h, layer, &rope, key_mask, None, observer)?;
         }
         self.head(&h, observer)
     }
@@ -664,7 +758,7 @@ impl DecoderModel {
         rope: &(Tensor, Tensor),
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
-        self.layer_masked(h, layer, rope, None, observer)
+        self.layer_masked(h, layer, rope, None, None, observer)
     }
 
     fn layer_masked(
@@ -673,12 +767,13 @@ impl DecoderModel {
         layer: usize,
         (cos, sin): &(Tensor, Tensor),
         key_mask: Option<&Tensor>,
+        cache: Option<&mut LayerCache>,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let (c, w) = (&self.config, &self.weights);
         let p = format!("model.layers.{layer}");
         let x = rms_norm(h, w.get(&format!("{p}.input_layernorm.weight"))?, c.eps)?;
-        let h = (h + self.attention(&x, &p, layer, cos, sin, key_mask, observer)?)?;
+        let h = (h + self.attention(&x, &p, layer, cos, sin, key_mask, cache, observer)?)?;
         let x = rms_norm(
             &h,
             w.get(&format!("{p}.post_attention_layernorm.weight"))?,
@@ -721,12 +816,22 @@ impl DecoderModel {
 
     /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
     pub fn rope_tables(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
+        self.rope_tables_from(0, t, dtype)
+    }
+
+    /// `cos`, `sin` `[t, head_dim]` for positions `start..start + t`.
+    pub fn rope_tables_from(
+        &self,
+        start: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor), ModelError> {
         let inv = self.config.inv_freq();
         let scale = self.config.rope_attention_factor();
         let hd = self.config.head_dim;
         let mut cos = Vec::with_capacity(t * hd);
         let mut sin = Vec::with_capacity(t * hd);
-        for pos in 0..t {
+        for pos in start..start + t {
             // transformers: freqs = pos · inv_freq in f32, emb = cat(freqs, freqs).
             for _ in 0..2 {
                 for &f in &inv {
@@ -753,6 +858,7 @@ impl DecoderModel {
         cos: &Tensor,
         sin: &Tensor,
         key_mask: Option<&Tensor>,
+        cache: Option<&mut LayerCache>,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
         let c = &self.config;
@@ -783,17 +889,33 @@ impl DecoderModel {
         let v = proj("v_proj", nkv)?;
         observer.key_value(&a, &k, &v)?;
         let (k, v) = self.act.key_value(&a, k, v)?;
+        // With a cache, the new keys and values join those of the earlier positions.
+        let (k, v) = match cache {
+            Some(cache) => {
+                let (k, v) = match (&cache.k, &cache.v) {
+                    (Some(pk), Some(pv)) => {
+                        (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
+                    }
+                    _ => (k, v),
+                };
+                cache.k = Some(k.clone());
+                cache.v = Some(v.clone());
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let tk = k.dim(2)?;
         let repeat = |x: Tensor| -> Result<Tensor, ModelError> {
             if nh == nkv {
                 return Ok(x);
             }
             Ok(x.unsqueeze(2)?
-                .expand((b, nkv, nh / nkv, t, hd))?
-                .reshape((b, nh, t, hd))?)
+                .expand((b, nkv, nh / nkv, tk, hd))?
+                .reshape((b, nh, tk, hd))?)
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let mask = self.mask(t, c.sliding_window_of(layer), scores.dtype())?;
+        let scores = (q.contiguous()?.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let mask = self.mask(t, tk, c.sliding_window_of(layer), scores.dtype())?;
         let scores = scores.broadcast_add(&mask)?;
         let scores = match key_mask {
             Some(k) => scores.broadcast_add(k)?,
@@ -806,7 +928,7 @@ impl DecoderModel {
                     .to_dtype(scores.dtype())?
                     .reshape((1, nh, 1, 1))?
                     .expand((b, nh, t, 1))?;
-                softmax(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?.narrow(D::Minus1, 0, t)?
+                softmax(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?.narrow(D::Minus1, 0, tk)?
             }
             None => softmax(&scores)?,
         };
@@ -818,18 +940,27 @@ impl DecoderModel {
         self.linear_at(&format!("{a}.o_proj"), &o, true)
     }
 
-    /// The causal mask `[seq, seq]` (−∞ above the diagonal and, with a sliding window, at
-    /// `window` or more positions back).
-    fn mask(&self, t: usize, window: Option<usize>, dtype: DType) -> Result<Tensor, ModelError> {
-        let m: Vec<f32> = (0..t)
+    /// The causal mask `[tq, tk]` of `tq` new queries after `tk − tq` cached positions (−∞
+    /// where a key is later than the query and, with a sliding window, `window` or more
+    /// positions back).
+    fn mask(
+        &self,
+        tq: usize,
+        tk: usize,
+        window: Option<usize>,
+        dtype: DType,
+    ) -> Result<Tensor, ModelError> {
+        let start = tk - tq;
+        let m: Vec<f32> = (0..tq)
             .flat_map(|i| {
-                (0..t).map(move |j| {
+                let i = start + i;
+                (0..tk).map(move |j| {
                     let hidden = j > i || window.is_some_and(|w| i - j >= w);
                     if hidden { f32::NEG_INFINITY } else { 0.0 }
                 })
             })
             .collect();
-        Ok(Tensor::from_vec(m, (t, t), &self.device)?.to_dtype(dtype)?)
+        Ok(Tensor::from_vec(m, (tq, tk), &self.device)?.to_dtype(dtype)?)
     }
 
     fn dense_mlp(

@@ -7,6 +7,7 @@
 
 use super::architectures::ArchitectureEntry;
 use super::exporters::ExporterEntry;
+use super::rewards::RewardEntry;
 use super::trainers::TrainerEntry;
 
 #[cfg(not(feature = "inventory"))]
@@ -24,6 +25,14 @@ mod imp {
     /// Every `#[architecture]` entry linked into the program.
     #[linkme::distributed_slice]
     pub static ARCHITECTURES: [ArchitectureEntry];
+
+    /// Every `#[reward]` entry linked into the program.
+    #[linkme::distributed_slice]
+    pub static REWARDS: [RewardEntry];
+
+    pub(crate) fn rewards() -> Vec<RewardEntry> {
+        REWARDS.to_vec()
+    }
 
     pub(crate) fn exporters() -> Vec<ExporterEntry> {
         EXPORTERS.to_vec()
@@ -43,6 +52,14 @@ mod imp {
     inventory::collect!(ExporterEntry);
     inventory::collect!(TrainerEntry);
     inventory::collect!(ArchitectureEntry);
+    inventory::collect!(RewardEntry);
+
+    pub(crate) fn rewards() -> Vec<RewardEntry> {
+        inventory::iter::<RewardEntry>
+            .into_iter()
+            .cloned()
+            .collect()
+    }
 
     pub(crate) fn exporters() -> Vec<ExporterEntry> {
         inventory::iter::<ExporterEntry>
@@ -65,8 +82,8 @@ mod imp {
 }
 
 #[cfg(not(feature = "inventory"))]
-pub use imp::{ARCHITECTURES, EXPORTERS, TRAINERS};
-pub(crate) use imp::{architectures, exporters, trainers};
+pub use imp::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS};
+pub(crate) use imp::{architectures, exporters, rewards, trainers};
 
 /// The collection mechanism this build uses: "linkme" or "inventory".
 pub const MECHANISM: &str = if cfg!(feature = "inventory") {

@@ -13,6 +13,7 @@
 pub mod architectures;
 pub mod collect;
 pub mod exporters;
+pub mod rewards;
 pub mod trainers;
 
 use std::any::TypeId;
@@ -233,6 +234,19 @@ pub enum RegistryIssue {
         /// Where the second entry is declared.
         second_at: SourceLocation,
     },
+    /// Two reward functions share one name.
+    RewardConflict {
+        /// The name.
+        name: String,
+        /// The first function's path.
+        first: String,
+        /// Where it is declared.
+        first_at: SourceLocation,
+        /// The second function's path.
+        second: String,
+        /// Where it is declared.
+        second_at: SourceLocation,
+    },
     /// Two architectures claim one `config.json` architecture name.
     ArchitectureConflict {
         /// The `config.json` architecture name.
@@ -298,6 +312,17 @@ impl fmt::Display for RegistryIssue {
                 f,
                 "two trainers for task '{task}' on backend '{backend}': `{first}` ({first_at}) and \
                  `{second}` ({second_at}); mark one `replaces = <the other>`"
+            ),
+            RegistryIssue::RewardConflict {
+                name,
+                first,
+                first_at,
+                second,
+                second_at,
+            } => write!(
+                f,
+                "two reward functions named '{name}': `{first}` ({first_at}) and `{second}` \
+                 ({second_at}); rename one"
             ),
             RegistryIssue::ArchitectureConflict {
                 name,

@@ -19,6 +19,9 @@ pub enum DataFormat {
     Preference,
     /// `{"prompt", "completion", "label"}`: an unpaired completion marked desirable or not.
     Unpaired,
+    /// `{"prompt", …}`: a prompt alone (GRPO samples the completions); the other columns
+    /// (`answer`, …) go to the reward functions.
+    Prompt,
 }
 
 impl DataFormat {
@@ -30,6 +33,7 @@ impl DataFormat {
             DataFormat::Messages => &["messages"],
             DataFormat::Preference => &["prompt", "chosen", "rejected"],
             DataFormat::Unpaired => &["prompt", "completion", "label"],
+            DataFormat::Prompt => &["prompt"],
         }
     }
 
@@ -41,6 +45,8 @@ impl DataFormat {
             DataFormat::Unpaired
         } else if has("prompt") && has("completion") {
             DataFormat::PromptCompletion
+        } else if has("prompt") {
+            DataFormat::Prompt
         } else if has("messages") {
             DataFormat::Messages
         } else if has("text") {

@@ -19,6 +19,8 @@ pub enum Kind {
     Text,
     /// A list of strings (comma-separated on the command line).
     List,
+    /// A list of numbers (comma-separated on the command line).
+    Numbers,
 }
 
 /// One setting.
@@ -35,14 +37,112 @@ pub struct Field {
 }
 
 const SFT: &[&str] = &["sft"];
-const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto"];
-const LOSS: &[&str] = &["dpo", "simpo", "kto"];
+const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo"];
+const LOSS: &[&str] = &["dpo", "simpo", "kto", "grpo"];
 const REF: &[&str] = &["dpo", "kto"];
 const KTO: &[&str] = &["kto"];
+const GRPO: &[&str] = &["grpo"];
 const SIMPO: &[&str] = &["simpo"];
 
 /// Every setting `kiln train` takes.
 pub const FIELDS: &[Field] = &[
+    f(
+        "num_generations",
+        Kind::Int,
+        GRPO,
+        "Completions sampled per prompt [8]",
+    ),
+    f(
+        "max_completion_length",
+        Kind::Int,
+        GRPO,
+        "Most tokens per completion [256]",
+    ),
+    f(
+        "temperature",
+        Kind::Float,
+        GRPO,
+        "Sampling temperature (also divides the logits in the loss) [1]",
+    ),
+    f("top_p", Kind::Float, GRPO, "Nucleus sampling mass [1]"),
+    f(
+        "top_k",
+        Kind::Int,
+        GRPO,
+        "Sample among the k most likely tokens; 0 = all [0]",
+    ),
+    f(
+        "min_p",
+        Kind::Float,
+        GRPO,
+        "Drop tokens less likely than this times the most likely [off]",
+    ),
+    f(
+        "repetition_penalty",
+        Kind::Float,
+        GRPO,
+        "Penalty on tokens already present [1]",
+    ),
+    f(
+        "epsilon",
+        Kind::Float,
+        GRPO,
+        "Lower clip of the probability ratio [0.2]",
+    ),
+    f(
+        "epsilon_high",
+        Kind::Float,
+        GRPO,
+        "Upper clip of the ratio [= epsilon]",
+    ),
+    f(
+        "delta",
+        Kind::Float,
+        GRPO,
+        "Upper bound on the unclipped ratio (two-sided clipping) [off]",
+    ),
+    f(
+        "scale_rewards",
+        Kind::Text,
+        GRPO,
+        "Divide advantages by the group's std (group), the batch's (batch) or not (none) [group]",
+    ),
+    f(
+        "reward_funcs",
+        Kind::List,
+        GRPO,
+        "Reward functions by name; `kiln registry rewards` lists them [exact_match]",
+    ),
+    f(
+        "reward_weights",
+        Kind::Numbers,
+        GRPO,
+        "One weight per reward function [1 each]",
+    ),
+    f(
+        "mask_truncated_completions",
+        Kind::Bool,
+        GRPO,
+        "Leave completions that hit the length limit out of the loss [false]",
+    ),
+    f(
+        "answer_column",
+        Kind::Text,
+        GRPO,
+        "The column exact_match compares with [answer]",
+    ),
+    f(
+        "reward_regex",
+        Kind::Text,
+        GRPO,
+        "The pattern of the `regex` reward",
+    ),
+    f(
+        "reward_length_target",
+        Kind::Int,
+        GRPO,
+        "Completion tokens the `length` reward allows before its penalty [128]",
+    ),
     f(
         "learning_rate",
         Kind::Float,
@@ -165,7 +265,7 @@ pub const FIELDS: &[Field] = &[
         "loss_type",
         Kind::Text,
         LOSS,
-        "dpo: sigmoid, hinge or ipo [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]; kto: kto or apo_zero_unpaired [kto]",
+        "dpo: sigmoid, hinge or ipo [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]; kto: kto or apo_zero_unpaired [kto]; grpo: dapo, grpo, bnpo or dr_grpo [dapo]",
     ),
     f(
         "desirable_weight",
@@ -277,6 +377,16 @@ pub fn parse_flag(field: &Field, text: &str) -> Result<Value, TrainError> {
                 .map(|s| Value::String(s.trim().to_string()))
                 .collect(),
         ),
+        Kind::Numbers => Value::Array(
+            text.split(',')
+                .map(|s| {
+                    s.trim()
+                        .parse::<f64>()
+                        .map(Value::from)
+                        .map_err(|_| err("a list of numbers"))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
     })
 }
 
@@ -362,7 +472,12 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
                 Kind::Int => value.is_u64(),
                 Kind::Bool => value.is_boolean(),
                 Kind::Text => value.is_string(),
-                Kind::List => value.is_array(),
+                Kind::List => value
+                    .as_array()
+                    .is_some_and(|a| a.iter().all(Value::is_string)),
+                Kind::Numbers => value
+                    .as_array()
+                    .is_some_and(|a| a.iter().all(Value::is_number)),
             };
             if !ok {
                 return Err(want(match fld.kind {
@@ -370,7 +485,8 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
                     Kind::Int => "a non-negative integer",
                     Kind::Bool => "true or false",
                     Kind::Text => "a string",
-                    Kind::List => "a list",
+                    Kind::List => "a list of strings",
+                    Kind::Numbers => "a list of numbers",
                 }));
             }
             config.task_options.insert(name.to_string(), value.clone());

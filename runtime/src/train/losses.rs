@@ -390,3 +390,213 @@ pub fn kto_window(window: &BTreeMap<String, (f64, usize)>) -> BTreeMap<String, f
     }
     out
 }
+
+/// How GRPO's per-token losses become one loss (TRL's `GRPOConfig.loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpoLoss {
+    /// The sum over every completion token of the whole generation batch, over its count.
+    Dapo,
+    /// Each sequence's token mean, averaged over sequences.
+    Grpo,
+    /// The micro-batch's token mean.
+    Bnpo,
+    /// The sum over `batch × max_completion_length`.
+    DrGrpo,
+}
+
+impl GrpoLoss {
+    /// Every accepted name.
+    pub const NAMES: &'static [&'static str] = &["dapo", "grpo", "bnpo", "dr_grpo"];
+
+    /// The variant named `name`.
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "dapo" => GrpoLoss::Dapo,
+            "grpo" => GrpoLoss::Grpo,
+            "bnpo" => GrpoLoss::Bnpo,
+            "dr_grpo" => GrpoLoss::DrGrpo,
+            _ => return None,
+        })
+    }
+}
+
+/// GRPO's settings (TRL's `GRPOConfig`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GrpoSettings {
+    /// The aggregation.
+    pub kind: GrpoLoss,
+    /// Lower clip: the ratio is kept above `1 − epsilon`.
+    pub epsilon: f64,
+    /// Upper clip: below `1 + epsilon_high`.
+    pub epsilon_high: f64,
+    /// Two-sided clipping's upper bound on the unclipped ratio, when set.
+    pub delta: Option<f64>,
+    /// The weight of the k3 KL to the reference (0: none, TRL's default).
+    pub beta: f64,
+    /// `max_completion_length` (`dr_grpo`'s normaliser).
+    pub max_completion_length: usize,
+    /// Completion tokens in the whole generation batch (`dapo`'s normaliser).
+    pub num_items: f64,
+}
+
+/// The inputs of one GRPO micro-batch: per-token log-probabilities of the completions under
+/// the policy (and, when β > 0, the reference), the completion mask and each row's
+/// advantage.
+pub struct GrpoInputs<'a, T> {
+    /// `log π(token)` `[rows, tokens]` (temperature-scaled logits, as TRL).
+    pub logps: &'a T,
+    /// The log-probs the completions were sampled with (`None`: the policy's own, detached —
+    /// one optimisation pass per generation).
+    pub old_logps: Option<&'a T>,
+    /// The reference's log-probs, needed when β > 0.
+    pub ref_logps: Option<&'a T>,
+    /// Completion mask `[rows, tokens]`.
+    pub mask: &'a T,
+    /// The mask on the host.
+    pub mask_host: &'a [Vec<f32>],
+    /// Each row's advantage.
+    pub advantages: &'a [f64],
+}
+
+/// GRPO (TRL's `GRPOTrainer._compute_loss`, token-level importance sampling): per token
+/// `−min(ρ·A, clip(ρ, 1 − ε, 1 + ε_high)·A) + β·(e^{r−p} − (r − p) − 1)` with
+/// `ρ = e^{p − p_old}`, aggregated as `settings.kind` says (the division by the number of
+/// micro-batches, for every kind but `dapo`, is the training loop's). Logs `kl` (β > 0),
+/// `clip_ratio/low_mean`, `clip_ratio/low_min`, `clip_ratio/high_mean`,
+/// `clip_ratio/high_max`, `clip_ratio/region_mean`.
+pub fn grpo<O: TensorOps>(
+    ops: &O,
+    s: GrpoSettings,
+    x: &GrpoInputs<'_, O::T>,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let rows = x.advantages.len();
+    let old = match x.old_logps {
+        Some(o) => o.clone(),
+        None => ops.detach(x.logps),
+    };
+    let coef1 = ops.exp(&ops.sub(x.logps, &old)?)?;
+    let coef2 = ops.clamp(&coef1, 1.0 - s.epsilon, 1.0 + s.epsilon_high)?;
+    let coef1_used = match s.delta {
+        Some(d) => ops.clamp(&coef1, f64::MIN, d)?,
+        None => coef1.clone(),
+    };
+    let adv = ops.tensor(x.advantages, &[rows, 1])?;
+    let l1 = ops.mul(&coef1_used, &adv)?;
+    let l2 = ops.mul(&coef2, &adv)?;
+    let mut per_token = ops.affine(&ops.minimum(&l1, &l2)?, -1.0, 0.0)?;
+    let mut kl_tokens = None;
+    if s.beta != 0.0 {
+        let r = x.ref_logps.expect("reference log-probs when beta > 0");
+        let d = ops.sub(r, x.logps)?;
+        let kl = ops.affine(&ops.sub(&ops.exp(&d)?, &d)?, 1.0, -1.0)?;
+        per_token = ops.add(&per_token, &ops.affine(&kl, s.beta, 0.0)?)?;
+        kl_tokens = Some(kl);
+    }
+    let masked = ops.mul(&per_token, x.mask)?;
+    let counts: Vec<f64> = x
+        .mask_host
+        .iter()
+        .map(|r| r.iter().map(|&m| f64::from(m)).sum())
+        .collect();
+    let total: f64 = counts.iter().sum();
+    let loss = match s.kind {
+        GrpoLoss::Grpo => {
+            let per_row = ops.div(
+                &ops.sum_last(&masked)?,
+                &ops.tensor(
+                    &counts.iter().map(|c| c.max(1.0)).collect::<Vec<_>>(),
+                    &[rows],
+                )?,
+            )?;
+            ops.mean_all(&per_row)?
+        }
+        GrpoLoss::Bnpo => ops.affine(&ops.sum_all(&masked)?, 1.0 / total.max(1.0), 0.0)?,
+        GrpoLoss::DrGrpo => ops.affine(
+            &ops.sum_all(&masked)?,
+            1.0 / (rows * s.max_completion_length) as f64,
+            0.0,
+        )?,
+        GrpoLoss::Dapo => ops.affine(&ops.sum_all(&masked)?, 1.0 / s.num_items, 0.0)?,
+    };
+    // Clipping figures, as TRL computes them (masked token means over the micro-batch).
+    let c1 = ops.to_f64(&ops.detach(&coef1))?;
+    let width = x.mask_host.first().map_or(0, Vec::len);
+    let (mut low, mut high, mut region) = (0f64, 0f64, 0f64);
+    for r in 0..rows {
+        let a = x.advantages[r];
+        for t in 0..width {
+            let m = f64::from(x.mask_host[r][t]);
+            let c = c1[r * width + t];
+            let is_low = c < 1.0 - s.epsilon && a < 0.0;
+            let is_high = c > 1.0 + s.epsilon_high && a > 0.0;
+            low += m * f64::from(u8::from(is_low));
+            high += m * f64::from(u8::from(is_high));
+            region += m * f64::from(u8::from(is_low || is_high));
+        }
+    }
+    let n = total.max(1.0);
+    let mut metrics = BTreeMap::from([
+        ("clip_ratio/low_mean".to_string(), low / n),
+        ("clip_ratio/low_min".to_string(), low / n),
+        ("clip_ratio/high_mean".to_string(), high / n),
+        ("clip_ratio/high_max".to_string(), high / n),
+        ("clip_ratio/region_mean".to_string(), region / n),
+    ]);
+    if let Some(kl) = kl_tokens {
+        let v = ops.to_f64(&ops.detach(&kl))?;
+        let sum: f64 = x
+            .mask_host
+            .iter()
+            .flatten()
+            .zip(&v)
+            .map(|(m, k)| f64::from(*m) * k)
+            .sum();
+        metrics.insert("kl".into(), sum / n);
+    }
+    Ok(LossOutput { loss, metrics })
+}
+
+/// GRPO's advantages (TRL's `sum_then_normalize`): each completion's weighted reward sum
+/// minus its group's mean, over the group's standard deviation (unbiased) + 1e-4 with
+/// `scale_rewards = "group"`, over the whole batch's with `"batch"`, not divided with
+/// `"none"`. `rewards[i][f]` is function `f`'s reward of completion `i` (NaN: not
+/// applicable); groups are `group` consecutive completions. Also returns each group's
+/// standard deviation (for `frac_reward_zero_std`).
+pub fn grpo_advantages(
+    rewards: &[Vec<f64>],
+    weights: &[f64],
+    group: usize,
+    scale: &str,
+) -> (Vec<f64>, Vec<f64>) {
+    let total: Vec<f64> = rewards
+        .iter()
+        .map(|r| {
+            r.iter()
+                .zip(weights)
+                .map(|(v, w)| v * w)
+                .filter(|v| !v.is_nan())
+                .sum()
+        })
+        .collect();
+    let std = |v: &[f64]| -> f64 {
+        let n = v.len() as f64;
+        if v.len() < 2 {
+            return 0.0;
+        }
+        let m = v.iter().sum::<f64>() / n;
+        (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1.0)).sqrt()
+    };
+    let batch_std = std(&total);
+    let mut adv = Vec::with_capacity(total.len());
+    let mut stds = Vec::with_capacity(total.len());
+    for g in total.chunks(group.max(1)) {
+        let mean = g.iter().sum::<f64>() / g.len() as f64;
+        let sd = if scale == "batch" { batch_std } else { std(g) };
+        for &r in g {
+            let a = r - mean;
+            adv.push(if scale == "none" { a } else { a / (sd + 1e-4) });
+            stds.push(sd);
+        }
+    }
+    (adv, stds)
+}

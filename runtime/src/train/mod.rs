@@ -11,6 +11,7 @@ pub mod data;
 pub mod fields;
 pub mod losses;
 pub mod ops;
+pub mod rewards;
 pub mod schedule;
 
 use serde::{Deserialize, Serialize};

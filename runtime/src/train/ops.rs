@@ -36,6 +36,8 @@ pub trait TensorOps {
     fn relu(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `log(1 − eᵃ)` for `a < 0`, accurate near 0 too (ORPO's odds).
     fn log1mexp(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
+    /// The element-wise minimum of `a` and `b` (a tie splits the gradient evenly).
+    fn minimum(&self, a: &Self::T, b: &Self::T) -> Result<Self::T, Self::Error>;
     /// `a²`.
     fn sqr(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `eᵃ`.

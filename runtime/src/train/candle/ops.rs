@@ -70,6 +70,9 @@ impl TensorOps for CandleOps {
         let x = a.to_dtype(DType::F64)?;
         x.exp()?.neg()?.affine(1.0, 1.0)?.log()?.to_dtype(dtype)
     }
+    fn minimum(&self, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        a.broadcast_minimum(b)
+    }
     fn sqr(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.sqr()
     }

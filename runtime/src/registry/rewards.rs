@@ -1,0 +1,119 @@
+//! The reward registry: named reward functions for GRPO, registered with
+//! `#[reward(name = "...")]` on a function in any crate and chosen with `reward_funcs`.
+
+use super::{EntryMeta, Registry, RegistryEntry, RegistryError, RegistryIssue};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// What a reward function sees of one completion.
+#[derive(Debug, Clone, Copy)]
+pub struct RewardInput<'a> {
+    /// The prompt text.
+    pub prompt: &'a str,
+    /// The completion text (special tokens dropped).
+    pub completion: &'a str,
+    /// The completion's token ids (the EOS included when it stopped there).
+    pub completion_ids: &'a [u32],
+    /// Every column of the example (`answer`, …).
+    pub example: &'a serde_json::Map<String, serde_json::Value>,
+    /// The run's task settings (a reward's own parameters: `reward_regex`, …).
+    pub options: &'a serde_json::Map<String, serde_json::Value>,
+}
+
+/// A reward: a score for one completion, or `None` where it does not apply (TRL's `None`,
+/// averaged over as NaN).
+pub type RewardFn = fn(&RewardInput<'_>) -> Option<f64>;
+
+/// One registered reward function.
+#[derive(Clone)]
+pub struct RewardEntry {
+    /// Identity and source location.
+    pub meta: EntryMeta,
+    /// The name users give in `reward_funcs`.
+    pub name: Cow<'static, str>,
+    /// The function.
+    pub func: RewardFn,
+}
+
+impl fmt::Debug for RewardEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RewardEntry")
+            .field("path", &self.meta.path)
+            .field("name", &self.name)
+            .field("location", &self.meta.location)
+            .finish()
+    }
+}
+
+/// The registered reward functions, by name.
+#[derive(Debug, Clone)]
+pub struct RewardRegistry {
+    core: Registry<RewardEntry>,
+    by_name: BTreeMap<String, usize>,
+}
+
+impl RegistryEntry for RewardEntry {
+    const KIND: &'static str = "reward";
+    type Registry = RewardRegistry;
+
+    fn meta(&self) -> &EntryMeta {
+        &self.meta
+    }
+    fn meta_mut(&mut self) -> &mut EntryMeta {
+        &mut self.meta
+    }
+    fn collected() -> Vec<Self> {
+        super::collect::rewards()
+    }
+    fn assemble(entries: Vec<Self>) -> Result<RewardRegistry, Vec<RegistryIssue>> {
+        let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
+        let mut issues = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            if let Some(&first) = by_name.get(e.name.as_ref()) {
+                let f = &entries[first].meta;
+                issues.push(RegistryIssue::RewardConflict {
+                    name: e.name.to_string(),
+                    first: f.path.to_string(),
+                    first_at: f.location,
+                    second: e.meta.path.to_string(),
+                    second_at: e.meta.location,
+                });
+            } else {
+                by_name.insert(e.name.to_string(), i);
+            }
+        }
+        if issues.is_empty() {
+            Ok(RewardRegistry {
+                core: Registry::from_sorted(entries),
+                by_name,
+            })
+        } else {
+            Err(issues)
+        }
+    }
+}
+
+impl RewardRegistry {
+    /// The link-time registry, validated on first use.
+    pub fn try_global() -> Result<&'static RewardRegistry, &'static RegistryError> {
+        static GLOBAL: std::sync::LazyLock<Result<RewardRegistry, RegistryError>> =
+            std::sync::LazyLock::new(super::build_static::<RewardEntry>);
+        GLOBAL.as_ref()
+    }
+
+    /// Every entry, in registry order.
+    pub fn entries(&self) -> &[RewardEntry] {
+        self.core.entries()
+    }
+
+    /// The function named `name`.
+    pub fn get(&self, name: &str) -> Option<&RewardEntry> {
+        self.by_name.get(name).map(|&i| &self.entries()[i])
+    }
+
+    /// Every name, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.by_name.keys().map(String::as_str).collect()
+    }
+}
