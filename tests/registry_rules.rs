@@ -299,7 +299,6 @@ macro_rules! test_trainers {
 }
 
 test_trainers! {
-    CandleGrpo => "grpo" on "candle",
     CandlePpo => "ppo" on "candle",
     MlxSft => "sft" on "mlx",
     MlxDpo => "dpo" on "mlx",

@@ -534,7 +534,7 @@ mod tests {
         let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto)"
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo)"
         );
         let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
         assert_eq!(
