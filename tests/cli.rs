@@ -24,7 +24,7 @@ fn registry_json_lists_every_registry_and_the_collection_mechanism() {
         "linkme"
     };
     assert_eq!(doc["collection"], expected);
-    for kind in ["exporters", "trainers", "architectures"] {
+    for kind in ["exporters", "trainers", "architectures", "rewards"] {
         assert!(doc[kind].is_array(), "{kind} missing from {doc}");
     }
 }
@@ -36,7 +36,21 @@ fn registry_of_one_kind_prints_only_that_table() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.starts_with("trainers ("), "{text}");
     assert!(!text.contains("exporters ("), "{text}");
-    assert!(text.contains("backend candle:"), "{text}");
+    assert!(
+        text.contains("backend candle: dpo, grpo, kto, orpo, sft, simpo"),
+        "{text}"
+    );
+}
+
+#[test]
+fn registry_rewards_lists_the_built_in_reward_functions() {
+    let out = kiln(&["registry", "rewards"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.starts_with("rewards ("), "{text}");
+    for name in ["exact_match", "length", "regex"] {
+        assert!(text.contains(name), "{text}");
+    }
 }
 
 #[test]

@@ -1,17 +1,17 @@
-//! `kiln registry [exporters|trainers|architectures] [--json]`.
+//! `kiln registry [exporters|trainers|architectures|rewards] [--json]`.
 
 use super::table;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use kiln_runtime::registry::trainers::BUILTIN_BACKENDS;
 use kiln_runtime::registry::{EntryMeta, RegistryError, collect};
-use kiln_runtime::{ArchitectureRegistry, ExporterRegistry, TrainerRegistry};
+use kiln_runtime::{ArchitectureRegistry, ExporterRegistry, RewardRegistry, TrainerRegistry};
 use serde_json::{Value, json};
 use std::io::Write;
 
 #[derive(Debug, Args)]
 pub struct RegistryArgs {
-    /// Which registry to list (all three when omitted).
+    /// Which registry to list (all four when omitted).
     kind: Option<Kind>,
     /// Print JSON instead of tables.
     #[arg(long)]
@@ -23,6 +23,7 @@ enum Kind {
     Exporters,
     Trainers,
     Architectures,
+    Rewards,
 }
 
 /// Every validation error of the registries asked for.
@@ -38,12 +39,13 @@ impl std::fmt::Display for InvalidRegistries {
 
 impl std::error::Error for InvalidRegistries {}
 
-/// Validates the three registries; every error at once.
+/// Validates the four registries; every error at once.
 pub fn validate_all() -> Result<(), InvalidRegistries> {
     let errors: Vec<RegistryError> = [
         ExporterRegistry::try_global().err(),
         TrainerRegistry::try_global().err(),
         ArchitectureRegistry::try_global().err(),
+        RewardRegistry::try_global().err(),
     ]
     .into_iter()
     .flatten()
@@ -62,6 +64,10 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     let exporters = wants(Kind::Exporters).then(ExporterRegistry::try_global);
     let trainers = wants(Kind::Trainers).then(TrainerRegistry::try_global);
     let architectures = wants(Kind::Architectures).then(ArchitectureRegistry::try_global);
+    let rewards = wants(Kind::Rewards).then(RewardRegistry::try_global);
+    if let Some(Err(e)) = rewards {
+        errors.push(e.clone());
+    }
     if let Some(Err(e)) = exporters {
         errors.push(e.clone());
     }
@@ -77,6 +83,7 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     let exporters = exporters.and_then(Result::ok);
     let trainers = trainers.and_then(Result::ok);
     let architectures = architectures.and_then(Result::ok);
+    let rewards = rewards.and_then(Result::ok);
 
     if args.json {
         let mut doc = serde_json::Map::new();
@@ -89,6 +96,14 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
         }
         if let Some(r) = architectures {
             doc.insert("architectures".into(), architectures_json(r));
+        }
+        if let Some(r) = rewards {
+            let items = r.entries().iter().enumerate().map(|(i, e)| {
+                let mut o = common_json(i, &e.meta);
+                o.insert("name".into(), json!(e.name));
+                Value::Object(o)
+            });
+            doc.insert("rewards".into(), Value::Array(items.collect()));
         }
         writeln!(
             out,
@@ -107,6 +122,9 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     }
     if let Some(r) = architectures {
         sections.push(architectures_table(r));
+    }
+    if let Some(r) = rewards {
+        sections.push(rewards_table(r));
     }
     write!(out, "{}", sections.join("\n"))?;
     Ok(0)
@@ -293,5 +311,27 @@ fn architectures_table(r: &ArchitectureRegistry) -> String {
             &rows
         ),
         empty_note("architecture", rows.len())
+    )
+}
+
+fn rewards_table(r: &RewardRegistry) -> String {
+    let rows: Vec<Vec<String>> = r
+        .entries()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            vec![
+                i.to_string(),
+                e.name.to_string(),
+                e.meta.path.to_string(),
+                source(&e.meta),
+            ]
+        })
+        .collect();
+    format!(
+        "rewards ({})\n{}{}",
+        rows.len(),
+        table::render(&["#", "reward", "function", "source"], &rows),
+        empty_note("reward", rows.len())
     )
 }

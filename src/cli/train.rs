@@ -40,6 +40,11 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         "kto.jsonl",
         include_str!("../../examples/data/kto.jsonl"),
     ),
+    (
+        "grpo",
+        "grpo.jsonl",
+        include_str!("../../examples/data/grpo.jsonl"),
+    ),
 ];
 
 #[derive(Debug, Args)]
@@ -258,6 +263,8 @@ impl TrainObserver for CliObserver {
 }
 
 pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
+    // Route first: an unknown task or backend is reported before any work.
+    kiln_runtime::resolve_trainer(&TrainConfig::new(&args.task, &args.backend, "", ""))?;
     let _demo;
     let model = match &args.model {
         Some(m) => m.clone(),

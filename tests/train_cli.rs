@@ -1,0 +1,269 @@
+//! `kiln train` as a user runs it: every task on the tiny Llama with kiln's sample data, the
+//! metrics file, the TOML config, and mistakes refused by name.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn kiln(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .expect("run kiln")
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tiny() -> String {
+    root().join("tests/train/tiny/model").display().to_string()
+}
+
+fn data(name: &str) -> String {
+    root()
+        .join("examples/data")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Trains `task` for three steps and returns the metrics lines and the output folder.
+fn train(
+    task: &str,
+    file: &str,
+    extra: &[&str],
+) -> (Vec<serde_json::Value>, PathBuf, tempfile::TempDir) {
+    train_model(&tiny(), task, file, extra)
+}
+
+fn train_model(
+    model: &str,
+    task: &str,
+    file: &str,
+    extra: &[&str],
+) -> (Vec<serde_json::Value>, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = dir.path().join("m.jsonl");
+    let mut args = vec![
+        "train",
+        "--task",
+        task,
+        "--model",
+        model,
+        "--data",
+        &*Box::leak(data(file).into_boxed_str()),
+        "--out",
+        out.to_str().unwrap(),
+        "--metrics",
+        m.to_str().unwrap(),
+        "--max-steps",
+        "3",
+        "--per-device-train-batch-size",
+        "4",
+        "--learning-rate",
+        "1e-3",
+        "--quiet",
+    ];
+    args.extend_from_slice(extra);
+    let o = kiln(&args);
+    assert!(
+        o.status.success(),
+        "{task}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    assert!(
+        stdout.starts_with(&format!("{task} on candle: 3 steps")),
+        "{stdout}"
+    );
+    (metrics(&m), out, dir)
+}
+
+#[test]
+fn every_task_trains_on_the_tiny_model_and_writes_its_figures() {
+    let cases: &[(&str, &str, &[&str], &[&str])] = &[
+        (
+            "sft",
+            "sft.jsonl",
+            &[],
+            &["mean_token_accuracy", "entropy", "num_tokens"],
+        ),
+        (
+            "dpo",
+            "dpo.jsonl",
+            &[],
+            &[
+                "rewards/chosen",
+                "rewards/rejected",
+                "rewards/accuracies",
+                "rewards/margins",
+            ],
+        ),
+        (
+            "orpo",
+            "dpo.jsonl",
+            &[],
+            &["log_odds_ratio", "nll_loss", "rewards/margins"],
+        ),
+        (
+            "simpo",
+            "dpo.jsonl",
+            &[],
+            &["nll_loss", "rewards/accuracies"],
+        ),
+        (
+            "kto",
+            "kto.jsonl",
+            &[],
+            &["kl", "rewards/chosen", "rewards/rejected"],
+        ),
+        (
+            "grpo",
+            "grpo.jsonl",
+            &["--num-generations", "4", "--max-completion-length", "6"],
+            &[
+                "reward",
+                "reward_std",
+                "completions/mean_length",
+                "clip_ratio/region_mean",
+            ],
+        ),
+    ];
+    for (task, file, extra, keys) in cases {
+        let (m, out, _dir) = train(task, file, extra);
+        assert_eq!(m.len(), 3, "{task}: one line per step");
+        for (i, line) in m.iter().enumerate() {
+            assert_eq!(line["step"], i as u64 + 1);
+            for k in ["loss", "learning_rate", "grad_norm", "epoch"] {
+                assert!(line[k].is_number(), "{task}: {k} in {line}");
+            }
+            for k in *keys {
+                assert!(line[*k].is_number(), "{task}: {k} in {line}");
+            }
+        }
+        // LoRA by default: a PEFT adapter.
+        assert!(out.join("adapter_model.safetensors").is_file(), "{task}");
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (cfg["r"].as_u64(), cfg["lora_alpha"].as_f64()),
+            (Some(16), Some(32.0))
+        );
+    }
+}
+
+#[test]
+fn full_fine_tuning_and_merge_write_checkpoints_kiln_reads_back() {
+    let (_, out, _d) = train("sft", "sft.jsonl", &["--lora-r", "0"]);
+    assert!(out.join("model.safetensors").is_file());
+    assert!(out.join("tokenizer.json").is_file());
+    let (_, out, _d) = train("sft", "sft.jsonl", &["--merge"]);
+    let merged = out.join("merged");
+    assert!(merged.join("model.safetensors").is_file());
+    // The merged checkpoint trains again (it is a plain model folder).
+    let (m, _, _d) = train_model(
+        merged.to_str().unwrap(),
+        "sft",
+        "sft.jsonl",
+        &["--lora-r", "0"],
+    );
+    assert_eq!(m.len(), 3);
+}
+
+#[test]
+fn toml_settings_apply_and_flags_override_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        "learning_rate = 0.5\nlr_scheduler_type = \"constant\"\nbeta = 0.2\n",
+    )
+    .unwrap();
+    let (m, _, _d) = train("dpo", "dpo.jsonl", &["--config", cfg.to_str().unwrap()]);
+    // --learning-rate 1e-3 (given by `train`) overrides the file; the schedule comes from it.
+    for line in &m {
+        assert_eq!(line["learning_rate"].as_f64(), Some(1e-3));
+    }
+    std::fs::write(&cfg, "learnig_rate = 1e-4\n").unwrap();
+    let o = kiln(&[
+        "train",
+        "--task",
+        "sft",
+        "--model",
+        &tiny(),
+        "--data",
+        &data("sft.jsonl"),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8(o.stderr).unwrap();
+    assert!(
+        err.contains("config field `learnig_rate`: unknown setting; did you mean `learning_rate`?"),
+        "{err}"
+    );
+}
+
+#[test]
+fn mistakes_are_refused_by_name() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--task", "sft", "--beta", "0.1"],
+            "task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo)",
+        ),
+        (
+            &["--task", "ppo"],
+            "backend 'candle' does not support task 'ppo'. Supported: dpo, grpo, kto, orpo, sft, simpo.",
+        ),
+        (&["--task", "sft", "--backend", "mlx"], "mlx"),
+        (
+            &["--task", "dpo", "--data", "SFT"],
+            "this task takes prompt+chosen+rejected data, not prompt+completion",
+        ),
+        (
+            &["--task", "sft", "--lr-scheduler-type", "wavy"],
+            "`wavy` is not one of linear, cosine, constant, constant_with_warmup",
+        ),
+        (
+            &["--task", "grpo", "--reward-funcs", "psychic"],
+            "no reward function `psychic`",
+        ),
+        (
+            &["--task", "kto", "--per-device-train-batch-size", "1"],
+            "KTO needs at least 2 examples per micro-batch",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut all = vec![
+            "train",
+            "--model",
+            &*Box::leak(tiny().into_boxed_str()),
+            "--quiet",
+            "--max-steps",
+            "1",
+        ];
+        for a in *args {
+            all.push(if *a == "SFT" {
+                Box::leak(data("sft.jsonl").into_boxed_str())
+            } else {
+                a
+            });
+        }
+        let o = kiln(&all);
+        assert_ne!(o.status.code(), Some(0), "{args:?}");
+        let err = String::from_utf8(o.stderr).unwrap();
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
