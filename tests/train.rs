@@ -302,3 +302,96 @@ fn grpo_lora_bnpo_with_batch_scaled_rewards_matches_trl() {
 fn dr_grpo_unscaled_matches_trl() {
     check("grpo-dr");
 }
+
+/// The f32 tensor `name` of a safetensors file.
+fn f32_tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    let v = t
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    (t.shape().to_vec(), v)
+}
+
+/// `tests/train/peft/adapter` is what `kiln train` writes (re-trained here, tensor by tensor)
+/// and what `peft` loads (`tests/train/peft_check.py` loaded it onto the tiny Llama and saved
+/// its logits): kiln's logits with that adapter, and with it merged, are peft's.
+#[test]
+fn peft_loads_kilns_adapter_and_gives_kilns_logits() {
+    use kiln_runtime::model::candle::{DType, Device, Tensor};
+    use kiln_runtime::model::lora::Adapters;
+    let peft = here().join("peft");
+    // 1. The committed adapter is kiln's output for this run.
+    let out = tempfile::tempdir().unwrap();
+    let mut c = TrainConfig::new("sft", "candle", here().join("tiny/model"), out.path().join("a"));
+    c.train_data = Some(here().join("data/sft.jsonl"));
+    c.hyper.max_steps = Some(3);
+    c.hyper.learning_rate = 1e-2;
+    c.hyper.per_device_train_batch_size = 4;
+    c.hyper.train_sampling_strategy = "sequential".into();
+    kiln_runtime::train::fields::defaults_for(&mut c);
+    c.hyper.learning_rate = 1e-2;
+    let l = c.lora.as_mut().unwrap();
+    (l.r, l.lora_alpha, l.lora_dropout) = (4, 8.0, 0.0);
+    l.target_modules = vec!["q_proj".into(), "v_proj".into(), "gate_proj".into()];
+    let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+    entry
+        .construct(&c)
+        .unwrap()
+        .train(&mut kiln_runtime::train::NoopObserver)
+        .unwrap();
+    let fresh = out.path().join("a/adapter_model.safetensors");
+    let committed = peft.join("adapter/adapter_model.safetensors");
+    let bytes = std::fs::read(&committed).unwrap();
+    let names: Vec<String> = safetensors::SafeTensors::deserialize(&bytes)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(names.len(), 2 * 3 * 2, "A and B of three Linears in two layers");
+    for n in &names {
+        let (s1, a) = f32_tensor(&fresh, n);
+        let (s2, b) = f32_tensor(&committed, n);
+        assert_eq!(s1, s2, "{n}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * y.abs().max(1.0), "{n}: {x} vs {y}");
+        }
+    }
+    // 2. kiln's logits with the adapter loaded, and merged, against peft's.
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = kiln_runtime::model::DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let adapters = Adapters::load_peft(&peft.join("adapter"), &base).unwrap();
+    let with = base.with_adapters(Some(std::sync::Arc::new(adapters.clone())));
+    let bytes = std::fs::read(peft.join("peft_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids_view = st.tensor("ids").unwrap();
+    let ids: Vec<u32> = ids_view
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    let shape = ids_view.shape().to_vec();
+    let ids = Tensor::from_vec(ids, (shape[0], shape[1]), &Device::Cpu).unwrap();
+    let mut merged = base.clone();
+    let replaced = adapters.merged(&base).unwrap();
+    let mut w = merged.weights().clone();
+    for (name, t) in replaced {
+        w.replace(&name, t).unwrap();
+    }
+    *merged.weights_mut() = w;
+    for (model, key) in [(&with, "logits"), (&merged, "merged_logits")] {
+        let got: Vec<f32> = model.forward(&ids).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let (_, want) = f32_tensor(&peft.join("peft_logits.safetensors"), key);
+        assert_eq!(got.len(), want.len());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{key}: max |kiln − peft| = {worst}");
+    }
+}

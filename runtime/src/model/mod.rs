@@ -158,6 +158,30 @@ impl Weights {
         Ok(Weights { vars, frozen: None })
     }
 
+    /// Puts `tensor` in place of the weight `name` (same shape), e.g. a merged LoRA weight.
+    pub fn replace(&mut self, name: &str, tensor: Tensor) -> Result<(), ModelError> {
+        let old = self.vars.get(name).ok_or_else(|| ModelError::Tensor {
+            tensor: name.to_string(),
+            message: "missing from the checkpoint".into(),
+        })?;
+        if old.as_tensor().dims() != tensor.dims() {
+            return Err(ModelError::Tensor {
+                tensor: name.to_string(),
+                message: format!(
+                    "replacement has shape {:?}, expected {:?}",
+                    tensor.dims(),
+                    old.as_tensor().dims()
+                ),
+            });
+        }
+        let var = Var::from_tensor(&tensor.to_dtype(old.dtype())?)?;
+        if let Some(f) = &mut self.frozen {
+            f.insert(name.to_string(), var.as_tensor().detach());
+        }
+        self.vars.insert(name.to_string(), var);
+        Ok(())
+    }
+
     /// Takes every weight out of autograd (LoRA training: only the adapters learn); the
     /// storage is shared, nothing is copied.
     pub fn freeze(&mut self) {
