@@ -326,7 +326,12 @@ fn peft_loads_kilns_adapter_and_gives_kilns_logits() {
     let peft = here().join("peft");
     // 1. The committed adapter is kiln's output for this run.
     let out = tempfile::tempdir().unwrap();
-    let mut c = TrainConfig::new("sft", "candle", here().join("tiny/model"), out.path().join("a"));
+    let mut c = TrainConfig::new(
+        "sft",
+        "candle",
+        here().join("tiny/model"),
+        out.path().join("a"),
+    );
     c.train_data = Some(here().join("data/sft.jsonl"));
     c.hyper.max_steps = Some(3);
     c.hyper.learning_rate = 1e-2;
@@ -352,7 +357,11 @@ fn peft_loads_kilns_adapter_and_gives_kilns_logits() {
         .into_iter()
         .map(str::to_string)
         .collect();
-    assert_eq!(names.len(), 2 * 3 * 2, "A and B of three Linears in two layers");
+    assert_eq!(
+        names.len(),
+        2 * 3 * 2,
+        "A and B of three Linears in two layers"
+    );
     for n in &names {
         let (s1, a) = f32_tensor(&fresh, n);
         let (s2, b) = f32_tensor(&committed, n);
@@ -384,7 +393,13 @@ fn peft_loads_kilns_adapter_and_gives_kilns_logits() {
     }
     *merged.weights_mut() = w;
     for (model, key) in [(&with, "logits"), (&merged, "merged_logits")] {
-        let got: Vec<f32> = model.forward(&ids).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = model
+            .forward(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let (_, want) = f32_tensor(&peft.join("peft_logits.safetensors"), key);
         assert_eq!(got.len(), want.len());
         let worst = got

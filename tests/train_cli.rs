@@ -267,3 +267,63 @@ fn mistakes_are_refused_by_name() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn generate_samples_from_a_model_and_an_adapter_repeatably() {
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "generate".to_string(),
+            "--model".into(),
+            tiny(),
+            "--prompt".into(),
+            "3+4=".into(),
+            "--max-new-tokens".into(),
+            "4".into(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        kiln(&refs)
+    };
+    let adapter = root()
+        .join("tests/train/peft/adapter")
+        .display()
+        .to_string();
+    let one = run(args(&[
+        "--adapter",
+        &adapter,
+        "--seed",
+        "7",
+        "--num-return-sequences",
+        "3",
+    ]));
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    let text = String::from_utf8_lossy(&one.stdout).to_string();
+    assert_eq!(text.matches("--- ").count(), 3, "{text}");
+    assert!(
+        text.lines().filter(|l| l.starts_with("3+4=")).count() == 3,
+        "{text}"
+    );
+    let again = run(args(&[
+        "--adapter",
+        &adapter,
+        "--seed",
+        "7",
+        "--num-return-sequences",
+        "3",
+    ]));
+    assert_eq!(one.stdout, again.stdout, "same seed, same completions");
+    let greedy = run(args(&["--temperature", "0"]));
+    let with = run(args(&["--temperature", "0", "--adapter", &adapter]));
+    assert!(greedy.status.success() && with.status.success());
+    let bad = run(args(&["--adapter", "/nonexistent"]));
+    assert_eq!(bad.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("/nonexistent/adapter_config.json"), "{err}");
+}

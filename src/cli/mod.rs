@@ -4,6 +4,7 @@
 mod args;
 mod eval;
 mod export;
+mod generate;
 mod registry;
 mod table;
 mod train;
@@ -42,7 +43,9 @@ enum Command {
     Verify(verify::VerifyArgs),
     /// Fine-tune a model: a task (sft, dpo, ...) on a backend (candle, mlx), TRL's settings.
     Train(Box<train::TrainArgs>),
-    /// List the registered exporters, trainers and architectures in registry order.
+    /// Sample from a model (and a PEFT adapter) with its KV cache.
+    Generate(generate::GenerateArgs),
+    /// List the registered exporters, trainers, architectures and rewards in registry order.
     Registry(registry::RegistryArgs),
 }
 
@@ -91,6 +94,7 @@ where
         Command::Eval(args) => eval::eval(&args, out),
         Command::Verify(args) => verify::verify(&args, out),
         Command::Train(args) => train::train(&args, out, err),
+        Command::Generate(args) => generate::generate(&args, out),
         Command::Registry(args) => registry::run(&args, out),
     };
     match result {
