@@ -327,3 +327,52 @@ fn generate_samples_from_a_model_and_an_adapter_repeatably() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("/nonexistent/adapter_config.json"), "{err}");
 }
+
+#[test]
+fn ctrl_c_saves_the_result_and_exits_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = dir.path().join("m.jsonl");
+    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "train",
+            "--task",
+            "sft",
+            "--model",
+            &tiny(),
+            "--data",
+            &data("sft.jsonl"),
+            "--out",
+            out.to_str().unwrap(),
+            "--metrics",
+            m.to_str().unwrap(),
+            "--max-steps",
+            "1000000",
+            "--quiet",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until it is training (a metrics line), then interrupt it.
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&m).map_or(true, |t| t.is_empty()) {
+        assert!(start.elapsed().as_secs() < 60, "no step logged");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let ok = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("interrupted: stopped after step"), "{err}");
+    assert!(out.join("adapter_model.safetensors").is_file());
+}

@@ -434,6 +434,9 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
         "max_length" => h.max_length = Some(int()? as usize).filter(|&n| n > 0),
         "lr_scheduler_type" => h.lr_scheduler_type = text()?,
         "train_sampling_strategy" => h.train_sampling_strategy = text()?,
+        "shuffle_dataset" => {
+            h.train_sampling_strategy = if boolean()? { "random" } else { "sequential" }.into()
+        }
         "seed" => h.seed = int()?,
         "logging_steps" => h.logging_steps = int()?.max(1),
         "lora_r" => {
