@@ -374,5 +374,79 @@ fn ctrl_c_saves_the_result_and_exits_130() {
     );
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("interrupted: stopped after step"), "{err}");
+    assert!(err.contains("continue with --resume"), "{err}");
     assert!(out.join("adapter_model.safetensors").is_file());
+    let resumable = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"));
+    assert!(resumable, "a resumable checkpoint in {}", out.display());
+}
+
+/// A run stopped at a checkpoint and resumed logs exactly what the uninterrupted run logs:
+/// weights, AdamW's moments, the data order (shuffled), LoRA dropout and the schedule all
+/// continue where they were.
+#[test]
+fn a_resumed_run_continues_exactly() {
+    for (task, file, extra) in [
+        ("sft", "sft.jsonl", &["--lora-dropout", "0.1"][..]),
+        ("dpo", "dpo.jsonl", &["--lora-r", "0"][..]),
+        (
+            "grpo",
+            "grpo.jsonl",
+            &["--num-generations", "4", "--max-completion-length", "5"][..],
+        ),
+    ] {
+        let mut base: Vec<&str> = vec!["--warmup-steps", "1"];
+        base.extend_from_slice(extra);
+        let (straight, _, _d1) = train(task, file, &base);
+        let mut first = base.clone();
+        first.extend_from_slice(&["--save-steps", "2"]);
+        let (_, out, _d2) = train(task, file, &first);
+        let ck = out.join("checkpoint-2");
+        assert!(ck.join("trainer_state.json").is_file(), "{task}");
+        assert!(ck.join("optimizer.safetensors").is_file(), "{task}");
+        let mut again = base.clone();
+        let ck_s = ck.display().to_string();
+        again.extend_from_slice(&["--resume", &ck_s]);
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("m.jsonl");
+        let mut args: Vec<String> = [
+            "train",
+            "--task",
+            task,
+            "--model",
+            &tiny(),
+            "--data",
+            &data(file),
+            "--out",
+            dir.path().join("out").to_str().unwrap(),
+            "--metrics",
+            m.to_str().unwrap(),
+            "--per-device-train-batch-size",
+            "4",
+            "--learning-rate",
+            "1e-3",
+            "--quiet",
+            "--max-steps",
+            "3",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(again.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = kiln(&refs);
+        assert!(
+            o.status.success(),
+            "{task}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let resumed = metrics(&m);
+        assert_eq!(resumed.len(), 1, "{task}: only step 3 is left");
+        assert_eq!(
+            resumed[0], straight[2],
+            "{task}: step 3 resumed = step 3 straight"
+        );
+    }
 }

@@ -80,6 +80,10 @@ pub struct TrainArgs {
     /// With LoRA, also write the merged full checkpoint to <out>/merged.
     #[arg(long)]
     merge: bool,
+    /// Continue the run saved in this checkpoint folder (<out>/checkpoint-N): weights,
+    /// optimizer state, step, data position, random streams. Give the same settings.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
     /// Where the model runs: cpu, cuda[:N] (feature candle-cuda), metal[:N].
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -189,6 +193,7 @@ fn build_config(
         c.init_adapter = Some(dir.clone());
     }
     c.merge = args.merge;
+    c.resume = args.resume.clone();
     if c.merge && c.lora.is_none() && c.init_adapter.is_none() {
         bail!(
             "--merge needs LoRA (it merges the adapter); with --lora-r 0 the output is already a full checkpoint"
@@ -204,6 +209,7 @@ struct CliObserver {
     error: Option<anyhow::Error>,
     start: Instant,
     key: &'static [&'static str],
+    checkpoint: Option<PathBuf>,
 }
 
 impl TrainObserver for CliObserver {
@@ -250,6 +256,17 @@ impl TrainObserver for CliObserver {
             }
             bar.set_position(m.step);
             bar.set_message(msg);
+        }
+    }
+    fn on_checkpoint(&mut self, step: u64, path: &Path) {
+        if path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("checkpoint-"))
+        {
+            self.checkpoint = Some(path.to_path_buf());
+            if let Some(bar) = &self.bar {
+                bar.println(format!("step {step}: saved {}", path.display()));
+            }
         }
     }
     fn should_stop(&mut self) -> bool {
@@ -339,6 +356,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         metrics,
         error: None,
         start: Instant::now(),
+        checkpoint: None,
         key: match args.task.as_str() {
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "sft" => &["mean_token_accuracy"],
@@ -372,6 +390,9 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
             "interrupted: stopped after step {} and saved the result",
             report.steps
         )?;
+        if let Some(c) = &observer.checkpoint {
+            writeln!(err, "continue with --resume {}", c.display())?;
+        }
         return Ok(130);
     }
     Ok(0)

@@ -269,6 +269,16 @@ impl Adapters {
         self.training.then_some(&*self.rng)
     }
 
+    /// The dropout stream's position (saved with a resumable checkpoint).
+    pub fn dropout_state(&self) -> u64 {
+        self.rng.state()
+    }
+
+    /// Moves the dropout stream to `state` (a resumed run); shared by every copy.
+    pub fn set_dropout_state(&self, state: u64) {
+        self.rng.0.store(state, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// The same adapters drawing dropout masks from a stream at `state` (a seed, or a saved
     /// position when a run resumes).
     pub fn with_dropout_state(&self, state: u64) -> Self {

@@ -220,6 +220,12 @@ pub const FIELDS: &[Field] = &[
         "Log (and write --metrics) every N steps [1]",
     ),
     f(
+        "save_steps",
+        Kind::Int,
+        &[],
+        "Save a resumable checkpoint (<out>/checkpoint-N) every N steps; 0 = none [0]",
+    ),
+    f(
         "lora_r",
         Kind::Int,
         &[],
@@ -439,6 +445,7 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
         }
         "seed" => h.seed = int()?,
         "logging_steps" => h.logging_steps = int()?.max(1),
+        "save_steps" => h.save_steps = Some(int()?).filter(|&s| s > 0),
         "lora_r" => {
             let r = int()? as usize;
             if r == 0 {

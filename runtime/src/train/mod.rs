@@ -54,6 +54,10 @@ pub struct TrainConfig {
     /// With LoRA, also write the merged full checkpoint (`<output>/merged`).
     #[serde(default)]
     pub merge: bool,
+    /// Continue the run saved in this checkpoint folder (`<output>/checkpoint-<step>`):
+    /// weights, optimizer state, step, data position and random streams.
+    #[serde(default)]
+    pub resume: Option<PathBuf>,
     /// Task-specific settings, by TRL's names.
     #[serde(default)]
     pub task_options: serde_json::Map<String, serde_json::Value>,
@@ -87,6 +91,7 @@ impl TrainConfig {
             lora: None,
             init_adapter: None,
             merge: false,
+            resume: None,
             task_options: serde_json::Map::new(),
         }
     }

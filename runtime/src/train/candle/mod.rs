@@ -6,6 +6,7 @@
 //! the model's per-token log-probabilities and the losses of [`crate::train::losses`]; the
 //! loop does the rest exactly as transformers' `Trainer` does it (docs/TRAINING.md §3).
 
+pub mod checkpoint;
 pub mod ops;
 pub mod optim;
 
@@ -283,6 +284,15 @@ pub trait Objective {
             .map(|(k, (s, n))| (k.clone(), s / *n as f64))
             .collect()
     }
+    /// What a resumed run needs of the objective's own state (random streams, counters).
+    fn state(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+    /// Restores [`Objective::state`].
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        let _ = state;
+        Ok(())
+    }
     /// Called with every micro-batch of the coming step before the first is run.
     fn begin_step(
         &mut self,
@@ -442,19 +452,41 @@ pub fn run(
     let mut window: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     let mut window_loss = (0f64, 0usize);
     let logging = h.logging_steps.max(1);
-    for step in 1..=total {
+    let next_micro = |epoch: &mut u64, steps: &mut std::vec::IntoIter<Vec<Vec<usize>>>| {
+        steps.next().unwrap_or_else(|| {
+            *epoch += 1;
+            *steps = epoch_steps(n, bs, ga, order(*epoch)).into_iter();
+            steps.next().expect("a non-empty dataset has a step")
+        })
+    };
+    let mut first = 1;
+    if let Some(dir) = &c.resume {
+        let state = checkpoint::load(dir, setup, &mut adam, objective)?;
+        if state.step >= total {
+            return Err(config_err(
+                "resume",
+                format!(
+                    "{} is at step {}, and the run has {total} steps: nothing left to do",
+                    dir.display(),
+                    state.step
+                ),
+            ));
+        }
+        // The data order depends only on the seed and the epoch: replay the positions.
+        for _ in 0..state.step {
+            next_micro(&mut epoch, &mut steps);
+        }
+        tokens = state.tokens;
+        first = state.step + 1;
+        report.steps = state.step;
+    }
+    let save_every = h.save_steps.filter(|&s| s > 0);
+    for step in first..=total {
         if observer.should_stop() {
             report.stopped_early = true;
             break;
         }
-        let micro = match steps.next() {
-            Some(m) => m,
-            None => {
-                epoch += 1;
-                steps = epoch_steps(n, bs, ga, order(epoch)).into_iter();
-                steps.next().expect("a non-empty dataset has a step")
-            }
-        };
+        let micro = next_micro(&mut epoch, &mut steps);
         objective.begin_step(setup, &micro)?;
         let mut grads: Vec<Option<Tensor>> = vec![None; setup.trainable.len()];
         let mut step_loss = 0f64;
@@ -510,6 +542,14 @@ pub fn run(
             window.clear();
             window_loss = (0.0, 0);
         }
+        if save_every.is_some_and(|s| step % s == 0) && step < total {
+            let dir = checkpoint::save(setup, &adam, objective, step, tokens)?;
+            observer.on_checkpoint(step, &dir);
+        }
+    }
+    if report.stopped_early && report.steps > 0 {
+        let dir = checkpoint::save(setup, &adam, objective, report.steps, tokens)?;
+        observer.on_checkpoint(report.steps, &dir);
     }
     let out = save(setup, &c.output)?;
     report.output = Some(out.clone());
@@ -524,6 +564,17 @@ pub fn run(
 /// the full checkpoint (f32) with the model's config and tokenizer files.
 pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainError> {
     let out = OutputDir::create(target, true).map_err(backend_err)?;
+    // The run's resumable checkpoints stay in the output folder.
+    if let Ok(entries) = std::fs::read_dir(target) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if name.to_string_lossy().starts_with("checkpoint-") && e.path().is_dir() {
+                let dest = out.path().join(&name);
+                std::fs::rename(e.path(), &dest)
+                    .map_err(|source| TrainError::Io { path: dest, source })?;
+            }
+        }
+    }
     let base = setup.config.model.display().to_string();
     match &setup.adapters {
         Some(a) => {
@@ -545,7 +596,7 @@ pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainErr
 
 /// The full checkpoint: every weight in f32 (those in `replaced` taken from there), config.json
 /// with `torch_dtype` float32, and the model folder's tokenizer and generation files.
-fn write_full(
+pub(crate) fn write_full(
     setup: &Setup,
     dir: &Path,
     replaced: &BTreeMap<String, Tensor>,
@@ -1278,6 +1329,14 @@ pub trait CompletionSource: Send {
         prompts: &[Vec<u32>],
         g: usize,
     ) -> Result<Vec<Vec<Vec<u32>>>, TrainError>;
+    /// The source's random stream position, if it has one (saved with checkpoints).
+    fn rng_state(&self) -> Option<u64> {
+        None
+    }
+    /// Restores [`CompletionSource::rng_state`].
+    fn set_rng_state(&mut self, state: u64) {
+        let _ = state;
+    }
 }
 
 /// Sampling with the KV cache (TRL's `generate(do_sample=True)` settings).
@@ -1289,6 +1348,12 @@ pub struct Sampled {
 }
 
 impl CompletionSource for Sampled {
+    fn rng_state(&self) -> Option<u64> {
+        Some(self.rng.0)
+    }
+    fn set_rng_state(&mut self, state: u64) {
+        self.rng.0 = state;
+    }
     fn complete(
         &mut self,
         model: &DecoderModel,
@@ -1595,6 +1660,16 @@ impl Objective for GrpoObjective {
     }
     fn group(&self) -> usize {
         self.g
+    }
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({"tokens_seen": self.tokens_seen, "sampler_rng": self.source.rng_state()})
+    }
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        self.tokens_seen = state["tokens_seen"].as_f64().unwrap_or(0.0);
+        if let Some(r) = state["sampler_rng"].as_u64() {
+            self.source.set_rng_state(r);
+        }
+        Ok(())
     }
     fn divide_by_accumulation(&self) -> bool {
         self.settings.kind != GrpoLoss::Dapo
