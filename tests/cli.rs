@@ -295,9 +295,10 @@ fn export_with_calibration_gives_modelopts_input_scales() {
             );
         }
     }
-    // Text needs the model's tokenizer.json; the demo model has none: a clear error.
+    // Text is tokenized with the model's tokenizer.json: the demo model ships its byte-level
+    // tokenizer (a folder without one is a named error: runtime/src/model/calib.rs).
     let text = dir.path().join("text.jsonl");
-    std::fs::write(&text, "{\"text\": \"hello\"}\n").unwrap();
+    std::fs::write(&text, "{\"text\": \"hello, calibration\"}\n").unwrap();
     let out = kiln(&[
         "export",
         "--format",
@@ -305,11 +306,11 @@ fn export_with_calibration_gives_modelopts_input_scales() {
         "--calib",
         text.to_str().unwrap(),
     ]);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("line 1: `text` samples need the model's tokenizer"),
-        "{stderr}"
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 
