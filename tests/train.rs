@@ -83,6 +83,9 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
                 let v = v.as_array().map(|a| a[0].clone()).unwrap_or(v.clone());
                 c.task_options.insert("loss_type".into(), v);
             }
+            "assistant_only_loss" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
             "per_device_train_batch_size" => {
                 c.hyper.per_device_train_batch_size = v.as_u64().unwrap() as usize
             }
@@ -409,4 +412,19 @@ fn peft_loads_kilns_adapter_and_gives_kilns_logits() {
             .fold(0f32, f32::max);
         assert!(worst < 1e-5, "{key}: max |kiln − peft| = {worst}");
     }
+}
+
+#[test]
+fn sft_on_messages_with_assistant_only_loss_matches_trl() {
+    check("sft-messages");
+}
+
+#[test]
+fn sft_on_conversational_prompt_completion_matches_trl() {
+    check("sft-chat-pc");
+}
+
+#[test]
+fn dpo_on_conversational_pairs_matches_trl() {
+    check("dpo-chat");
 }

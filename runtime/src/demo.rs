@@ -249,6 +249,10 @@ fn byte_symbol(b: u8) -> char {
 /// The special tokens of the demo tokenizer, ids 0 to 3; byte `b` is token `4 + b`.
 pub const DEMO_SPECIAL_TOKENS: [&str; 4] = ["<unk>", "<s>", "</s>", "<pad>"];
 
+/// The demo tokenizer's chat template: `<|role|>content` turns, the assistant's content and
+/// EOS marked with `{% generation %}` (TRL's `assistant_only_loss`).
+pub const DEMO_CHAT_TEMPLATE: &str = "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+
 /// Writes a byte-level tokenizer (`tokenizer.json`: BPE without merges, so every byte is
 /// one token; a BOS `<s>` before every sequence, as Llama's tokenizer adds) and its
 /// `tokenizer_config.json` (`</s>` ends sequences, `<pad>` pads) into `dir`. transformers
@@ -296,6 +300,7 @@ pub fn write_byte_tokenizer(dir: &Path) -> Result<(), SinkError> {
         "model_max_length": 2048,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": false,
+        "chat_template": DEMO_CHAT_TEMPLATE,
     });
     for (name, v) in [
         ("tokenizer.json", tokenizer),

@@ -35,6 +35,13 @@ def byte_symbol(b):
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
+# The demo model's chat template (runtime/src/demo.rs), with TRL's `{% generation %}` marks.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}<|{{ m.role }}|>{{ m.content }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 def write_tokenizer(d):
     """The byte-level tokenizer kiln's demo model ships (runtime/src/demo.rs), written here
@@ -67,7 +74,7 @@ def write_tokenizer(d):
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
                    "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast",
-                   "clean_up_tokenization_spaces": False}, f, indent=2)
+                   "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, f, indent=2)
 
 
 def build_model():
@@ -137,6 +144,20 @@ def write_data():
     with open(os.path.join(DATA, "kto.jsonl"), "w") as f:
         for r in kto:
             f.write(json.dumps(r) + "\n")
+    with open(os.path.join(DATA, "sft-chat.jsonl"), "w") as f:
+        for r in sft[:8]:
+            f.write(json.dumps({"messages": [{"role": "system", "content": "add"},
+                                             {"role": "user", "content": r["prompt"]},
+                                             {"role": "assistant", "content": r["completion"]}]}) + "\n")
+    with open(os.path.join(DATA, "sft-chat-pc.jsonl"), "w") as f:
+        for r in sft[:8]:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
+                                "completion": [{"role": "assistant", "content": r["completion"]}]}) + "\n")
+    with open(os.path.join(DATA, "dpo-chat.jsonl"), "w") as f:
+        for r in dpo[:8]:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
+                                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                                "rejected": [{"role": "assistant", "content": r["rejected"]}]}) + "\n")
     with open(os.path.join(DATA, "grpo.jsonl"), "w") as f:
         for a, b in [(1, 2), (3, 4), (5, 2), (7, 1), (2, 2), (6, 3), (4, 4), (9, 0), (8, 1), (0, 5)]:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
@@ -247,6 +268,9 @@ def main():
         "kto-apo-precompute": ("kto", d("kto.jsonl"), None, dict(learning_rate=1e-3, loss_type="apo_zero_unpaired",
                                                                  precompute_ref_log_probs=True,
                                                                  gradient_accumulation_steps=2)),
+        "sft-messages": ("sft", d("sft-chat.jsonl"), None, dict(learning_rate=1e-3, assistant_only_loss=True)),
+        "sft-chat-pc": ("sft", d("sft-chat-pc.jsonl"), adapter, dict(learning_rate=1e-2)),
+        "dpo-chat": ("dpo", d("dpo-chat.jsonl"), None, dict(learning_rate=1e-3)),
         "grpo-dapo": ("grpo", d("grpo.jsonl"), None, dict(
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
             temperature=0.7, shuffle_dataset=False, reward_funcs=["exact_match", "count_digits"],

@@ -137,15 +137,20 @@ impl Dataset {
                         ));
                     }
                     Some(Value::String(_)) => {}
-                    Some(Value::Array(_)) if matches!(f, DataFormat::Messages) => {}
-                    Some(Value::Array(_)) => {
-                        return Err(err(
-                            Some(line),
-                            format!(
-                                "`{col}` is a conversation; conversational {} data is not supported yet (give strings)",
-                                f.columns().join("+")
-                            ),
-                        ));
+                    Some(Value::Array(msgs)) if *col != "label" => {
+                        // A conversation: a list of {"role", "content"} messages.
+                        for (i, m) in msgs.iter().enumerate() {
+                            let ok = m.get("role").is_some_and(Value::is_string)
+                                && m.get("content").is_some_and(Value::is_string);
+                            if !ok {
+                                return Err(err(
+                                    Some(line),
+                                    format!(
+                                        "`{col}` message {i} needs string `role` and `content`"
+                                    ),
+                                ));
+                            }
+                        }
                     }
                     Some(other) => {
                         return Err(err(
@@ -164,10 +169,10 @@ impl Dataset {
                     }
                 }
             }
-            if f == DataFormat::Messages {
+            if f == DataFormat::Messages && !fields["messages"].is_array() {
                 return Err(err(
                     Some(line),
-                    "`messages` data needs the chat template, which kiln does not render yet; use prompt+completion".into(),
+                    "`messages` must be a list of messages".into(),
                 ));
             }
             records.push(Record { line, fields });
@@ -193,6 +198,8 @@ pub struct TextTokenizer {
     pub pad_id: u32,
     /// The beginning-of-sequence id (`bos_token`), if the tokenizer has one.
     pub bos_id: Option<u32>,
+    /// The chat template, if the model has one.
+    pub chat: Option<super::chat::ChatTemplate>,
 }
 
 fn token_text(v: Option<&Value>) -> Option<String> {
@@ -244,12 +251,14 @@ impl TextTokenizer {
             .and_then(|t| id(&t))
             .unwrap_or(eos_id);
         let bos_id = token_text(cfg.get("bos_token")).and_then(|t| id(&t));
+        let chat = super::chat::ChatTemplate::from_model_dir(dir)?;
         Ok(TextTokenizer {
             tokenizer,
             eos_token,
             eos_id,
             pad_id,
             bos_id,
+            chat,
         })
     }
 
@@ -270,10 +279,51 @@ impl TextTokenizer {
             .map_err(|e| e.to_string())
     }
 
+    /// `apply_chat_template(messages, tokenize=True)`: the rendered conversation's ids
+    /// (special tokens as the template writes them) and, per token, whether it lies in a
+    /// `{% generation %}` block.
+    pub fn encode_chat(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<u32>, Vec<u8>), String> {
+        let chat = self
+            .chat
+            .as_ref()
+            .ok_or("conversational data needs a chat template, and the model has none (tokenizer_config.json `chat_template` or chat_template.jinja)")?;
+        let r = chat.render(messages, add_generation_prompt)?;
+        let enc = self
+            .tokenizer
+            .encode(r.text.as_str(), false)
+            .map_err(|e| e.to_string())?;
+        let mask = enc
+            .get_offsets()
+            .iter()
+            .map(|&(start, _)| u8::from(r.generation.iter().any(|&(a, b)| start >= a && start < b)))
+            .collect();
+        Ok((enc.get_ids().to_vec(), mask))
+    }
+
     /// Token ids back to text (special tokens dropped).
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
     }
+}
+
+/// Refuses conversational columns for a task whose TRL trainer kiln follows only on text.
+pub fn require_text(data: &Dataset, task: &str) -> Result<(), TrainError> {
+    for r in &data.records {
+        if let Some((k, _)) = r.fields.iter().find(|(_, v)| v.is_array()) {
+            return Err(TrainError::Data {
+                path: data.path.clone(),
+                line: Some(r.line),
+                message: format!(
+                    "`{k}` is a conversation; kiln's {task} takes text columns (render the chat template into strings)"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A tokenized causal-LM example: ids and which of them are trained on.
@@ -339,9 +389,69 @@ pub fn sft_examples(
     completion_only_loss: bool,
     max_length: Option<usize>,
 ) -> Result<Vec<LmExample>, TrainError> {
+    sft_examples_with(data, tok, completion_only_loss, false, max_length)
+}
+
+/// [`sft_examples`] with TRL's `assistant_only_loss`: for `messages` data, only the tokens
+/// the chat template marks with `{% generation %}` are labels. Conversational data is
+/// rendered with the chat template (no EOS appended: the template writes its own end of
+/// turn); a conversational `prompt`+`completion` is split at the prompt rendered with the
+/// assistant's header.
+pub fn sft_examples_with(
+    data: &Dataset,
+    tok: &TextTokenizer,
+    completion_only_loss: bool,
+    assistant_only_loss: bool,
+    max_length: Option<usize>,
+) -> Result<Vec<LmExample>, TrainError> {
     let mut out = Vec::with_capacity(data.records.len());
     for r in &data.records {
+        let chat_err = |m: String| TrainError::Data {
+            path: data.path.clone(),
+            line: Some(r.line),
+            message: m,
+        };
+        let conversational = r.fields.get("prompt").is_some_and(Value::is_array);
         let mut ex = match data.format {
+            DataFormat::Messages => {
+                let (ids, gen_mask) = tok
+                    .encode_chat(&r.fields["messages"], false)
+                    .map_err(chat_err)?;
+                let mask = if assistant_only_loss {
+                    if !gen_mask.contains(&1) {
+                        return Err(chat_err(
+                            "assistant_only_loss needs assistant tokens, and the chat template marks none (it has no {% generation %} block)".into(),
+                        ));
+                    }
+                    gen_mask
+                } else {
+                    vec![1; ids.len()]
+                };
+                LmExample { ids, mask }
+            }
+            DataFormat::PromptCompletion if conversational => {
+                let prompt = &r.fields["prompt"];
+                let mut all = prompt.as_array().cloned().unwrap_or_default();
+                all.extend(
+                    r.fields["completion"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default(),
+                );
+                let (p, _) = tok.encode_chat(prompt, true).map_err(&chat_err)?;
+                let (ids, gen_mask) = tok
+                    .encode_chat(&Value::Array(all), false)
+                    .map_err(&chat_err)?;
+                let mut mask: Vec<u8> = (0..ids.len())
+                    .map(|i| u8::from(i >= p.len() || !completion_only_loss))
+                    .collect();
+                if assistant_only_loss {
+                    for (m, g) in mask.iter_mut().zip(&gen_mask) {
+                        *m &= g;
+                    }
+                }
+                LmExample { ids, mask }
+            }
             DataFormat::Text => {
                 let text = with_eos(field(r, "text"), &tok.eos_token);
                 let ids = tok.encode(&text).map_err(|m| TrainError::Data {
@@ -389,6 +499,32 @@ pub fn pair_examples(data: &Dataset, tok: &TextTokenizer) -> Result<Vec<PairExam
     data.records
         .iter()
         .map(|r| {
+            if r.fields.get("prompt").is_some_and(Value::is_array) {
+                // Conversational: the prompt with the assistant's header, then each side
+                // rendered after it (TRL's DPOTrainer).
+                let err = |m: String| TrainError::Data {
+                    path: data.path.clone(),
+                    line: Some(r.line),
+                    message: m,
+                };
+                let prompt = r.fields["prompt"].as_array().cloned().unwrap_or_default();
+                let (p, _) = tok
+                    .encode_chat(&Value::Array(prompt.clone()), true)
+                    .map_err(&err)?;
+                let side = |k: &str| -> Result<Vec<u32>, TrainError> {
+                    let mut all = prompt.clone();
+                    all.extend(r.fields[k].as_array().cloned().unwrap_or_default());
+                    let (ids, _) = tok.encode_chat(&Value::Array(all), false).map_err(&err)?;
+                    Ok(ids.get(p.len()..).unwrap_or_default().to_vec())
+                };
+                let chosen = side("chosen")?;
+                let rejected = side("rejected")?;
+                return Ok(PairExample {
+                    prompt: p,
+                    chosen,
+                    rejected,
+                });
+            }
             let prompt = field(r, "prompt");
             let chosen = format!("{prompt}{}", with_eos(field(r, "chosen"), &tok.eos_token));
             let rejected = format!("{prompt}{}", with_eos(field(r, "rejected"), &tok.eos_token));
@@ -653,6 +789,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("d.jsonl:1: not valid JSON"), "{e}");
+        let chat = write(
+            dir.path(),
+            "f.jsonl",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"content\": \"yo\"}]}\n",
+        );
+        let e = Dataset::read(&chat, &[DataFormat::Messages])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with("f.jsonl:1: `messages` message 1 needs string `role` and `content`"),
+            "{e}"
+        );
         let empty = write(dir.path(), "e.jsonl", "\n");
         let e = Dataset::read(&empty, &[DataFormat::Text])
             .unwrap_err()

@@ -256,6 +256,12 @@ pub const FIELDS: &[Field] = &[
         "Scale by alpha/sqrt(r) (rsLoRA) [false]",
     ),
     f(
+        "assistant_only_loss",
+        Kind::Bool,
+        SFT,
+        "Train only on the tokens the chat template marks with {% generation %} [false]",
+    ),
+    f(
         "completion_only_loss",
         Kind::Bool,
         SFT,

@@ -7,6 +7,8 @@
 #[cfg(feature = "exec")]
 pub mod candle;
 #[cfg(feature = "exec")]
+pub mod chat;
+#[cfg(feature = "exec")]
 pub mod data;
 pub mod fields;
 pub mod losses;

@@ -14,7 +14,7 @@ use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
 use super::data::{
     DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, UnpairedExample,
-    pair_examples, scored_pairs, sft_examples, unpaired_examples,
+    pair_examples, scored_pairs, unpaired_examples,
 };
 use super::losses::{
     self, CpoLoss, CpoSettings, DpoLoss, GrpoInputs, GrpoLoss, GrpoSettings, KtoLoss,
@@ -665,11 +665,27 @@ impl SftObjective {
     /// The examples of `config.train_data` (`text` or `prompt`+`completion`), tokenized as TRL
     /// does; `completion_only_loss` (default: on for prompt+completion data).
     pub fn new(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
-        let data = read_data(config, &[DataFormat::Text, DataFormat::PromptCompletion])?;
+        let data = read_data(
+            config,
+            &[
+                DataFormat::Text,
+                DataFormat::PromptCompletion,
+                DataFormat::Messages,
+            ],
+        )?;
         let completion_only = config
             .option::<bool>("completion_only_loss")?
             .unwrap_or(true);
-        let examples = sft_examples(&data, tok, completion_only, config.hyper.max_length)?;
+        let assistant_only = config
+            .option::<bool>("assistant_only_loss")?
+            .unwrap_or(false);
+        let examples = super::data::sft_examples_with(
+            &data,
+            tok,
+            completion_only,
+            assistant_only,
+            config.hyper.max_length,
+        )?;
         Ok(SftObjective {
             examples,
             num_items: 0.0,
@@ -978,6 +994,13 @@ impl ScoredPairObjective {
 
     fn new(config: &TrainConfig, setup: &Setup, loss: ScoredLoss) -> Result<Self, TrainError> {
         let data = read_data(config, &[DataFormat::Preference])?;
+        super::data::require_text(
+            &data,
+            match loss {
+                ScoredLoss::Orpo(_) => "orpo",
+                ScoredLoss::Cpo(_) => "simpo",
+            },
+        )?;
         let max_length = config.hyper.max_length.unwrap_or(usize::MAX);
         let pairs = scored_pairs(&data, &setup.tokenizer, max_length)?;
         Ok(ScoredPairObjective { pairs, loss })
@@ -1151,6 +1174,7 @@ impl KtoObjective {
             ));
         }
         let data = read_data(config, &[DataFormat::Unpaired])?;
+        super::data::require_text(&data, "kto")?;
         let max_length = config.hyper.max_length.unwrap_or(512);
         let kl = (kind == KtoLoss::Kto).then_some(bs);
         let examples = unpaired_examples(&data, &setup.tokenizer, max_length, kl)?;

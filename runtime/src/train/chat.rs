@@ -1,0 +1,208 @@
+//! Chat templates as transformers renders them: the Jinja template of `tokenizer_config.json`
+//! (`chat_template`, or the folder's `chat_template.jinja`), rendered with `minijinja` under
+//! transformers' settings (`trim_blocks`, `lstrip_blocks`, Python string methods,
+//! `raise_exception`, `strftime_now`) with `messages`, `add_generation_prompt`, the special
+//! tokens and `tools`. `{% generation %}…{% endgeneration %}` marks what the assistant
+//! generates (TRL's `assistant_only_loss`): kiln rewrites the tags into an `if` block that emits
+//! private-use marker characters, then removes the markers and keeps their spans.
+
+use super::TrainError;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+const OPEN: char = '\u{F8F0}';
+const CLOSE: char = '\u{F8F1}';
+
+/// A model's chat template.
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    source: PathBuf,
+    special: serde_json::Map<String, Value>,
+    /// Whether the template marks the assistant's turns with `{% generation %}`.
+    pub has_generation: bool,
+}
+
+/// A rendered conversation: the text and the byte spans the assistant generated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    /// The text.
+    pub text: String,
+    /// `[start, end)` byte ranges of `{% generation %}` blocks.
+    pub generation: Vec<(usize, usize)>,
+}
+
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `{% generation %}` / `{% endgeneration %}` (with any whitespace control) rewritten into an
+/// `if` block that prints the markers.
+fn rewrite_generation(src: &str) -> (String, bool) {
+    let re = regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("regex");
+    let mut found = false;
+    let out = re
+        .replace_all(src, |c: &regex::Captures<'_>| {
+            found = true;
+            let (l, r) = (&c[1], &c[3]);
+            if c.get(2).is_some() {
+                format!("{{{{ '{CLOSE}' }}}}{{%{l} endif {r}%}}")
+            } else {
+                format!("{{%{l} if true {r}%}}{{{{ '{OPEN}' }}}}")
+            }
+        })
+        .into_owned();
+    (out, found)
+}
+
+impl ChatTemplate {
+    /// The chat template of the model in `dir`, if it has one.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, TrainError> {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let err = |path: &Path, m: String| TrainError::Data {
+            path: path.to_path_buf(),
+            line: None,
+            message: m,
+        };
+        let cfg: Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(t) => serde_json::from_str(&t)
+                .map_err(|e| err(&cfg_path, format!("not valid JSON: {e}")))?,
+            Err(_) => Value::Null,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let (source, text) = if jinja.is_file() {
+            let t = std::fs::read_to_string(&jinja).map_err(|e| err(&jinja, e.to_string()))?;
+            (jinja, t)
+        } else {
+            match cfg.get("chat_template") {
+                Some(Value::String(t)) => (cfg_path.clone(), t.clone()),
+                Some(Value::Array(list)) => {
+                    let t = list
+                        .iter()
+                        .find(|e| e["name"] == "default")
+                        .and_then(|e| e["template"].as_str())
+                        .ok_or_else(|| {
+                            err(
+                                &cfg_path,
+                                "`chat_template` lists no \"default\" template".into(),
+                            )
+                        })?;
+                    (cfg_path.clone(), t.to_string())
+                }
+                _ => return Ok(None),
+            }
+        };
+        let (text, has_generation) = rewrite_generation(&text);
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_function("strftime_now", |_fmt: String| -> String {
+            // Deterministic output: templates use it for a date line; kiln gives a fixed one.
+            "26 Jul 2024".to_string()
+        });
+        env.add_template_owned("chat", text)
+            .map_err(|e| err(&source, format!("chat template: {e}")))?;
+        let mut special = serde_json::Map::new();
+        for k in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+            if let Some(t) = token_text(cfg.get(k)) {
+                special.insert(k.to_string(), Value::String(t));
+            }
+        }
+        Ok(Some(ChatTemplate {
+            env,
+            source,
+            special,
+            has_generation,
+        }))
+    }
+
+    /// Renders `messages` (a list of `{"role", "content"}` objects), with the assistant's
+    /// header at the end when `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, String> {
+        let mut ctx = self.special.clone();
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(add_generation_prompt),
+        );
+        ctx.insert("tools".into(), Value::Null);
+        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        let raw = tmpl
+            .render(minijinja::Value::from_serialize(&ctx))
+            .map_err(|e| format!("{} (template {})", e, self.source.display()))?;
+        let mut text = String::with_capacity(raw.len());
+        let mut generation = Vec::new();
+        let mut open = None;
+        for ch in raw.chars() {
+            match ch {
+                OPEN => open = Some(text.len()),
+                CLOSE => {
+                    if let Some(s) = open.take() {
+                        generation.push((s, text.len()));
+                    }
+                }
+                c => text.push(c),
+            }
+        }
+        Ok(Rendered { text, generation })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_tags_become_spans_and_whitespace_control_is_kept() {
+        let (t, found) = rewrite_generation("a{%- generation -%}b{% endgeneration %}c");
+        assert!(found);
+        assert_eq!(
+            t,
+            "a{%- if true -%}{{ '\u{F8F0}' }}b{{ '\u{F8F1}' }}{% endif %}c"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let tmpl = "{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'assistant' %}{% generation %}{{ m.content | trim }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.content.strip() }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            serde_json::json!({"chat_template": tmpl, "eos_token": "</s>"}).to_string(),
+        )
+        .unwrap();
+        let c = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert!(c.has_generation);
+        let msgs = serde_json::json!([{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo "}]);
+        let r = c.render(&msgs, false).unwrap();
+        // transformers' output for this template (jinja2 with trim_blocks drops the newline
+        // after a block tag).
+        assert_eq!(r.text, "<|user|>hi<|assistant|>yo</s>");
+        assert_eq!(&r.text[r.generation[0].0..r.generation[0].1], "yo</s>");
+        let p = c
+            .render(&msgs.as_array().unwrap()[..1].to_vec().into(), true)
+            .unwrap();
+        assert_eq!(p.text, "<|user|>hi<|assistant|>");
+        let bad = serde_json::json!({"chat_template": "{{ raise_exception('no system role') }}"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), bad.to_string()).unwrap();
+        let c = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert!(
+            c.render(&msgs, false)
+                .unwrap_err()
+                .contains("no system role")
+        );
+    }
+}
