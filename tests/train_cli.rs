@@ -450,3 +450,34 @@ fn a_resumed_run_continues_exactly() {
         );
     }
 }
+
+#[test]
+fn generate_chats_with_the_models_template() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "generate",
+            "--model",
+            &tiny(),
+            "--chat",
+            "--max-new-tokens",
+            "3",
+            "--temperature",
+            "0",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"1+2=\n\n3+4=\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // One answer per non-empty turn.
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2);
+}

@@ -21,8 +21,12 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
     /// The prompt (tokenized as `tokenizer(text)`, special tokens added).
+    #[arg(long, required_unless_present = "chat", conflicts_with = "chat")]
+    prompt: Option<String>,
+    /// Chat: read user turns from standard input, one per line, and answer each with the
+    /// model's chat template (the conversation so far, `add_generation_prompt`).
     #[arg(long)]
-    prompt: String,
+    chat: bool,
     /// Completions to sample.
     #[arg(long, default_value_t = 1)]
     num_return_sequences: usize,
@@ -53,6 +57,15 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<i32> {
+    generate_from(args, out, &mut std::io::stdin().lock())
+}
+
+/// [`generate`] reading chat turns from `input`.
+pub fn generate_from(
+    args: &GenerateArgs,
+    out: &mut dyn Write,
+    input: &mut dyn std::io::BufRead,
+) -> Result<i32> {
     let device = kiln_runtime::model::device(&args.device)?;
     let ck = Checkpoint::open(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
@@ -63,7 +76,6 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<i32> {
         model = model.with_adapters(Some(std::sync::Arc::new(a)));
     }
     let tok = TextTokenizer::from_model_dir(&args.model)?;
-    let ids = tok.encode(&args.prompt).map_err(anyhow::Error::msg)?;
     let cfg = SamplingConfig {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -73,14 +85,40 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<i32> {
         max_new_tokens: args.max_new_tokens,
         eos: vec![tok.eos_id],
     };
+    let mut rng = Rng(args.seed);
+    if args.chat {
+        let mut messages: Vec<serde_json::Value> = Vec::new();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if input.read_line(&mut line)? == 0 {
+                return Ok(0);
+            }
+            let turn = line.trim_end_matches(['\n', '\r']);
+            if turn.is_empty() {
+                continue;
+            }
+            messages.push(serde_json::json!({"role": "user", "content": turn}));
+            let (ids, _) = tok
+                .encode_chat(&serde_json::Value::Array(messages.clone()), true)
+                .map_err(anyhow::Error::msg)?;
+            let c = sample(&model, &ids, 1, &cfg, &mut rng)?;
+            let text = tok.decode(&c[0]).map_err(anyhow::Error::msg)?;
+            writeln!(out, "{text}")?;
+            out.flush()?;
+            messages.push(serde_json::json!({"role": "assistant", "content": text}));
+        }
+    }
+    let prompt = args.prompt.as_deref().unwrap_or_default();
+    let ids = tok.encode(prompt).map_err(anyhow::Error::msg)?;
     let n = args.num_return_sequences.max(1);
-    let completions = sample(&model, &ids, n, &cfg, &mut Rng(args.seed))?;
+    let completions = sample(&model, &ids, n, &cfg, &mut rng)?;
     for (i, c) in completions.iter().enumerate() {
         let text = tok.decode(c).map_err(anyhow::Error::msg)?;
         if n > 1 {
             writeln!(out, "--- {}", i + 1)?;
         }
-        writeln!(out, "{}{text}", args.prompt)?;
+        writeln!(out, "{prompt}{text}")?;
     }
     Ok(0)
 }
