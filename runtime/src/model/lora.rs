@@ -124,6 +124,16 @@ pub struct Adapters {
 }
 
 impl LoraLayer {
+    /// An adapter of `spec`'s scale and dropout.
+    fn of(a: Var, b: Var, spec: &LoraSpec) -> Self {
+        LoraLayer {
+            a,
+            b,
+            scale: spec.scale(),
+            dropout: spec.dropout,
+        }
+    }
+
     /// The adapter's contribution for input `x` `[.., in]`.
     pub fn delta(&self, x: &Tensor, dropout: Option<&DropoutRng>) -> Result<Tensor, ModelError> {
         let x = if let Some(rng) = dropout.filter(|_| self.dropout > 0.0) {
@@ -220,15 +230,7 @@ impl Adapters {
             let a: Vec<f32> = (0..spec.r * inputs).map(|_| rng.uniform(bound)).collect();
             let a = Var::from_vec(a, (spec.r, inputs), device)?;
             let b = Var::zeros((outputs, spec.r), DType::F32, device)?;
-            layers.insert(
-                module,
-                LoraLayer {
-                    a,
-                    b,
-                    scale: spec.scale(),
-                    dropout: spec.dropout,
-                },
-            );
+            layers.insert(module, LoraLayer::of(a, b, spec));
         }
         if layers.is_empty() {
             return Err(ModelError::Config(format!(
@@ -528,15 +530,7 @@ impl Adapters {
                     "`{module}` has only one of lora_A / lora_B"
                 )));
             };
-            layers.insert(
-                module,
-                LoraLayer {
-                    a,
-                    b,
-                    scale: spec.scale(),
-                    dropout: spec.dropout,
-                },
-            );
+            layers.insert(module, LoraLayer::of(a, b, &spec));
         }
         if layers.is_empty() {
             return Err(st_err("holds no LoRA tensors".into()));

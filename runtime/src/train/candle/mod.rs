@@ -652,6 +652,34 @@ fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Dataset, T
     Dataset::read(path, accepted)
 }
 
+/// A built-in trainer: `#[trainer(task, backend = "candle")]` on a struct holding the
+/// [`Setup`] and the task's [`Objective`], made by `$make(config, setup)`.
+macro_rules! candle_trainer {
+    ($(#[$doc:meta])* $name:ident, $task:literal, $objective:ty, $make:expr) => {
+        $(#[$doc])*
+        #[crate::trainer(task = $task, backend = "candle", crate = crate)]
+        pub struct $name {
+            setup: Setup,
+            objective: $objective,
+        }
+
+        impl crate::Trainer for $name {
+            fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+                let setup = Setup::load(config)?;
+                let make: fn(&TrainConfig, &Setup) -> Result<$objective, TrainError> = $make;
+                let objective = make(config, &setup)?;
+                Ok($name { setup, objective })
+            }
+            fn train(
+                &mut self,
+                observer: &mut dyn TrainObserver,
+            ) -> Result<TrainReport, TrainError> {
+                run(&self.setup, &mut self.objective, observer)
+            }
+        }
+    };
+}
+
 // ---------------------------------------------------------------- sft
 
 /// Supervised fine-tuning (TRL's `SFTTrainer`): causal-LM cross-entropy over the label
@@ -754,22 +782,9 @@ impl Objective for SftObjective {
     }
 }
 
-/// `sft` on candle.
-#[crate::trainer(task = "sft", backend = "candle", crate = crate)]
-pub struct CandleSft {
-    setup: Setup,
-    objective: SftObjective,
-}
-
-impl crate::Trainer for CandleSft {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let setup = Setup::load(config)?;
-        let objective = SftObjective::new(config, &setup.tokenizer)?;
-        Ok(CandleSft { setup, objective })
-    }
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        run(&self.setup, &mut self.objective, observer)
-    }
+candle_trainer! {
+    /// `sft` on candle.
+    CandleSft, "sft", SftObjective, |config, setup| SftObjective::new(config, &setup.tokenizer)
 }
 
 // ---------------------------------------------------------------- dpo
@@ -927,22 +942,9 @@ impl Objective for DpoObjective {
     }
 }
 
-/// `dpo` on candle.
-#[crate::trainer(task = "dpo", backend = "candle", crate = crate)]
-pub struct CandleDpo {
-    setup: Setup,
-    objective: DpoObjective,
-}
-
-impl crate::Trainer for CandleDpo {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let setup = Setup::load(config)?;
-        let objective = DpoObjective::new(config, &setup)?;
-        Ok(CandleDpo { setup, objective })
-    }
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        run(&self.setup, &mut self.objective, observer)
-    }
+candle_trainer! {
+    /// `dpo` on candle.
+    CandleDpo, "dpo", DpoObjective, DpoObjective::new
 }
 
 // ---------------------------------------------------------------- orpo, simpo (cpo)
@@ -1102,40 +1104,14 @@ impl Objective for ScoredPairObjective {
     }
 }
 
-/// `orpo` on candle.
-#[crate::trainer(task = "orpo", backend = "candle", crate = crate)]
-pub struct CandleOrpo {
-    setup: Setup,
-    objective: ScoredPairObjective,
+candle_trainer! {
+    /// `orpo` on candle.
+    CandleOrpo, "orpo", ScoredPairObjective, ScoredPairObjective::orpo
 }
 
-impl crate::Trainer for CandleOrpo {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let setup = Setup::load(config)?;
-        let objective = ScoredPairObjective::orpo(config, &setup)?;
-        Ok(CandleOrpo { setup, objective })
-    }
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        run(&self.setup, &mut self.objective, observer)
-    }
-}
-
-/// `simpo` on candle (TRL's CPO trainer; `loss_type` simpo by default).
-#[crate::trainer(task = "simpo", backend = "candle", crate = crate)]
-pub struct CandleSimpo {
-    setup: Setup,
-    objective: ScoredPairObjective,
-}
-
-impl crate::Trainer for CandleSimpo {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let setup = Setup::load(config)?;
-        let objective = ScoredPairObjective::simpo(config, &setup)?;
-        Ok(CandleSimpo { setup, objective })
-    }
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        run(&self.setup, &mut self.objective, observer)
-    }
+candle_trainer! {
+    /// `simpo` on candle (TRL's CPO trainer; `loss_type` simpo by default).
+    CandleSimpo, "simpo", ScoredPairObjective, ScoredPairObjective::simpo
 }
 
 // ---------------------------------------------------------------- kto
@@ -1322,22 +1298,9 @@ impl Objective for KtoObjective {
     }
 }
 
-/// `kto` on candle.
-#[crate::trainer(task = "kto", backend = "candle", crate = crate)]
-pub struct CandleKto {
-    setup: Setup,
-    objective: KtoObjective,
-}
-
-impl crate::Trainer for CandleKto {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let setup = Setup::load(config)?;
-        let objective = KtoObjective::new(config, &setup)?;
-        Ok(CandleKto { setup, objective })
-    }
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        run(&self.setup, &mut self.objective, observer)
-    }
+candle_trainer! {
+    /// `kto` on candle.
+    CandleKto, "kto", KtoObjective, KtoObjective::new
 }
 
 // ---------------------------------------------------------------- grpo
@@ -1881,22 +1844,9 @@ impl Objective for GrpoObjective {
     }
 }
 
-/// `grpo` on candle.
-#[crate::trainer(task = "grpo", backend = "candle", crate = crate)]
-pub struct CandleGrpo {
-    setup: Setup,
-    objective: GrpoObjective,
-}
-
-impl crate::Trainer for CandleGrpo {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let setup = Setup::load(config)?;
-        let objective = GrpoObjective::new(config, &setup)?;
-        Ok(CandleGrpo { setup, objective })
-    }
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        run(&self.setup, &mut self.objective, observer)
-    }
+candle_trainer! {
+    /// `grpo` on candle.
+    CandleGrpo, "grpo", GrpoObjective, GrpoObjective::new
 }
 
 #[cfg(test)]
