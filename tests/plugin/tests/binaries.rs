@@ -44,7 +44,12 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
             "kiln_test_plugin::PluginCatchAll",
         ]
     );
-    assert_eq!(paths(&doc, "trainers"), ["kiln_test_plugin::PluginSft"]);
+    assert_eq!(foreign(&doc, "trainers"), ["kiln_test_plugin::PluginSft"]);
+    assert_eq!(
+        paths(&doc, "trainers").len(),
+        7,
+        "six built-in trainers and the plugin's"
+    );
     // The plugin's family sorts among kiln's built-ins by type path; the fallback comes last.
     assert_eq!(
         paths(&doc, "architectures"),
@@ -77,5 +82,17 @@ fn binary_that_does_not_reference_the_plugin_sees_nothing() {
     // Only kiln's own built-ins remain.
     assert_eq!(foreign(&doc, "exporters"), Vec::<String>::new());
     assert!(!paths(&doc, "exporters").is_empty());
-    assert_eq!(paths(&doc, "trainers"), Vec::<String>::new());
+    // Only kiln's six built-in trainers.
+    assert_eq!(foreign(&doc, "trainers"), Vec::<String>::new());
+    assert_eq!(
+        paths(&doc, "trainers"),
+        [
+            "kiln_runtime::train::candle::CandleDpo",
+            "kiln_runtime::train::candle::CandleGrpo",
+            "kiln_runtime::train::candle::CandleKto",
+            "kiln_runtime::train::candle::CandleOrpo",
+            "kiln_runtime::train::candle::CandleSft",
+            "kiln_runtime::train::candle::CandleSimpo",
+        ]
+    );
 }
