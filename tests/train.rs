@@ -18,7 +18,10 @@ fn reference() -> Value {
 }
 
 #[derive(Default)]
-struct Collect(Vec<StepMetrics>);
+struct Collect(
+    Vec<StepMetrics>,
+    Vec<(u64, std::collections::BTreeMap<String, f64>)>,
+);
 
 /// Completions recorded from TRL, handed out generation batch by generation batch.
 struct Replay(Vec<Vec<Vec<u32>>>, usize);
@@ -58,6 +61,9 @@ impl TrainObserver for Collect {
     fn on_step(&mut self, m: &StepMetrics) {
         self.0.push(m.clone());
     }
+    fn on_eval(&mut self, step: u64, m: &std::collections::BTreeMap<String, f64>) {
+        self.1.push((step, m.clone()));
+    }
 }
 
 /// The kiln configuration of reference run `name`: TRL's settings, spelled as kiln takes them.
@@ -82,6 +88,11 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             "loss_type" => {
                 let v = v.as_array().map(|a| a[0].clone()).unwrap_or(v.clone());
                 c.task_options.insert("loss_type".into(), v);
+            }
+            "eval_data" => c.eval_data = Some(here().join(v.as_str().unwrap())),
+            "eval_steps" => c.hyper.eval_steps = Some(v.as_u64().unwrap()),
+            "per_device_eval_batch_size" => {
+                c.hyper.per_device_eval_batch_size = v.as_u64().unwrap() as usize
             }
             "assistant_only_loss" => {
                 c.task_options.insert(k.clone(), v.clone());
@@ -195,6 +206,32 @@ fn check(name: &str) {
                 close(g, v, 1e-3, 1e-4),
                 "{name} step {step}: {k} {g} vs TRL {v}"
             );
+        }
+    }
+    if let Some(want) = run["eval_logs"].as_array() {
+        assert_eq!(seen.1.len(), want.len(), "{name}: evaluations");
+        for ((step, got), want) in seen.1.iter().zip(want) {
+            assert_eq!(*step, want["step"].as_u64().unwrap(), "{name}");
+            for (k, v) in want.as_object().unwrap() {
+                if matches!(
+                    k.as_str(),
+                    "step"
+                        | "epoch"
+                        | "eval_runtime"
+                        | "eval_samples_per_second"
+                        | "eval_steps_per_second"
+                ) {
+                    continue;
+                }
+                let g = *got
+                    .get(k)
+                    .unwrap_or_else(|| panic!("{name} step {step}: kiln does not log `{k}`"));
+                let v = v.as_f64().unwrap();
+                assert!(
+                    close(g, v, 1e-3, 1e-4),
+                    "{name} step {step}: {k} {g} vs TRL {v}"
+                );
+            }
         }
     }
     let out_dir = report.output.unwrap();
@@ -427,4 +464,19 @@ fn sft_on_conversational_prompt_completion_matches_trl() {
 #[test]
 fn dpo_on_conversational_pairs_matches_trl() {
     check("dpo-chat");
+}
+
+#[test]
+fn sft_evaluation_matches_trl() {
+    check("sft-eval");
+}
+
+#[test]
+fn dpo_evaluation_matches_trl() {
+    check("dpo-eval");
+}
+
+#[test]
+fn kto_evaluation_matches_trl() {
+    check("kto-eval");
 }

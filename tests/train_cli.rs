@@ -481,3 +481,35 @@ fn generate_chats_with_the_models_template() {
     // One answer per non-empty turn.
     assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2);
 }
+
+#[test]
+fn eval_data_writes_eval_lines_and_needs_eval_steps() {
+    let eval = data("dpo.jsonl");
+    let (m, _, _d) = train(
+        "dpo",
+        "dpo.jsonl",
+        &["--eval-data", &eval, "--eval-steps", "2"],
+    );
+    let evals: Vec<_> = m.iter().filter(|l| l.get("eval_loss").is_some()).collect();
+    assert_eq!(evals.len(), 1, "step 2 of 3");
+    assert_eq!(evals[0]["step"], 2);
+    assert!(
+        evals[0]["eval_rewards/accuracies"].is_number(),
+        "{}",
+        evals[0]
+    );
+    let o = kiln(&[
+        "train",
+        "--task",
+        "sft",
+        "--model",
+        &tiny(),
+        "--eval-data",
+        &data("sft.jsonl"),
+        "--quiet",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--eval-data and --eval-steps go together")
+    );
+}

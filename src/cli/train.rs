@@ -64,6 +64,9 @@ pub struct TrainArgs {
     /// with kiln (examples/data/<task>.jsonl).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
+    /// Evaluation data (the task's format), evaluated every --eval-steps steps.
+    #[arg(long, value_name = "FILE")]
+    eval_data: Option<PathBuf>,
     /// The output folder: a PEFT adapter (LoRA) or a full checkpoint (`--lora-r 0`).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -193,6 +196,10 @@ fn build_config(
         c.init_adapter = Some(dir.clone());
     }
     c.merge = args.merge;
+    c.eval_data = args.eval_data.clone();
+    if c.eval_data.is_some() != c.hyper.eval_steps.is_some() {
+        bail!("--eval-data and --eval-steps go together (evaluate this file every N steps)");
+    }
     c.resume = args.resume.clone();
     if c.merge && c.lora.is_none() && c.init_adapter.is_none() {
         bail!(
@@ -256,6 +263,23 @@ impl TrainObserver for CliObserver {
             }
             bar.set_position(m.step);
             bar.set_message(msg);
+        }
+    }
+    fn on_eval(&mut self, step: u64, figures: &std::collections::BTreeMap<String, f64>) {
+        if let Some((path, w)) = &mut self.metrics {
+            let mut o = serde_json::Map::new();
+            o.insert("step".into(), step.into());
+            for (k, v) in figures {
+                o.insert(k.clone(), (*v).into());
+            }
+            if let Err(e) = writeln!(w, "{}", Value::Object(o)).and_then(|_| w.flush()) {
+                self.error.get_or_insert(
+                    anyhow::Error::new(e).context(format!("writing {}", path.display())),
+                );
+            }
+        }
+        if let (Some(bar), Some(l)) = (&self.bar, figures.get("eval_loss")) {
+            bar.println(format!("step {step}: eval_loss {l:.4}"));
         }
     }
     fn on_checkpoint(&mut self, step: u64, path: &Path) {

@@ -158,6 +158,15 @@ def write_data():
             f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
                                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                 "rejected": [{"role": "assistant", "content": r["rejected"]}]}) + "\n")
+    for name, rows in [("sft-eval.jsonl", [{"prompt": f"{a}+{b}=", "completion": str(a + b)}
+                                             for a, b in [(2, 5), (6, 1), (3, 0), (4, 2)]]),
+                       ("dpo-eval.jsonl", [{"prompt": f"Q: {a}+{b}? A: ", "chosen": str(a + b), "rejected": str(a + b + 2)}
+                                           for a, b in [(2, 5), (6, 1), (3, 0), (4, 2)]]),
+                       ("kto-eval.jsonl", [{"prompt": f"Q: {a}+{b}? A: ", "completion": str(a + b + k), "label": k == 0}
+                                           for a, b in [(2, 5), (6, 1), (3, 0)] for k in (0, 1)])]:
+        with open(os.path.join(DATA, name), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
     with open(os.path.join(DATA, "grpo.jsonl"), "w") as f:
         for a, b in [(1, 2), (3, 4), (5, 2), (7, 1), (2, 2), (6, 3), (4, 4), (9, 0), (8, 1), (0, 5)]:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
@@ -176,10 +185,13 @@ def count_digits(prompts, completions, **kwargs):
 class Record(TrainerCallback):
     def __init__(self):
         self.logs = []
+        self.eval_logs = []
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
+        elif logs and "eval_loss" in logs:
+            self.eval_logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
 
 
 def run(task, model_dir, data, adapter=None, **overrides):
@@ -187,6 +199,10 @@ def run(task, model_dir, data, adapter=None, **overrides):
     from peft import PeftModel
 
     ds = load_dataset("json", data_files=data, split="train")
+    eval_file = overrides.pop("eval_data", None)
+    if eval_file:
+        overrides.update(eval_strategy="steps")
+    eval_ds = load_dataset("json", data_files=eval_file, split="train") if eval_file else None
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter:
@@ -198,11 +214,11 @@ def run(task, model_dir, data, adapter=None, **overrides):
     rec = Record()
     if task == "sft":
         from trl import SFTConfig, SFTTrainer
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, processing_class=tok,
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, eval_dataset=eval_ds, processing_class=tok,
                              callbacks=[rec])
     elif task == "dpo":
         from trl import DPOConfig, DPOTrainer
-        trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok,
+        trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, eval_dataset=eval_ds, processing_class=tok,
                              callbacks=[rec])
     elif task == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -232,12 +248,12 @@ def run(task, model_dir, data, adapter=None, **overrides):
         return rec.logs, generated
     elif task == "kto":
         from trl.experimental.kto import KTOConfig, KTOTrainer
-        trainer = KTOTrainer(model=model, args=KTOConfig(**common), train_dataset=ds, processing_class=tok,
+        trainer = KTOTrainer(model=model, args=KTOConfig(**common), train_dataset=ds, eval_dataset=eval_ds, processing_class=tok,
                              callbacks=[rec])
     else:
         raise SystemExit(f"unknown task {task}")
     trainer.train()
-    return rec.logs, None
+    return (rec.logs, rec.eval_logs) if eval_file else rec.logs, None
 
 
 def main():
@@ -271,6 +287,12 @@ def main():
         "sft-messages": ("sft", d("sft-chat.jsonl"), None, dict(learning_rate=1e-3, assistant_only_loss=True)),
         "sft-chat-pc": ("sft", d("sft-chat-pc.jsonl"), adapter, dict(learning_rate=1e-2)),
         "dpo-chat": ("dpo", d("dpo-chat.jsonl"), None, dict(learning_rate=1e-3)),
+        "sft-eval": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, eval_data=d("sft-eval.jsonl"),
+                                                        eval_steps=3, per_device_eval_batch_size=3)),
+        "dpo-eval": ("dpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2, eval_data=d("dpo-eval.jsonl"),
+                                                          eval_steps=2, per_device_eval_batch_size=3)),
+        "kto-eval": ("kto", d("kto.jsonl"), None, dict(learning_rate=1e-3, eval_data=d("kto-eval.jsonl"),
+                                                       eval_steps=3)),
         "grpo-dapo": ("grpo", d("grpo.jsonl"), None, dict(
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
             temperature=0.7, shuffle_dataset=False, reward_funcs=["exact_match", "count_digits"],
@@ -295,8 +317,14 @@ def main():
         if only and name not in only:
             continue
         logs, generated = run(task, model_dir, data, ad, **dict(over))
+        eval_logs = None
+        if isinstance(logs, tuple):
+            logs, eval_logs = logs
         out[name] = {"task": task, "data": os.path.relpath(data, HERE), "adapter": ad is not None,
-                     "settings": {k: v for k, v in over.items()}, "logs": logs}
+                     "settings": {k: os.path.relpath(v, HERE) if k == "eval_data" else v for k, v in over.items()},
+                     "logs": logs}
+        if eval_logs is not None:
+            out[name]["eval_logs"] = eval_logs
         if generated is not None:
             out[name]["completions"] = generated
         print(name, [round(l["loss"], 6) for l in out[name]["logs"]], flush=True)

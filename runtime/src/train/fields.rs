@@ -226,6 +226,18 @@ pub const FIELDS: &[Field] = &[
         "Save a resumable checkpoint (<out>/checkpoint-N) every N steps; 0 = none [0]",
     ),
     f(
+        "eval_steps",
+        Kind::Int,
+        &[],
+        "Evaluate on --eval-data every N steps (and log eval_loss and the task's eval_ figures) [off]",
+    ),
+    f(
+        "per_device_eval_batch_size",
+        Kind::Int,
+        &[],
+        "Examples per evaluation batch [8]",
+    ),
+    f(
         "lora_r",
         Kind::Int,
         &[],
@@ -452,6 +464,8 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
         "seed" => h.seed = int()?,
         "logging_steps" => h.logging_steps = int()?.max(1),
         "save_steps" => h.save_steps = Some(int()?).filter(|&s| s > 0),
+        "eval_steps" => h.eval_steps = Some(int()?).filter(|&s| s > 0),
+        "per_device_eval_batch_size" => h.per_device_eval_batch_size = (int()? as usize).max(1),
         "lora_r" => {
             let r = int()? as usize;
             if r == 0 {

@@ -157,6 +157,10 @@ pub struct Hyperparameters {
     pub logging_steps: u64,
     /// Save a checkpoint every N steps (`None`: only at the end).
     pub save_steps: Option<u64>,
+    /// Evaluate on the evaluation data every N steps (`None`: never).
+    pub eval_steps: Option<u64>,
+    /// Examples per evaluation batch.
+    pub per_device_eval_batch_size: usize,
 }
 
 impl Default for Hyperparameters {
@@ -179,6 +183,8 @@ impl Default for Hyperparameters {
             seed: 42,
             logging_steps: 10,
             save_steps: None,
+            eval_steps: None,
+            per_device_eval_batch_size: 8,
         }
     }
 }

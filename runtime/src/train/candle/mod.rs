@@ -357,6 +357,53 @@ pub fn run(
     objective: &mut dyn Objective,
     observer: &mut dyn TrainObserver,
 ) -> Result<TrainReport, TrainError> {
+    run_with_eval(setup, objective, None, observer)
+}
+
+/// The evaluation figures of `eval` (the evaluation set, in order, in batches of
+/// `per_device_eval_batch_size`), as transformers computes them: `eval_loss` is the mean of
+/// the batch losses weighted by batch size, every other figure the mean over batches, each
+/// named `eval_<name>`; `eval_num_tokens` is the training tokens seen so far, as TRL logs it.
+pub fn evaluate(
+    setup: &Setup,
+    eval: &mut dyn Objective,
+    tokens: u64,
+) -> Result<BTreeMap<String, f64>, TrainError> {
+    let n = eval.examples();
+    let bs = setup.config.hyper.per_device_eval_batch_size.max(1);
+    let idx: Vec<usize> = (0..n).collect();
+    let (mut loss, mut count) = (0f64, 0usize);
+    let mut totals: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for chunk in idx.chunks(bs) {
+        eval.begin_step(setup, &[chunk.to_vec()])?;
+        let (l, figures, _) = eval.micro_batch(setup, chunk)?;
+        loss += l.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 * chunk.len() as f64;
+        count += chunk.len();
+        for (k, v) in figures {
+            let e = totals.entry(k).or_insert((0.0, 0));
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    let mut out: BTreeMap<String, f64> = eval
+        .window(&totals)
+        .into_iter()
+        .map(|(k, v)| (format!("eval_{k}"), v))
+        .collect();
+    if let Some(t) = out.get_mut("eval_num_tokens") {
+        *t = tokens as f64;
+    }
+    out.insert("eval_loss".into(), loss / count.max(1) as f64);
+    Ok(out)
+}
+
+/// [`run`] with an evaluation set, evaluated every `eval_steps` steps.
+pub fn run_with_eval(
+    setup: &Setup,
+    objective: &mut dyn Objective,
+    mut eval: Option<&mut dyn Objective>,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainReport, TrainError> {
     let start = Instant::now();
     let c = &setup.config;
     let h = &c.hyper;
@@ -542,6 +589,15 @@ pub fn run(
             window.clear();
             window_loss = (0.0, 0);
         }
+        if let (Some(e), Some(every)) = (eval.as_deref_mut(), h.eval_steps)
+            && step % every == 0
+        {
+            let figures = evaluate(setup, e, tokens)?;
+            for (k, v) in &figures {
+                report.metrics.insert(k.clone(), *v);
+            }
+            observer.on_eval(step, &figures);
+        }
         if save_every.is_some_and(|s| step % s == 0) && step < total {
             let dir = checkpoint::save(setup, &adam, objective, step, tokens)?;
             observer.on_checkpoint(step, &dir);
@@ -661,6 +717,7 @@ macro_rules! candle_trainer {
         pub struct $name {
             setup: Setup,
             objective: $objective,
+            eval: Option<$objective>,
         }
 
         impl crate::Trainer for $name {
@@ -668,13 +725,29 @@ macro_rules! candle_trainer {
                 let setup = Setup::load(config)?;
                 let make: fn(&TrainConfig, &Setup) -> Result<$objective, TrainError> = $make;
                 let objective = make(config, &setup)?;
-                Ok($name { setup, objective })
+                // The evaluation set, prepared as the training set is.
+                let eval = match &config.eval_data {
+                    Some(path) => {
+                        if $task == "grpo" {
+                            return Err(config_err(
+                                "eval_data",
+                                "evaluation during GRPO training is not supported yet",
+                            ));
+                        }
+                        let mut c = config.clone();
+                        c.train_data = Some(path.clone());
+                        Some(make(&c, &setup)?)
+                    }
+                    None => None,
+                };
+                Ok($name { setup, objective, eval })
             }
             fn train(
                 &mut self,
                 observer: &mut dyn TrainObserver,
             ) -> Result<TrainReport, TrainError> {
-                run(&self.setup, &mut self.objective, observer)
+                let eval = self.eval.as_mut().map(|e| e as &mut dyn Objective);
+                run_with_eval(&self.setup, &mut self.objective, eval, observer)
             }
         }
     };
