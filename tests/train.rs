@@ -136,6 +136,17 @@ fn close(got: f64, want: f64, rel: f64, abs: f64) -> bool {
     (got - want).abs() <= rel * want.abs() + abs
 }
 
+/// kiln's figure `k` equals TRL's `want`: within 1e-3 relative, with a 1e-4 floor for the
+/// figures that start at zero (log-probabilities and rewards are sums over tokens).
+fn same_figure(name: &str, step: u64, k: &str, got: Option<&f64>, want: &Value) {
+    let g = *got.unwrap_or_else(|| panic!("{name} step {step}: kiln does not log `{k}`"));
+    let v = want.as_f64().unwrap();
+    assert!(
+        close(g, v, 1e-3, 1e-4),
+        "{name} step {step}: {k} {g} vs TRL {v}"
+    );
+}
+
 fn check(name: &str) {
     let all = reference();
     let run = &all[name];
@@ -195,17 +206,7 @@ fn check(name: &str) {
             ) {
                 continue;
             }
-            let g = *got
-                .extra
-                .get(k)
-                .unwrap_or_else(|| panic!("{name} step {step}: kiln does not log `{k}`"));
-            let v = v.as_f64().unwrap();
-            // Log-probabilities and rewards are sums over tokens: relative, with a floor for
-            // the values that start at zero.
-            assert!(
-                close(g, v, 1e-3, 1e-4),
-                "{name} step {step}: {k} {g} vs TRL {v}"
-            );
+            same_figure(name, step, k, got.extra.get(k), v);
         }
     }
     if let Some(want) = run["eval_logs"].as_array() {
@@ -223,14 +224,7 @@ fn check(name: &str) {
                 ) {
                     continue;
                 }
-                let g = *got
-                    .get(k)
-                    .unwrap_or_else(|| panic!("{name} step {step}: kiln does not log `{k}`"));
-                let v = v.as_f64().unwrap();
-                assert!(
-                    close(g, v, 1e-3, 1e-4),
-                    "{name} step {step}: {k} {g} vs TRL {v}"
-                );
+                same_figure(name, *step, k, got.get(k), v);
             }
         }
     }

@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// With LoRA, also write the merged full checkpoint to <out>/merged.
     #[arg(long)]
     merge: bool,
+    /// Replace the output folder if it exists (without it, an existing folder is an error,
+    /// unless the run resumes from a checkpoint inside it).
+    #[arg(long)]
+    force: bool,
     /// Continue the run saved in this checkpoint folder (<out>/checkpoint-N): weights,
     /// optimizer state, step, data position, random streams. Give the same settings.
     #[arg(long, value_name = "DIR")]
@@ -352,7 +356,17 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         }
     };
     let target = match &args.out {
-        Some(o) => o.clone(),
+        Some(o) => {
+            let resumes_inside = args.resume.as_ref().is_some_and(|r| r.starts_with(o));
+            if o.exists() && !args.force && !resumes_inside {
+                bail!(
+                    "{} exists; pass --force to replace it (or --resume a checkpoint in it)",
+                    o.display()
+                );
+            }
+            o.clone()
+        }
+        // A kiln-owned folder under the temporary directory, replaced on every run.
         None => std::env::temp_dir().join(format!("kiln-train-{}", args.task)),
     };
     let config = build_config(args, model, data, target)?;

@@ -58,6 +58,72 @@ fn rewrite_generation(src: &str) -> (String, bool) {
     (out, found)
 }
 
+/// Today's date (UTC) in `fmt`, as Python's `strftime` writes `%d %m %Y %y %b %B %j %%`;
+/// any other directive is an error naming it.
+fn strftime_now(fmt: &str) -> Result<String, minijinja::Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format_date((secs / 86_400) as i64, fmt)
+}
+
+/// `days` since 1970-01-01 formatted with `fmt` (see [`strftime_now`]).
+fn format_date(days: i64, fmt: &str) -> Result<String, minijinja::Error> {
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(m - 1) as usize];
+    let yday = before + d + i64::from(leap && m > 2);
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
+            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            other => {
+                return Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("strftime_now: `%{}` is not supported", other.unwrap_or(' ')),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
 impl ChatTemplate {
     /// The chat template of the model in `dir`, if it has one.
     pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, TrainError> {
@@ -109,10 +175,10 @@ impl ChatTemplate {
                 ))
             },
         );
-        env.add_function("strftime_now", |_fmt: String| -> String {
-            // Deterministic output: templates use it for a date line; kiln gives a fixed one.
-            "26 Jul 2024".to_string()
-        });
+        env.add_function(
+            "strftime_now",
+            |fmt: String| -> Result<String, minijinja::Error> { strftime_now(&fmt) },
+        );
         env.add_template_owned("chat", text)
             .map_err(|e| err(&source, format!("chat template: {e}")))?;
         let mut special = serde_json::Map::new();
@@ -168,6 +234,19 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Dates checked against Python's `date.fromordinal(...).strftime`.
+    #[test]
+    fn dates_format_as_python_strftime() {
+        // 2024-07-26 is day 19930 since the epoch; 2000-03-01 is 11017; 1970-01-01 is 0.
+        assert_eq!(format_date(19930, "%d %b %Y").unwrap(), "26 Jul 2024");
+        assert_eq!(
+            format_date(11017, "%Y-%m-%d %B %j %y %%").unwrap(),
+            "2000-03-01 March 061 00 %"
+        );
+        assert_eq!(format_date(0, "%d/%m/%Y").unwrap(), "01/01/1970");
+        assert!(format_date(0, "%H").is_err());
+    }
 
     #[test]
     fn generation_tags_become_spans_and_whitespace_control_is_kept() {

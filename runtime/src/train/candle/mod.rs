@@ -81,6 +81,18 @@ impl Setup {
     /// Loads the model named by `config` in f32 on its device, freezes it and adds adapters
     /// under LoRA (new, or `init_adapter`'s), and reads the tokenizer.
     pub fn load(config: &TrainConfig) -> Result<Self, TrainError> {
+        // The output replaces its folder at the end: never the model's own folder.
+        let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        if canon(&config.output).starts_with(canon(&config.model)) {
+            return Err(config_err(
+                "output",
+                format!(
+                    "{} is (inside) the model folder {}; write the result elsewhere",
+                    config.output.display(),
+                    config.model.display()
+                ),
+            ));
+        }
         let device = crate::model::device(&config.device)?;
         let checkpoint = Checkpoint::open(&config.model).map_err(backend_err)?;
         if checkpoint
