@@ -758,3 +758,93 @@ fn awq_clip_search_agrees_with_modelopt() {
     );
     assert!(linears >= 12 && share >= 0.6, "{same}/{blocks}");
 }
+
+/// The decoder resolves every weight when it is built: a checkpoint without one of a layer's
+/// tensors is refused at load, naming the tensor, not at the first forward pass.
+#[test]
+fn a_missing_weight_is_named_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = compat_dir("mixtral-tiny").join("model");
+    for dropped in [
+        "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.norm.weight",
+    ] {
+        let out = dir.path().join(dropped);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::copy(src.join("config.json"), out.join("config.json")).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| n != dropped)
+            .collect();
+        assert_eq!(kept.len() + 1, st.len(), "{dropped} is in the fixture");
+        safetensors::serialize_to_file(kept, None, &out.join("model.safetensors")).unwrap();
+        let c = Checkpoint::open(&out).unwrap();
+        let err = DecoderModel::load(&c, DType::F32, &Device::Cpu).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("tensor `{dropped}`: missing from the checkpoint")
+        );
+    }
+}
+
+/// `with_weights` runs new weights through the same structure (merged LoRA weights, a frozen
+/// copy): different weights give different logits, the same weights the same ones, and a
+/// frozen model's weights get no gradient.
+#[test]
+fn with_weights_rebuilds_the_layers_on_the_new_weights() {
+    let c = Checkpoint::open(compat_dir("qwen3-tiny").join("model")).unwrap();
+    let m = DecoderModel::load(&c, DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[3u32, 17, 42, 99, 5]], &Device::Cpu).unwrap();
+    let base: Vec<f32> = m
+        .forward(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    let mut w = m.weights().deep_copy().unwrap();
+    let doubled = (w.get(name).unwrap() * 2.0).unwrap();
+    w.replace(name, doubled).unwrap();
+    let changed = m.with_weights(w).unwrap();
+    let other: Vec<f32> = changed
+        .forward(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert!(base.iter().zip(&other).any(|(a, b)| a != b));
+    let same = m.with_weights(m.weights().deep_copy().unwrap()).unwrap();
+    let again: Vec<f32> = same
+        .forward(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(base, again);
+    let mut frozen = m.clone();
+    frozen.freeze().unwrap();
+    let grads = frozen
+        .forward(&ids)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(
+        frozen
+            .weights()
+            .vars()
+            .values()
+            .all(|v| grads.get(v.as_tensor()).is_none())
+    );
+    let mut w = m.weights().clone();
+    let wrong = Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap();
+    assert!(w.replace(name, wrong).is_err());
+}

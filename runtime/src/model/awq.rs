@@ -547,11 +547,11 @@ impl AwqCalibrator {
     ) -> Result<(), ModelError> {
         let inputs = std::mem::take(&mut self.inputs);
         // The stage's searched Linears that no token reached (MoE experts).
-        for name in model.weights.vars().keys() {
+        for name in model.weights().vars().keys() {
             if let Some(m) = name.strip_suffix(".weight")
                 && (self.searched)(m)
                 && !inputs.contains_key(m)
-                && model.weights.get(name)?.rank() == 2
+                && model.weights().get(name)?.rank() == 2
             {
                 self.unexercised.push(m.to_string());
             }
@@ -566,10 +566,10 @@ impl AwqCalibrator {
                 tensor: name.clone(),
                 message: format!("dtype {:?} cannot be smoothed", meta.dtype),
             })?;
-            let weight = model.weights.get(&name)?;
+            let weight = model.weights().get(&name)?;
             let cols = weight.dim(1)?;
             let w = host(weight)?;
-            let bias = model.weights.maybe(&format!("{module}.bias"));
+            let bias = model.weights().maybe(&format!("{module}.bias"));
             match search_linear(&xs, &w, cols, bias, self.quant, p, self.alpha_step)? {
                 Some(mut found) => {
                     if let (true, AwqWeight::Int4 { group }) = (self.clip, self.quant) {

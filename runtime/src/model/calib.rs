@@ -116,7 +116,7 @@ pub fn calibrate(
         model.forward_observed(&ids, &mut calib)?;
         progress(i + 1);
     }
-    calib.sync_experts(model.weights.vars().keys().map(String::as_str));
+    calib.sync_experts(model.weights().vars().keys().map(String::as_str));
     Ok(calib)
 }
 

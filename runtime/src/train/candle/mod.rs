@@ -122,7 +122,7 @@ impl Setup {
                 (None, trainable)
             }
             (lora, init) => {
-                model.weights_mut().freeze();
+                model.freeze()?;
                 let adapters = match init {
                     Some(dir) => Adapters::load_peft(dir, &model)?,
                     None => {
@@ -166,10 +166,9 @@ impl Setup {
             }
             Some(_) => Ok(self.model.with_adapters(None)),
             None => {
-                let mut m = self.model.clone();
-                *m.weights_mut() = m.weights().deep_copy()?;
-                m.weights_mut().freeze();
-                Ok(m)
+                let mut copy = self.model.weights().deep_copy()?;
+                copy.freeze();
+                Ok(self.model.with_weights(copy)?)
             }
         }
     }

@@ -1,0 +1,1008 @@
+//! The decoder, built once at load as per-layer structs: each [`Linear`] holds its module path,
+//! weight and bias; each layer its norms, attention (with Qwen3's q/k norms, GPT-OSS's sinks,
+//! its sliding window) and MLP (dense, routed experts, or GPT-OSS's BMM experts), decided when
+//! the model is built and never probed again. A forward pass formats no tensor name and looks
+//! nothing up by name but the optional per-module state a run carries (LoRA adapters,
+//! activation quantizers).
+//!
+//! Every op is an ordinary candle op with a backward pass — RMSNorm written out, RoPE by
+//! `rotate_half`, softmax as `exp / sum`, attention as two matmuls — so the trainers run the
+//! same forward under autograd (candle-nn 0.11's fused `rms_norm`, `softmax_last_dim`, `rope*`
+//! and `sdpa` have no backward and would cut the graph). The logits of every position are
+//! returned, as transformers does.
+
+use super::observe::{NoObserver, Observer};
+use super::{DecoderConfig, ModelError, MoeRouting, Weights, act_quant, load, lora};
+use crate::checkpoint::Checkpoint;
+use candle_core::{D, DType, Device, Tensor};
+use std::sync::Arc;
+
+/// One Linear layer, resolved at load: `y = x · Wᵀ (+ b)`.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    /// Its module path (`model.layers.3.self_attn.q_proj`): the key of its adapter, its
+    /// activation quantizer and what an observer is told.
+    name: String,
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+/// One self-attention module.
+#[derive(Debug, Clone)]
+struct Attention {
+    /// Its module path (`…self_attn`): the key of its KV-cache quantizer and observer.
+    name: String,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    /// Qwen3: RMSNorm weights over each head of q and k, before RoPE.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    /// GPT-OSS: a learned logit per head that joins every row's softmax.
+    sinks: Option<Tensor>,
+    /// Mistral / GPT-OSS: keys this many positions back or more are hidden.
+    window: Option<usize>,
+}
+
+/// SwiGLU: `down(silu(gate(x)) · up(x))`.
+#[derive(Debug, Clone)]
+struct DenseMlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// GPT-OSS's experts: `gate_up_proj [E, H, 2I]` (gate and up interleaved), `down_proj
+/// [E, I, H]`, both with biases, behind a router with a bias.
+#[derive(Debug, Clone)]
+struct BmmExperts {
+    router: Linear,
+    gate_up: Tensor,
+    gate_up_bias: Tensor,
+    down: Tensor,
+    down_bias: Tensor,
+    /// `<experts>.gate_up_proj` / `.down_proj`: their activation quantizers' modules.
+    gate_up_name: String,
+    down_name: String,
+    /// `<experts>.gate_up_proj_input_quantizer` / `.down_proj_input_quantizer`.
+    gate_up_quantizer: String,
+    down_quantizer: String,
+}
+
+/// A layer's feed-forward block, as its checkpoint lays it out.
+#[derive(Debug, Clone)]
+enum Mlp {
+    Dense(DenseMlp),
+    /// Mixtral (`block_sparse_moe.gate`, experts `w1 w3 w2`) and Qwen3-MoE (`mlp.gate`,
+    /// experts `gate_proj up_proj down_proj`): a router and one dense MLP per expert.
+    Experts {
+        router: Linear,
+        experts: Vec<DenseMlp>,
+    },
+    Bmm(Box<BmmExperts>),
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: Tensor,
+    attention: Attention,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// The final norm and the output projection.
+#[derive(Debug, Clone)]
+struct Head {
+    norm: Tensor,
+    lm_head: Linear,
+    /// `lm_head` is the embedding table (`tie_word_embeddings`): not a module of its own, so
+    /// no observer sees its input.
+    tied: bool,
+}
+
+/// The resolved model. A model loaded in part ([`DecoderModel::load_part`]) holds only the
+/// parts whose weights were loaded.
+#[derive(Debug, Clone)]
+struct Net {
+    embed: Option<Tensor>,
+    layers: Vec<Option<Layer>>,
+    head: Option<Head>,
+}
+
+/// Resolves tensors of `weights` by name (once, at load).
+struct Resolver<'a> {
+    weights: &'a Weights,
+}
+
+impl Resolver<'_> {
+    fn get(&self, name: &str) -> Result<Tensor, ModelError> {
+        self.weights.get(name).cloned()
+    }
+
+    fn maybe(&self, name: &str) -> Option<Tensor> {
+        self.weights.maybe(name).cloned()
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.weights.maybe(name).is_some()
+    }
+
+    fn linear(&self, module: String) -> Result<Linear, ModelError> {
+        Ok(Linear {
+            weight: self.get(&format!("{module}.weight"))?,
+            bias: self.maybe(&format!("{module}.bias")),
+            name: module,
+        })
+    }
+
+    fn dense(&self, prefix: &str, [gate, up, down]: [&str; 3]) -> Result<DenseMlp, ModelError> {
+        Ok(DenseMlp {
+            gate: self.linear(format!("{prefix}.{gate}"))?,
+            up: self.linear(format!("{prefix}.{up}"))?,
+            down: self.linear(format!("{prefix}.{down}"))?,
+        })
+    }
+
+    fn layer(&self, config: &DecoderConfig, index: usize) -> Result<Layer, ModelError> {
+        let p = format!("model.layers.{index}");
+        let a = format!("{p}.self_attn");
+        let attention = Attention {
+            q: self.linear(format!("{a}.q_proj"))?,
+            k: self.linear(format!("{a}.k_proj"))?,
+            v: self.linear(format!("{a}.v_proj"))?,
+            o: self.linear(format!("{a}.o_proj"))?,
+            q_norm: self.maybe(&format!("{a}.q_norm.weight")),
+            k_norm: self.maybe(&format!("{a}.k_norm.weight")),
+            sinks: self.maybe(&format!("{a}.sinks")),
+            window: config.sliding_window_of(index),
+            name: a,
+        };
+        let routing = |block: &str| {
+            config.moe.as_ref().ok_or_else(|| {
+                ModelError::Config(format!(
+                    "`{p}.{block}` has experts but config.json names no experts per token"
+                ))
+            })
+        };
+        let experts = |block: &str, names: [&str; 3]| -> Result<Vec<DenseMlp>, ModelError> {
+            (0..routing(block)?.experts)
+                .map(|e| self.dense(&format!("{p}.{block}.experts.{e}"), names))
+                .collect()
+        };
+        let mlp = if self.has(&format!("{p}.mlp.experts.gate_up_proj")) {
+            routing("mlp.experts")?;
+            let x = format!("{p}.mlp.experts");
+            Mlp::Bmm(Box::new(BmmExperts {
+                router: self.linear(format!("{p}.mlp.router"))?,
+                gate_up: self.get(&format!("{x}.gate_up_proj"))?,
+                gate_up_bias: self.get(&format!("{x}.gate_up_proj_bias"))?,
+                down: self.get(&format!("{x}.down_proj"))?,
+                down_bias: self.get(&format!("{x}.down_proj_bias"))?,
+                gate_up_name: format!("{x}.gate_up_proj"),
+                down_name: format!("{x}.down_proj"),
+                gate_up_quantizer: format!("{x}.gate_up_proj_input_quantizer"),
+                down_quantizer: format!("{x}.down_proj_input_quantizer"),
+            }))
+        } else if self.has(&format!("{p}.block_sparse_moe.gate.weight")) {
+            Mlp::Experts {
+                router: self.linear(format!("{p}.block_sparse_moe.gate"))?,
+                experts: experts("block_sparse_moe", ["w1", "w3", "w2"])?,
+            }
+        } else if self.has(&format!("{p}.mlp.gate.weight"))
+            && self.has(&format!("{p}.mlp.experts.0.up_proj.weight"))
+        {
+            Mlp::Experts {
+                router: self.linear(format!("{p}.mlp.gate"))?,
+                experts: experts("mlp", ["gate_proj", "up_proj", "down_proj"])?,
+            }
+        } else {
+            Mlp::Dense(self.dense(&format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])?)
+        };
+        Ok(Layer {
+            input_norm: self.get(&format!("{p}.input_layernorm.weight"))?,
+            attention,
+            post_norm: self.get(&format!("{p}.post_attention_layernorm.weight"))?,
+            mlp,
+        })
+    }
+
+    /// The model's parts; `whole`: every part must be there, else only the parts whose
+    /// weights were loaded are built (a layer is there when its input norm is).
+    fn net(&self, config: &DecoderConfig, whole: bool) -> Result<Net, ModelError> {
+        const EMBED: &str = "model.embed_tokens.weight";
+        let embed = if whole {
+            Some(self.get(EMBED)?)
+        } else {
+            self.maybe(EMBED)
+        };
+        let layers = (0..config.layers)
+            .map(|i| {
+                let there = whole || self.has(&format!("model.layers.{i}.input_layernorm.weight"));
+                there.then(|| self.layer(config, i)).transpose()
+            })
+            .collect::<Result<_, _>>()?;
+        let head = if whole || self.has("model.norm.weight") {
+            let norm = self.get("model.norm.weight")?;
+            let (lm_head, tied) = if self.has("lm_head.weight") {
+                (self.linear("lm_head".into())?, false)
+            } else if config.tie_word_embeddings {
+                let weight = self.get(EMBED)?;
+                let name = "lm_head".into();
+                (
+                    Linear {
+                        name,
+                        weight,
+                        bias: None,
+                    },
+                    true,
+                )
+            } else {
+                return Err(ModelError::Tensor {
+                    tensor: "lm_head.weight".into(),
+                    message: "missing from the checkpoint (and config.json does not tie it to the embeddings)".into(),
+                });
+            };
+            Some(Head {
+                norm,
+                lm_head,
+                tied,
+            })
+        } else {
+            None
+        };
+        Ok(Net {
+            embed,
+            layers,
+            head,
+        })
+    }
+}
+
+/// A decoder-only causal language model: Llama (with Llama 3 RoPE scaling), Mistral (sliding
+/// window), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Qwen3-MoE and Mixtral (top-k routing,
+/// normalised as each family does) and GPT-OSS (sinks, BMM experts), built from the
+/// checkpoint's tensors and `config.json`.
+#[derive(Debug, Clone)]
+pub struct DecoderModel {
+    config: DecoderConfig,
+    weights: Weights,
+    /// The layers, resolved from `weights` (sharing their storage).
+    net: Arc<Net>,
+    device: Device,
+    /// Fake quantization of activations (a quantized export); empty for a plain model.
+    act: act_quant::ActQuant,
+    /// LoRA adapters on Linear layers, by module path (training, or a PEFT adapter loaded).
+    adapters: Option<Arc<lora::Adapters>>,
+}
+
+/// One attention layer's cached keys and values `[batch, kv_heads, positions, head_dim]`.
+#[derive(Debug, Clone, Default)]
+pub struct LayerCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+/// The keys and values of every position run so far, per layer (generation).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keeps only the rows `rows` of the batch (sequences that are still generating).
+    pub fn select_rows(&mut self, rows: &Tensor) -> Result<(), ModelError> {
+        for l in &mut self.layers {
+            if let (Some(k), Some(v)) = (&l.k, &l.v) {
+                l.k = Some(k.index_select(rows, 0)?);
+                l.v = Some(v.index_select(rows, 0)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Repeats every row `n` times (one prompt's cache for `n` samples).
+    pub fn repeat_rows(&mut self, n: usize) -> Result<(), ModelError> {
+        for l in &mut self.layers {
+            if let (Some(k), Some(v)) = (&l.k, &l.v) {
+                let idx: Vec<u32> = (0..k.dim(0)? as u32)
+                    .flat_map(|r| std::iter::repeat_n(r, n))
+                    .collect();
+                let idx = Tensor::from_vec(idx, n * k.dim(0)?, k.device())?;
+                l.k = Some(k.index_select(&idx, 0)?);
+                l.v = Some(v.index_select(&idx, 0)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `x · Wᵀ (+ b)` for `x` of any rank (the last dimension is the input).
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor, ModelError> {
+    let dims = x.dims().to_vec();
+    let (inputs, outputs) = (dims[dims.len() - 1], w.dim(0)?);
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x.reshape((rows, inputs))?.matmul(&w.t()?)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out = dims;
+    let last = out.len() - 1;
+    out[last] = outputs;
+    Ok(y.reshape(out)?)
+}
+
+/// transformers' RMSNorm over the last dimension: in f32, `w · x / sqrt(mean(x²) + eps)`.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let var = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x32.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(dtype)?;
+    Ok(normed.broadcast_mul(w)?)
+}
+
+/// Softmax over the last dimension, from differentiable ops, in f32.
+fn softmax(x: &Tensor) -> Result<Tensor, ModelError> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+        .to_dtype(dtype)?)
+}
+
+/// `1 / (1 + e^−x)` from differentiable ops.
+fn sigmoid(x: &Tensor) -> Result<Tensor, ModelError> {
+    Ok((x.neg()?.exp()? + 1.0)?.recip()?)
+}
+
+/// `[-x₂, x₁]` of the two halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor, ModelError> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
+}
+
+impl DecoderModel {
+    /// Builds the model of the checkpoint at `checkpoint` in `dtype` on `device`; a
+    /// quantized checkpoint runs as an engine would run it: weights decoded, activations (and
+    /// KV-cache entries) fake-quantized as its format prescribes ([`act_quant`]).
+    pub fn load(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        Self::load_with(checkpoint, dtype, device, true)
+    }
+
+    /// [`DecoderModel::load`]; `activations: false` leaves a quantized checkpoint's
+    /// activations unquantized (its weights still decoded, `pre_quant_scale` folded in).
+    pub fn load_with(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        activations: bool,
+    ) -> Result<Self, ModelError> {
+        let config = DecoderConfig::from_json(checkpoint.config().raw())?;
+        let (weights, act) = load::load_for_execution(checkpoint, dtype, device, activations)?;
+        Self::build(config, weights, device, act, true)
+    }
+
+    /// The model of `checkpoint` with only the weights `keep` accepts loaded (plain
+    /// checkpoints): enough to run [`DecoderModel::embed`], one [`DecoderModel::layer`] or
+    /// [`DecoderModel::head`] with bounded memory.
+    pub fn load_part(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Self, ModelError> {
+        Self::build(
+            DecoderConfig::from_json(checkpoint.config().raw())?,
+            Weights::load_where(checkpoint, dtype, device, keep)?,
+            device,
+            act_quant::ActQuant::default(),
+            false,
+        )
+    }
+
+    fn build(
+        config: DecoderConfig,
+        weights: Weights,
+        device: &Device,
+        act: act_quant::ActQuant,
+        whole: bool,
+    ) -> Result<Self, ModelError> {
+        let net = Resolver { weights: &weights }.net(&config, whole)?;
+        Ok(DecoderModel {
+            config,
+            weights,
+            net: Arc::new(net),
+            device: device.clone(),
+            act,
+            adapters: None,
+        })
+    }
+
+    /// The same model running `weights` (same names and shapes: merged LoRA weights, a frozen
+    /// copy), with its adapters and activation quantizers.
+    pub fn with_weights(&self, weights: Weights) -> Result<Self, ModelError> {
+        for (name, var) in self.weights.vars() {
+            let shape = weights.get(name)?.dims();
+            if shape != var.as_tensor().dims() {
+                return Err(ModelError::Tensor {
+                    tensor: name.clone(),
+                    message: format!(
+                        "replacement has shape {shape:?}, expected {:?}",
+                        var.as_tensor().dims()
+                    ),
+                });
+            }
+        }
+        let whole = self.net.embed.is_some()
+            && self.net.head.is_some()
+            && self.net.layers.iter().all(Option::is_some);
+        let mut m = Self::build(
+            self.config.clone(),
+            weights,
+            &self.device,
+            self.act.clone(),
+            whole,
+        )?;
+        m.adapters = self.adapters.clone();
+        Ok(m)
+    }
+
+    /// Takes every weight out of autograd (LoRA training: only the adapters learn); the
+    /// storage is shared, nothing is copied.
+    pub fn freeze(&mut self) -> Result<(), ModelError> {
+        let mut weights = self.weights.clone();
+        weights.freeze();
+        *self = self.with_weights(weights)?;
+        Ok(())
+    }
+
+    /// The activation quantizers the model runs with (empty for a plain model).
+    pub fn activation_quant(&self) -> &act_quant::ActQuant {
+        &self.act
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.config
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Its weights (candle variables) by tensor name.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// The model with `adapters` on its Linear layers (`None`: the base model alone, as PEFT's
+    /// `disable_adapter()`). The weights are shared, not copied.
+    pub fn with_adapters(&self, adapters: Option<Arc<lora::Adapters>>) -> Self {
+        DecoderModel {
+            adapters,
+            ..self.clone()
+        }
+    }
+
+    /// The LoRA adapters the model runs with, if any.
+    pub fn adapters(&self) -> Option<&lora::Adapters> {
+        self.adapters.as_deref()
+    }
+
+    /// The Linear `l` on `x` — the one seam every Linear goes through: its weight (plain or
+    /// decoded from a quantized export) and bias, the input's fake quantization when the
+    /// export prescribes one (`quantized_input`), and a LoRA adapter when the model has one
+    /// there.
+    fn linear(&self, l: &Linear, x: &Tensor, quantized_input: bool) -> Result<Tensor, ModelError> {
+        let y = if quantized_input {
+            linear(&self.act.input(&l.name, x)?, &l.weight, l.bias.as_ref())?
+        } else {
+            linear(x, &l.weight, l.bias.as_ref())?
+        };
+        match self
+            .adapters
+            .as_deref()
+            .and_then(|a| Some((a, a.get(&l.name)?)))
+        {
+            Some((a, adapter)) => Ok((y + adapter.delta(x, a.dropout_rng())?)?),
+            None => Ok(y),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (u32).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
+        self.forward_observed(ids, &mut NoObserver)
+    }
+
+    /// [`DecoderModel::forward`], showing `observer` every Linear's input and every
+    /// attention's keys and values (calibration).
+    pub fn forward_observed(
+        &self,
+        ids: &Tensor,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        self.forward_inner(ids, None, observer)
+    }
+
+    /// [`DecoderModel::forward`] of a right-padded batch: row `i` holds `lengths[i]` real
+    /// tokens, and no position attends to the padding after them (transformers'
+    /// `attention_mask`). The logits of real tokens equal an unpadded run's; those of padding
+    /// positions are what transformers computes there.
+    pub fn forward_padded(&self, ids: &Tensor, lengths: &[usize]) -> Result<Tensor, ModelError> {
+        let t = ids.dim(1)?;
+        let attention: Vec<Vec<bool>> = lengths
+            .iter()
+            .map(|&len| (0..t).map(|j| j < len).collect())
+            .collect();
+        self.forward_masked(ids, &attention)
+    }
+
+    /// [`DecoderModel::forward`] with transformers' `attention_mask`: `attention[i][j]` false
+    /// hides token `j` of row `i` from every query (padding on either side; positions are
+    /// `0..seq` whatever the padding, as transformers numbers them without `position_ids`).
+    /// Hidden keys get the most negative finite score, as transformers masks, so a query
+    /// that sees only padding stays finite.
+    pub fn forward_masked(
+        &self,
+        ids: &Tensor,
+        attention: &[Vec<bool>],
+    ) -> Result<Tensor, ModelError> {
+        let (b, t) = ids.dims2()?;
+        if attention.len() != b || attention.iter().any(|r| r.len() != t) {
+            return Err(ModelError::Config(format!(
+                "an attention mask of {} rows for a batch of {b} × {t}",
+                attention.len()
+            )));
+        }
+        let m: Vec<f32> = attention
+            .iter()
+            .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
+            .collect();
+        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
+        self.forward_inner(ids, Some(&mask), &mut NoObserver)
+    }
+
+    /// An empty key/value cache for [`DecoderModel::forward_cached`].
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: (0..self.config.layers)
+                .map(|_| LayerCache::default())
+                .collect(),
+            len: 0,
+        }
+    }
+
+    /// The logits `[batch, new, vocab]` of `ids` `[batch, new]` placed after the positions
+    /// `cache` holds, whose keys and values it then also holds: generation one token at a
+    /// time after one pass over the prompt. Equal to the matching rows of a full forward.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor, ModelError> {
+        let mut h = self.embed(ids)?;
+        let t = h.dim(1)?;
+        let rope = self.rope_tables_from(cache.len, t, h.dtype())?;
+        for (layer, lc) in cache.layers.iter_mut().enumerate() {
+            h = self.run_layer(
+                &h,
+                self.layer_at(layer)?,
+                &rope,
+                None,
+                Some(lc),
+                &mut NoObserver,
+            )?;
+        }
+        cache.len += t;
+        self.head(&h, &mut NoObserver)
+    }
+
+    fn dtype(&self) -> DType {
+        self.net.embed.as_ref().map_or(DType::F32, Tensor::dtype)
+    }
+
+    fn forward_inner(
+        &self,
+        ids: &Tensor,
+        key_mask: Option<&Tensor>,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        let mut h = self.embed(ids)?;
+        let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
+        for layer in 0..self.config.layers {
+            h = self.run_layer(&h, self.layer_at(layer)?, &rope, key_mask, None, observer)?;
+        }
+        self.head(&h, observer)
+    }
+
+    fn layer_at(&self, index: usize) -> Result<&Layer, ModelError> {
+        self.net
+            .layers
+            .get(index)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| ModelError::Tensor {
+                tensor: format!("model.layers.{index}"),
+                message: "not loaded".into(),
+            })
+    }
+
+    fn head_part(&self) -> Result<&Head, ModelError> {
+        self.net.head.as_ref().ok_or_else(|| ModelError::Tensor {
+            tensor: "model.norm.weight".into(),
+            message: "not loaded".into(),
+        })
+    }
+
+    /// The embeddings `[batch, seq, hidden]` of token ids `[batch, seq]`.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
+        let (b, t) = ids.dims2()?;
+        let table = self.net.embed.as_ref().ok_or_else(|| ModelError::Tensor {
+            tensor: "model.embed_tokens.weight".into(),
+            message: "not loaded".into(),
+        })?;
+        let vocab = table.dim(0)?;
+        let biggest = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+        if biggest >= vocab {
+            return Err(ModelError::Config(format!(
+                "token id {biggest} is outside the vocabulary ({vocab} tokens)"
+            )));
+        }
+        Ok(table
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, self.config.hidden))?)
+    }
+
+    /// Decoder layer `layer` on hidden states `h` (needs only that layer's weights), with the
+    /// RoPE tables of `h`'s length ([`DecoderModel::rope_tables`]).
+    pub fn layer(
+        &self,
+        h: &Tensor,
+        layer: usize,
+        rope: &(Tensor, Tensor),
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        self.run_layer(h, self.layer_at(layer)?, rope, None, None, observer)
+    }
+
+    fn run_layer(
+        &self,
+        h: &Tensor,
+        layer: &Layer,
+        rope: &(Tensor, Tensor),
+        key_mask: Option<&Tensor>,
+        cache: Option<&mut LayerCache>,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        let eps = self.config.eps;
+        let x = rms_norm(h, &layer.input_norm, eps)?;
+        let h = (h + self.attention(&x, &layer.attention, rope, key_mask, cache, observer)?)?;
+        let x = rms_norm(&h, &layer.post_norm, eps)?;
+        Ok((h + self.mlp(&x, &layer.mlp, observer)?)?)
+    }
+
+    /// Shows `observer` the input of `lm_head` (the final norm of `h`) without computing the
+    /// logits (calibration).
+    pub fn observe_head(&self, h: &Tensor, observer: &mut dyn Observer) -> Result<(), ModelError> {
+        let head = self.head_part()?;
+        if !head.tied {
+            let h = rms_norm(h, &head.norm, self.config.eps)?;
+            observer.linear_input(&head.lm_head.name, &h)?;
+        }
+        Ok(())
+    }
+
+    /// The final norm and the logits of hidden states `h`.
+    pub fn head(&self, h: &Tensor, observer: &mut dyn Observer) -> Result<Tensor, ModelError> {
+        let head = self.head_part()?;
+        let h = rms_norm(h, &head.norm, self.config.eps)?;
+        if !head.tied {
+            observer.linear_input(&head.lm_head.name, &h)?;
+        }
+        self.linear(&head.lm_head, &h, true)
+    }
+
+    /// `cos`, `sin` `[seq, head_dim]` for positions `0..seq`.
+    pub fn rope_tables(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
+        self.rope_tables_from(0, t, dtype)
+    }
+
+    /// `cos`, `sin` `[t, head_dim]` for positions `start..start + t`.
+    pub fn rope_tables_from(
+        &self,
+        start: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let inv = self.config.inv_freq();
+        let scale = self.config.rope_attention_factor();
+        let hd = self.config.head_dim;
+        let mut cos = Vec::with_capacity(t * hd);
+        let mut sin = Vec::with_capacity(t * hd);
+        for pos in start..start + t {
+            // transformers: freqs = pos · inv_freq in f32, emb = cat(freqs, freqs).
+            for _ in 0..2 {
+                for &f in &inv {
+                    let a = pos as f32 * f;
+                    // YaRN scales both by its attention factor (1 otherwise: exact).
+                    cos.push(a.cos() * scale);
+                    sin.push(a.sin() * scale);
+                }
+            }
+        }
+        let shape = (t, hd);
+        Ok((
+            Tensor::from_vec(cos, shape, &self.device)?.to_dtype(dtype)?,
+            Tensor::from_vec(sin, shape, &self.device)?.to_dtype(dtype)?,
+        ))
+    }
+
+    fn attention(
+        &self,
+        x: &Tensor,
+        a: &Attention,
+        (cos, sin): &(Tensor, Tensor),
+        key_mask: Option<&Tensor>,
+        cache: Option<&mut LayerCache>,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (c.heads, c.kv_heads, c.head_dim);
+        let proj =
+            |l: &Linear, norm: Option<&Tensor>, heads: usize| -> Result<Tensor, ModelError> {
+                let y = self.linear(l, x, true)?.reshape((b, t, heads, hd))?;
+                let y = match norm {
+                    Some(nw) => rms_norm(&y, nw, c.eps)?,
+                    None => y,
+                };
+                Ok(y.transpose(1, 2)?.contiguous()?)
+            };
+        let rope = |x: Tensor| -> Result<Tensor, ModelError> {
+            Ok((x.broadcast_mul(cos)? + rotate_half(&x)?.broadcast_mul(sin)?)?)
+        };
+        for l in [&a.q, &a.k, &a.v] {
+            observer.linear_input(&l.name, x)?;
+        }
+        let q = rope(proj(&a.q, a.q_norm.as_ref(), nh)?)?;
+        let k = rope(proj(&a.k, a.k_norm.as_ref(), nkv)?)?;
+        let v = proj(&a.v, None, nkv)?;
+        observer.key_value(&a.name, &k, &v)?;
+        let (k, v) = self.act.key_value(&a.name, k, v)?;
+        // With a cache, the new keys and values join those of the earlier positions.
+        let (k, v) = match cache {
+            Some(cache) => {
+                let (k, v) = match (&cache.k, &cache.v) {
+                    (Some(pk), Some(pv)) => {
+                        (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
+                    }
+                    _ => (k, v),
+                };
+                cache.k = Some(k.clone());
+                cache.v = Some(v.clone());
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let tk = k.dim(2)?;
+        let repeat = |x: Tensor| -> Result<Tensor, ModelError> {
+            if nh == nkv {
+                return Ok(x);
+            }
+            Ok(x.unsqueeze(2)?
+                .expand((b, nkv, nh / nkv, tk, hd))?
+                .reshape((b, nh, tk, hd))?)
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.contiguous()?.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let mask = self.mask(t, tk, a.window, scores.dtype())?;
+        let scores = scores.broadcast_add(&mask)?;
+        let scores = match key_mask {
+            Some(k) => scores.broadcast_add(k)?,
+            None => scores,
+        };
+        let probs = match &a.sinks {
+            // GPT-OSS: a learned logit per head joins every row's softmax, then is dropped.
+            Some(sinks) => {
+                let sink = sinks
+                    .to_dtype(scores.dtype())?
+                    .reshape((1, nh, 1, 1))?
+                    .expand((b, nh, t, 1))?;
+                softmax(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?.narrow(D::Minus1, 0, tk)?
+            }
+            None => softmax(&scores)?,
+        };
+        let o = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        observer.linear_input(&a.o.name, &o)?;
+        self.linear(&a.o, &o, true)
+    }
+
+    /// The causal mask `[tq, tk]` of `tq` new queries after `tk − tq` cached positions (−∞
+    /// where a key is later than the query and, with a sliding window, `window` or more
+    /// positions back).
+    fn mask(
+        &self,
+        tq: usize,
+        tk: usize,
+        window: Option<usize>,
+        dtype: DType,
+    ) -> Result<Tensor, ModelError> {
+        let start = tk - tq;
+        let m: Vec<f32> = (0..tq)
+            .flat_map(|i| {
+                let i = start + i;
+                (0..tk).map(move |j| {
+                    let hidden = j > i || window.is_some_and(|w| i - j >= w);
+                    if hidden { f32::NEG_INFINITY } else { 0.0 }
+                })
+            })
+            .collect();
+        Ok(Tensor::from_vec(m, (tq, tk), &self.device)?.to_dtype(dtype)?)
+    }
+
+    fn dense_mlp(
+        &self,
+        x: &Tensor,
+        m: &DenseMlp,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        observer.linear_input(&m.gate.name, x)?;
+        observer.linear_input(&m.up.name, x)?;
+        let g = self.linear(&m.gate, x, true)?.silu()?;
+        let u = self.linear(&m.up, x, true)?;
+        let gu = (g * u)?;
+        observer.linear_input(&m.down.name, &gu)?;
+        self.linear(&m.down, &gu, true)
+    }
+
+    fn mlp(
+        &self,
+        x: &Tensor,
+        mlp: &Mlp,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        let (router, experts) = match mlp {
+            Mlp::Dense(m) => return self.dense_mlp(x, m, observer),
+            Mlp::Bmm(e) => return self.bmm_experts(x, e, observer),
+            Mlp::Experts { router, experts } => (router, experts),
+        };
+        let moe = self.routing()?;
+        let (b, t, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * t, hidden))?;
+        observer.linear_input(&router.name, &x2)?;
+        let logits = self.linear(router, &x2, false)?;
+        let probs = softmax(&logits)?;
+        let (chosen, idx) = self.top_k(&probs, moe.top_k)?;
+        let mut weights = probs.gather(&idx, 1)?;
+        if moe.normalize_top_k {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        let weights = weights.to_dtype(x.dtype())?;
+        if observer.all_experts() {
+            // Calibration pass: every expert on every token, outputs unused.
+            for e in experts {
+                self.dense_mlp(&x2, e, observer)?;
+            }
+        }
+        let out = self.dispatch(&x2, &chosen, moe, &weights, |e, xe| {
+            self.dense_mlp(xe, &experts[e], observer)
+        })?;
+        Ok(out.reshape((b, t, hidden))?)
+    }
+
+    /// The routing of the MoE layers (checked at load to be there when a layer has experts).
+    fn routing(&self) -> Result<&MoeRouting, ModelError> {
+        self.config
+            .moe
+            .as_ref()
+            .ok_or_else(|| ModelError::Config("no experts per token for an MoE layer".into()))
+    }
+
+    /// GPT-OSS's MoE block: a router with a bias whose top-k logits are softmaxed, and BMM
+    /// experts with the clamped SwiGLU `(up + 1) · gate · σ(1.702 · gate)`.
+    fn bmm_experts(
+        &self,
+        x: &Tensor,
+        e: &BmmExperts,
+        observer: &mut dyn Observer,
+    ) -> Result<Tensor, ModelError> {
+        const ALPHA: f64 = 1.702;
+        const LIMIT: f64 = 7.0;
+        let moe = self.routing()?;
+        let (b, t, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * t, hidden))?;
+        observer.linear_input(&e.router.name, &x2)?;
+        let logits = self.linear(&e.router, &x2, false)?;
+        let (chosen, idx) = self.top_k(&logits, moe.top_k)?;
+        let weights = softmax(&logits.gather(&idx, 1)?)?.to_dtype(x.dtype())?;
+        let inter = e.gate_up.dim(2)? / 2;
+        observer.quantizer_input(&e.gate_up_quantizer, &x2)?;
+        let out = self.dispatch(&x2, &chosen, moe, &weights, |i, xe| {
+            let gu = self
+                .act
+                .input(&e.gate_up_name, xe)?
+                .matmul(&e.gate_up.get(i)?)?
+                .broadcast_add(&e.gate_up_bias.get(i)?)?
+                .reshape((xe.dim(0)?, inter, 2))?;
+            let gate = gu.narrow(2, 0, 1)?.squeeze(2)?.minimum(LIMIT)?;
+            let up = gu.narrow(2, 1, 1)?.squeeze(2)?.clamp(-LIMIT, LIMIT)?;
+            let glu = (&gate * sigmoid(&(&gate * ALPHA)?)?)?;
+            let h = ((up + 1.0)? * glu)?;
+            observer.quantizer_input(&e.down_quantizer, &h)?;
+            Ok(self
+                .act
+                .input(&e.down_name, &h)?
+                .matmul(&e.down.get(i)?)?
+                .broadcast_add(&e.down_bias.get(i)?)?)
+        })?;
+        Ok(out.reshape((b, t, hidden))?)
+    }
+
+    /// The top `k` entries of every row of `scores` `[tokens, experts]`, chosen on the host
+    /// (indices carry no gradient): the flat indices and the `[tokens, k]` index tensor.
+    /// Stable: ties keep the lower expert first, as torch.topk does on the CPU.
+    fn top_k(&self, scores: &Tensor, k: usize) -> Result<(Vec<u32>, Tensor), ModelError> {
+        let rows: Vec<Vec<f32>> = scores.to_dtype(DType::F32)?.to_vec2()?;
+        let mut chosen = Vec::with_capacity(rows.len() * k);
+        for row in &rows {
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
+            chosen.extend(order[..k].iter().map(|&e| e as u32));
+        }
+        let idx = Tensor::from_vec(chosen.clone(), (rows.len(), k), &self.device)?;
+        Ok((chosen, idx))
+    }
+
+    /// Routes the tokens `x2` `[tokens, hidden]` to the experts `chosen` picked (`top_k` per
+    /// token), runs `expert(e, tokens)` on each expert's tokens and sums the outputs weighted
+    /// by `weights` `[tokens, top_k]`; experts with no tokens are not run.
+    fn dispatch(
+        &self,
+        x2: &Tensor,
+        chosen: &[u32],
+        moe: &MoeRouting,
+        weights: &Tensor,
+        mut expert: impl FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        let mut out = x2.zeros_like()?;
+        let weights = weights.flatten_all()?;
+        for e in 0..moe.experts {
+            let (mut tokens, mut slots) = (Vec::new(), Vec::new());
+            for (tok, picks) in chosen.chunks(moe.top_k).enumerate() {
+                if let Some(s) = picks.iter().position(|&c| c as usize == e) {
+                    tokens.push(tok as u32);
+                    slots.push((tok * moe.top_k + s) as u32);
+                }
+            }
+            if tokens.is_empty() {
+                continue;
+            }
+            let (n, m) = (tokens.len(), slots.len());
+            let rows = Tensor::from_vec(tokens, n, &self.device)?;
+            let slot = Tensor::from_vec(slots, m, &self.device)?;
+            let ye = expert(e, &x2.index_select(&rows, 0)?)?;
+            let we = weights.index_select(&slot, 0)?.unsqueeze(1)?;
+            out = out.index_add(&rows, &ye.broadcast_mul(&we)?, 0)?;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,206 @@
+//! What a forward pass shows: the [`Observer`] seam calibration uses, and the max calibrator
+//! (per-tensor and per-channel amax under ModelOpt's quantizer names).
+
+use super::ModelError;
+use candle_core::{D, DType, Tensor};
+use std::collections::BTreeMap;
+
+/// What a forward pass shows a calibration: the input of every Linear (by module path) and
+/// the keys (after RoPE) and values of every attention module.
+pub trait Observer {
+    /// The input of the Linear at `module` (`[.., in_features]`).
+    fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError>;
+    /// The keys and values `[batch, kv_heads, seq, head_dim]` of the attention at `attention`.
+    fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError>;
+    /// The input of a quantizer that is not a Linear's `input_quantizer` (BMM experts:
+    /// `<experts>.gate_up_proj_input_quantizer`, `<experts>.down_proj_input_quantizer`).
+    fn quantizer_input(&mut self, quantizer: &str, x: &Tensor) -> Result<(), ModelError> {
+        let _ = (quantizer, x);
+        Ok(())
+    }
+    /// Whether every expert should also see every token (ModelOpt's optional
+    /// `moe_calib_experts_ratio = 1`), besides the routed pass that gives the output.
+    fn all_experts(&self) -> bool {
+        false
+    }
+}
+
+/// An observer that looks at nothing.
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn linear_input(&mut self, _module: &str, _x: &Tensor) -> Result<(), ModelError> {
+        Ok(())
+    }
+    fn key_value(&mut self, _attention: &str, _k: &Tensor, _v: &Tensor) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
+/// Max calibration: per-tensor amax of every Linear input and of every attention's keys and
+/// values, under ModelOpt's quantizer names (`<linear>.input_quantizer`,
+/// `<attention>.k_bmm_quantizer`, `<attention>.v_bmm_quantizer`). A NaN input makes the amax
+/// NaN.
+#[derive(Debug, Clone)]
+pub struct MaxCalibrator {
+    amax: BTreeMap<String, f32>,
+    all_experts: bool,
+    /// Per-input-channel amax of every Linear input, when asked for (SmoothQuant).
+    channels: Option<BTreeMap<String, Vec<f32>>>,
+}
+
+impl Default for MaxCalibrator {
+    /// ModelOpt's default: each expert sees the tokens routed to it (its
+    /// `moe_calib_experts_ratio` is unset), and the experts then share their maximum.
+    fn default() -> Self {
+        MaxCalibrator::new(false)
+    }
+}
+
+fn tensor_amax(x: &Tensor) -> Result<f32, ModelError> {
+    let v: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    Ok(v.iter().fold(0f32, |m, &a| {
+        if m.is_nan() || a.is_nan() {
+            f32::NAN
+        } else {
+            m.max(a.abs())
+        }
+    }))
+}
+
+impl MaxCalibrator {
+    /// A calibrator; `all_experts`: every expert also sees every token (ModelOpt's
+    /// `moe_calib_experts_ratio = 1`), else each expert sees only the tokens routed to it
+    /// (ModelOpt's default).
+    pub fn new(all_experts: bool) -> Self {
+        MaxCalibrator {
+            amax: BTreeMap::new(),
+            all_experts,
+            channels: None,
+        }
+    }
+
+    /// Also records every Linear input's amax per input channel (SmoothQuant's statistics).
+    pub fn with_channels(mut self) -> Self {
+        self.channels = Some(BTreeMap::new());
+        self
+    }
+
+    /// The per-channel input amax by Linear module path, when recorded.
+    pub fn channels(&self) -> Option<&BTreeMap<String, Vec<f32>>> {
+        self.channels.as_ref()
+    }
+
+    fn record(&mut self, key: String, a: f32) {
+        let e = self.amax.entry(key).or_insert(0.0);
+        *e = if e.is_nan() || a.is_nan() {
+            f32::NAN
+        } else {
+            e.max(a)
+        };
+    }
+
+    /// The amax seen so far, by quantizer name.
+    pub fn amax(&self) -> &BTreeMap<String, f32> {
+        &self.amax
+    }
+
+    /// Gives every expert of an MoE block the largest input amax among the experts, per
+    /// Linear name (ModelOpt's `layer_sync_moe_local_experts_amax` after calibration),
+    /// including experts no token reached. `linears` names every Linear module of the model
+    /// (weight names without `.weight` are fine too: anything else is ignored).
+    pub fn sync_experts<'a>(&mut self, linears: impl IntoIterator<Item = &'a str>) {
+        // `<head>.experts.<i>.<rest>` → (head, rest).
+        fn split(k: &str) -> Option<(String, String)> {
+            let (head, tail) = k.split_once(".experts.")?;
+            let (index, rest) = tail.split_once('.')?;
+            index.parse::<usize>().ok()?;
+            Some((head.to_string(), rest.to_string()))
+        }
+        fn nan_max(a: f32, b: f32) -> f32 {
+            if a.is_nan() || b.is_nan() {
+                f32::NAN
+            } else {
+                a.max(b)
+            }
+        }
+        let mut max: BTreeMap<(String, String), f32> = BTreeMap::new();
+        for (k, &v) in &self.amax {
+            if let Some(g) = split(k).filter(|(_, r)| r.ends_with(".input_quantizer")) {
+                let e = max.entry(g).or_insert(0.0);
+                *e = nan_max(*e, v);
+            }
+        }
+        let mut channel_max: BTreeMap<(String, String), Vec<f32>> = BTreeMap::new();
+        for (k, v) in self.channels.iter().flatten() {
+            if let Some(g) = split(k) {
+                let e = channel_max.entry(g).or_insert_with(|| vec![0.0; v.len()]);
+                for (a, &b) in e.iter_mut().zip(v) {
+                    *a = nan_max(*a, b);
+                }
+            }
+        }
+        let mut modules: Vec<String> = self
+            .amax
+            .keys()
+            .filter_map(|k| k.strip_suffix(".input_quantizer"))
+            .map(str::to_string)
+            .collect();
+        modules.extend(
+            linears
+                .into_iter()
+                .map(|m| m.strip_suffix(".weight").unwrap_or(m).to_string()),
+        );
+        for m in modules {
+            let Some((head, rest)) = split(&m) else {
+                continue;
+            };
+            if let Some(&v) = max.get(&(head.clone(), format!("{rest}.input_quantizer"))) {
+                self.amax.insert(format!("{m}.input_quantizer"), v);
+            }
+            if let (Some(c), Some(v)) = (&mut self.channels, channel_max.get(&(head, rest))) {
+                c.insert(m, v.clone());
+            }
+        }
+    }
+}
+
+impl Observer for MaxCalibrator {
+    fn linear_input(&mut self, module: &str, x: &Tensor) -> Result<(), ModelError> {
+        if x.elem_count() == 0 {
+            return Ok(());
+        }
+        self.record(format!("{module}.input_quantizer"), tensor_amax(x)?);
+        if let Some(channels) = &mut self.channels {
+            let k = x.dim(D::Minus1)?;
+            let rows = x.elem_count() / k;
+            let per: Vec<f32> = x
+                .to_dtype(DType::F32)?
+                .reshape((rows, k))?
+                .abs()?
+                .max(0)?
+                .to_vec1()?;
+            let e = channels
+                .entry(module.to_string())
+                .or_insert_with(|| vec![0.0; k]);
+            for (a, b) in e.iter_mut().zip(per) {
+                *a = a.max(b);
+            }
+        }
+        Ok(())
+    }
+    fn quantizer_input(&mut self, quantizer: &str, x: &Tensor) -> Result<(), ModelError> {
+        if x.elem_count() > 0 {
+            self.record(quantizer.to_string(), tensor_amax(x)?);
+        }
+        Ok(())
+    }
+    fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError> {
+        self.record(format!("{attention}.k_bmm_quantizer"), tensor_amax(k)?);
+        self.record(format!("{attention}.v_bmm_quantizer"), tensor_amax(v)?);
+        Ok(())
+    }
+    fn all_experts(&self) -> bool {
+        self.all_experts
+    }
+}
