@@ -460,6 +460,29 @@ fn dpo_on_conversational_pairs_matches_trl() {
 }
 
 #[test]
+fn orpo_on_conversational_pairs_matches_trl() {
+    check("orpo-chat");
+}
+
+/// The prompt ends with the assistant's words: rendered to continue them, as TRL does.
+#[test]
+fn simpo_on_a_conversation_continuing_the_assistant_matches_trl() {
+    check("simpo-chat-continue");
+}
+
+#[test]
+fn kto_on_conversational_examples_matches_trl() {
+    check("kto-chat");
+}
+
+/// Preference pairs given to KTO are unpaired as TRL unpairs them: every chosen, then every
+/// rejected.
+#[test]
+fn kto_on_paired_preferences_matches_trl() {
+    check("kto-paired");
+}
+
+#[test]
 fn sft_evaluation_matches_trl() {
     check("sft-eval");
 }

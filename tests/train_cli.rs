@@ -513,3 +513,25 @@ fn eval_data_writes_eval_lines_and_needs_eval_steps() {
         String::from_utf8_lossy(&o.stderr).contains("--eval-data and --eval-steps go together")
     );
 }
+
+/// `--save-total-limit N` keeps the newest N checkpoints, as transformers rotates them.
+#[test]
+fn save_total_limit_keeps_the_newest_checkpoints() {
+    let checkpoints = |extra: &[&str]| {
+        let mut args = vec!["--save-steps", "1"];
+        args.extend_from_slice(extra);
+        let (_, out, dir) = train("sft", "sft.jsonl", &args);
+        let mut names: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("checkpoint-"))
+            .collect();
+        names.sort();
+        drop(dir);
+        names
+    };
+    // Three steps: checkpoints after steps 1 and 2 (the last step is the output itself).
+    assert_eq!(checkpoints(&[]), ["checkpoint-1", "checkpoint-2"]);
+    assert_eq!(checkpoints(&["--save-total-limit", "1"]), ["checkpoint-2"]);
+}

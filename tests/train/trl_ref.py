@@ -158,6 +158,20 @@ def write_data():
             f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
                                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                 "rejected": [{"role": "assistant", "content": r["rejected"]}]}) + "\n")
+    # The prompt ends with the assistant's own words, so the template continues them (TRL's
+    # continue_final_message), and a system turn goes first.
+    with open(os.path.join(DATA, "pref-chat-continue.jsonl"), "w") as f:
+        for r in dpo[:8]:
+            f.write(json.dumps({"prompt": [{"role": "system", "content": "add"},
+                                           {"role": "user", "content": r["prompt"]},
+                                           {"role": "assistant", "content": "The sum is "}],
+                                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                                "rejected": [{"role": "assistant", "content": r["rejected"]}]}) + "\n")
+    with open(os.path.join(DATA, "kto-chat.jsonl"), "w") as f:
+        for r in kto[:10]:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
+                                "completion": [{"role": "assistant", "content": r["completion"]}],
+                                "label": r["label"]}) + "\n")
     for name, rows in [("sft-eval.jsonl", [{"prompt": f"{a}+{b}=", "completion": str(a + b)}
                                              for a, b in [(2, 5), (6, 1), (3, 0), (4, 2)]]),
                        ("dpo-eval.jsonl", [{"prompt": f"Q: {a}+{b}? A: ", "chosen": str(a + b), "rejected": str(a + b + 2)}
@@ -287,6 +301,10 @@ def main():
         "sft-messages": ("sft", d("sft-chat.jsonl"), None, dict(learning_rate=1e-3, assistant_only_loss=True)),
         "sft-chat-pc": ("sft", d("sft-chat-pc.jsonl"), adapter, dict(learning_rate=1e-2)),
         "dpo-chat": ("dpo", d("dpo-chat.jsonl"), None, dict(learning_rate=1e-3)),
+        "orpo-chat": ("orpo", d("dpo-chat.jsonl"), adapter, dict(learning_rate=1e-2)),
+        "simpo-chat-continue": ("simpo", d("pref-chat-continue.jsonl"), None, dict(learning_rate=1e-3)),
+        "kto-chat": ("kto", d("kto-chat.jsonl"), None, dict(learning_rate=1e-3)),
+        "kto-paired": ("kto", d("dpo.jsonl"), None, dict(learning_rate=1e-3, per_device_train_batch_size=4)),
         "sft-eval": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, eval_data=d("sft-eval.jsonl"),
                                                         eval_steps=3, per_device_eval_batch_size=3)),
         "dpo-eval": ("dpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2, eval_data=d("dpo-eval.jsonl"),

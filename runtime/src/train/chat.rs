@@ -202,6 +202,77 @@ impl ChatTemplate {
         messages: &Value,
         add_generation_prompt: bool,
     ) -> Result<Rendered, String> {
+        self.render_with(messages, add_generation_prompt, false)
+    }
+
+    /// [`ChatTemplate::render`]; `continue_final_message`: the text ends where the last
+    /// message's content ends, so that a completion continues it (transformers tags the end of
+    /// the content, renders, and cuts at the tag — before any whitespace the template trimmed).
+    pub fn render_with(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+    ) -> Result<Rendered, String> {
+        const TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+        let mut messages = messages.clone();
+        if continue_final_message {
+            let last = messages.as_array_mut().and_then(|m| m.last_mut()).ok_or(
+                "continue_final_message needs a message to continue, and the conversation is empty",
+            )?;
+            match last.get_mut("content") {
+                Some(Value::String(c)) => c.push_str(TAG),
+                Some(Value::Array(blocks)) => {
+                    let text = blocks
+                        .iter_mut()
+                        .rev()
+                        .find_map(|b| match b.get_mut("text") {
+                            Some(Value::String(t)) => Some(t),
+                            _ => None,
+                        })
+                        .ok_or(
+                            "continue_final_message: the final message has no text to continue",
+                        )?;
+                    text.push_str(TAG);
+                }
+                _ => {
+                    return Err(
+                        "continue_final_message: the final message has no `content` to continue"
+                            .into(),
+                    );
+                }
+            }
+        }
+        let mut r = self.render_raw(&messages, add_generation_prompt)?;
+        if continue_final_message {
+            let tag = TAG.trim();
+            let at = r.text.rfind(tag).ok_or_else(|| {
+                format!(
+                    "the chat template drops part of the final message, so it cannot be continued (template {})",
+                    self.source.display()
+                )
+            })?;
+            let end = if r.text[at..].starts_with(TAG) {
+                at
+            } else {
+                r.text[..at].trim_end().len()
+            };
+            r.text.truncate(end);
+            r.generation = r
+                .generation
+                .into_iter()
+                .filter(|&(a, _)| a < end)
+                .map(|(a, b)| (a, b.min(end)))
+                .collect();
+        }
+        Ok(r)
+    }
+
+    fn render_raw(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, String> {
         let mut ctx = self.special.clone();
         ctx.insert("messages".into(), messages.clone());
         ctx.insert(

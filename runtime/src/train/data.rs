@@ -304,26 +304,138 @@ impl TextTokenizer {
         Ok((enc.get_ids().to_vec(), mask))
     }
 
+    /// `messages` rendered with the chat template as text (transformers'
+    /// `apply_chat_template(..., tokenize=False)`).
+    pub fn render_chat(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+    ) -> Result<String, String> {
+        let chat = self
+            .chat
+            .as_ref()
+            .ok_or("conversational data needs a chat template, and the model has none (tokenizer_config.json `chat_template` or chat_template.jinja)")?;
+        Ok(chat
+            .render_with(messages, add_generation_prompt, continue_final_message)?
+            .text)
+    }
+
     /// Token ids back to text (special tokens dropped).
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
     }
 }
 
-/// Refuses conversational columns for a task whose TRL trainer kiln follows only on text.
-pub fn require_text(data: &Dataset, task: &str) -> Result<(), TrainError> {
+/// TRL's `maybe_apply_chat_template`, for the trainers that tokenize text (orpo, simpo, kto):
+/// a conversational record becomes strings. The prompt is rendered with the assistant's
+/// header when its last message is the user's (or a tool's), continuing the last message when
+/// it is the assistant's; each of `chosen`, `rejected`, `completion` (in that order) is
+/// rendered after the prompt, the prompt is cut to the common prefix of the two renderings, and
+/// the side is the rest. Text records pass unchanged; other columns are kept.
+pub fn apply_chat_template(data: &Dataset, tok: &TextTokenizer) -> Result<Dataset, TrainError> {
+    let mut records = Vec::with_capacity(data.records.len());
     for r in &data.records {
-        if let Some((k, _)) = r.fields.iter().find(|(_, v)| v.is_array()) {
-            return Err(TrainError::Data {
-                path: data.path.clone(),
-                line: Some(r.line),
-                message: format!(
-                    "`{k}` is a conversation; kiln's {task} takes text columns (render the chat template into strings)"
-                ),
-            });
+        let err = |m: String| TrainError::Data {
+            path: data.path.clone(),
+            line: Some(r.line),
+            message: m,
+        };
+        let sides = ["chosen", "rejected", "completion"];
+        if !r.fields.values().any(Value::is_array) {
+            records.push(r.clone());
+            continue;
+        }
+        let Some(Value::Array(prompt)) = r.fields.get("prompt") else {
+            return Err(err(
+                "a conversational example needs its `prompt` as a list of messages too".into(),
+            ));
+        };
+        let role = prompt
+            .last()
+            .and_then(|m| m.get("role"))
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let (generation_prompt, continue_final) = match role {
+            "user" | "tool" => (true, false),
+            "assistant" => (false, true),
+            other => {
+                return Err(err(format!(
+                    "the prompt's last message has role `{other}` (expected user, tool or assistant)"
+                )));
+            }
+        };
+        let mut text = tok
+            .render_chat(
+                &Value::Array(prompt.clone()),
+                generation_prompt,
+                continue_final,
+            )
+            .map_err(&err)?;
+        let mut fields = r.fields.clone();
+        for k in sides {
+            let Some(v) = r.fields.get(k) else { continue };
+            let Value::Array(side) = v else {
+                return Err(err(format!(
+                    "`{k}` is text while `prompt` is a conversation: give both as lists of messages"
+                )));
+            };
+            let mut all = prompt.clone();
+            all.extend(side.iter().cloned());
+            let full = tok
+                .render_chat(&Value::Array(all), false, false)
+                .map_err(&err)?;
+            // The common prefix, character by character, as TRL's `takewhile` takes it.
+            let common = text
+                .char_indices()
+                .zip(full.chars())
+                .find(|((_, a), b)| a != b)
+                .map_or(text.len().min(full.len()), |((i, _), _)| i);
+            text.truncate(common);
+            fields.insert(k.to_string(), Value::String(full[common..].to_string()));
+        }
+        fields.insert("prompt".into(), Value::String(text));
+        records.push(Record {
+            line: r.line,
+            fields,
+        });
+    }
+    Ok(Dataset {
+        path: data.path.clone(),
+        format: data.format,
+        records,
+    })
+}
+
+/// TRL's `maybe_unpair_preference_dataset` (KTO on paired data): every pair becomes its
+/// chosen completion, desirable, and its rejected one, undesirable — in the order `datasets`'
+/// batched `map` gives (per block of 1,000 pairs: every chosen, then every rejected).
+pub fn unpair(data: &Dataset) -> Dataset {
+    if data.format != DataFormat::Preference {
+        return data.clone();
+    }
+    let mut records = Vec::with_capacity(2 * data.records.len());
+    for block in data.records.chunks(1000) {
+        for (side, label) in [("chosen", true), ("rejected", false)] {
+            for r in block {
+                let mut fields = r.fields.clone();
+                let completion = fields.remove(side).unwrap_or_default();
+                fields.remove("chosen");
+                fields.remove("rejected");
+                fields.insert("completion".into(), completion);
+                fields.insert("label".into(), Value::Bool(label));
+                records.push(Record {
+                    line: r.line,
+                    fields,
+                });
+            }
         }
     }
-    Ok(())
+    Dataset {
+        path: data.path.clone(),
+        format: DataFormat::Unpaired,
+        records,
+    }
 }
 
 /// A tokenized causal-LM example: ids and which of them are trained on.
@@ -806,5 +918,84 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.ends_with("e.jsonl: holds no examples"), "{e}");
+    }
+
+    /// TRL's `maybe_apply_chat_template` on the demo template: the prompt with the assistant's
+    /// header (or continuing the assistant's last words), each side the rest of its rendering;
+    /// mixed text and conversation is an error naming the line.
+    #[test]
+    fn conversations_render_into_text_as_trl_renders_them() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::demo::write_byte_tokenizer(dir.path()).unwrap();
+        let tok = TextTokenizer::from_model_dir(dir.path()).unwrap();
+        let f = write(
+            dir.path(),
+            "p.jsonl",
+            concat!(
+                r#"{"prompt":[{"role":"user","content":"1+1?"}],"chosen":[{"role":"assistant","content":"2"}],"rejected":[{"role":"assistant","content":"3"}]}"#,
+                "\n",
+                r#"{"prompt":[{"role":"user","content":"2+2?"},{"role":"assistant","content":"It is "}],"chosen":[{"role":"assistant","content":"4"}],"rejected":[{"role":"assistant","content":"5"}]}"#,
+                "\n",
+                r#"{"prompt":"text","chosen":"a","rejected":"b"}"#,
+                "\n",
+            ),
+        );
+        let d = apply_chat_template(&Dataset::read(&f, &[DataFormat::Preference]).unwrap(), &tok)
+            .unwrap();
+        let row = |i: usize| {
+            ["prompt", "chosen", "rejected"].map(|k| field(&d.records[i], k).to_string())
+        };
+        assert_eq!(row(0), ["<|user|>1+1?<|assistant|>", "2</s>", "3</s>"]);
+        assert_eq!(
+            row(1),
+            [
+                "<|user|>2+2?<|assistant|>It is ",
+                "</s><|assistant|>4</s>",
+                "</s><|assistant|>5</s>"
+            ]
+        );
+        assert_eq!(row(2), ["text", "a", "b"]);
+        let unpaired = unpair(&d);
+        assert_eq!(unpaired.records.len(), 6);
+        let labels: Vec<bool> = unpaired
+            .records
+            .iter()
+            .map(|r| r.fields["label"].as_bool().unwrap())
+            .collect();
+        assert_eq!(labels, [true, true, true, false, false, false]);
+        assert_eq!(
+            field(&unpaired.records[4], "completion"),
+            "</s><|assistant|>5</s>"
+        );
+        let mixed = write(
+            dir.path(),
+            "m.jsonl",
+            concat!(
+                r#"{"prompt":[{"role":"user","content":"x"}],"chosen":"a","rejected":"b"}"#,
+                "\n"
+            ),
+        );
+        let e = apply_chat_template(
+            &Dataset::read(&mixed, &[DataFormat::Preference]).unwrap(),
+            &tok,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.ends_with("m.jsonl:1: `chosen` is text while `prompt` is a conversation: give both as lists of messages"), "{e}");
+        let system = write(
+            dir.path(),
+            "s.jsonl",
+            concat!(
+                r#"{"prompt":[{"role":"system","content":"x"}],"completion":[{"role":"assistant","content":"a"}],"label":true}"#,
+                "\n"
+            ),
+        );
+        let e = apply_chat_template(
+            &Dataset::read(&system, &[DataFormat::Unpaired]).unwrap(),
+            &tok,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.ends_with("s.jsonl:1: the prompt's last message has role `system` (expected user, tool or assistant)"), "{e}");
     }
 }

@@ -226,6 +226,12 @@ pub const FIELDS: &[Field] = &[
         "Save a resumable checkpoint (<out>/checkpoint-N) every N steps; 0 = none [0]",
     ),
     f(
+        "save_total_limit",
+        Kind::Int,
+        &[],
+        "Keep only the newest N checkpoints, deleting older ones; 0 = keep all [all]",
+    ),
+    f(
         "eval_steps",
         Kind::Int,
         &[],
@@ -464,6 +470,7 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
         "seed" => h.seed = int()?,
         "logging_steps" => h.logging_steps = int()?.max(1),
         "save_steps" => h.save_steps = Some(int()?).filter(|&s| s > 0),
+        "save_total_limit" => h.save_total_limit = Some(int()? as usize).filter(|&n| n > 0),
         "eval_steps" => h.eval_steps = Some(int()?).filter(|&s| s > 0),
         "per_device_eval_batch_size" => h.per_device_eval_batch_size = (int()? as usize).max(1),
         "lora_r" => {

@@ -157,6 +157,9 @@ pub struct Hyperparameters {
     pub logging_steps: u64,
     /// Save a checkpoint every N steps (`None`: only at the end).
     pub save_steps: Option<u64>,
+    /// Keep at most this many checkpoints, deleting the oldest (`None`: all), transformers'
+    /// `save_total_limit`.
+    pub save_total_limit: Option<usize>,
     /// Evaluate on the evaluation data every N steps (`None`: never).
     pub eval_steps: Option<u64>,
     /// Examples per evaluation batch.
@@ -183,6 +186,7 @@ impl Default for Hyperparameters {
             seed: 42,
             logging_steps: 10,
             save_steps: None,
+            save_total_limit: None,
             eval_steps: None,
             per_device_eval_batch_size: 8,
         }

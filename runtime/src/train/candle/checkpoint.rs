@@ -128,7 +128,36 @@ pub fn save(
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
     std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
+    if let Some(limit) = setup.config.hyper.save_total_limit {
+        rotate(root, limit)?;
+    }
     Ok(dir)
+}
+
+/// Deletes the oldest `checkpoint-<step>` folders of `root` (by step) so that at most `limit`
+/// remain, as transformers' `save_total_limit` rotates them.
+pub fn rotate(root: &Path, limit: usize) -> Result<Vec<PathBuf>, TrainError> {
+    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(root)
+        .map_err(io(root))?
+        .flatten()
+        .filter_map(|e| {
+            let step = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("checkpoint-")?
+                .parse::<u64>()
+                .ok()?;
+            e.path().is_dir().then(|| (step, e.path()))
+        })
+        .collect();
+    found.sort();
+    let excess = found.len().saturating_sub(limit);
+    let mut removed = Vec::with_capacity(excess);
+    for (_, path) in found.into_iter().take(excess) {
+        std::fs::remove_dir_all(&path).map_err(io(&path))?;
+        removed.push(path);
+    }
+    Ok(removed)
 }
 
 /// Loads `dir` into the run: parameters, optimizer state, random streams.

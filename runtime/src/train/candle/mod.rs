@@ -1079,13 +1079,10 @@ impl ScoredPairObjective {
     }
 
     fn new(config: &TrainConfig, setup: &Setup, loss: ScoredLoss) -> Result<Self, TrainError> {
-        let data = read_data(config, &[DataFormat::Preference])?;
-        super::data::require_text(
-            &data,
-            match loss {
-                ScoredLoss::Orpo(_) => "orpo",
-                ScoredLoss::Cpo(_) => "simpo",
-            },
+        // TRL's ORPO and CPO trainers render conversations into text first.
+        let data = super::data::apply_chat_template(
+            &read_data(config, &[DataFormat::Preference])?,
+            &setup.tokenizer,
         )?;
         let max_length = config.hyper.max_length.unwrap_or(usize::MAX);
         let pairs = scored_pairs(&data, &setup.tokenizer, max_length)?;
@@ -1233,8 +1230,9 @@ impl KtoObjective {
                 "KTO needs at least 2 examples per micro-batch: its KL term pairs each prompt with another example's completion",
             ));
         }
-        let data = read_data(config, &[DataFormat::Unpaired])?;
-        super::data::require_text(&data, "kto")?;
+        // TRL's KTO trainer unpairs preference data, then renders conversations into text.
+        let data = read_data(config, &[DataFormat::Unpaired, DataFormat::Preference])?;
+        let data = super::data::apply_chat_template(&super::data::unpair(&data), &setup.tokenizer)?;
         let max_length = config.hyper.max_length.unwrap_or(512);
         let kl = (kind == KtoLoss::Kto).then_some(bs);
         let examples = unpaired_examples(&data, &setup.tokenizer, max_length, kl)?;
