@@ -396,6 +396,20 @@ fn a_resumed_run_continues_exactly() {
             "grpo.jsonl",
             &["--num-generations", "4", "--max-completion-length", "5"][..],
         ),
+        // Saved mid-way through a generation batch (three steps on each): the resumed step
+        // reuses the saved completions and their sampling log-probs.
+        (
+            "grpo",
+            "grpo.jsonl",
+            &[
+                "--num-generations",
+                "4",
+                "--max-completion-length",
+                "5",
+                "--num-iterations",
+                "3",
+            ][..],
+        ),
     ] {
         let mut base: Vec<&str> = vec!["--warmup-steps", "1"];
         base.extend_from_slice(extra);

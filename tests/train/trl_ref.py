@@ -322,6 +322,10 @@ def main():
             learning_rate=1e-2, num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="bnpo", scale_rewards="batch",
             max_steps=4)),
+        "grpo-iterations": ("grpo", d("grpo.jsonl"), None, dict(
+            learning_rate=3e-2, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
+            shuffle_dataset=False, reward_funcs=["count_digits"], num_iterations=2, epsilon=0.1,
+            epsilon_high=0.15, max_steps=6)),
         "grpo-dr": ("grpo", d("grpo.jsonl"), None, dict(
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",

@@ -120,6 +120,12 @@ pub const FIELDS: &[Field] = &[
         "One weight per reward function [1 each]",
     ),
     f(
+        "num_iterations",
+        Kind::Int,
+        GRPO,
+        "Optimisation steps on each generation batch (ratios move off 1 after the first) [1]",
+    ),
+    f(
         "mask_truncated_completions",
         Kind::Bool,
         GRPO,

@@ -318,6 +318,11 @@ pub trait Objective {
     fn group(&self) -> usize {
         1
     }
+    /// How many consecutive optimisation steps run on each step's examples (GRPO's
+    /// `num_iterations`: TRL's sampler repeats every generation batch that many times).
+    fn repeats(&self) -> usize {
+        1
+    }
     /// The loss of one micro-batch, its figures and its token count.
     fn micro_batch(
         &mut self,
@@ -350,14 +355,13 @@ fn epoch_steps(
     batch: usize,
     accumulation: usize,
     order: Vec<usize>,
+    repeats: usize,
 ) -> Vec<Vec<Vec<usize>>> {
     let batches: Vec<Vec<usize>> = order.chunks(batch).map(<[usize]>::to_vec).collect();
     batches
         .chunks(accumulation)
-        .map(<[Vec<usize>]>::to_vec)
-        .collect::<Vec<_>>()
-        .into_iter()
         .filter(|s| !s.is_empty() && n > 0)
+        .flat_map(|s| std::iter::repeat_n(s.to_vec(), repeats.max(1)))
         .collect()
 }
 
@@ -474,7 +478,8 @@ pub fn run_with_eval(
             .flat_map(|g| g * group..(g + 1) * group)
             .collect()
     };
-    let per_epoch = n.div_ceil(bs).div_ceil(ga) as u64;
+    let repeats = objective.repeats().max(1);
+    let per_epoch = (n.div_ceil(bs).div_ceil(ga) * repeats) as u64;
     let total = match h.max_steps {
         Some(s) if s > 0 => s,
         _ => ((h.num_train_epochs * per_epoch as f64).ceil() as u64).max(1),
@@ -505,7 +510,7 @@ pub fn run_with_eval(
     )?;
     let mut report = TrainReport::new(objective.task(), BACKEND);
     let mut epoch = 0u64;
-    let mut steps = epoch_steps(n, bs, ga, order(epoch)).into_iter();
+    let mut steps = epoch_steps(n, bs, ga, order(epoch), repeats).into_iter();
     let mut tokens = 0u64;
     let mut window: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     let mut window_loss = (0f64, 0usize);
@@ -513,7 +518,7 @@ pub fn run_with_eval(
     let next_micro = |epoch: &mut u64, steps: &mut std::vec::IntoIter<Vec<Vec<usize>>>| {
         steps.next().unwrap_or_else(|| {
             *epoch += 1;
-            *steps = epoch_steps(n, bs, ga, order(*epoch)).into_iter();
+            *steps = epoch_steps(n, bs, ga, order(*epoch), repeats).into_iter();
             steps.next().expect("a non-empty dataset has a step")
         })
     };
@@ -1444,11 +1449,14 @@ impl CompletionSource for Sampled {
 type CompletionLogps = (Tensor, Tensor, Vec<Vec<f32>>, Tensor);
 
 /// One generated completion and what GRPO derived from it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Rollout {
     prompt: Vec<u32>,
     completion: Vec<u32>,
     advantage: f64,
+    /// The completion's per-token log-probs under the policy that sampled it (kept when the
+    /// generation batch serves more than one optimisation step).
+    old_logps: Option<Vec<f32>>,
 }
 
 /// GRPO (TRL's `GRPOTrainer`): `num_generations` completions per prompt sampled from the
@@ -1471,9 +1479,15 @@ pub struct GrpoObjective {
     reference: Option<DecoderModel>,
     /// This step's rollouts, by example index.
     rollouts: BTreeMap<usize, Rollout>,
-    /// This step's figures (reported with the first micro-batch).
+    /// The generation batch's figures.
     pending: BTreeMap<String, f64>,
     tokens_seen: f64,
+    /// `num_iterations`: optimisation steps per generation batch.
+    iterations: usize,
+    /// Steps run on the current generation batch.
+    cycle: usize,
+    /// Whether this step generated (its generation figures and tokens are reported).
+    fresh: bool,
 }
 
 impl GrpoObjective {
@@ -1636,6 +1650,10 @@ impl GrpoObjective {
         let reference = (settings.beta != 0.0)
             .then(|| setup.reference())
             .transpose()?;
+        let iterations = config.option::<usize>("num_iterations")?.unwrap_or(1);
+        if iterations == 0 {
+            return Err(config_err("num_iterations", "must be at least 1"));
+        }
         Ok(GrpoObjective {
             prompts,
             texts,
@@ -1656,6 +1674,9 @@ impl GrpoObjective {
             rollouts: BTreeMap::new(),
             pending: BTreeMap::new(),
             tokens_seen: 0.0,
+            iterations,
+            cycle: 0,
+            fresh: false,
         })
     }
 
@@ -1730,13 +1751,36 @@ impl Objective for GrpoObjective {
     fn group(&self) -> usize {
         self.g
     }
+    fn repeats(&self) -> usize {
+        self.iterations
+    }
     fn state(&self) -> serde_json::Value {
-        serde_json::json!({"tokens_seen": self.tokens_seen, "sampler_rng": self.source.rng_state()})
+        let mut state = serde_json::json!({
+            "tokens_seen": self.tokens_seen,
+            "sampler_rng": self.source.rng_state(),
+        });
+        // Mid-way through a generation batch: its rollouts serve the steps still to come.
+        if self.cycle < self.iterations {
+            state["cycle"] = self.cycle.into();
+            state["rollouts"] = serde_json::to_value(&self.rollouts).expect("JSON");
+        }
+        state
     }
     fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
         self.tokens_seen = state["tokens_seen"].as_f64().unwrap_or(0.0);
         if let Some(r) = state["sampler_rng"].as_u64() {
             self.source.set_rng_state(r);
+        }
+        if let Some(cycle) = state["cycle"].as_u64() {
+            self.cycle = cycle as usize;
+            self.rollouts = serde_json::from_value(state["rollouts"].clone())
+                .map_err(|e| config_err("resume", format!("trainer_state.json `rollouts`: {e}")))?;
+            // DAPO's normaliser: the generation batch's completion tokens.
+            self.settings.num_items = self
+                .rollouts
+                .values()
+                .map(|r| r.completion.len() as f64)
+                .sum();
         }
         Ok(())
     }
@@ -1749,6 +1793,18 @@ impl Objective for GrpoObjective {
         micro_batches: &[Vec<usize>],
     ) -> Result<(), TrainError> {
         let all: Vec<usize> = micro_batches.iter().flatten().copied().collect();
+        // num_iterations > 1: the generation batch serves the next steps too (the loop repeats
+        // its examples).
+        if self.cycle > 0
+            && self.cycle < self.iterations
+            && all.iter().all(|i| self.rollouts.contains_key(i))
+        {
+            self.cycle += 1;
+            self.fresh = false;
+            return Ok(());
+        }
+        self.cycle = 1;
+        self.fresh = true;
         // The step's prompts, each once, in order (its g completions are consecutive).
         let mut prompt_idx: Vec<usize> = Vec::new();
         for &i in &all {
@@ -1799,8 +1855,22 @@ impl Objective for GrpoObjective {
                     prompt: self.prompts[p].clone(),
                     completion: c,
                     advantage: *a,
+                    old_logps: None,
                 },
             );
+        }
+        if self.iterations > 1 {
+            // The sampling policy's log-probs, for the ratios of the later steps (TRL computes
+            // them with the training model, in micro-batches, before any update).
+            for indices in micro_batches {
+                let rows: Vec<&Rollout> = indices.iter().map(|i| &self.rollouts[i]).collect();
+                let (logps, _, _, _) = self.completion_logps(_setup, &_setup.model, &rows)?;
+                let logps: Vec<Vec<f32>> = logps.detach().to_dtype(DType::F32)?.to_vec2()?;
+                for (i, l) in indices.iter().zip(logps) {
+                    let r = self.rollouts.get_mut(i).expect("just made");
+                    r.old_logps = Some(l[..r.completion.len()].to_vec());
+                }
+            }
         }
         // TRL's figures for the generation batch.
         let n = per_func.len() as f64;
@@ -1894,12 +1964,31 @@ impl Objective for GrpoObjective {
             None => None,
         };
         let advantages: Vec<f64> = rows.iter().map(|r| r.advantage).collect();
+        let old_logps = match rows
+            .iter()
+            .map(|r| r.old_logps.as_ref())
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(old) => {
+                let c = logps.dim(1)?;
+                let mut flat = Vec::with_capacity(rows.len() * c);
+                for o in old {
+                    flat.extend(o);
+                    flat.extend(std::iter::repeat_n(0f32, c - o.len()));
+                }
+                Some(
+                    Tensor::from_vec(flat, (rows.len(), c), &ops.device)?
+                        .to_dtype(logps.dtype())?,
+                )
+            }
+            None => None,
+        };
         let out = losses::grpo(
             ops,
             self.settings,
             &GrpoInputs {
                 logps: &logps,
-                old_logps: None,
+                old_logps: old_logps.as_ref(),
                 ref_logps: ref_logps.as_ref(),
                 mask: &mask,
                 mask_host: &mask_host,
@@ -1915,7 +2004,12 @@ impl Objective for GrpoObjective {
         }
         m.insert("entropy".into(), sum / count.max(1.0));
         // The generation batch's figures are TRL's once per generation; every micro-batch of
-        // the step reports them so the window's mean is theirs.
+        // a generating step reports them so the window's mean is theirs. Steps that reuse a
+        // generation batch report neither them nor tokens, as TRL counts tokens when it
+        // generates.
+        if !self.fresh {
+            return Ok((out.loss, m, 0));
+        }
         m.extend(self.pending.clone());
         m.insert("num_tokens".into(), self.tokens_seen);
         let tokens: u64 = rows
@@ -1937,10 +2031,21 @@ mod tests {
 
     #[test]
     fn epochs_split_into_steps_of_micro_batches_with_a_short_last_step() {
-        let s = epoch_steps(7, 2, 3, (0..7).collect());
+        let s = epoch_steps(7, 2, 3, (0..7).collect(), 1);
         assert_eq!(
             s,
             vec![vec![vec![0, 1], vec![2, 3], vec![4, 5]], vec![vec![6]]]
+        );
+        // GRPO's num_iterations: every step's examples again, straight after.
+        let s = epoch_steps(4, 2, 1, (0..4).collect(), 2);
+        assert_eq!(
+            s,
+            vec![
+                vec![vec![0, 1]],
+                vec![vec![0, 1]],
+                vec![vec![2, 3]],
+                vec![vec![2, 3]]
+            ]
         );
         let p = permutation(10, 42);
         let mut sorted = p.clone();
