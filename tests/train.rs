@@ -44,6 +44,57 @@ impl kiln_runtime::train::candle::CompletionSource for Replay {
     }
 }
 
+/// TRL's evaluation completions, found by prompt: TRL evaluates its batches in a shuffled
+/// order, kiln in file order; each prompt's completions come in the order TRL made them.
+struct ReplayByPrompt(
+    std::collections::BTreeMap<Vec<u32>, std::collections::VecDeque<Vec<Vec<u32>>>>,
+);
+
+impl ReplayByPrompt {
+    fn new(recorded: &Value) -> Self {
+        let mut map = std::collections::BTreeMap::new();
+        for batch in recorded.as_array().expect("eval_completions") {
+            let prompts: Vec<Vec<u32>> = serde_json::from_value(batch["prompts"].clone()).unwrap();
+            let completions: Vec<Vec<u32>> =
+                serde_json::from_value(batch["completions"].clone()).unwrap();
+            let mut k = 0;
+            while k < prompts.len() {
+                let same = prompts[k..]
+                    .iter()
+                    .take_while(|p| **p == prompts[k])
+                    .count();
+                map.entry(prompts[k].clone())
+                    .or_insert_with(std::collections::VecDeque::new)
+                    .push_back(completions[k..k + same].to_vec());
+                k += same;
+            }
+        }
+        ReplayByPrompt(map)
+    }
+}
+
+impl kiln_runtime::train::candle::CompletionSource for ReplayByPrompt {
+    fn complete(
+        &mut self,
+        _model: &kiln_runtime::model::DecoderModel,
+        prompts: &[Vec<u32>],
+        g: usize,
+    ) -> Result<Vec<Vec<Vec<u32>>>, kiln_runtime::TrainError> {
+        Ok(prompts
+            .iter()
+            .map(|p| {
+                let c = self
+                    .0
+                    .get_mut(p)
+                    .and_then(|q| q.pop_front())
+                    .expect("TRL generated for this prompt");
+                assert_eq!(c.len(), g);
+                c
+            })
+            .collect())
+    }
+}
+
 /// A reward registered from outside kiln, as a user's crate would: the number of digits in
 /// the completion (the reference script defines the same function for TRL).
 #[kiln::reward(name = "count_digits")]
@@ -165,7 +216,18 @@ fn check(name: &str) {
             0,
         );
         let mut objective = GrpoObjective::with_source(&cfg, &setup, Box::new(replay)).unwrap();
-        train_run(&setup, &mut objective, &mut seen).unwrap()
+        match run.get("eval_completions") {
+            Some(recorded) => {
+                use kiln_runtime::train::candle::{Objective, run_with_eval};
+                let mut c = cfg.clone();
+                c.train_data = c.eval_data.clone();
+                let source = Box::new(ReplayByPrompt::new(recorded));
+                let mut eval = GrpoObjective::with_source(&c, &setup, source).unwrap();
+                eval.for_evaluation(&c).unwrap();
+                run_with_eval(&setup, &mut objective, Some(&mut eval), &mut seen).unwrap()
+            }
+            None => train_run(&setup, &mut objective, &mut seen).unwrap(),
+        }
     } else {
         let entry = kiln_runtime::resolve_trainer(&cfg).unwrap();
         let mut trainer = entry.construct(&cfg).unwrap();
@@ -472,6 +534,13 @@ fn dpo_on_conversational_pairs_matches_trl() {
     check("dpo-chat");
 }
 
+/// Evaluation during GRPO: every evaluation prompt's completions generated and scored, the
+/// figures averaged over the batches (TRL's completions, replayed by prompt).
+#[test]
+fn grpo_evaluation_matches_trl() {
+    check("grpo-eval");
+}
+
 /// Two optimisation steps per generation batch: the second step's ratios move off 1 and are
 /// clipped (TRL logs clip ratios near 0.9 there), and only generating steps log the
 /// generation's figures.
@@ -516,4 +585,62 @@ fn dpo_evaluation_matches_trl() {
 #[test]
 fn kto_evaluation_matches_trl() {
     check("kto-eval");
+}
+
+/// Evaluation runs the adapters without dropout, as transformers evaluates after
+/// `model.eval()`: with the weights held still (learning rate 0), every evaluation gives the
+/// same figures, and the same as an adapter without dropout.
+#[test]
+fn evaluation_runs_without_lora_dropout() {
+    let evals = |dropout: f64| {
+        let dir = tempfile::tempdir().unwrap();
+        let adapter = dir.path().join("adapter");
+        std::fs::create_dir(&adapter).unwrap();
+        let src = here().join("tiny/init-adapter");
+        std::fs::copy(
+            src.join("adapter_model.safetensors"),
+            adapter.join("adapter_model.safetensors"),
+        )
+        .unwrap();
+        let mut cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        cfg["lora_dropout"] = dropout.into();
+        std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
+        let mut c = TrainConfig::new(
+            "dpo",
+            "candle",
+            here().join("tiny/model"),
+            dir.path().join("out"),
+        );
+        c.train_data = Some(here().join("data/dpo.jsonl"));
+        c.eval_data = Some(here().join("data/dpo-eval.jsonl"));
+        c.init_adapter = Some(adapter);
+        c.hyper.learning_rate = 0.0;
+        c.hyper.max_steps = Some(2);
+        c.hyper.eval_steps = Some(1);
+        c.hyper.per_device_train_batch_size = 2;
+        let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+        let mut trainer = entry.construct(&c).unwrap();
+        let mut seen = Collect::default();
+        trainer.train(&mut seen).unwrap();
+        // Training itself does see the dropout.
+        let train_loss = seen.0[0].loss;
+        let figures = seen
+            .1
+            .into_iter()
+            .map(|(_, mut m)| {
+                m.remove("eval_num_tokens"); // the training tokens so far
+                m
+            })
+            .collect::<Vec<_>>();
+        (figures, train_loss)
+    };
+    let (with, loss_with) = evals(0.5);
+    let (without, loss_without) = evals(0.0);
+    assert_eq!(with.len(), 2);
+    assert_eq!(with[0], with[1]);
+    assert_eq!(with, without);
+    assert_ne!(loss_with, loss_without, "dropout is on in training");
 }

@@ -512,6 +512,67 @@ fn eval_data_writes_eval_lines_and_needs_eval_steps() {
         "{}",
         evals[0]
     );
+    // GRPO evaluates by generating for every evaluation prompt.
+    let prompts = data("grpo.jsonl");
+    let (m, _, _d) = train(
+        "grpo",
+        "grpo.jsonl",
+        &[
+            "--eval-data",
+            &prompts,
+            "--eval-steps",
+            "3",
+            "--num-generations",
+            "4",
+            "--max-completion-length",
+            "4",
+            "--per-device-eval-batch-size",
+            "8",
+        ],
+    );
+    let evals: Vec<_> = m.iter().filter(|l| l.get("eval_loss").is_some()).collect();
+    assert_eq!(evals.len(), 1);
+    for k in [
+        "eval_reward",
+        "eval_completions/mean_length",
+        "eval_entropy",
+    ] {
+        assert!(evals[0][k].is_number(), "{k}: {}", evals[0]);
+    }
+    let (code, err) = {
+        let dir = tempfile::tempdir().unwrap();
+        let o = kiln(&[
+            "train",
+            "--task",
+            "grpo",
+            "--model",
+            &tiny(),
+            "--data",
+            &prompts,
+            "--out",
+            dir.path().join("o").to_str().unwrap(),
+            "--eval-data",
+            &prompts,
+            "--eval-steps",
+            "1",
+            "--num-generations",
+            "4",
+            "--per-device-train-batch-size",
+            "4",
+            "--per-device-eval-batch-size",
+            "6",
+            "--quiet",
+        ]);
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("per_device_eval_batch_size") && err.contains("6 is not a multiple"),
+        "{err}"
+    );
     let o = kiln(&[
         "train",
         "--task",

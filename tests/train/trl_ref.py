@@ -181,6 +181,9 @@ def write_data():
         with open(os.path.join(DATA, name), "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+    with open(os.path.join(DATA, "grpo-eval.jsonl"), "w") as f:
+        for a, b in [(2, 5), (6, 1), (3, 0)]:
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
     with open(os.path.join(DATA, "grpo.jsonl"), "w") as f:
         for a, b in [(1, 2), (3, 4), (5, 2), (7, 1), (2, 2), (6, 3), (4, 4), (9, 0), (8, 1), (0, 5)]:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
@@ -247,19 +250,26 @@ def run(task, model_dir, data, adapter=None, **overrides):
         from trl import GRPOConfig, GRPOTrainer
         funcs = {"exact_match": exact_match, "count_digits": count_digits}
         names = common.pop("reward_funcs")
-        trainer = GRPOTrainer(model=model, args=GRPOConfig(**common), train_dataset=ds, processing_class=tok,
+        trainer = GRPOTrainer(model=model, args=GRPOConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
+                              processing_class=tok,
                               reward_funcs=[funcs[n] for n in names], callbacks=[rec])
-        generated = []
+        generated, eval_generated = [], []
         original = trainer._generate_single_turn
 
         def record(prompt_ids, images, multimodal_fields):
             out = original(prompt_ids, images, multimodal_fields)
-            generated.append([list(map(int, c)) for c in out[0]])
+            completions = [list(map(int, c)) for c in out[0]]
+            if trainer.model.training:
+                generated.append(completions)
+            else:
+                # Evaluation batches come in torch's shuffled order: kept with their prompts.
+                eval_generated.append({"prompts": [list(map(int, p)) for p in prompt_ids],
+                                       "completions": completions})
             return out
 
         trainer._generate_single_turn = record
         trainer.train()
-        return rec.logs, generated
+        return ((rec.logs, rec.eval_logs) if eval_file else rec.logs), {"train": generated, "eval": eval_generated}
     elif task == "kto":
         from trl.experimental.kto import KTOConfig, KTOTrainer
         trainer = KTOTrainer(model=model, args=KTOConfig(**common), train_dataset=ds, eval_dataset=eval_ds, processing_class=tok,
@@ -326,6 +336,10 @@ def main():
             learning_rate=3e-2, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], num_iterations=2, epsilon=0.1,
             epsilon_high=0.15, max_steps=6)),
+        "grpo-eval": ("grpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+            shuffle_dataset=False, reward_funcs=["count_digits", "exact_match"], max_steps=4,
+            eval_data=d("grpo-eval.jsonl"), eval_steps=2, per_device_eval_batch_size=4)),
         "grpo-dr": ("grpo", d("grpo.jsonl"), None, dict(
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",
@@ -348,7 +362,9 @@ def main():
         if eval_logs is not None:
             out[name]["eval_logs"] = eval_logs
         if generated is not None:
-            out[name]["completions"] = generated
+            out[name]["completions"] = generated["train"]
+            if generated["eval"]:
+                out[name]["eval_completions"] = generated["eval"]
         print(name, [round(l["loss"], 6) for l in out[name]["logs"]], flush=True)
     import peft, transformers, trl
     out["_versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,

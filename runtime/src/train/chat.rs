@@ -14,6 +14,7 @@ const OPEN: char = '\u{F8F0}';
 const CLOSE: char = '\u{F8F1}';
 
 /// A model's chat template.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     source: PathBuf,

@@ -188,6 +188,7 @@ impl Dataset {
 
 /// The model's tokenizer with the special tokens TRL uses (`tokenizer.json` +
 /// `tokenizer_config.json`).
+#[derive(Clone)]
 pub struct TextTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// The end-of-sequence token's text (appended to completions as TRL does).

@@ -120,6 +120,12 @@ pub const FIELDS: &[Field] = &[
         "One weight per reward function [1 each]",
     ),
     f(
+        "num_generations_eval",
+        Kind::Int,
+        GRPO,
+        "Completions per prompt when evaluating [= num_generations]",
+    ),
+    f(
         "num_iterations",
         Kind::Int,
         GRPO,

@@ -62,6 +62,7 @@ impl From<candle_core::Error> for TrainError {
 }
 
 /// The model, its trainable parameters and the tokenizer, ready to train.
+#[derive(Clone)]
 pub struct Setup {
     /// The run's configuration.
     pub config: TrainConfig,
@@ -153,6 +154,19 @@ impl Setup {
             tokenizer,
             ops: CandleOps { device },
         })
+    }
+
+    /// The run as evaluation sees it: the same weights (shared, so it follows training), the
+    /// adapters in evaluation mode (no dropout), as transformers evaluates after
+    /// `model.eval()`.
+    pub fn for_evaluation(&self) -> Setup {
+        let mut s = self.clone();
+        if let Some(a) = &self.adapters {
+            s.model = self
+                .model
+                .with_adapters(Some(Arc::new(a.set_training(false))));
+        }
+        s
     }
 
     /// The frozen reference, as TRL makes it: under LoRA the base model without adapters
@@ -317,6 +331,12 @@ pub trait Objective {
     /// data is shuffled (GRPO: the completions of one prompt).
     fn group(&self) -> usize {
         1
+    }
+    /// Makes this objective (built from the evaluation data) the evaluation's: what differs
+    /// from training (GRPO: `num_generations_eval`, one step per generation).
+    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
+        let _ = config;
+        Ok(())
     }
     /// How many consecutive optimisation steps run on each step's examples (GRPO's
     /// `num_iterations`: TRL's sampler repeats every generation batch that many times).
@@ -544,6 +564,7 @@ pub fn run_with_eval(
         report.steps = state.step;
     }
     let save_every = h.save_steps.filter(|&s| s > 0);
+    let eval_setup = eval.is_some().then(|| setup.for_evaluation());
     for step in first..=total {
         if observer.should_stop() {
             report.stopped_early = true;
@@ -608,7 +629,7 @@ pub fn run_with_eval(
         if let (Some(e), Some(every)) = (eval.as_deref_mut(), h.eval_steps)
             && step % every == 0
         {
-            let figures = evaluate(setup, e, tokens)?;
+            let figures = evaluate(eval_setup.as_ref().unwrap_or(setup), e, tokens)?;
             for (k, v) in &figures {
                 report.metrics.insert(k.clone(), *v);
             }
@@ -744,15 +765,11 @@ macro_rules! candle_trainer {
                 // The evaluation set, prepared as the training set is.
                 let eval = match &config.eval_data {
                     Some(path) => {
-                        if $task == "grpo" {
-                            return Err(config_err(
-                                "eval_data",
-                                "evaluation during GRPO training is not supported yet",
-                            ));
-                        }
                         let mut c = config.clone();
                         c.train_data = Some(path.clone());
-                        Some(make(&c, &setup)?)
+                        let mut e = make(&c, &setup)?;
+                        Objective::for_evaluation(&mut e, &c)?;
+                        Some(e)
                     }
                     None => None,
                 };
@@ -1753,6 +1770,32 @@ impl Objective for GrpoObjective {
     }
     fn repeats(&self) -> usize {
         self.iterations
+    }
+    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
+        // TRL: each evaluation batch is generated for and scored once, with
+        // `num_generations_eval` completions per prompt (default `num_generations`).
+        self.iterations = 1;
+        self.g = config
+            .option::<usize>("num_generations_eval")?
+            .unwrap_or(self.g);
+        if self.g == 0 {
+            return Err(config_err("num_generations_eval", "must be at least 1"));
+        }
+        let bs = config.hyper.per_device_eval_batch_size;
+        if !bs.is_multiple_of(self.g) {
+            return Err(config_err(
+                "per_device_eval_batch_size",
+                format!(
+                    "{bs} is not a multiple of the completions per prompt in evaluation ({})",
+                    self.g
+                ),
+            ));
+        }
+        // Its own sampling stream, apart from training's.
+        if let Some(r) = self.source.rng_state() {
+            self.source.set_rng_state(r ^ 0x6576_616c);
+        }
+        Ok(())
     }
     fn state(&self) -> serde_json::Value {
         let mut state = serde_json::json!({
