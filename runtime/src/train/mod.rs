@@ -12,6 +12,8 @@ pub mod chat;
 pub mod data;
 pub mod fields;
 pub mod losses;
+#[cfg(feature = "mlx")]
+pub mod mlx;
 pub mod ops;
 pub mod rewards;
 pub mod schedule;

@@ -1,0 +1,354 @@
+//! The decoder on MLX: the dense families kiln runs on candle (Llama with its RoPE scalings,
+//! Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's q/k norms, tied embeddings), written
+//! with the same arithmetic as `model/decoder.rs` — RMSNorm as `w · x / sqrt(mean(x²) + ε)` in
+//! f32, RoPE from the same host-computed tables with `rotate_half`, softmax over scores with
+//! the causal mask and transformers' key mask — so both backends give the same logits. Every op
+//! is an MLX op, so `mlx_rs::transforms::value_and_grad` differentiates it.
+//!
+//! The weights are arrays by tensor name; a forward pass takes them as an argument, so training
+//! hands in the arrays it differentiates (all of them, or LoRA's `A` and `B` beside frozen
+//! base weights).
+
+use crate::checkpoint::Checkpoint;
+use crate::model::{DecoderConfig, ModelError};
+use half::{bf16, f16};
+use mlx_rs::Array;
+use mlx_rs::error::Exception;
+use mlx_rs::ops;
+use safetensors::Dtype;
+use std::collections::BTreeMap;
+
+/// Weights by tensor name.
+pub type MlxWeights = BTreeMap<String, Array>;
+
+/// An MLX error as a model error.
+pub fn mlx_err(e: Exception) -> ModelError {
+    ModelError::Device(format!("mlx: {e}"))
+}
+
+/// A LoRA adapter on one Linear: `A [r, in]`, `B [out, r]` and its scale.
+#[derive(Debug, Clone)]
+pub struct MlxLora {
+    /// `lora_A.weight`.
+    pub a: Array,
+    /// `lora_B.weight`.
+    pub b: Array,
+    /// `α / r` (or `α / √r`).
+    pub scale: f32,
+}
+
+/// The names a layer's tensors go by, resolved once.
+#[derive(Debug, Clone)]
+struct LayerNames {
+    input_norm: String,
+    post_norm: String,
+    q: String,
+    k: String,
+    v: String,
+    o: String,
+    q_norm: Option<String>,
+    k_norm: Option<String>,
+    gate: String,
+    up: String,
+    down: String,
+    window: Option<usize>,
+}
+
+/// A dense decoder on MLX.
+#[derive(Debug, Clone)]
+pub struct MlxDecoder {
+    config: DecoderConfig,
+    layers: Vec<LayerNames>,
+    tied: bool,
+    /// RoPE's inverse frequencies and attention factor (`DecoderConfig`).
+    inv_freq: Vec<f32>,
+    rope_scale: f32,
+}
+
+fn f32_array(values: &[f32], shape: &[usize]) -> Array {
+    let shape: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    Array::from_slice(values, &shape)
+}
+
+impl MlxDecoder {
+    /// The decoder of `checkpoint`'s `config.json` and its weights (BF16, F16 or F32, as f32).
+    /// Mixture-of-experts families are named errors (not on MLX yet).
+    pub fn load(checkpoint: &Checkpoint) -> Result<(Self, MlxWeights), ModelError> {
+        let config = DecoderConfig::from_json(checkpoint.config().raw())?;
+        if config.moe.is_some() {
+            return Err(ModelError::Config(
+                "mixture-of-experts models do not run on the MLX backend yet (use --backend candle)"
+                    .into(),
+            ));
+        }
+        let mut weights = MlxWeights::new();
+        for t in checkpoint.tensors() {
+            let data: Vec<f32> = match t.dtype {
+                Dtype::BF16 => checkpoint
+                    .read_as::<bf16>(&t.name)?
+                    .into_iter()
+                    .map(f32::from)
+                    .collect(),
+                Dtype::F16 => checkpoint
+                    .read_as::<f16>(&t.name)?
+                    .into_iter()
+                    .map(f32::from)
+                    .collect(),
+                Dtype::F32 => checkpoint.read_as::<f32>(&t.name)?,
+                other => {
+                    return Err(ModelError::Tensor {
+                        tensor: t.name.clone(),
+                        message: format!(
+                            "dtype {other:?} cannot be run (expected BF16, F16 or F32)"
+                        ),
+                    });
+                }
+            };
+            weights.insert(t.name.clone(), f32_array(&data, &t.shape));
+        }
+        let model = Self::new(config, &weights)?;
+        Ok((model, weights))
+    }
+
+    /// The decoder of `config` over `weights` (every tensor it needs must be there).
+    pub fn new(config: DecoderConfig, weights: &MlxWeights) -> Result<Self, ModelError> {
+        let need = |name: String| -> Result<String, ModelError> {
+            if weights.contains_key(&name) {
+                Ok(name)
+            } else {
+                Err(ModelError::Tensor {
+                    tensor: name,
+                    message: "missing from the checkpoint".into(),
+                })
+            }
+        };
+        let maybe = |name: String| weights.contains_key(&name).then_some(name);
+        need("model.embed_tokens.weight".into())?;
+        need("model.norm.weight".into())?;
+        let tied = !weights.contains_key("lm_head.weight");
+        if tied && !config.tie_word_embeddings {
+            return Err(ModelError::Tensor {
+                tensor: "lm_head.weight".into(),
+                message: "missing from the checkpoint (and config.json does not tie it to the embeddings)".into(),
+            });
+        }
+        let mut layers = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let m = format!("{p}.mlp");
+            layers.push(LayerNames {
+                input_norm: need(format!("{p}.input_layernorm.weight"))?,
+                post_norm: need(format!("{p}.post_attention_layernorm.weight"))?,
+                q: need(format!("{a}.q_proj.weight")).map(|_| format!("{a}.q_proj"))?,
+                k: need(format!("{a}.k_proj.weight")).map(|_| format!("{a}.k_proj"))?,
+                v: need(format!("{a}.v_proj.weight")).map(|_| format!("{a}.v_proj"))?,
+                o: need(format!("{a}.o_proj.weight")).map(|_| format!("{a}.o_proj"))?,
+                q_norm: maybe(format!("{a}.q_norm.weight")),
+                k_norm: maybe(format!("{a}.k_norm.weight")),
+                gate: need(format!("{m}.gate_proj.weight")).map(|_| format!("{m}.gate_proj"))?,
+                up: need(format!("{m}.up_proj.weight")).map(|_| format!("{m}.up_proj"))?,
+                down: need(format!("{m}.down_proj.weight")).map(|_| format!("{m}.down_proj"))?,
+                window: config.sliding_window_of(i),
+            });
+        }
+        Ok(MlxDecoder {
+            inv_freq: config.inv_freq(),
+            rope_scale: config.rope_attention_factor(),
+            config,
+            layers,
+            tied,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.config
+    }
+
+    /// The Linear layers (module path, inputs, outputs) LoRA can adapt, in layer order.
+    pub fn linear_modules(&self, weights: &MlxWeights) -> Vec<(String, usize, usize)> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+                if let Some(w) = weights.get(&format!("{m}.weight")) {
+                    let s = w.shape();
+                    out.push((m.clone(), s[1] as usize, s[0] as usize));
+                }
+            }
+        }
+        out
+    }
+
+    /// Logits `[batch, seq, vocab]` of `ids` (`[batch, seq]` token ids) with `weights` and
+    /// LoRA `adapters` (by module path); `attention[i][j]` false hides token `j` of row `i`
+    /// from every query (transformers' `attention_mask`).
+    pub fn forward(
+        &self,
+        weights: &MlxWeights,
+        adapters: &BTreeMap<String, MlxLora>,
+        ids: &[Vec<u32>],
+        attention: Option<&[Vec<bool>]>,
+    ) -> Result<Array, ModelError> {
+        self.forward_inner(weights, adapters, ids, attention)
+            .map_err(mlx_err)
+    }
+
+    fn forward_inner(
+        &self,
+        w: &MlxWeights,
+        adapters: &BTreeMap<String, MlxLora>,
+        ids: &[Vec<u32>],
+        attention: Option<&[Vec<bool>]>,
+    ) -> Result<Array, Exception> {
+        let c = &self.config;
+        let b = ids.len();
+        let t = ids.first().map_or(0, Vec::len);
+        let flat: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
+        let idx = Array::from_slice(&flat, &[(b * t) as i32]);
+        let table = &w["model.embed_tokens.weight"];
+        let mut h = table
+            .take_axis(&idx, 0)?
+            .reshape(&[b as i32, t as i32, c.hidden as i32])?;
+        let (cos, sin) = self.rope_tables(t);
+        let key_mask = match attention {
+            Some(a) => {
+                let m: Vec<f32> = a
+                    .iter()
+                    .flat_map(|r| r.iter().map(|&keep| if keep { 0.0 } else { f32::MIN }))
+                    .collect();
+                Some(Array::from_slice(&m, &[b as i32, 1, 1, t as i32]))
+            }
+            None => None,
+        };
+        for l in &self.layers {
+            let x = self.rms_norm(&h, &w[&l.input_norm])?;
+            let a = self.attention(w, adapters, l, &x, &cos, &sin, key_mask.as_ref())?;
+            h = ops::add(&h, &a)?;
+            let x = self.rms_norm(&h, &w[&l.post_norm])?;
+            let g = self.linear(w, adapters, &l.gate, &x)?;
+            let g = ops::multiply(&g, &ops::sigmoid(&g)?)?;
+            let u = self.linear(w, adapters, &l.up, &x)?;
+            let m = self.linear(w, adapters, &l.down, &ops::multiply(&g, &u)?)?;
+            h = ops::add(&h, &m)?;
+        }
+        let h = self.rms_norm(&h, &w["model.norm.weight"])?;
+        if self.tied {
+            ops::matmul(&h, table.t())
+        } else {
+            self.linear(w, adapters, "lm_head", &h)
+        }
+    }
+
+    /// `x · Wᵀ (+ b)`, plus `s · (x Aᵀ) Bᵀ` where `module` has an adapter.
+    fn linear(
+        &self,
+        w: &MlxWeights,
+        adapters: &BTreeMap<String, MlxLora>,
+        module: &str,
+        x: &Array,
+    ) -> Result<Array, Exception> {
+        let weight = &w[&format!("{module}.weight")];
+        let mut y = ops::matmul(x, weight.t())?;
+        if let Some(bias) = w.get(&format!("{module}.bias")) {
+            y = ops::add(&y, bias)?;
+        }
+        if let Some(l) = adapters.get(module) {
+            let h = ops::matmul(x, l.a.t())?;
+            let d = ops::matmul(&h, l.b.t())?;
+            y = ops::add(&y, &ops::multiply(&d, Array::from_f32(l.scale))?)?;
+        }
+        Ok(y)
+    }
+
+    /// transformers' RMSNorm: `w · x / sqrt(mean(x²) + ε)`.
+    fn rms_norm(&self, x: &Array, w: &Array) -> Result<Array, Exception> {
+        let var = ops::square(x)?.mean_axis(-1, true)?;
+        let eps = Array::from_f32(self.config.eps as f32);
+        let normed = ops::divide(x, &ops::sqrt(&ops::add(&var, &eps)?)?)?;
+        ops::multiply(&normed, w)
+    }
+
+    /// `cos`, `sin` `[seq, head_dim]`, computed on the host as the candle decoder does.
+    fn rope_tables(&self, t: usize) -> (Array, Array) {
+        let hd = self.config.head_dim;
+        let mut cos = Vec::with_capacity(t * hd);
+        let mut sin = Vec::with_capacity(t * hd);
+        for pos in 0..t {
+            for _ in 0..2 {
+                for &f in &self.inv_freq {
+                    let a = pos as f32 * f;
+                    cos.push(a.cos() * self.rope_scale);
+                    sin.push(a.sin() * self.rope_scale);
+                }
+            }
+        }
+        (f32_array(&cos, &[t, hd]), f32_array(&sin, &[t, hd]))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        w: &MlxWeights,
+        adapters: &BTreeMap<String, MlxLora>,
+        l: &LayerNames,
+        x: &Array,
+        cos: &Array,
+        sin: &Array,
+        key_mask: Option<&Array>,
+    ) -> Result<Array, Exception> {
+        let c = &self.config;
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let (nh, nkv, hd) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let proj = |m: &str, norm: Option<&String>, heads: i32| -> Result<Array, Exception> {
+            let y = self
+                .linear(w, adapters, m, x)?
+                .reshape(&[b, t, heads, hd])?;
+            let y = match norm {
+                Some(n) => self.rms_norm(&y, &w[n])?,
+                None => y,
+            };
+            y.transpose_axes(&[0, 2, 1, 3])
+        };
+        let rope = |x: Array| -> Result<Array, Exception> {
+            let half = hd / 2;
+            let parts = ops::split_at_indices(&x, &[half], -1)?;
+            let rotated = ops::concatenate(&[ops::negative(&parts[1])?, parts[0].clone()], -1)?;
+            ops::add(&ops::multiply(&x, cos)?, &ops::multiply(&rotated, sin)?)
+        };
+        let q = rope(proj(&l.q, l.q_norm.as_ref(), nh)?)?;
+        let k = rope(proj(&l.k, l.k_norm.as_ref(), nkv)?)?;
+        let v = proj(&l.v, None, nkv)?;
+        let repeat = |x: Array| -> Result<Array, Exception> {
+            if nh == nkv {
+                return Ok(x);
+            }
+            let x = x.expand_dims(2)?;
+            let x = ops::broadcast_to(&x, &[b, nkv, nh / nkv, t, hd])?;
+            x.reshape(&[b, nh, t, hd])
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scale = Array::from_f32(1.0 / (hd as f32).sqrt());
+        let scores = ops::multiply(&ops::matmul(&q, &k.transpose_axes(&[0, 1, 3, 2])?)?, &scale)?;
+        let tu = t as usize;
+        let mask: Vec<f32> = (0..tu)
+            .flat_map(|i| {
+                (0..tu).map(move |j| {
+                    let hidden = j > i || l.window.is_some_and(|w| i - j >= w);
+                    if hidden { f32::NEG_INFINITY } else { 0.0 }
+                })
+            })
+            .collect();
+        let mut scores = ops::add(&scores, f32_array(&mask, &[tu, tu]))?;
+        if let Some(k) = key_mask {
+            scores = ops::add(&scores, k)?;
+        }
+        let max = mlx_rs::stop_gradient(&scores.max_axis(-1, true)?)?;
+        let e = ops::exp(&ops::subtract(&scores, &max)?)?;
+        let probs = ops::divide(&e, &e.sum_axis(-1, true)?)?;
+        let o = ops::matmul(&probs, &v)?
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[b, t, nh * hd])?;
+        self.linear(w, adapters, &l.o, &o)
+    }
+}

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Prepares kiln's `mlx` feature on Linux x86-64 (MLX's CPU device). Stock mlx-rs / mlx-sys do not
+# build there (mlx-c fetches MLX with git, Apple-only link lines, std::format, aarch64-only
+# half types, a mach clock). This script:
+#   1. installs cmake, libclang (bindgen) and {fmt} (std::format for g++ 12) from apt;
+#   2. takes MLX itself prebuilt from PyPI (mlx-cpu, the version mlx-c pins) into target/mlx/dist;
+#   3. copies the registry's mlx-sys / mlx-rs sources into target/mlx/src and applies kiln's
+#      own patches (scripts/mlx/*.patch);
+#   4. writes target/mlx/cargo.toml: a cargo config that patches crates.io to those copies and
+#      tells the build (and `cargo test` / `cargo run`) where libmlx.so is.
+# Then: cargo build --features mlx --config target/mlx/cargo.toml (or scripts/mlx/cargo.sh …).
+# On macOS none of this is needed: `cargo build --features mlx` uses stock mlx-rs with Metal.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT="$ROOT/target/mlx"
+MLX_VERSION=0.32.2
+MLX_SYS=0.7.0
+MLX_RS=0.33.0
+PYTHON=${PYTHON:-python3}
+
+if [ "$(uname -s)" != Linux ] || [ "$(uname -m)" != x86_64 ]; then
+  echo "scripts/mlx/setup.sh is for Linux x86-64; on macOS build with --features mlx as is" >&2
+  exit 1
+fi
+
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+[ -e /usr/include/fmt/format.h ] || need+=(libfmt-dev)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq "${need[@]}"
+fi
+
+mkdir -p "$OUT"
+if [ ! -e "$OUT/dist/mlx/lib/libmlx.so" ]; then
+  rm -rf "$OUT/wheel" "$OUT/dist"
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: "mlx-cpu==$MLX_VERSION" -d "$OUT/wheel"
+  mkdir -p "$OUT/dist"
+  "$PYTHON" -m zipfile -e "$OUT"/wheel/mlx_cpu-*.whl "$OUT/dist"
+fi
+
+# The registry sources (cargo fetch brings every locked package, the optional ones too).
+(cd "$ROOT" && cargo fetch -q)
+REG="${CARGO_HOME:-$HOME/.cargo}/registry/src"
+find_src() {
+  local d
+  d=$(ls -d "$REG"/*/"$1" 2>/dev/null | head -n 1)
+  [ -n "$d" ] || { echo "no $1 in $REG (cargo fetch did not bring it)" >&2; exit 1; }
+  echo "$d"
+}
+# Patched once per set of patches (a rebuild of mlx-c takes minutes).
+STAMP=$(cat "$ROOT"/scripts/mlx/*.patch | sha256sum | cut -c1-16)
+if [ "$(cat "$OUT/src/.patched" 2>/dev/null)" != "$STAMP" ]; then
+  rm -rf "$OUT/src"
+  mkdir -p "$OUT/src"
+  cp -r "$(find_src "mlx-sys-$MLX_SYS")" "$OUT/src/mlx-sys"
+  cp -r "$(find_src "mlx-rs-$MLX_RS")" "$OUT/src/mlx-rs"
+  for p in "$ROOT"/scripts/mlx/*.patch; do
+    patch -s -d "$OUT/src" -p1 < "$p"
+  done
+  echo "$STAMP" > "$OUT/src/.patched"
+fi
+
+cat > "$OUT/cargo.toml" <<CFG
+# Written by scripts/mlx/setup.sh: cargo --config target/mlx/cargo.toml
+[patch.crates-io]
+mlx-sys = { path = "$OUT/src/mlx-sys" }
+mlx-rs = { path = "$OUT/src/mlx-rs" }
+
+[env]
+MLX_DIR = "$OUT/dist/mlx"
+CFG
+echo "$OUT/cargo.toml"
