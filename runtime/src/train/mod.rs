@@ -10,6 +10,7 @@ pub mod candle;
 pub mod chat;
 #[cfg(feature = "exec")]
 pub mod data;
+pub mod driver;
 pub mod fields;
 pub mod losses;
 #[cfg(feature = "mlx")]

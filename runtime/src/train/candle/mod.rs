@@ -21,8 +21,7 @@ use super::losses::{
     PreferenceLogps, TokenInputs,
 };
 use super::ops::TensorOps;
-use super::schedule::{Schedule, ScheduleKind};
-use super::{StepMetrics, TrainConfig, TrainError, TrainObserver, TrainPlan, TrainReport};
+use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use crate::checkpoint::Checkpoint;
 use crate::model::lora::{Adapters, LoraSpec};
 use crate::model::{DecoderModel, ModelError};
@@ -31,7 +30,6 @@ use candle_core::{D, DType, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 const BACKEND: &str = "candle";
 
@@ -351,40 +349,6 @@ pub trait Objective {
     ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError>;
 }
 
-/// A seeded permutation (Fisher–Yates over SplitMix64).
-fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut state = seed;
-    let mut next = || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut p: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = (next() % (i as u64 + 1)) as usize;
-        p.swap(i, j);
-    }
-    p
-}
-
-/// The steps of each epoch: lists of micro-batches (lists of example indices).
-fn epoch_steps(
-    n: usize,
-    batch: usize,
-    accumulation: usize,
-    order: Vec<usize>,
-    repeats: usize,
-) -> Vec<Vec<Vec<usize>>> {
-    let batches: Vec<Vec<usize>> = order.chunks(batch).map(<[usize]>::to_vec).collect();
-    batches
-        .chunks(accumulation)
-        .filter(|s| !s.is_empty() && n > 0)
-        .flat_map(|s| std::iter::repeat_n(s.to_vec(), repeats.max(1)))
-        .collect()
-}
-
 /// Runs `objective` to the end of the plan (or until the observer stops it) and saves the
 /// result into the configured output folder.
 pub fn run(
@@ -433,223 +397,125 @@ pub fn evaluate(
 }
 
 /// [`run`] with an evaluation set, evaluated every `eval_steps` steps.
-pub fn run_with_eval(
-    setup: &Setup,
-    objective: &mut dyn Objective,
-    mut eval: Option<&mut dyn Objective>,
+pub fn run_with_eval<'a>(
+    setup: &'a Setup,
+    objective: &'a mut dyn Objective,
+    eval: Option<&'a mut dyn Objective>,
     observer: &mut dyn TrainObserver,
 ) -> Result<TrainReport, TrainError> {
-    let start = Instant::now();
-    let c = &setup.config;
-    let h = &c.hyper;
-    let n = objective.examples();
-    if n == 0 {
-        return Err(config_err("train_data", "holds no examples"));
-    }
-    let bs = h.per_device_train_batch_size;
-    let ga = h.gradient_accumulation_steps;
-    if bs == 0 || ga == 0 {
-        return Err(config_err(
-            if bs == 0 {
-                "per_device_train_batch_size"
-            } else {
-                "gradient_accumulation_steps"
-            },
-            "must be at least 1",
-        ));
-    }
-    let kind = ScheduleKind::parse(&h.lr_scheduler_type).ok_or_else(|| {
-        config_err(
-            "lr_scheduler_type",
-            format!(
-                "`{}` is not one of {}",
-                h.lr_scheduler_type,
-                ScheduleKind::NAMES.join(", ")
-            ),
-        )
-    })?;
-    let shuffle = match h.train_sampling_strategy.as_str() {
-        _ if objective.sequential() => false,
-        "random" => true,
-        "sequential" => false,
-        other => {
-            return Err(config_err(
-                "train_sampling_strategy",
-                format!("`{other}` is not one of random, sequential"),
-            ));
-        }
-    };
-    let group = objective.group().max(1);
-    if !n.is_multiple_of(group) {
-        return Err(config_err(
-            "train_data",
-            "the examples do not split into whole groups",
-        ));
-    }
-    let order = |epoch: u64| -> Vec<usize> {
-        let groups = n / group;
-        let picked: Vec<usize> = if shuffle {
-            permutation(groups, h.seed ^ epoch.wrapping_mul(0x5851_f42d_4c95_7f2d))
-        } else {
-            (0..groups).collect()
-        };
-        picked
-            .into_iter()
-            .flat_map(|g| g * group..(g + 1) * group)
-            .collect()
-    };
-    let repeats = objective.repeats().max(1);
-    let per_epoch = (n.div_ceil(bs).div_ceil(ga) * repeats) as u64;
-    let total = match h.max_steps {
-        Some(s) if s > 0 => s,
-        _ => ((h.num_train_epochs * per_epoch as f64).ceil() as u64).max(1),
-    };
-    let schedule = Schedule {
-        kind,
-        warmup: h.warmup_steps,
-        total,
-    };
-    let trainable_params: u64 = setup
-        .trainable
-        .iter()
-        .map(|(_, v)| v.as_tensor().elem_count() as u64)
-        .sum();
-    observer.on_start(&TrainPlan {
-        total_steps: total,
-        examples: n as u64,
-        trainable_parameters: trainable_params,
-    });
-    let mut adam = AdamW::new(
+    let adam = AdamW::new(
         AdamWConfig {
-            beta1: h.adam_beta1,
-            beta2: h.adam_beta2,
-            eps: h.adam_epsilon,
-            weight_decay: h.weight_decay,
+            beta1: setup.config.hyper.adam_beta1,
+            beta2: setup.config.hyper.adam_beta2,
+            eps: setup.config.hyper.adam_epsilon,
+            weight_decay: setup.config.hyper.weight_decay,
         },
         setup.trainable.clone(),
     )?;
-    let mut report = TrainReport::new(objective.task(), BACKEND);
-    let mut epoch = 0u64;
-    let mut steps = epoch_steps(n, bs, ga, order(epoch), repeats).into_iter();
-    let mut tokens = 0u64;
-    let mut window: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    let mut window_loss = (0f64, 0usize);
-    let logging = h.logging_steps.max(1);
-    let next_micro = |epoch: &mut u64, steps: &mut std::vec::IntoIter<Vec<Vec<usize>>>| {
-        steps.next().unwrap_or_else(|| {
-            *epoch += 1;
-            *steps = epoch_steps(n, bs, ga, order(*epoch), repeats).into_iter();
-            steps.next().expect("a non-empty dataset has a step")
-        })
+    let mut stepper = CandleStepper {
+        eval_setup: eval.is_some().then(|| setup.for_evaluation()),
+        setup,
+        objective,
+        eval,
+        adam,
+        grads: vec![None; setup.trainable.len()],
     };
-    let mut first = 1;
-    if let Some(dir) = &c.resume {
-        let state = checkpoint::load(dir, setup, &mut adam, objective)?;
-        if state.step >= total {
-            return Err(config_err(
-                "resume",
-                format!(
-                    "{} is at step {}, and the run has {total} steps: nothing left to do",
-                    dir.display(),
-                    state.step
-                ),
-            ));
-        }
-        // The data order depends only on the seed and the epoch: replay the positions.
-        for _ in 0..state.step {
-            next_micro(&mut epoch, &mut steps);
-        }
-        tokens = state.tokens;
-        first = state.step + 1;
-        report.steps = state.step;
+    super::driver::drive(&setup.config, &mut stepper, observer)
+}
+
+/// The candle backend under the training loop (`train/driver.rs`).
+struct CandleStepper<'a> {
+    setup: &'a Setup,
+    objective: &'a mut dyn Objective,
+    eval: Option<&'a mut dyn Objective>,
+    /// The run as evaluation sees it (adapters without dropout).
+    eval_setup: Option<Setup>,
+    adam: AdamW,
+    /// The step's gradients so far, one per trainable parameter.
+    grads: Vec<Option<Tensor>>,
+}
+
+impl super::driver::Stepper for CandleStepper<'_> {
+    fn task(&self) -> &'static str {
+        self.objective.task()
     }
-    let save_every = h.save_steps.filter(|&s| s > 0);
-    let eval_setup = eval.is_some().then(|| setup.for_evaluation());
-    for step in first..=total {
-        if observer.should_stop() {
-            report.stopped_early = true;
-            break;
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+    fn examples(&self) -> usize {
+        self.objective.examples()
+    }
+    fn group(&self) -> usize {
+        self.objective.group()
+    }
+    fn repeats(&self) -> usize {
+        self.objective.repeats()
+    }
+    fn sequential(&self) -> bool {
+        self.objective.sequential()
+    }
+    fn trainable_parameters(&self) -> u64 {
+        self.setup
+            .trainable
+            .iter()
+            .map(|(_, v)| v.as_tensor().elem_count() as u64)
+            .sum()
+    }
+    fn begin_step(&mut self, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        self.objective.begin_step(self.setup, micro_batches)
+    }
+    fn micro_batch(
+        &mut self,
+        indices: &[usize],
+        count: usize,
+    ) -> Result<(f64, BTreeMap<String, f64>, u64), TrainError> {
+        let (loss, figures, t) = self.objective.micro_batch(self.setup, indices)?;
+        let loss = if self.objective.divide_by_accumulation() {
+            (loss / count as f64)?
+        } else {
+            loss
+        };
+        let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let store = loss.backward()?;
+        for (g, (_, var)) in self.grads.iter_mut().zip(&self.setup.trainable) {
+            if let Some(new) = store.get(var.as_tensor()) {
+                *g = Some(match g.take() {
+                    Some(old) => (old + new)?,
+                    None => new.clone(),
+                });
+            }
         }
-        let micro = next_micro(&mut epoch, &mut steps);
-        objective.begin_step(setup, &micro)?;
-        let mut grads: Vec<Option<Tensor>> = vec![None; setup.trainable.len()];
-        let mut step_loss = 0f64;
-        let count = micro.len() as f64;
-        for indices in &micro {
-            let (loss, figures, t) = objective.micro_batch(setup, indices)?;
-            let loss = if objective.divide_by_accumulation() {
-                (loss / count)?
-            } else {
-                loss
-            };
-            step_loss += loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-            tokens += t;
-            for (k, v) in figures {
-                let e = window.entry(k).or_insert((0.0, 0));
-                e.0 += v;
-                e.1 += 1;
-            }
-            let store = loss.backward()?;
-            for (g, (_, var)) in grads.iter_mut().zip(&setup.trainable) {
-                if let Some(new) = store.get(var.as_tensor()) {
-                    *g = Some(match g.take() {
-                        Some(old) => (old + new)?,
-                        None => new.clone(),
-                    });
-                }
-            }
-        }
-        let grad_norm = clip_grad_norm(&mut grads, h.max_grad_norm)?;
-        let lr = h.learning_rate * schedule.factor(step - 1);
-        adam.update(lr, &grads)?;
-        window_loss.0 += step_loss;
-        window_loss.1 += 1;
-        report.steps = step;
-        report.final_loss = Some(step_loss);
-        if step % logging == 0 || step == total {
-            let mut extra = objective.window(&window);
-            if let Some(t) = extra.get_mut("num_tokens") {
-                *t = tokens as f64;
-            }
-            let metrics = StepMetrics {
-                step,
-                epoch: step as f64 / per_epoch as f64,
-                loss: window_loss.0 / window_loss.1 as f64,
-                // transformers logs the rate the step ran with.
-                learning_rate: lr,
-                grad_norm: Some(grad_norm),
+        Ok((value, figures, t))
+    }
+    fn update(&mut self, lr: f64) -> Result<f64, TrainError> {
+        let norm = clip_grad_norm(&mut self.grads, self.setup.config.hyper.max_grad_norm)?;
+        self.adam.update(lr, &self.grads)?;
+        self.grads.iter_mut().for_each(|g| *g = None);
+        Ok(norm)
+    }
+    fn window(&self, totals: &super::driver::Window) -> BTreeMap<String, f64> {
+        self.objective.window(totals)
+    }
+    fn evaluate(&mut self, tokens: u64) -> Result<Option<BTreeMap<String, f64>>, TrainError> {
+        match self.eval.as_deref_mut() {
+            Some(e) => Ok(Some(evaluate(
+                self.eval_setup.as_ref().unwrap_or(self.setup),
+                e,
                 tokens,
-                extra,
-            };
-            observer.on_step(&metrics);
-            report.metrics = metrics.extra.clone();
-            window.clear();
-            window_loss = (0.0, 0);
-        }
-        if let (Some(e), Some(every)) = (eval.as_deref_mut(), h.eval_steps)
-            && step % every == 0
-        {
-            let figures = evaluate(eval_setup.as_ref().unwrap_or(setup), e, tokens)?;
-            for (k, v) in &figures {
-                report.metrics.insert(k.clone(), *v);
-            }
-            observer.on_eval(step, &figures);
-        }
-        if save_every.is_some_and(|s| step % s == 0) && step < total {
-            let dir = checkpoint::save(setup, &adam, objective, step, tokens)?;
-            observer.on_checkpoint(step, &dir);
+            )?)),
+            None => Ok(None),
         }
     }
-    if report.stopped_early && report.steps > 0 {
-        let dir = checkpoint::save(setup, &adam, objective, report.steps, tokens)?;
-        observer.on_checkpoint(report.steps, &dir);
+    fn save_checkpoint(&self, step: u64, tokens: u64) -> Result<std::path::PathBuf, TrainError> {
+        checkpoint::save(self.setup, &self.adam, &*self.objective, step, tokens)
     }
-    let out = save(setup, &c.output)?;
-    report.output = Some(out.clone());
-    report.elapsed = start.elapsed();
-    observer.on_checkpoint(report.steps, &out);
-    observer.on_end(&report);
-    Ok(report)
+    fn resume(&mut self, dir: &Path) -> Result<(u64, u64), TrainError> {
+        let r = checkpoint::load(dir, self.setup, &mut self.adam, &mut *self.objective)?;
+        Ok((r.step, r.tokens))
+    }
+    fn save_output(&self) -> Result<std::path::PathBuf, TrainError> {
+        save(self.setup, &self.setup.config.output)
+    }
 }
 
 /// Writes the trained result into `target` through a temporary folder beside it: a PEFT
@@ -2066,35 +1932,4 @@ impl Objective for GrpoObjective {
 candle_trainer! {
     /// `grpo` on candle.
     CandleGrpo, "grpo", GrpoObjective, GrpoObjective::new
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn epochs_split_into_steps_of_micro_batches_with_a_short_last_step() {
-        let s = epoch_steps(7, 2, 3, (0..7).collect(), 1);
-        assert_eq!(
-            s,
-            vec![vec![vec![0, 1], vec![2, 3], vec![4, 5]], vec![vec![6]]]
-        );
-        // GRPO's num_iterations: every step's examples again, straight after.
-        let s = epoch_steps(4, 2, 1, (0..4).collect(), 2);
-        assert_eq!(
-            s,
-            vec![
-                vec![vec![0, 1]],
-                vec![vec![0, 1]],
-                vec![vec![2, 3]],
-                vec![vec![2, 3]]
-            ]
-        );
-        let p = permutation(10, 42);
-        let mut sorted = p.clone();
-        sorted.sort();
-        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
-        assert_eq!(p, permutation(10, 42));
-        assert_ne!(p, permutation(10, 43));
-    }
 }

@@ -1,0 +1,324 @@
+//! The training loop, once for every backend: the data order (seeded shuffles that keep groups
+//! together, or file order), steps of micro-batches, epochs, the learning-rate schedule,
+//! logging windows, evaluation and checkpoint cadences, resuming, stopping. A backend hands in
+//! a [`Stepper`]: its objective, forward and backward passes, optimizer, checkpoints and output.
+
+use super::schedule::{Schedule, ScheduleKind};
+use super::{StepMetrics, TrainConfig, TrainError, TrainObserver, TrainPlan, TrainReport};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Per-step figures and their counts over a logging window.
+pub type Window = BTreeMap<String, (f64, usize)>;
+
+/// One backend's run, as the loop drives it.
+pub trait Stepper {
+    /// The task (`sft`, `dpo`, …).
+    fn task(&self) -> &'static str;
+    /// The backend (`candle`, `mlx`).
+    fn backend(&self) -> &'static str;
+    /// Training examples.
+    fn examples(&self) -> usize;
+    /// Examples come in groups of this many consecutive indices that stay together when the
+    /// data is shuffled (GRPO: one prompt's completions).
+    fn group(&self) -> usize {
+        1
+    }
+    /// Consecutive optimisation steps on each step's examples (GRPO's `num_iterations`).
+    fn repeats(&self) -> usize {
+        1
+    }
+    /// Whether the examples are always taken in file order (KTO).
+    fn sequential(&self) -> bool {
+        false
+    }
+    /// Parameters the optimizer updates.
+    fn trainable_parameters(&self) -> u64;
+    /// Called with every micro-batch of the coming step before the first runs.
+    fn begin_step(&mut self, micro_batches: &[Vec<usize>]) -> Result<(), TrainError>;
+    /// The forward and backward passes of one micro-batch (one of `count` in its step), its
+    /// gradients added to the step's: the loss value, its figures and its token count.
+    fn micro_batch(
+        &mut self,
+        indices: &[usize],
+        count: usize,
+    ) -> Result<(f64, BTreeMap<String, f64>, u64), TrainError>;
+    /// Clips the step's gradients, updates the parameters with learning rate `lr` and clears
+    /// the gradients: the global gradient norm before clipping.
+    fn update(&mut self, lr: f64) -> Result<f64, TrainError>;
+    /// The logged figures of a window (default: each figure's mean).
+    fn window(&self, totals: &Window) -> BTreeMap<String, f64> {
+        totals
+            .iter()
+            .map(|(k, (s, n))| (k.clone(), s / *n as f64))
+            .collect()
+    }
+    /// The evaluation figures (`eval_loss`, `eval_<figure>`), `None` without evaluation data.
+    fn evaluate(&mut self, tokens: u64) -> Result<Option<BTreeMap<String, f64>>, TrainError>;
+    /// Writes a resumable checkpoint after `step`.
+    fn save_checkpoint(&self, step: u64, tokens: u64) -> Result<PathBuf, TrainError>;
+    /// Loads the checkpoint `dir`: (steps done, tokens seen).
+    fn resume(&mut self, dir: &Path) -> Result<(u64, u64), TrainError>;
+    /// Writes the trained result into the configured output folder.
+    fn save_output(&self) -> Result<PathBuf, TrainError>;
+}
+
+fn config_err(field: &str, message: impl Into<String>) -> TrainError {
+    TrainError::Config {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+/// A seeded permutation (Fisher–Yates over SplitMix64).
+pub(crate) fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+/// An epoch's steps: micro-batches of `batch` examples in `order`, `accumulation` to a step
+/// (the last step may have fewer), each step `repeats` times in a row.
+pub(crate) fn epoch_steps(
+    n: usize,
+    batch: usize,
+    accumulation: usize,
+    order: Vec<usize>,
+    repeats: usize,
+) -> Vec<Vec<Vec<usize>>> {
+    let batches: Vec<Vec<usize>> = order.chunks(batch).map(<[usize]>::to_vec).collect();
+    batches
+        .chunks(accumulation)
+        .filter(|s| !s.is_empty() && n > 0)
+        .flat_map(|s| std::iter::repeat_n(s.to_vec(), repeats.max(1)))
+        .collect()
+}
+
+/// Runs `s` to the end of the plan `config` sets (or until the observer stops it) and saves
+/// the result.
+pub fn drive(
+    config: &TrainConfig,
+    s: &mut dyn Stepper,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainReport, TrainError> {
+    let start = Instant::now();
+    let h = &config.hyper;
+    let n = s.examples();
+    if n == 0 {
+        return Err(config_err("train_data", "holds no examples"));
+    }
+    let bs = h.per_device_train_batch_size;
+    let ga = h.gradient_accumulation_steps;
+    if bs == 0 || ga == 0 {
+        return Err(config_err(
+            if bs == 0 {
+                "per_device_train_batch_size"
+            } else {
+                "gradient_accumulation_steps"
+            },
+            "must be at least 1",
+        ));
+    }
+    let kind = ScheduleKind::parse(&h.lr_scheduler_type).ok_or_else(|| {
+        config_err(
+            "lr_scheduler_type",
+            format!(
+                "`{}` is not one of {}",
+                h.lr_scheduler_type,
+                ScheduleKind::NAMES.join(", ")
+            ),
+        )
+    })?;
+    let shuffle = match h.train_sampling_strategy.as_str() {
+        _ if s.sequential() => false,
+        "random" => true,
+        "sequential" => false,
+        other => {
+            return Err(config_err(
+                "train_sampling_strategy",
+                format!("`{other}` is not one of random, sequential"),
+            ));
+        }
+    };
+    let group = s.group().max(1);
+    if !n.is_multiple_of(group) {
+        return Err(config_err(
+            "train_data",
+            "the examples do not split into whole groups",
+        ));
+    }
+    let order = |epoch: u64| -> Vec<usize> {
+        let groups = n / group;
+        let picked: Vec<usize> = if shuffle {
+            permutation(groups, h.seed ^ epoch.wrapping_mul(0x5851_f42d_4c95_7f2d))
+        } else {
+            (0..groups).collect()
+        };
+        picked
+            .into_iter()
+            .flat_map(|g| g * group..(g + 1) * group)
+            .collect()
+    };
+    let repeats = s.repeats().max(1);
+    let per_epoch = (n.div_ceil(bs).div_ceil(ga) * repeats) as u64;
+    let total = match h.max_steps {
+        Some(m) if m > 0 => m,
+        _ => ((h.num_train_epochs * per_epoch as f64).ceil() as u64).max(1),
+    };
+    let schedule = Schedule {
+        kind,
+        warmup: h.warmup_steps,
+        total,
+    };
+    observer.on_start(&TrainPlan {
+        total_steps: total,
+        examples: n as u64,
+        trainable_parameters: s.trainable_parameters(),
+    });
+    let mut report = TrainReport::new(s.task(), s.backend());
+    let mut epoch = 0u64;
+    let mut steps = epoch_steps(n, bs, ga, order(epoch), repeats).into_iter();
+    let mut tokens = 0u64;
+    let mut window = Window::new();
+    let mut window_loss = (0f64, 0usize);
+    let logging = h.logging_steps.max(1);
+    let next_micro = |epoch: &mut u64, steps: &mut std::vec::IntoIter<Vec<Vec<usize>>>| {
+        steps.next().unwrap_or_else(|| {
+            *epoch += 1;
+            *steps = epoch_steps(n, bs, ga, order(*epoch), repeats).into_iter();
+            steps.next().expect("a non-empty dataset has a step")
+        })
+    };
+    let mut first = 1;
+    if let Some(dir) = &config.resume {
+        let (done, seen) = s.resume(dir)?;
+        if done >= total {
+            return Err(config_err(
+                "resume",
+                format!(
+                    "{} is at step {done}, and the run has {total} steps: nothing left to do",
+                    dir.display(),
+                ),
+            ));
+        }
+        // The data order depends only on the seed and the epoch: replay the positions.
+        for _ in 0..done {
+            next_micro(&mut epoch, &mut steps);
+        }
+        tokens = seen;
+        first = done + 1;
+        report.steps = done;
+    }
+    let save_every = h.save_steps.filter(|&k| k > 0);
+    for step in first..=total {
+        if observer.should_stop() {
+            report.stopped_early = true;
+            break;
+        }
+        let micro = next_micro(&mut epoch, &mut steps);
+        s.begin_step(&micro)?;
+        let mut step_loss = 0f64;
+        for indices in &micro {
+            let (loss, figures, t) = s.micro_batch(indices, micro.len())?;
+            step_loss += loss;
+            tokens += t;
+            for (k, v) in figures {
+                let e = window.entry(k).or_insert((0.0, 0));
+                e.0 += v;
+                e.1 += 1;
+            }
+        }
+        let lr = h.learning_rate * schedule.factor(step - 1);
+        let grad_norm = s.update(lr)?;
+        window_loss.0 += step_loss;
+        window_loss.1 += 1;
+        report.steps = step;
+        report.final_loss = Some(step_loss);
+        if step % logging == 0 || step == total {
+            let mut extra = s.window(&window);
+            if let Some(t) = extra.get_mut("num_tokens") {
+                *t = tokens as f64;
+            }
+            let metrics = StepMetrics {
+                step,
+                epoch: step as f64 / per_epoch as f64,
+                loss: window_loss.0 / window_loss.1 as f64,
+                // transformers logs the rate the step ran with.
+                learning_rate: lr,
+                grad_norm: Some(grad_norm),
+                tokens,
+                extra,
+            };
+            observer.on_step(&metrics);
+            report.metrics = metrics.extra.clone();
+            window.clear();
+            window_loss = (0.0, 0);
+        }
+        if let Some(every) = h.eval_steps
+            && step % every == 0
+            && let Some(figures) = s.evaluate(tokens)?
+        {
+            for (k, v) in &figures {
+                report.metrics.insert(k.clone(), *v);
+            }
+            observer.on_eval(step, &figures);
+        }
+        if save_every.is_some_and(|k| step % k == 0) && step < total {
+            let dir = s.save_checkpoint(step, tokens)?;
+            observer.on_checkpoint(step, &dir);
+        }
+    }
+    if report.stopped_early && report.steps > 0 {
+        let dir = s.save_checkpoint(report.steps, tokens)?;
+        observer.on_checkpoint(report.steps, &dir);
+    }
+    let out = s.save_output()?;
+    report.output = Some(out.clone());
+    report.elapsed = start.elapsed();
+    observer.on_checkpoint(report.steps, &out);
+    observer.on_end(&report);
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epochs_split_into_steps_of_micro_batches_with_a_short_last_step() {
+        let s = epoch_steps(7, 2, 3, (0..7).collect(), 1);
+        assert_eq!(
+            s,
+            vec![vec![vec![0, 1], vec![2, 3], vec![4, 5]], vec![vec![6]]]
+        );
+        // GRPO's num_iterations: every step's examples again, straight after.
+        let s = epoch_steps(4, 2, 1, (0..4).collect(), 2);
+        assert_eq!(
+            s,
+            vec![
+                vec![vec![0, 1]],
+                vec![vec![0, 1]],
+                vec![vec![2, 3]],
+                vec![vec![2, 3]]
+            ]
+        );
+        let p = permutation(10, 42);
+        let mut sorted = p.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        assert_eq!(p, permutation(10, 42));
+        assert_ne!(p, permutation(10, 43));
+    }
+}
