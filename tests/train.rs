@@ -202,10 +202,16 @@ fn same_figure(name: &str, step: u64, k: &str, got: Option<&f64>, want: &Value) 
 }
 
 fn check(name: &str) {
+    check_on(name, "candle");
+}
+
+/// [`check`] on `backend`: TRL's figures from the same starting weights and data.
+fn check_on(name: &str, backend: &str) {
     let all = reference();
     let run = &all[name];
     let out = tempfile::tempdir().unwrap();
-    let cfg = config(name, run, &out.path().join("run"));
+    let mut cfg = config(name, run, &out.path().join("run"));
+    cfg.backend = backend.to_string();
     let mut seen = Collect::default();
     let report = if run["task"] == "grpo" {
         // TRL's sampled completions, replayed: GRPO's numbers given the same completions.
@@ -233,6 +239,7 @@ fn check(name: &str) {
         let mut trainer = entry.construct(&cfg).unwrap();
         trainer.train(&mut seen).unwrap()
     };
+    assert_eq!(report.backend, backend, "{name}: the run's backend");
     let want = run["logs"].as_array().unwrap();
     assert_eq!(seen.0.len(), want.len(), "{name}: logged steps");
     for (got, want) in seen.0.iter().zip(want) {
@@ -643,4 +650,22 @@ fn evaluation_runs_without_lora_dropout() {
     assert_eq!(with[0], with[1]);
     assert_eq!(with, without);
     assert_ne!(loss_with, loss_without, "dropout is on in training");
+}
+
+/// The MLX backend (feature `mlx`) trains SFT as TRL does, from the same weights and data as
+/// the candle runs: full fine-tuning with accumulation, text with a cosine schedule and weight
+/// decay, a shared LoRA adapter, chat data with assistant-only loss, evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_sft_matches_trl() {
+    for name in [
+        "sft-full",
+        "sft-text",
+        "sft-lora",
+        "sft-messages",
+        "sft-chat-pc",
+        "sft-eval",
+    ] {
+        check_on(name, "mlx");
+    }
 }

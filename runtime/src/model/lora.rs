@@ -87,7 +87,7 @@ impl DropoutRng {
     }
 
     /// `n` keep-masks (1 with probability `1 − p`, else 0).
-    fn keep(&self, n: usize, p: f64) -> Vec<f32> {
+    pub fn keep(&self, n: usize, p: f64) -> Vec<f32> {
         let start = self
             .0
             .fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
@@ -155,13 +155,23 @@ impl LoraLayer {
 /// The Linear layers of `model` (2-D `<module>.weight` tensors but the embeddings and norms),
 /// in name order.
 pub fn linear_modules(model: &DecoderModel) -> Vec<(String, usize, usize)> {
-    model
-        .weights()
-        .vars()
-        .iter()
-        .filter_map(|(name, v)| {
+    linear_modules_of(
+        model
+            .weights()
+            .vars()
+            .iter()
+            .map(|(name, v)| (name.as_str(), v.as_tensor().dims())),
+    )
+}
+
+/// [`linear_modules`] of any backend's weights, given as (tensor name, shape) in name order.
+pub fn linear_modules_of<'a>(
+    shapes: impl IntoIterator<Item = (&'a str, &'a [usize])>,
+) -> Vec<(String, usize, usize)> {
+    shapes
+        .into_iter()
+        .filter_map(|(name, dims)| {
             let module = name.strip_suffix(".weight")?;
-            let dims = v.as_tensor().dims();
             (dims.len() == 2 && !module.ends_with("embed_tokens") && !module.ends_with("norm"))
                 .then(|| (module.to_string(), dims[1], dims[0]))
         })
@@ -216,13 +226,22 @@ impl Adapters {
     /// `seed`, `B` zero (PEFT's default initialisation). No Linear targeted is an error
     /// naming the targets.
     pub fn new(model: &DecoderModel, spec: &LoraSpec, seed: u64) -> Result<Self, ModelError> {
+        Self::new_for(&linear_modules(model), spec, seed, model.device())
+    }
+
+    /// [`Adapters::new`] for the Linear layers `modules` ([`linear_modules_of`]), on `device`.
+    pub fn new_for(
+        modules: &[(String, usize, usize)],
+        spec: &LoraSpec,
+        seed: u64,
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
         if spec.r == 0 {
             return Err(ModelError::Config("LoRA rank r must be at least 1".into()));
         }
         let mut rng = SplitMix(seed);
         let mut layers = BTreeMap::new();
-        let device = model.device();
-        for (module, inputs, outputs) in linear_modules(model) {
+        for (module, inputs, outputs) in modules.iter().cloned() {
             if !spec.targets(&module) {
                 continue;
             }
@@ -356,6 +375,16 @@ impl Adapters {
         model: &DecoderModel,
         base_model: &str,
     ) -> Result<(), ModelError> {
+        self.save_peft_for(dir, &linear_modules(model), base_model)
+    }
+
+    /// [`Adapters::save_peft`] for a model whose Linear layers are `modules`.
+    pub fn save_peft_for(
+        &self,
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        base_model: &str,
+    ) -> Result<(), ModelError> {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, var) in self.vars() {
             let t = var.as_tensor().to_dtype(DType::F32)?;
@@ -400,7 +429,7 @@ impl Adapters {
             "r": s.r,
             "rank_pattern": {},
             "revision": null,
-            "target_modules": self.peft_target_modules(&linear_modules(model)),
+            "target_modules": self.peft_target_modules(modules),
             "task_type": "CAUSAL_LM",
             "use_dora": false,
             "use_rslora": s.rslora,
@@ -416,6 +445,15 @@ impl Adapters {
     /// Reads a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`) for
     /// `model`: every tensor must name a Linear of the model with the right shape.
     pub fn load_peft(dir: &Path, model: &DecoderModel) -> Result<Self, ModelError> {
+        Self::load_peft_for(dir, &linear_modules(model), model.device())
+    }
+
+    /// [`Adapters::load_peft`] for a model whose Linear layers are `modules`, onto `device`.
+    pub fn load_peft_for(
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
         let cfg_path = dir.join("adapter_config.json");
         let err = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
@@ -474,11 +512,10 @@ impl Adapters {
         let bytes = std::fs::read(&st_path).map_err(|e| st_err(e.to_string()))?;
         let st =
             safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
-        let shapes: BTreeMap<String, (usize, usize)> = linear_modules(model)
-            .into_iter()
-            .map(|(m, i, o)| (m, (i, o)))
+        let shapes: BTreeMap<String, (usize, usize)> = modules
+            .iter()
+            .map(|(m, i, o)| (m.clone(), (*i, *o)))
             .collect();
-        let device = model.device();
         let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
         for (name, view) in st.tensors() {
             let rest = name

@@ -600,3 +600,26 @@ pub fn grpo_advantages(
     }
     (adv, stds)
 }
+
+/// The mean of `values` weighted by `weights` (0 when they sum to 0): TRL's masked means
+/// (`entropy` over the attention mask).
+pub fn masked_mean(values: &[f64], weights: &[f32]) -> f64 {
+    let total: f64 = weights.iter().map(|&x| f64::from(x)).sum();
+    let sum: f64 = values
+        .iter()
+        .zip(weights)
+        .map(|(v, &w)| v * f64::from(w))
+        .sum();
+    if total > 0.0 { sum / total } else { 0.0 }
+}
+
+/// TRL's `mean_token_accuracy`: the share of masked positions whose arg-max `pred` is the
+/// label.
+pub fn token_accuracy(pred: &[f64], labels: &[f64], mask: &[f32]) -> f64 {
+    let hits: Vec<f64> = pred
+        .iter()
+        .zip(labels)
+        .map(|(p, l)| f64::from(u8::from(p == l)))
+        .collect();
+    masked_mean(&hits, mask)
+}

@@ -16,6 +16,8 @@ pub mod losses;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod ops;
+#[cfg(feature = "exec")]
+pub mod output;
 pub mod rewards;
 pub mod schedule;
 

@@ -25,7 +25,6 @@ use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use crate::checkpoint::Checkpoint;
 use crate::model::lora::{Adapters, LoraSpec};
 use crate::model::{DecoderModel, ModelError};
-use crate::sink::{OutputDir, ShardWriter};
 use candle_core::{D, DType, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -263,13 +262,10 @@ impl Shifted {
         rows: std::ops::Range<usize>,
     ) -> Result<f64, TrainError> {
         let n = rows.len();
-        let pred = ops.argmax(&self.logits.narrow(0, rows.start, n)?)?;
-        let labels = self.labels.narrow(0, rows.start, n)?.to_dtype(DType::F32)?;
-        let hits: Vec<f64> = ops.to_f64(&pred.eq(&labels)?.to_dtype(DType::F32)?)?;
+        let pred = ops.to_f64(&ops.argmax(&self.logits.narrow(0, rows.start, n)?)?)?;
+        let labels = ops.to_f64(&self.labels.narrow(0, rows.start, n)?.to_dtype(DType::F32)?)?;
         let mask: Vec<f32> = self.mask_host[rows].iter().flatten().copied().collect();
-        let total: f64 = mask.iter().map(|&m| f64::from(m)).sum();
-        let correct: f64 = hits.iter().zip(&mask).map(|(h, &m)| h * f64::from(m)).sum();
-        Ok(if total > 0.0 { correct / total } else { 0.0 })
+        Ok(losses::token_accuracy(&pred, &labels, &mask))
     }
 
     /// The mean entropy over `weights` `[batch, positions]` of the per-position entropies of
@@ -277,9 +273,7 @@ impl Shifted {
     fn entropy(ops: &CandleOps, logits: &Tensor, weights: &[Vec<f32>]) -> Result<f64, TrainError> {
         let h = ops.to_f64(&ops.token_entropy(logits)?)?;
         let w: Vec<f32> = weights.iter().flatten().copied().collect();
-        let total: f64 = w.iter().map(|&x| f64::from(x)).sum();
-        let sum: f64 = h.iter().zip(&w).map(|(h, &w)| h * f64::from(w)).sum();
-        Ok(if total > 0.0 { sum / total } else { 0.0 })
+        Ok(losses::masked_mean(&h, &w))
     }
 }
 
@@ -522,35 +516,21 @@ impl super::driver::Stepper for CandleStepper<'_> {
 /// adapter under LoRA (and with `merge` the merged full checkpoint in `target/merged`), else
 /// the full checkpoint (f32) with the model's config and tokenizer files.
 pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainError> {
-    let out = OutputDir::create(target, true).map_err(backend_err)?;
-    // The run's resumable checkpoints stay in the output folder.
-    if let Ok(entries) = std::fs::read_dir(target) {
-        for e in entries.flatten() {
-            let name = e.file_name();
-            if name.to_string_lossy().starts_with("checkpoint-") && e.path().is_dir() {
-                let dest = out.path().join(&name);
-                std::fs::rename(e.path(), &dest)
-                    .map_err(|source| TrainError::Io { path: dest, source })?;
+    super::output::save_into(target, |dir| {
+        let base = setup.config.model.display().to_string();
+        match &setup.adapters {
+            Some(a) => {
+                a.save_peft(dir, &setup.model, &base)?;
+                if setup.config.merge {
+                    let merged_dir = super::output::merged_dir(dir)?;
+                    let merged = a.merged(&setup.model)?;
+                    write_full(setup, &merged_dir, &merged)?;
+                }
+                Ok(())
             }
+            None => write_full(setup, dir, &BTreeMap::new()),
         }
-    }
-    let base = setup.config.model.display().to_string();
-    match &setup.adapters {
-        Some(a) => {
-            a.save_peft(out.path(), &setup.model, &base)?;
-            if setup.config.merge {
-                let dir = out.path().join("merged");
-                std::fs::create_dir(&dir).map_err(|source| TrainError::Io {
-                    path: dir.clone(),
-                    source,
-                })?;
-                let merged = a.merged(&setup.model)?;
-                write_full(setup, &dir, &merged)?;
-            }
-        }
-        None => write_full(setup, out.path(), &BTreeMap::new())?,
-    }
-    out.commit().map_err(backend_err)
+    })
 }
 
 /// The full checkpoint: every weight in f32 (those in `replaced` taken from there), config.json
@@ -560,47 +540,12 @@ pub(crate) fn write_full(
     dir: &Path,
     replaced: &BTreeMap<String, Tensor>,
 ) -> Result<(), TrainError> {
-    let mut w = ShardWriter::new(dir, 5_000_000_000);
-    for (name, var) in setup.model.weights().vars() {
+    let tensors = setup.model.weights().vars().iter().map(|(name, var)| {
         let t = replaced.get(name).unwrap_or(var.as_tensor());
         let data: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        w.write(
-            name,
-            safetensors::Dtype::F32,
-            t.dims(),
-            bytemuck::cast_slice(&data),
-        )
-        .map_err(backend_err)?;
-    }
-    w.finish().map_err(backend_err)?;
-    let src = setup.config.model.join("config.json");
-    let text = std::fs::read_to_string(&src).map_err(|source| TrainError::Io {
-        path: src.clone(),
-        source,
-    })?;
-    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::Data {
-        path: src.clone(),
-        line: None,
-        message: e.to_string(),
-    })?;
-    if let Some(o) = cfg.as_object_mut() {
-        o.insert("torch_dtype".into(), "float32".into());
-        o.remove("quantization_config");
-    }
-    let dest = dir.join("config.json");
-    std::fs::write(
-        &dest,
-        serde_json::to_string_pretty(&cfg).expect("JSON") + "\n",
-    )
-    .map_err(|source| TrainError::Io { path: dest, source })?;
-    for name in crate::export::files::COPIED_FILES {
-        let src = setup.config.model.join(name);
-        if src.is_file() {
-            let dest = dir.join(name);
-            std::fs::copy(&src, &dest).map_err(|source| TrainError::Io { path: dest, source })?;
-        }
-    }
-    Ok(())
+        Ok((name.clone(), t.dims().to_vec(), data))
+    });
+    super::output::write_full(&setup.config.model, dir, tensors)
 }
 
 fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Dataset, TrainError> {

@@ -5,6 +5,7 @@
 
 pub mod model;
 pub mod ops;
+pub mod train;
 
 pub use ops::MlxOps;
 

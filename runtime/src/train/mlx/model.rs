@@ -10,6 +10,7 @@
 //! base weights).
 
 use crate::checkpoint::Checkpoint;
+use crate::model::lora::DropoutRng;
 use crate::model::{DecoderConfig, ModelError};
 use half::{bf16, f16};
 use mlx_rs::Array;
@@ -35,6 +36,15 @@ pub struct MlxLora {
     pub b: Array,
     /// `α / r` (or `α / √r`).
     pub scale: f32,
+    /// Dropout probability on the adapter's input (while training).
+    pub dropout: f64,
+}
+
+/// What one forward pass runs with.
+struct Ctx<'a> {
+    w: &'a MlxWeights,
+    adapters: &'a BTreeMap<String, MlxLora>,
+    dropout: Option<&'a DropoutRng>,
 }
 
 /// The names a layer's tensors go by, resolved once.
@@ -182,7 +192,8 @@ impl MlxDecoder {
 
     /// Logits `[batch, seq, vocab]` of `ids` (`[batch, seq]` token ids) with `weights` and
     /// LoRA `adapters` (by module path); `attention[i][j]` false hides token `j` of row `i`
-    /// from every query (transformers' `attention_mask`).
+    /// from every query (transformers' `attention_mask`). With `dropout`, adapters drop their
+    /// inputs with masks from that stream (the candle backend's, so both draw the same).
     pub fn forward(
         &self,
         weights: &MlxWeights,
@@ -190,17 +201,24 @@ impl MlxDecoder {
         ids: &[Vec<u32>],
         attention: Option<&[Vec<bool>]>,
     ) -> Result<Array, ModelError> {
-        self.forward_inner(weights, adapters, ids, attention)
+        self.forward_with(weights, adapters, None, ids, attention)
             .map_err(mlx_err)
     }
 
-    fn forward_inner(
+    /// [`MlxDecoder::forward`] with adapter dropout drawn from `dropout`.
+    pub fn forward_with(
         &self,
         w: &MlxWeights,
         adapters: &BTreeMap<String, MlxLora>,
+        dropout: Option<&DropoutRng>,
         ids: &[Vec<u32>],
         attention: Option<&[Vec<bool>]>,
     ) -> Result<Array, Exception> {
+        let ctx = Ctx {
+            w,
+            adapters,
+            dropout,
+        };
         let c = &self.config;
         let b = ids.len();
         let t = ids.first().map_or(0, Vec::len);
@@ -223,38 +241,41 @@ impl MlxDecoder {
         };
         for l in &self.layers {
             let x = self.rms_norm(&h, &w[&l.input_norm])?;
-            let a = self.attention(w, adapters, l, &x, &cos, &sin, key_mask.as_ref())?;
+            let a = self.attention(&ctx, l, &x, &cos, &sin, key_mask.as_ref())?;
             h = ops::add(&h, &a)?;
             let x = self.rms_norm(&h, &w[&l.post_norm])?;
-            let g = self.linear(w, adapters, &l.gate, &x)?;
+            let g = self.linear(&ctx, &l.gate, &x)?;
             let g = ops::multiply(&g, &ops::sigmoid(&g)?)?;
-            let u = self.linear(w, adapters, &l.up, &x)?;
-            let m = self.linear(w, adapters, &l.down, &ops::multiply(&g, &u)?)?;
+            let u = self.linear(&ctx, &l.up, &x)?;
+            let m = self.linear(&ctx, &l.down, &ops::multiply(&g, &u)?)?;
             h = ops::add(&h, &m)?;
         }
         let h = self.rms_norm(&h, &w["model.norm.weight"])?;
         if self.tied {
             ops::matmul(&h, table.t())
         } else {
-            self.linear(w, adapters, "lm_head", &h)
+            self.linear(&ctx, "lm_head", &h)
         }
     }
 
     /// `x · Wᵀ (+ b)`, plus `s · (x Aᵀ) Bᵀ` where `module` has an adapter.
-    fn linear(
-        &self,
-        w: &MlxWeights,
-        adapters: &BTreeMap<String, MlxLora>,
-        module: &str,
-        x: &Array,
-    ) -> Result<Array, Exception> {
-        let weight = &w[&format!("{module}.weight")];
+    fn linear(&self, ctx: &Ctx<'_>, module: &str, x: &Array) -> Result<Array, Exception> {
+        let weight = &ctx.w[&format!("{module}.weight")];
         let mut y = ops::matmul(x, weight.t())?;
-        if let Some(bias) = w.get(&format!("{module}.bias")) {
+        if let Some(bias) = ctx.w.get(&format!("{module}.bias")) {
             y = ops::add(&y, bias)?;
         }
-        if let Some(l) = adapters.get(module) {
-            let h = ops::matmul(x, l.a.t())?;
+        if let Some(l) = ctx.adapters.get(module) {
+            let x = match ctx.dropout.filter(|_| l.dropout > 0.0) {
+                Some(rng) => {
+                    let n = x.shape().iter().product::<i32>() as usize;
+                    let keep = Array::from_slice(&rng.keep(n, l.dropout), x.shape());
+                    let kept = ops::multiply(x, &keep)?;
+                    ops::multiply(&kept, Array::from_f32((1.0 / (1.0 - l.dropout)) as f32))?
+                }
+                None => x.clone(),
+            };
+            let h = ops::matmul(&x, l.a.t())?;
             let d = ops::matmul(&h, l.b.t())?;
             y = ops::add(&y, &ops::multiply(&d, Array::from_f32(l.scale))?)?;
         }
@@ -289,8 +310,7 @@ impl MlxDecoder {
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        w: &MlxWeights,
-        adapters: &BTreeMap<String, MlxLora>,
+        ctx: &Ctx<'_>,
         l: &LayerNames,
         x: &Array,
         cos: &Array,
@@ -301,11 +321,9 @@ impl MlxDecoder {
         let (b, t) = (x.shape()[0], x.shape()[1]);
         let (nh, nkv, hd) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
         let proj = |m: &str, norm: Option<&String>, heads: i32| -> Result<Array, Exception> {
-            let y = self
-                .linear(w, adapters, m, x)?
-                .reshape(&[b, t, heads, hd])?;
+            let y = self.linear(ctx, m, x)?.reshape(&[b, t, heads, hd])?;
             let y = match norm {
-                Some(n) => self.rms_norm(&y, &w[n])?,
+                Some(n) => self.rms_norm(&y, &ctx.w[n])?,
                 None => y,
             };
             y.transpose_axes(&[0, 2, 1, 3])
@@ -349,6 +367,6 @@ impl MlxDecoder {
         let o = ops::matmul(&probs, &v)?
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, t, nh * hd])?;
-        self.linear(w, adapters, &l.o, &o)
+        self.linear(ctx, &l.o, &o)
     }
 }

@@ -1,0 +1,93 @@
+//! What a training run writes, for every backend: a full checkpoint (f32 weights in shards,
+//! `config.json` with `torch_dtype` float32, the model folder's tokenizer and generation files).
+
+use super::TrainError;
+use crate::sink::{OutputDir, ShardWriter};
+use std::path::{Path, PathBuf};
+
+fn sink_err(e: impl std::fmt::Display) -> TrainError {
+    TrainError::Config {
+        field: "output".into(),
+        message: e.to_string(),
+    }
+}
+
+/// Writes the full checkpoint of the model in `model_dir` into `dir`, its weights taken one at
+/// a time from `tensors` (name, shape, f32 values) so that only one is in memory.
+pub fn write_full(
+    model_dir: &Path,
+    dir: &Path,
+    tensors: impl IntoIterator<Item = Result<(String, Vec<usize>, Vec<f32>), TrainError>>,
+) -> Result<(), TrainError> {
+    let mut w = ShardWriter::new(dir, 5_000_000_000);
+    for t in tensors {
+        let (name, dims, data) = t?;
+        w.write(
+            &name,
+            safetensors::Dtype::F32,
+            &dims,
+            bytemuck::cast_slice(&data),
+        )
+        .map_err(sink_err)?;
+    }
+    w.finish().map_err(sink_err)?;
+    let src = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&src).map_err(|source| TrainError::Io {
+        path: src.clone(),
+        source,
+    })?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::Data {
+        path: src.clone(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    if let Some(o) = cfg.as_object_mut() {
+        o.insert("torch_dtype".into(), "float32".into());
+        o.remove("quantization_config");
+    }
+    let dest = dir.join("config.json");
+    std::fs::write(
+        &dest,
+        serde_json::to_string_pretty(&cfg).expect("JSON") + "\n",
+    )
+    .map_err(|source| TrainError::Io { path: dest, source })?;
+    for name in crate::export::files::COPIED_FILES {
+        let src = model_dir.join(name);
+        if src.is_file() {
+            let dest = dir.join(name);
+            std::fs::copy(&src, &dest).map_err(|source| TrainError::Io { path: dest, source })?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes a run's result into `target` through a temporary folder beside it (`write` fills
+/// it), renamed at the end; the run's resumable checkpoints in `target` move along.
+pub fn save_into(
+    target: &Path,
+    write: impl FnOnce(&Path) -> Result<(), TrainError>,
+) -> Result<PathBuf, TrainError> {
+    let out = OutputDir::create(target, true).map_err(sink_err)?;
+    if let Ok(entries) = std::fs::read_dir(target) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if name.to_string_lossy().starts_with("checkpoint-") && e.path().is_dir() {
+                let dest = out.path().join(&name);
+                std::fs::rename(e.path(), &dest)
+                    .map_err(|source| TrainError::Io { path: dest, source })?;
+            }
+        }
+    }
+    write(out.path())?;
+    out.commit().map_err(sink_err)
+}
+
+/// `dir/merged`, made (`--merge`: the adapter merged into a full checkpoint).
+pub fn merged_dir(dir: &Path) -> Result<PathBuf, TrainError> {
+    let merged = dir.join("merged");
+    std::fs::create_dir(&merged).map_err(|source| TrainError::Io {
+        path: merged.clone(),
+        source,
+    })?;
+    Ok(merged)
+}
