@@ -669,3 +669,21 @@ fn mlx_sft_matches_trl() {
         check_on(name, "mlx");
     }
 }
+
+/// DPO on MLX as TRL trains it: full fine-tuning (the reference the starting weights), a
+/// continued LoRA adapter (the reference a frozen copy of it), IPO, hinge with precomputed
+/// reference log-probs, conversational pairs, evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_dpo_matches_trl() {
+    for name in [
+        "dpo-full",
+        "dpo-lora",
+        "dpo-ipo",
+        "dpo-hinge-precompute",
+        "dpo-chat",
+        "dpo-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}

@@ -19,7 +19,11 @@ pub mod ops;
 #[cfg(feature = "exec")]
 pub mod output;
 pub mod rewards;
+#[cfg(feature = "exec")]
+pub mod runner;
 pub mod schedule;
+#[cfg(feature = "exec")]
+pub mod tasks;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -46,6 +46,9 @@ pub trait TensorOps {
     fn clamp(&self, a: &Self::T, lo: f64, hi: f64) -> Result<Self::T, Self::Error>;
     /// The sum over the last dimension (`[batch, tokens]` → `[batch]`).
     fn sum_last(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
+    /// The mean over the last dimension, outside the autograd graph (`[b, t, v]` → `[b, t]`;
+    /// DPO's logged mean logits).
+    fn mean_last(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// The sum of every element (→ scalar).
     fn sum_all(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// The mean of every element (→ scalar).

@@ -13,12 +13,10 @@ pub mod optim;
 use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
 use super::data::{
-    DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, UnpairedExample,
-    pair_examples, scored_pairs, unpaired_examples,
+    DataFormat, ScoredPair, TextTokenizer, UnpairedExample, scored_pairs, unpaired_examples,
 };
 use super::losses::{
-    self, CpoLoss, CpoSettings, DpoLoss, GrpoInputs, GrpoLoss, GrpoSettings, KtoLoss,
-    PreferenceLogps, TokenInputs,
+    self, CpoLoss, CpoSettings, GrpoInputs, GrpoLoss, GrpoSettings, KtoLoss, TokenInputs,
 };
 use super::ops::TensorOps;
 use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
@@ -185,23 +183,8 @@ impl Setup {
     }
 }
 
-/// A micro-batch's logits and labels, shifted for next-token prediction.
-pub struct Shifted {
-    /// `[batch, len − 1, vocab]`: the logits at positions `0..len−1`.
-    pub logits: Tensor,
-    /// The unshifted logits `[batch, len, vocab]` (entropy over every position, as TRL).
-    pub full_logits: Tensor,
-    /// `[batch, len − 1]` ids of tokens `1..len`.
-    pub labels: Tensor,
-    /// The per-token log-probabilities of the labels.
-    pub logps: Tensor,
-    /// The label mask (shifted), on the device.
-    pub mask: Tensor,
-    /// The label mask (shifted), on the host.
-    pub mask_host: Vec<Vec<f32>>,
-    /// The attention mask (1 for real tokens) `[batch, len]`, on the host.
-    pub attention: Vec<Vec<f32>>,
-}
+/// A micro-batch's logits and labels on candle, shifted for next-token prediction.
+pub type Shifted = super::runner::Shifted<Tensor>;
 
 /// Right-pads `seqs` (ids, label mask) with `pad`, runs `model`, and shifts.
 pub fn forward_shifted(
@@ -210,70 +193,46 @@ pub fn forward_shifted(
     seqs: &[(Vec<u32>, Vec<u8>)],
     pad: u32,
 ) -> Result<Shifted, TrainError> {
-    let len = seqs.iter().map(|(i, _)| i.len()).max().unwrap_or(0);
-    if len < 2 {
-        return Err(config_err(
-            "max_length",
-            "every sequence of a batch is shorter than two tokens: nothing to predict",
-        ));
-    }
-    let b = seqs.len();
-    let mut ids = Vec::with_capacity(b * len);
-    let mut mask_host = Vec::with_capacity(b);
-    let mut attention = Vec::with_capacity(b);
-    for (s, m) in seqs {
-        ids.extend(
-            s.iter()
-                .copied()
-                .chain(std::iter::repeat_n(pad, len - s.len())),
-        );
-        let mut row: Vec<f32> = m.iter().map(|&x| f32::from(x)).collect();
-        row.resize(len, 0.0);
-        mask_host.push(row[1..].to_vec());
-        let mut att = vec![1f32; s.len()];
-        att.resize(len, 0.0);
-        attention.push(att);
-    }
+    let p = super::runner::pad(seqs, pad)?;
+    let (b, len) = (seqs.len(), p.len);
     let dev = &ops.device;
-    let ids = Tensor::from_vec(ids, (b, len), dev)?;
-    let lengths: Vec<usize> = seqs.iter().map(|(i, _)| i.len()).collect();
-    let full_logits = model.forward_padded(&ids, &lengths)?;
+    let flat_ids: Vec<u32> = p.ids.iter().flatten().copied().collect();
+    let ids = Tensor::from_vec(flat_ids, (b, len), dev)?;
+    let full_logits = model.forward_padded(&ids, &p.lengths)?;
     let logits = full_logits.narrow(1, 0, len - 1)?;
     let labels = ids.narrow(1, 1, len - 1)?.contiguous()?;
-    let flat: Vec<f32> = mask_host.iter().flatten().copied().collect();
+    let flat: Vec<f32> = p.mask_host.iter().flatten().copied().collect();
     let mask = Tensor::from_vec(flat, (b, len - 1), dev)?;
     let logps = ops.token_logps(&logits, &labels)?;
     Ok(Shifted {
         logits,
         full_logits,
-        labels,
+        labels: p.labels(),
         logps,
         mask,
-        mask_host,
-        attention,
+        mask_host: p.mask_host,
+        attention: p.attention,
     })
 }
 
-impl Shifted {
-    /// TRL's `mean_token_accuracy`: arg-max hits over the masked positions.
-    pub fn token_accuracy(
-        &self,
-        ops: &CandleOps,
-        rows: std::ops::Range<usize>,
-    ) -> Result<f64, TrainError> {
-        let n = rows.len();
-        let pred = ops.to_f64(&ops.argmax(&self.logits.narrow(0, rows.start, n)?)?)?;
-        let labels = ops.to_f64(&self.labels.narrow(0, rows.start, n)?.to_dtype(DType::F32)?)?;
-        let mask: Vec<f32> = self.mask_host[rows].iter().flatten().copied().collect();
-        Ok(losses::token_accuracy(&pred, &labels, &mask))
+impl super::runner::Runner for Setup {
+    type Ops = CandleOps;
+    type Model = DecoderModel;
+    fn ops(&self) -> &CandleOps {
+        &self.ops
     }
-
-    /// The mean entropy over `weights` `[batch, positions]` of the per-position entropies of
-    /// `logits`.
-    fn entropy(ops: &CandleOps, logits: &Tensor, weights: &[Vec<f32>]) -> Result<f64, TrainError> {
-        let h = ops.to_f64(&ops.token_entropy(logits)?)?;
-        let w: Vec<f32> = weights.iter().flatten().copied().collect();
-        Ok(losses::masked_mean(&h, &w))
+    fn policy(&self) -> &DecoderModel {
+        &self.model
+    }
+    fn pad_id(&self) -> u32 {
+        self.tokenizer.pad_id
+    }
+    fn forward_shifted(
+        &self,
+        model: &DecoderModel,
+        seqs: &[(Vec<u32>, Vec<u8>)],
+    ) -> Result<Shifted, TrainError> {
+        forward_shifted(model, &self.ops, seqs, self.tokenizer.pad_id)
     }
 }
 
@@ -548,13 +507,7 @@ pub(crate) fn write_full(
     super::output::write_full(&setup.config.model, dir, tensors)
 }
 
-fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Dataset, TrainError> {
-    let path = config
-        .train_data
-        .as_ref()
-        .ok_or_else(|| config_err("train_data", "required (a JSONL file)"))?;
-    Dataset::read(path, accepted)
-}
+use super::tasks::read_data;
 
 /// A built-in trainer: `#[trainer(task, backend = "candle")]` on a struct holding the
 /// [`Setup`] and the task's [`Objective`], made by `$make(config, setup)`.
@@ -601,40 +554,13 @@ macro_rules! candle_trainer {
 
 /// Supervised fine-tuning (TRL's `SFTTrainer`): causal-LM cross-entropy over the label
 /// tokens, the token mean over the whole optimisation step.
-pub struct SftObjective {
-    examples: Vec<LmExample>,
-    num_items: f64,
-}
+pub struct SftObjective(super::tasks::SftTask);
 
 impl SftObjective {
-    /// The examples of `config.train_data` (`text` or `prompt`+`completion`), tokenized as TRL
-    /// does; `completion_only_loss` (default: on for prompt+completion data).
+    /// The examples of `config.train_data` (`text`, `prompt`+`completion` or `messages`),
+    /// tokenized as TRL does.
     pub fn new(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
-        let data = read_data(
-            config,
-            &[
-                DataFormat::Text,
-                DataFormat::PromptCompletion,
-                DataFormat::Messages,
-            ],
-        )?;
-        let completion_only = config
-            .option::<bool>("completion_only_loss")?
-            .unwrap_or(true);
-        let assistant_only = config
-            .option::<bool>("assistant_only_loss")?
-            .unwrap_or(false);
-        let examples = super::data::sft_examples_with(
-            &data,
-            tok,
-            completion_only,
-            assistant_only,
-            config.hyper.max_length,
-        )?;
-        Ok(SftObjective {
-            examples,
-            num_items: 0.0,
-        })
+        Ok(SftObjective(super::tasks::SftTask::new(config, tok)?))
     }
 }
 
@@ -643,7 +569,7 @@ impl Objective for SftObjective {
         "sft"
     }
     fn examples(&self) -> usize {
-        self.examples.len()
+        self.0.examples()
     }
     fn divide_by_accumulation(&self) -> bool {
         false
@@ -653,19 +579,7 @@ impl Objective for SftObjective {
         _setup: &Setup,
         micro_batches: &[Vec<usize>],
     ) -> Result<(), TrainError> {
-        // transformers counts `labels[..., 1:] != -100` over every micro-batch of the step.
-        self.num_items = micro_batches
-            .iter()
-            .flatten()
-            .map(|&i| {
-                self.examples[i]
-                    .mask
-                    .iter()
-                    .skip(1)
-                    .map(|&m| f64::from(m))
-                    .sum::<f64>()
-            })
-            .sum();
+        self.0.begin_step(micro_batches);
         Ok(())
     }
     fn micro_batch(
@@ -673,29 +587,7 @@ impl Objective for SftObjective {
         setup: &Setup,
         indices: &[usize],
     ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
-            .iter()
-            .map(|&i| (self.examples[i].ids.clone(), self.examples[i].mask.clone()))
-            .collect();
-        let s = forward_shifted(&setup.model, &setup.ops, &seqs, setup.tokenizer.pad_id)?;
-        let inputs = TokenInputs {
-            logps: s.logps.clone(),
-            mask: s.mask.clone(),
-            mask_host: s.mask_host.clone(),
-        };
-        let loss = losses::sft(&setup.ops, &inputs, self.num_items)?;
-        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
-        let mut m = BTreeMap::new();
-        m.insert(
-            "entropy".into(),
-            Shifted::entropy(&setup.ops, &s.full_logits, &s.attention)?,
-        );
-        m.insert(
-            "mean_token_accuracy".into(),
-            s.token_accuracy(&setup.ops, 0..seqs.len())?,
-        );
-        m.insert("num_tokens".into(), 0.0);
-        Ok((loss, m, tokens))
+        self.0.loss(setup, indices)
     }
 }
 
@@ -707,95 +599,18 @@ candle_trainer! {
 // ---------------------------------------------------------------- dpo
 
 /// Direct preference optimisation (TRL's `DPOTrainer`).
-pub struct DpoObjective {
-    pairs: Vec<PairExample>,
-    beta: f64,
-    loss: DpoLoss,
-    max_length: Option<usize>,
-    reference: Option<DecoderModel>,
-    /// Reference log-probs computed before training (`precompute_ref_log_probs`).
-    precomputed: Option<Vec<(f64, f64)>>,
-}
+pub struct DpoObjective(super::tasks::DpoTask<DecoderModel>);
 
 impl DpoObjective {
     /// The pairs of `config.train_data` and DPO's options (`beta`, `loss_type`,
-    /// `precompute_ref_log_probs`).
+    /// `precompute_ref_log_probs`), against the frozen starting model.
     pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        let data = read_data(config, &[DataFormat::Preference])?;
-        let pairs = pair_examples(&data, &setup.tokenizer)?;
-        let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
-        let loss_name = config
-            .option::<String>("loss_type")?
-            .unwrap_or_else(|| "sigmoid".into());
-        let loss = DpoLoss::parse(&loss_name).ok_or_else(|| {
-            config_err(
-                "loss_type",
-                format!("`{loss_name}` is not one of {}", DpoLoss::NAMES.join(", ")),
-            )
-        })?;
-        let mut me = DpoObjective {
-            pairs,
-            beta,
-            loss,
-            max_length: config.hyper.max_length,
-            reference: Some(setup.reference()?),
-            precomputed: None,
-        };
-        if config
-            .option::<bool>("precompute_ref_log_probs")?
-            .unwrap_or(false)
-        {
-            let bs = config.hyper.per_device_train_batch_size.max(1);
-            let mut all = Vec::with_capacity(me.pairs.len());
-            let idx: Vec<usize> = (0..me.pairs.len()).collect();
-            for chunk in idx.chunks(bs) {
-                let (c, r) = me.ref_logps(setup, chunk)?;
-                all.extend(c.into_iter().zip(r));
-            }
-            me.precomputed = Some(all);
-            me.reference = None;
-        }
-        Ok(me)
-    }
-
-    /// `[chosen…, rejected…]` sequences with completion masks, truncated as TRL truncates
-    /// (`keep_start` to `max_length`).
-    fn sequences(&self, indices: &[usize]) -> Vec<(Vec<u32>, Vec<u8>)> {
-        let mut out = Vec::with_capacity(indices.len() * 2);
-        for pick in [0, 1] {
-            for &i in indices {
-                let p = &self.pairs[i];
-                let completion = if pick == 0 { &p.chosen } else { &p.rejected };
-                let mut ids = p.prompt.clone();
-                ids.extend(completion);
-                let mut mask = vec![0u8; p.prompt.len()];
-                mask.extend(std::iter::repeat_n(1, completion.len()));
-                if let Some(n) = self.max_length {
-                    ids.truncate(n);
-                    mask.truncate(n);
-                }
-                out.push((ids, mask));
-            }
-        }
-        out
-    }
-
-    fn ref_logps(
-        &self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
-        let reference = self.reference.as_ref().expect("reference model kept");
-        let s = forward_shifted(
-            reference,
-            &setup.ops,
-            &self.sequences(indices),
-            setup.tokenizer.pad_id,
-        )?;
-        let sums = setup.ops.sum_last(&setup.ops.mul(&s.logps, &s.mask)?)?;
-        let v = setup.ops.to_f64(&sums)?;
-        let n = indices.len();
-        Ok((v[..n].to_vec(), v[n..].to_vec()))
+        Ok(DpoObjective(super::tasks::DpoTask::new(
+            config,
+            &setup.tokenizer,
+            setup,
+            setup.reference()?,
+        )?))
     }
 }
 
@@ -804,58 +619,14 @@ impl Objective for DpoObjective {
         "dpo"
     }
     fn examples(&self) -> usize {
-        self.pairs.len()
+        self.0.examples()
     }
     fn micro_batch(
         &mut self,
         setup: &Setup,
         indices: &[usize],
     ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        let ops = &setup.ops;
-        let n = indices.len();
-        let seqs = self.sequences(indices);
-        let s = forward_shifted(&setup.model, ops, &seqs, setup.tokenizer.pad_id)?;
-        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask)?)?;
-        let (chosen, rejected) = ops.halves(&sums)?;
-        let (rc, rr) = match &self.precomputed {
-            Some(all) => indices.iter().map(|&i| all[i]).unzip(),
-            None => self.ref_logps(setup, indices)?,
-        };
-        let lens: Vec<f64> = seqs
-            .iter()
-            .map(|(_, m)| m.iter().map(|&x| f64::from(x)).sum())
-            .collect();
-        let p = PreferenceLogps {
-            chosen,
-            rejected,
-            ref_chosen: ops.tensor(&rc, &[n])?,
-            ref_rejected: ops.tensor(&rr, &[n])?,
-            chosen_len: lens[..n].to_vec(),
-            rejected_len: lens[n..].to_vec(),
-        };
-        let out = losses::dpo(ops, self.loss, self.beta, &p)?;
-        let mut m = out.metrics;
-        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
-        m.insert(
-            "entropy".into(),
-            Shifted::entropy(ops, &s.logits, &s.mask_host)?,
-        );
-        m.insert("mean_token_accuracy".into(), s.token_accuracy(ops, 0..n)?);
-        // TRL: the mean over vocabulary of the logits, averaged over completion tokens.
-        let mean_logits = ops.to_f64(&s.logits.detach().mean(D::Minus1)?)?;
-        let width = s.mask_host[0].len();
-        for (name, rows) in [("logits/chosen", 0..n), ("logits/rejected", n..2 * n)] {
-            let (mut sum, mut count) = (0f64, 0f64);
-            for r in rows {
-                for (t, &mk) in s.mask_host[r].iter().enumerate() {
-                    sum += mean_logits[r * width + t] * f64::from(mk);
-                    count += f64::from(mk);
-                }
-            }
-            m.insert(name.into(), if count > 0.0 { sum / count } else { 0.0 });
-        }
-        m.insert("num_tokens".into(), 0.0);
-        Ok((out.loss, m, tokens))
+        self.0.loss(setup, indices)
     }
 }
 

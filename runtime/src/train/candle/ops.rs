@@ -85,6 +85,9 @@ impl TensorOps for CandleOps {
     fn sum_last(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.sum(D::Minus1)
     }
+    fn mean_last(&self, a: &Tensor) -> candle_core::Result<Tensor> {
+        a.detach().mean(D::Minus1)
+    }
     fn sum_all(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.sum_all()
     }

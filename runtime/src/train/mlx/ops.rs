@@ -131,6 +131,9 @@ impl TensorOps for MlxOps {
     fn sum_last(&self, a: &Array) -> Result<Array, Exception> {
         a.sum_axis(-1, false)
     }
+    fn mean_last(&self, a: &Array) -> Result<Array, Exception> {
+        stop(a)?.mean_axis(-1, false)
+    }
     fn sum_all(&self, a: &Array) -> Result<Array, Exception> {
         a.sum(None)
     }

@@ -7,10 +7,11 @@ use super::model::{MlxDecoder, MlxLora, MlxWeights, mlx_err};
 use super::ops::MlxOps;
 use crate::checkpoint::Checkpoint;
 use crate::model::lora::{Adapters, LoraSpec, linear_modules_of};
-use crate::train::data::{DataFormat, Dataset, LmExample, TextTokenizer, sft_examples_with};
+use crate::train::data::TextTokenizer;
 use crate::train::driver::{Stepper, drive};
-use crate::train::losses::{self, TokenInputs};
 use crate::train::ops::TensorOps;
+use crate::train::runner::{Runner, Shifted};
+use crate::train::tasks::{DpoTask, MicroBatch, SftTask};
 use crate::train::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use mlx_rs::Array;
 use mlx_rs::error::Exception;
@@ -165,91 +166,113 @@ fn host(a: &Array) -> Result<Vec<f32>, TrainError> {
     Ok(a.as_slice::<f32>().to_vec())
 }
 
-/// Supervised fine-tuning on MLX: TRL's SFT objective (the candle backend's examples and
-/// loss).
-pub struct MlxSft {
-    examples: Vec<LmExample>,
-    num_items: f64,
+/// A model on MLX as the tasks see it: weights, adapters, and whether adapter dropout runs.
+#[derive(Clone)]
+pub struct MlxModel {
+    weights: MlxWeights,
+    adapters: BTreeMap<String, MlxLora>,
+    dropout: bool,
 }
 
-impl MlxSft {
-    /// The examples of `config.train_data`, as the candle backend prepares them.
-    pub fn new(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
-        let path = config
-            .train_data
+/// The MLX backend as the tasks see it, for one forward pass.
+pub struct MlxRunner<'a> {
+    setup: &'a MlxSetup,
+    policy: MlxModel,
+}
+
+impl Runner for MlxRunner<'_> {
+    type Ops = MlxOps;
+    type Model = MlxModel;
+    fn ops(&self) -> &MlxOps {
+        &MlxOps
+    }
+    fn policy(&self) -> &MlxModel {
+        &self.policy
+    }
+    fn pad_id(&self) -> u32 {
+        self.setup.tokenizer.pad_id
+    }
+    fn forward_shifted(
+        &self,
+        model: &MlxModel,
+        seqs: &[(Vec<u32>, Vec<u8>)],
+    ) -> Result<Shifted<Array>, TrainError> {
+        let p = crate::train::runner::pad(seqs, self.setup.tokenizer.pad_id)?;
+        let attention: Vec<Vec<bool>> = p
+            .attention
+            .iter()
+            .map(|r| r.iter().map(|&a| a > 0.0).collect())
+            .collect();
+        let dropout = self
+            .setup
+            .adapters
             .as_ref()
-            .ok_or_else(|| config_err("train_data", "required (a JSONL file)"))?;
-        let data = Dataset::read(
-            path,
-            &[
-                DataFormat::Text,
-                DataFormat::PromptCompletion,
-                DataFormat::Messages,
-            ],
-        )?;
-        let completion_only = config
-            .option::<bool>("completion_only_loss")?
-            .unwrap_or(true);
-        let assistant_only = config
-            .option::<bool>("assistant_only_loss")?
-            .unwrap_or(false);
-        let examples = sft_examples_with(
-            &data,
-            tok,
-            completion_only,
-            assistant_only,
-            config.hyper.max_length,
-        )?;
-        Ok(MlxSft {
-            examples,
-            num_items: 0.0,
-        })
+            .filter(|_| model.dropout)
+            .and_then(|a| a.dropout_rng());
+        let go = || -> Result<Shifted<Array>, Exception> {
+            let full_logits = self.setup.decoder.forward_with(
+                &model.weights,
+                &model.adapters,
+                dropout,
+                &p.ids,
+                Some(&attention),
+            )?;
+            let (b, len) = (p.ids.len() as i32, p.len as i32);
+            let logits = ops::split_at_indices(&full_logits, &[len - 1], 1)?.remove(0);
+            let labels = p.labels();
+            let labels_arr = Array::from_slice(&labels, &[b, len - 1]);
+            let logps = MlxOps.token_logps(&logits, &labels_arr)?;
+            let flat: Vec<f32> = p.mask_host.iter().flatten().copied().collect();
+            Ok(Shifted {
+                logits,
+                full_logits,
+                labels,
+                logps,
+                mask: Array::from_slice(&flat, &[b, len - 1]),
+                mask_host: p.mask_host.clone(),
+                attention: p.attention.clone(),
+            })
+        };
+        go().map_err(|e| backend_err(e.to_string()))
     }
 }
 
-/// A right-padded batch: ids, attention, labels and their mask (shifted).
-struct Batch {
-    ids: Vec<Vec<u32>>,
-    attention: Vec<Vec<bool>>,
-    labels: Vec<f64>,
-    mask_host: Vec<Vec<f32>>,
-    len: usize,
+/// The tasks the MLX backend runs (the same code the candle backend runs).
+enum MlxTask {
+    Sft(SftTask),
+    Dpo(DpoTask<MlxModel>),
 }
 
-fn batch(examples: &[&LmExample], pad: u32) -> Result<Batch, TrainError> {
-    let len = examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
-    if len < 2 {
-        return Err(config_err(
-            "max_length",
-            "every sequence of a batch is shorter than two tokens: nothing to predict",
-        ));
+impl MlxTask {
+    fn name(&self) -> &'static str {
+        match self {
+            MlxTask::Sft(_) => "sft",
+            MlxTask::Dpo(_) => "dpo",
+        }
     }
-    let mut b = Batch {
-        ids: Vec::new(),
-        attention: Vec::new(),
-        labels: Vec::new(),
-        mask_host: Vec::new(),
-        len,
-    };
-    for e in examples {
-        let mut ids = e.ids.clone();
-        ids.resize(len, pad);
-        let mut m: Vec<f32> = e.mask.iter().map(|&x| f32::from(x)).collect();
-        m.resize(len, 0.0);
-        b.mask_host.push(m[1..].to_vec());
-        b.labels.extend(ids[1..].iter().map(|&i| f64::from(i)));
-        b.attention
-            .push((0..len).map(|j| j < e.ids.len()).collect());
-        b.ids.push(ids);
+    fn examples(&self) -> usize {
+        match self {
+            MlxTask::Sft(t) => t.examples(),
+            MlxTask::Dpo(t) => t.examples(),
+        }
     }
-    Ok(b)
+    /// Whether the loop divides each micro-batch's loss by the step's micro-batch count.
+    fn divides(&self) -> bool {
+        !matches!(self, MlxTask::Sft(_))
+    }
+    fn loss(&self, r: &MlxRunner<'_>, indices: &[usize]) -> Result<MicroBatch<Array>, TrainError> {
+        match self {
+            MlxTask::Sft(t) => t.loss(r, indices),
+            MlxTask::Dpo(t) => t.loss(r, indices),
+        }
+    }
 }
 
 /// The MLX backend under the training loop.
 struct MlxStepper {
     setup: MlxSetup,
-    sft: MlxSft,
-    eval: Option<MlxSft>,
+    task: MlxTask,
+    eval: Option<MlxTask>,
     params: Vec<Array>,
     grads: Vec<Option<Array>>,
     m: Vec<Array>,
@@ -259,77 +282,62 @@ struct MlxStepper {
 }
 
 impl MlxStepper {
-    /// The SFT loss of `b` (and, on the side, the logits) with `params`.
-    fn loss(
-        setup: &MlxSetup,
-        params: &[Array],
-        b: &Batch,
-        num_items: f64,
-        training: bool,
-    ) -> Result<(Array, Array), Exception> {
-        let (w, lora) = setup.parts(params);
-        let dropout = setup
-            .adapters
-            .as_ref()
-            .filter(|_| training)
-            .and_then(|a| a.dropout_rng());
-        let logits = setup
-            .decoder
-            .forward_with(&w, &lora, dropout, &b.ids, Some(&b.attention))?;
-        let n = b.ids.len() as i32;
-        let len = b.len as i32;
-        let shifted = ops::split_at_indices(&logits, &[len - 1], 1)?.remove(0);
-        let labels: Vec<u32> = b.ids.iter().flat_map(|r| r[1..].to_vec()).collect();
-        let labels = Array::from_slice(&labels, &[n, len - 1]);
-        let logps = MlxOps.token_logps(&shifted, &labels)?;
-        let flat: Vec<f32> = b.mask_host.iter().flatten().copied().collect();
-        let inputs = TokenInputs {
-            logps,
-            mask: Array::from_slice(&flat, &[n, len - 1]),
-            mask_host: b.mask_host.clone(),
-        };
-        let loss = losses::sft(&MlxOps, &inputs, num_items)?;
-        Ok((loss, mlx_rs::stop_gradient(&logits)?))
+    /// transformers' evaluation: the set in order, in batches, without dropout; `eval_loss`
+    /// weighted by batch size, every other figure the mean over batches.
+    fn evaluate_with(
+        &self,
+        eval: &mut MlxTask,
+        tokens: u64,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
+        let bs = self.setup.config.hyper.per_device_eval_batch_size.max(1);
+        let (mut loss, mut count) = (0f64, 0usize);
+        let mut totals: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+        let idx: Vec<usize> = (0..eval.examples()).collect();
+        let r = self.runner(&self.params, false);
+        for chunk in idx.chunks(bs) {
+            if let MlxTask::Sft(t) = eval {
+                t.begin_step(&[chunk.to_vec()]);
+            }
+            let (l, figures, _) = eval.loss(&r, chunk)?;
+            loss += f64::from(host(&l)?[0]) * chunk.len() as f64;
+            count += chunk.len();
+            for (k, v) in figures {
+                let e = totals.entry(k).or_insert((0.0, 0));
+                e.0 += v;
+                e.1 += 1;
+            }
+        }
+        let mut out: BTreeMap<String, f64> = totals
+            .into_iter()
+            .map(|(k, (s, n))| (format!("eval_{k}"), s / n as f64))
+            .collect();
+        out.insert("eval_num_tokens".into(), tokens as f64);
+        out.insert("eval_loss".into(), loss / count.max(1) as f64);
+        Ok(out)
     }
 
-    /// TRL's SFT figures from the logits of `b`.
-    fn figures(b: &Batch, logits: &Array) -> Result<BTreeMap<String, f64>, TrainError> {
-        let len = b.len as i32;
-        let full = MlxOps.token_entropy(logits).map_err(mlx_err)?;
-        let h: Vec<f64> = MlxOps.to_f64(&full).map_err(mlx_err)?;
-        let att: Vec<f32> = b
-            .attention
-            .iter()
-            .flatten()
-            .map(|&a| f32::from(u8::from(a)))
-            .collect();
-        let shifted = ops::split_at_indices(logits, &[len - 1], 1)
-            .map_err(mlx_err)?
-            .remove(0);
-        let pred = MlxOps
-            .to_f64(&MlxOps.argmax(&shifted).map_err(mlx_err)?)
-            .map_err(mlx_err)?;
-        let mask: Vec<f32> = b.mask_host.iter().flatten().copied().collect();
-        Ok(BTreeMap::from([
-            ("entropy".to_string(), losses::masked_mean(&h, &att)),
-            (
-                "mean_token_accuracy".to_string(),
-                losses::token_accuracy(&pred, &b.labels, &mask),
-            ),
-            ("num_tokens".to_string(), 0.0),
-        ]))
+    fn runner(&self, params: &[Array], training: bool) -> MlxRunner<'_> {
+        let (weights, adapters) = self.setup.parts(params);
+        MlxRunner {
+            setup: &self.setup,
+            policy: MlxModel {
+                weights,
+                adapters,
+                dropout: training,
+            },
+        }
     }
 }
 
 impl Stepper for MlxStepper {
     fn task(&self) -> &'static str {
-        "sft"
+        self.task.name()
     }
     fn backend(&self) -> &'static str {
         BACKEND
     }
     fn examples(&self) -> usize {
-        self.sft.examples.len()
+        self.task.examples()
     }
     fn trainable_parameters(&self) -> u64 {
         self.params
@@ -338,34 +346,29 @@ impl Stepper for MlxStepper {
             .sum()
     }
     fn begin_step(&mut self, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
-        // transformers counts `labels[..., 1:] != -100` over every micro-batch of the step.
-        self.sft.num_items = micro_batches
-            .iter()
-            .flatten()
-            .map(|&i| {
-                self.sft.examples[i]
-                    .mask
-                    .iter()
-                    .skip(1)
-                    .map(|&m| f64::from(m))
-                    .sum::<f64>()
-            })
-            .sum();
+        if let MlxTask::Sft(t) = &mut self.task {
+            t.begin_step(micro_batches);
+        }
         Ok(())
     }
     fn micro_batch(
         &mut self,
         indices: &[usize],
-        _count: usize,
+        count: usize,
     ) -> Result<(f64, BTreeMap<String, f64>, u64), TrainError> {
-        let examples: Vec<&LmExample> = indices.iter().map(|&i| &self.sft.examples[i]).collect();
-        let b = batch(&examples, self.setup.tokenizer.pad_id)?;
-        let logits = std::cell::RefCell::new(None);
-        let setup = &self.setup;
-        let num_items = self.sft.num_items;
+        let side = std::cell::RefCell::new(None);
+        let divide = self.task.divides().then_some(count as f32);
         let f = |p: &[Array]| -> Result<Vec<Array>, Exception> {
-            let (loss, l) = Self::loss(setup, p, &b, num_items, true)?;
-            *logits.borrow_mut() = Some(l);
+            let r = self.runner(p, true);
+            let (loss, figures, tokens) = self
+                .task
+                .loss(&r, indices)
+                .map_err(|e| Exception::custom(e.to_string()))?;
+            let loss = match divide {
+                Some(c) => ops::divide(&loss, Array::from_f32(c))?,
+                None => loss,
+            };
+            *side.borrow_mut() = Some((figures, tokens));
             Ok(vec![loss])
         };
         let argnums: Vec<i32> = (0..self.params.len() as i32).collect();
@@ -379,11 +382,9 @@ impl Stepper for MlxStepper {
             });
         }
         let loss = f64::from(host(&value[0])?[0]);
-        let logits = logits
+        let (figures, tokens) = side
             .into_inner()
             .ok_or_else(|| backend_err("the loss did not run"))?;
-        let figures = Self::figures(&b, &logits)?;
-        let tokens = examples.iter().map(|e| e.ids.len() as u64).sum();
         Ok((loss, figures, tokens))
     }
     fn update(&mut self, lr: f64) -> Result<f64, TrainError> {
@@ -457,37 +458,12 @@ impl Stepper for MlxStepper {
         Ok(norm)
     }
     fn evaluate(&mut self, tokens: u64) -> Result<Option<BTreeMap<String, f64>>, TrainError> {
-        let Some(eval) = &self.eval else {
+        let Some(mut eval) = self.eval.take() else {
             return Ok(None);
         };
-        let bs = self.setup.config.hyper.per_device_eval_batch_size.max(1);
-        let (mut loss, mut count) = (0f64, 0usize);
-        let mut totals: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-        let idx: Vec<usize> = (0..eval.examples.len()).collect();
-        for chunk in idx.chunks(bs) {
-            let examples: Vec<&LmExample> = chunk.iter().map(|&i| &eval.examples[i]).collect();
-            let num_items: f64 = examples
-                .iter()
-                .map(|e| e.mask.iter().skip(1).map(|&m| f64::from(m)).sum::<f64>())
-                .sum();
-            let b = batch(&examples, self.setup.tokenizer.pad_id)?;
-            let (l, logits) =
-                Self::loss(&self.setup, &self.params, &b, num_items, false).map_err(mlx_err)?;
-            loss += f64::from(host(&l)?[0]) * chunk.len() as f64;
-            count += chunk.len();
-            for (k, v) in Self::figures(&b, &logits)? {
-                let e = totals.entry(k).or_insert((0.0, 0));
-                e.0 += v;
-                e.1 += 1;
-            }
-        }
-        let mut out: BTreeMap<String, f64> = totals
-            .into_iter()
-            .map(|(k, (s, n))| (format!("eval_{k}"), s / n as f64))
-            .collect();
-        out.insert("eval_num_tokens".into(), tokens as f64);
-        out.insert("eval_loss".into(), loss / count.max(1) as f64);
-        Ok(Some(out))
+        let figures = self.evaluate_with(&mut eval, tokens);
+        self.eval = Some(eval);
+        figures.map(Some)
     }
     fn save_checkpoint(&self, _step: u64, _tokens: u64) -> Result<PathBuf, TrainError> {
         Err(config_err(
@@ -553,55 +529,111 @@ impl Stepper for MlxStepper {
     }
 }
 
-/// `sft` on MLX.
-#[crate::trainer(task = "sft", backend = "mlx", crate = crate)]
-pub struct MlxSftTrainer {
-    stepper: MlxStepper,
+/// Builds the MLX run of `config` with the task `make` prepares (from the training data, or
+/// the evaluation data for the evaluation set).
+fn build(
+    config: &TrainConfig,
+    make: fn(&TrainConfig, &MlxSetup, &[Array]) -> Result<MlxTask, TrainError>,
+) -> Result<MlxStepper, TrainError> {
+    if config.hyper.save_steps.is_some() {
+        return Err(config_err(
+            "save_steps",
+            "resumable checkpoints are not written by the MLX backend yet (use --backend candle)",
+        ));
+    }
+    if config.resume.is_some() {
+        return Err(config_err(
+            "resume",
+            "the MLX backend cannot resume a run yet (use --backend candle)",
+        ));
+    }
+    let (setup, params) = MlxSetup::load(config)?;
+    let task = make(config, &setup, &params)?;
+    let eval = match &config.eval_data {
+        Some(path) => {
+            let mut c = config.clone();
+            c.train_data = Some(path.clone());
+            Some(make(&c, &setup, &params)?)
+        }
+        None => None,
+    };
+    let zeros = |p: &Array| ops::zeros_like(p).map_err(mlx_err);
+    let m = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
+    let v = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
+    let decay = setup
+        .names
+        .iter()
+        .map(|n| crate::train::candle::optim::decays(n))
+        .collect();
+    Ok(MlxStepper {
+        grads: vec![None; params.len()],
+        setup,
+        task,
+        eval,
+        params,
+        m,
+        v,
+        decay,
+        step: 0,
+    })
 }
 
-impl crate::Trainer for MlxSftTrainer {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        if config.hyper.save_steps.is_some() {
-            return Err(config_err(
-                "save_steps",
-                "resumable checkpoints are not written by the MLX backend yet (use --backend candle)",
-            ));
-        }
-        let (setup, params) = MlxSetup::load(config)?;
-        let sft = MlxSft::new(config, &setup.tokenizer)?;
-        let eval = match &config.eval_data {
-            Some(path) => {
-                let mut c = config.clone();
-                c.train_data = Some(path.clone());
-                Some(MlxSft::new(&c, &setup.tokenizer)?)
-            }
-            None => None,
-        };
-        let zeros = |p: &Array| ops::zeros_like(p).map_err(mlx_err);
-        let m = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
-        let v = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
-        let decay = setup
-            .names
-            .iter()
-            .map(|n| crate::train::candle::optim::decays(n))
-            .collect();
-        Ok(MlxSftTrainer {
-            stepper: MlxStepper {
-                grads: vec![None; params.len()],
-                setup,
-                sft,
-                eval,
-                params,
-                m,
-                v,
-                decay,
-                step: 0,
-            },
-        })
+/// The frozen reference, as TRL makes it (and as the candle backend does): under new LoRA
+/// adapters the base model alone, when training continues an adapter that adapter as it
+/// started, in full fine-tuning the starting weights (MLX arrays never change in place).
+fn reference(setup: &MlxSetup, initial: &[Array]) -> MlxModel {
+    let (weights, adapters) = setup.parts(initial);
+    let adapters = if setup.adapters.is_some() && setup.config.init_adapter.is_none() {
+        BTreeMap::new()
+    } else {
+        adapters
+    };
+    MlxModel {
+        weights,
+        adapters,
+        dropout: false,
     }
+}
 
-    fn train(&mut self, observer: &mut dyn TrainObserver) -> Result<TrainReport, TrainError> {
-        let config = self.stepper.setup.config.clone();
-        drive(&config, &mut self.stepper, observer)
+macro_rules! mlx_trainer {
+    ($(#[$doc:meta])* $name:ident, $task:literal, $make:expr) => {
+        $(#[$doc])*
+        #[crate::trainer(task = $task, backend = "mlx", crate = crate)]
+        pub struct $name {
+            stepper: MlxStepper,
+        }
+
+        impl crate::Trainer for $name {
+            fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+                Ok($name {
+                    stepper: build(config, $make)?,
+                })
+            }
+
+            fn train(
+                &mut self,
+                observer: &mut dyn TrainObserver,
+            ) -> Result<TrainReport, TrainError> {
+                let config = self.stepper.setup.config.clone();
+                drive(&config, &mut self.stepper, observer)
+            }
+        }
+    };
+}
+
+mlx_trainer! {
+    /// `sft` on MLX.
+    MlxSftTrainer, "sft", |config, setup, _| Ok(MlxTask::Sft(SftTask::new(config, &setup.tokenizer)?))
+}
+
+mlx_trainer! {
+    /// `dpo` on MLX.
+    MlxDpoTrainer, "dpo", |config, setup, initial| {
+        let reference = reference(setup, initial);
+        let runner = MlxRunner {
+            setup,
+            policy: reference.clone(),
+        };
+        Ok(MlxTask::Dpo(DpoTask::new(config, &setup.tokenizer, &runner, reference)?))
     }
 }
