@@ -687,3 +687,27 @@ fn mlx_dpo_matches_trl() {
         check_on(name, "mlx");
     }
 }
+
+/// ORPO, SimPO / CPO and KTO on MLX as TRL trains them (the same runs as candle's).
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_orpo_simpo_kto_match_trl() {
+    for name in [
+        "orpo-full",
+        "orpo-lora",
+        "orpo-chat",
+        "simpo-full",
+        "simpo-lora",
+        "cpo-sigmoid",
+        "simpo-short",
+        "simpo-chat-continue",
+        "kto-full",
+        "kto-lora",
+        "kto-apo-precompute",
+        "kto-chat",
+        "kto-paired",
+        "kto-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}

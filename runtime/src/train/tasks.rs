@@ -5,8 +5,11 @@
 
 use super::TrainConfig;
 use super::TrainError;
-use super::data::{DataFormat, Dataset, LmExample, PairExample, TextTokenizer, pair_examples};
-use super::losses::{self, DpoLoss, PreferenceLogps, TokenInputs};
+use super::data::{
+    DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, UnpairedExample,
+    apply_chat_template, pair_examples, scored_pairs, unpair, unpaired_examples,
+};
+use super::losses::{self, CpoLoss, CpoSettings, DpoLoss, KtoLoss, PreferenceLogps, TokenInputs};
 use super::ops::TensorOps;
 use super::runner::{OrTrain, Runner, Shifted};
 use std::collections::BTreeMap;
@@ -277,6 +280,348 @@ impl<M> DpoTask<M> {
             m.insert(name.into(), if count > 0.0 { sum / count } else { 0.0 });
         }
         m.insert("num_tokens".into(), 0.0);
+        Ok((out.loss, m, tokens))
+    }
+}
+
+/// Which reference-free preference loss a [`ScoredPairTask`] runs.
+#[derive(Debug, Clone, Copy)]
+pub enum ScoredLoss {
+    /// ORPO with its β.
+    Orpo(f64),
+    /// CPO / SimPO.
+    Cpo(CpoSettings),
+}
+
+/// ORPO and CPO/SimPO (TRL's experimental `ORPOTrainer`, `CPOTrainer`): no reference model;
+/// both tokenize pairs the same way ([`scored_pairs`]).
+pub struct ScoredPairTask {
+    pairs: Vec<ScoredPair>,
+    loss: ScoredLoss,
+}
+
+impl ScoredPairTask {
+    /// ORPO's options: `beta` (0.1).
+    pub fn orpo(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
+        let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
+        Self::new(config, tok, ScoredLoss::Orpo(beta))
+    }
+
+    /// SimPO's options, TRL's `CPOConfig` defaults: `loss_type` simpo (or sigmoid, hinge, ipo:
+    /// plain CPO), `beta` 0.1, `simpo_gamma` 0.5, `cpo_alpha` 1, `label_smoothing` 0.
+    pub fn simpo(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
+        let name = config
+            .option::<String>("loss_type")?
+            .unwrap_or_else(|| "simpo".into());
+        let kind = CpoLoss::parse(&name).ok_or_else(|| {
+            config_err(
+                "loss_type",
+                format!("`{name}` is not one of {}", CpoLoss::NAMES.join(", ")),
+            )
+        })?;
+        let s = CpoSettings {
+            kind,
+            beta: config.option::<f64>("beta")?.unwrap_or(0.1),
+            simpo_gamma: config.option::<f64>("simpo_gamma")?.unwrap_or(0.5),
+            cpo_alpha: config.option::<f64>("cpo_alpha")?.unwrap_or(1.0),
+            label_smoothing: config.option::<f64>("label_smoothing")?.unwrap_or(0.0),
+        };
+        Self::new(config, tok, ScoredLoss::Cpo(s))
+    }
+
+    fn new(
+        config: &TrainConfig,
+        tok: &TextTokenizer,
+        loss: ScoredLoss,
+    ) -> Result<Self, TrainError> {
+        // TRL's ORPO and CPO trainers render conversations into text first.
+        let data = apply_chat_template(&read_data(config, &[DataFormat::Preference])?, tok)?;
+        let max_length = config.hyper.max_length.unwrap_or(usize::MAX);
+        let pairs = scored_pairs(&data, tok, max_length)?;
+        Ok(ScoredPairTask { pairs, loss })
+    }
+
+    /// `orpo` or `simpo`.
+    pub fn name(&self) -> &'static str {
+        match self.loss {
+            ScoredLoss::Orpo(_) => "orpo",
+            ScoredLoss::Cpo(_) => "simpo",
+        }
+    }
+
+    /// Pairs in the set.
+    pub fn examples(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// The loss of the pairs `indices` and TRL's figures.
+    pub fn loss<R: Runner>(
+        &self,
+        r: &R,
+        indices: &[usize],
+    ) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        let ops = r.ops();
+        let n = indices.len();
+        let mut seqs = Vec::with_capacity(2 * n);
+        for pick in [0, 1] {
+            for &i in indices {
+                let p = &self.pairs[i];
+                let side = if pick == 0 { &p.chosen } else { &p.rejected };
+                seqs.push((side.ids.clone(), side.mask.clone()));
+            }
+        }
+        let s = r.forward_shifted(r.policy(), &seqs)?;
+        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()?;
+        let counts: Vec<f64> = s
+            .mask_host
+            .iter()
+            .map(|r| r.iter().map(|&m| f64::from(m)).sum())
+            .collect();
+        let averaged = match self.loss {
+            ScoredLoss::Orpo(_) => true,
+            ScoredLoss::Cpo(c) => c.kind.averages(),
+        };
+        let seq = if averaged {
+            ops.div(&sums, &ops.tensor(&counts, &[2 * n]).tr()?).tr()?
+        } else {
+            sums
+        };
+        let (chosen, rejected) = ops.halves(&seq).tr()?;
+        let (chosen_logps, _) = ops.halves(&s.logps).tr()?;
+        // The chosen rows' mean cross-entropy: over every real token for ORPO, over the
+        // completion for CPO.
+        let nll_mask: Vec<Vec<f32>> = match self.loss {
+            ScoredLoss::Orpo(_) => s.attention[..n].iter().map(|r| r[1..].to_vec()).collect(),
+            ScoredLoss::Cpo(_) => s.mask_host[..n].to_vec(),
+        };
+        let width = nll_mask[0].len();
+        let count: f64 = nll_mask.iter().flatten().map(|&m| f64::from(m)).sum();
+        let flat: Vec<f64> = nll_mask.iter().flatten().map(|&m| f64::from(m)).collect();
+        let mask_t = ops.tensor(&flat, &[n, width]).tr()?;
+        let nll = losses::sft(
+            ops,
+            &TokenInputs {
+                logps: chosen_logps,
+                mask: mask_t,
+                mask_host: nll_mask,
+            },
+            count,
+        )
+        .tr()?;
+        let (out, logits) = match self.loss {
+            ScoredLoss::Orpo(beta) => (
+                losses::orpo(ops, beta, &chosen, &rejected, &nll).tr()?,
+                &s.logits,
+            ),
+            ScoredLoss::Cpo(c) => {
+                let nll = if c.cpo_alpha == 0.0 {
+                    ops.tensor(&[0.0], &[]).tr()?
+                } else {
+                    nll
+                };
+                (
+                    losses::cpo(ops, c, &chosen, &rejected, &nll).tr()?,
+                    &s.full_logits,
+                )
+            }
+        };
+        let mut m = out.metrics;
+        // TRL: the mean of every logit of the chosen (rejected) rows, padding included.
+        let (lc, lr) = ops.halves(&ops.detach(logits)).tr()?;
+        m.insert(
+            "logits/chosen".into(),
+            ops.to_f64(&ops.mean_all(&lc).tr()?).tr()?[0],
+        );
+        m.insert(
+            "logits/rejected".into(),
+            ops.to_f64(&ops.mean_all(&lr).tr()?).tr()?[0],
+        );
+        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
+        Ok((out.loss, m, tokens))
+    }
+}
+
+/// KTO (TRL's `KTOTrainer`): unpaired desirable / undesirable completions against a frozen
+/// reference `M`, with the KL reference point estimated on mismatched prompt/completion pairs.
+pub struct KtoTask<M> {
+    examples: Vec<UnpairedExample>,
+    kind: KtoLoss,
+    beta: f64,
+    weights: (f64, f64),
+    reference: Option<M>,
+    /// Reference log-probs of each completion and KL sequence, computed before training.
+    precomputed: Option<Vec<(f64, f64)>>,
+}
+
+impl<M> KtoTask<M> {
+    /// KTO's options (TRL's `KTOConfig`): `beta` 0.1, `loss_type` kto (or
+    /// apo_zero_unpaired), `desirable_weight` 1, `undesirable_weight` 1,
+    /// `precompute_ref_log_probs`; `reference` as TRL makes it (with LoRA the base model with
+    /// its adapters off, even when training continues an adapter; else the starting weights).
+    pub fn new<R: Runner<Model = M>>(
+        config: &TrainConfig,
+        tok: &TextTokenizer,
+        runner: &R,
+        reference: M,
+    ) -> Result<Self, TrainError> {
+        let name = config
+            .option::<String>("loss_type")?
+            .unwrap_or_else(|| "kto".into());
+        let kind = KtoLoss::parse(&name).ok_or_else(|| {
+            config_err(
+                "loss_type",
+                format!("`{name}` is not one of {}", KtoLoss::NAMES.join(", ")),
+            )
+        })?;
+        let bs = config.hyper.per_device_train_batch_size;
+        if kind == KtoLoss::Kto && bs <= 1 {
+            return Err(config_err(
+                "per_device_train_batch_size",
+                "KTO needs at least 2 examples per micro-batch: its KL term pairs each prompt with another example's completion",
+            ));
+        }
+        // TRL's KTO trainer unpairs preference data, then renders conversations into text.
+        let data = read_data(config, &[DataFormat::Unpaired, DataFormat::Preference])?;
+        let data = apply_chat_template(&unpair(&data), tok)?;
+        let max_length = config.hyper.max_length.unwrap_or(512);
+        let kl = (kind == KtoLoss::Kto).then_some(bs);
+        let examples = unpaired_examples(&data, tok, max_length, kl)?;
+        let mut me = KtoTask {
+            examples,
+            kind,
+            beta: config.option::<f64>("beta")?.unwrap_or(0.1),
+            weights: (
+                config.option::<f64>("desirable_weight")?.unwrap_or(1.0),
+                config.option::<f64>("undesirable_weight")?.unwrap_or(1.0),
+            ),
+            reference: Some(reference),
+            precomputed: None,
+        };
+        if config
+            .option::<bool>("precompute_ref_log_probs")?
+            .unwrap_or(false)
+        {
+            let ops = runner.ops();
+            let idx: Vec<usize> = (0..me.examples.len()).collect();
+            let mut all = Vec::with_capacity(idx.len());
+            for chunk in idx.chunks(bs.max(1)) {
+                let model = me.reference.as_ref().expect("kept until now");
+                let c = me.sums(runner, model, chunk, false)?;
+                let k = match kl {
+                    Some(_) => ops.to_f64(&me.sums(runner, model, chunk, true)?).tr()?,
+                    None => vec![0.0; chunk.len()],
+                };
+                all.extend(ops.to_f64(&c).tr()?.into_iter().zip(k));
+            }
+            me.precomputed = Some(all);
+            me.reference = None;
+        }
+        Ok(me)
+    }
+
+    /// Examples in the set.
+    pub fn examples(&self) -> usize {
+        self.examples.len()
+    }
+
+    /// Summed completion log-probs of `model` over the completions (or the KL sequences).
+    fn sums<R: Runner<Model = M>>(
+        &self,
+        r: &R,
+        model: &M,
+        indices: &[usize],
+        kl: bool,
+    ) -> Result<TensorOf<R>, TrainError> {
+        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
+            .iter()
+            .map(|&i| {
+                let e = if kl {
+                    &self.examples[i].kl_seq
+                } else {
+                    &self.examples[i].seq
+                };
+                (e.ids.clone(), e.mask.clone())
+            })
+            .collect();
+        let ops = r.ops();
+        let s = r.forward_shifted(model, &seqs)?;
+        ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()
+    }
+
+    /// The loss of the examples `indices` and TRL's figures (per-side sums, divided at
+    /// logging time by [`losses::kto_window`]).
+    pub fn loss<R: Runner<Model = M>>(
+        &self,
+        r: &R,
+        indices: &[usize],
+    ) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        let ops = r.ops();
+        let n = indices.len();
+        let with_kl = self.kind == KtoLoss::Kto;
+        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
+            .iter()
+            .map(|&i| {
+                (
+                    self.examples[i].seq.ids.clone(),
+                    self.examples[i].seq.mask.clone(),
+                )
+            })
+            .collect();
+        let s = r.forward_shifted(r.policy(), &seqs)?;
+        let logps = ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()?;
+        let (ref_logps, ref_kl): (Vec<f64>, Vec<f64>) = match &self.precomputed {
+            Some(all) => indices.iter().map(|&i| all[i]).unzip(),
+            None => {
+                let model = self.reference.as_ref().expect("reference kept");
+                let c = ops.to_f64(&self.sums(r, model, indices, false)?).tr()?;
+                let k = if with_kl {
+                    ops.to_f64(&self.sums(r, model, indices, true)?).tr()?
+                } else {
+                    vec![0.0; n]
+                };
+                (c, k)
+            }
+        };
+        let kl = if with_kl {
+            // The policy's KL log-probs, without gradient, as TRL computes them.
+            let p = ops
+                .to_f64(&ops.detach(&self.sums(r, r.policy(), indices, true)?))
+                .tr()?;
+            p.iter().zip(&ref_kl).map(|(a, b)| a - b).sum::<f64>() / n as f64
+        } else {
+            0.0
+        };
+        let logratios = ops.sub(&logps, &ops.tensor(&ref_logps, &[n]).tr()?).tr()?;
+        let labels: Vec<bool> = indices.iter().map(|&i| self.examples[i].label).collect();
+        let out = losses::kto(
+            ops,
+            self.kind,
+            self.beta,
+            &logratios,
+            &logps,
+            &labels,
+            kl,
+            self.weights,
+        )
+        .tr()?;
+        let mut m = out.metrics;
+        // TRL: the sum of every logit of each side's rows (all positions, padding included).
+        let per_row: Vec<f64> = ops
+            .to_f64(
+                &ops.sum_last(&ops.sum_last(&ops.detach(&s.full_logits)).tr()?)
+                    .tr()?,
+            )
+            .tr()?;
+        for (side, want) in [("chosen", true), ("rejected", false)] {
+            if labels.contains(&want) {
+                let sum: f64 = (0..n)
+                    .filter(|&i| labels[i] == want)
+                    .map(|i| per_row[i])
+                    .sum();
+                m.insert(format!("logits/{side}_sum"), sum);
+            }
+        }
+        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
         Ok((out.loss, m, tokens))
     }
 }

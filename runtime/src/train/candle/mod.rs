@@ -12,18 +12,14 @@ pub mod optim;
 
 use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
-use super::data::{
-    DataFormat, ScoredPair, TextTokenizer, UnpairedExample, scored_pairs, unpaired_examples,
-};
-use super::losses::{
-    self, CpoLoss, CpoSettings, GrpoInputs, GrpoLoss, GrpoSettings, KtoLoss, TokenInputs,
-};
+use super::data::{DataFormat, TextTokenizer};
+use super::losses::{self, GrpoInputs, GrpoLoss, GrpoSettings};
 use super::ops::TensorOps;
 use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use crate::checkpoint::Checkpoint;
 use crate::model::lora::{Adapters, LoraSpec};
 use crate::model::{DecoderModel, ModelError};
-use candle_core::{D, DType, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -637,155 +633,42 @@ candle_trainer! {
 
 // ---------------------------------------------------------------- orpo, simpo (cpo)
 
-/// Which reference-free preference loss a [`ScoredPairObjective`] runs.
-#[derive(Debug, Clone, Copy)]
-pub enum ScoredLoss {
-    /// ORPO with its β.
-    Orpo(f64),
-    /// CPO / SimPO.
-    Cpo(CpoSettings),
-}
+pub use super::tasks::ScoredLoss;
 
-/// ORPO and CPO/SimPO (TRL's experimental `ORPOTrainer`, `CPOTrainer`): no reference model;
-/// both tokenize pairs the same way ([`scored_pairs`]).
-pub struct ScoredPairObjective {
-    pairs: Vec<ScoredPair>,
-    loss: ScoredLoss,
-}
+/// ORPO and CPO/SimPO on candle ([`super::tasks::ScoredPairTask`]).
+pub struct ScoredPairObjective(super::tasks::ScoredPairTask);
 
 impl ScoredPairObjective {
     /// ORPO's options: `beta` (0.1).
     pub fn orpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
-        Self::new(config, setup, ScoredLoss::Orpo(beta))
-    }
-
-    /// SimPO's options, TRL's `CPOConfig` defaults: `loss_type` simpo (or sigmoid, hinge, ipo:
-    /// plain CPO), `beta` 0.1, `simpo_gamma` 0.5, `cpo_alpha` 1, `label_smoothing` 0.
-    pub fn simpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        let name = config
-            .option::<String>("loss_type")?
-            .unwrap_or_else(|| "simpo".into());
-        let kind = CpoLoss::parse(&name).ok_or_else(|| {
-            config_err(
-                "loss_type",
-                format!("`{name}` is not one of {}", CpoLoss::NAMES.join(", ")),
-            )
-        })?;
-        let s = CpoSettings {
-            kind,
-            beta: config.option::<f64>("beta")?.unwrap_or(0.1),
-            simpo_gamma: config.option::<f64>("simpo_gamma")?.unwrap_or(0.5),
-            cpo_alpha: config.option::<f64>("cpo_alpha")?.unwrap_or(1.0),
-            label_smoothing: config.option::<f64>("label_smoothing")?.unwrap_or(0.0),
-        };
-        Self::new(config, setup, ScoredLoss::Cpo(s))
-    }
-
-    fn new(config: &TrainConfig, setup: &Setup, loss: ScoredLoss) -> Result<Self, TrainError> {
-        // TRL's ORPO and CPO trainers render conversations into text first.
-        let data = super::data::apply_chat_template(
-            &read_data(config, &[DataFormat::Preference])?,
+        Ok(ScoredPairObjective(super::tasks::ScoredPairTask::orpo(
+            config,
             &setup.tokenizer,
-        )?;
-        let max_length = config.hyper.max_length.unwrap_or(usize::MAX);
-        let pairs = scored_pairs(&data, &setup.tokenizer, max_length)?;
-        Ok(ScoredPairObjective { pairs, loss })
+        )?))
+    }
+
+    /// SimPO's options (TRL's `CPOConfig` defaults).
+    pub fn simpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
+        Ok(ScoredPairObjective(super::tasks::ScoredPairTask::simpo(
+            config,
+            &setup.tokenizer,
+        )?))
     }
 }
 
 impl Objective for ScoredPairObjective {
     fn task(&self) -> &'static str {
-        match self.loss {
-            ScoredLoss::Orpo(_) => "orpo",
-            ScoredLoss::Cpo(_) => "simpo",
-        }
+        self.0.name()
     }
     fn examples(&self) -> usize {
-        self.pairs.len()
+        self.0.examples()
     }
     fn micro_batch(
         &mut self,
         setup: &Setup,
         indices: &[usize],
     ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        let ops = &setup.ops;
-        let n = indices.len();
-        let mut seqs = Vec::with_capacity(2 * n);
-        for pick in [0, 1] {
-            for &i in indices {
-                let p = &self.pairs[i];
-                let side = if pick == 0 { &p.chosen } else { &p.rejected };
-                seqs.push((side.ids.clone(), side.mask.clone()));
-            }
-        }
-        let s = forward_shifted(&setup.model, ops, &seqs, setup.tokenizer.pad_id)?;
-        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask)?)?;
-        let counts: Vec<f64> = s
-            .mask_host
-            .iter()
-            .map(|r| r.iter().map(|&m| f64::from(m)).sum())
-            .collect();
-        let averaged = match self.loss {
-            ScoredLoss::Orpo(_) => true,
-            ScoredLoss::Cpo(c) => c.kind.averages(),
-        };
-        let seq = if averaged {
-            ops.div(&sums, &ops.tensor(&counts, &[2 * n])?)?
-        } else {
-            sums
-        };
-        let (chosen, rejected) = ops.halves(&seq)?;
-        let chosen_logps = s.logps.narrow(0, 0, n)?;
-        // The chosen rows' mean cross-entropy: over every real token for ORPO, over the
-        // completion for CPO.
-        let nll_mask: Vec<Vec<f32>> = match self.loss {
-            ScoredLoss::Orpo(_) => s.attention[..n].iter().map(|r| r[1..].to_vec()).collect(),
-            ScoredLoss::Cpo(_) => s.mask_host[..n].to_vec(),
-        };
-        let width = nll_mask[0].len();
-        let count: f64 = nll_mask.iter().flatten().map(|&m| f64::from(m)).sum();
-        let flat: Vec<f64> = nll_mask.iter().flatten().map(|&m| f64::from(m)).collect();
-        let mask_t = ops.tensor(&flat, &[n, width])?;
-        let nll = losses::sft(
-            ops,
-            &TokenInputs {
-                logps: chosen_logps,
-                mask: mask_t,
-                mask_host: nll_mask,
-            },
-            count,
-        )?;
-        let (out, logits) = match self.loss {
-            ScoredLoss::Orpo(beta) => (
-                losses::orpo(ops, beta, &chosen, &rejected, &nll)?,
-                &s.logits,
-            ),
-            ScoredLoss::Cpo(c) => {
-                let nll = if c.cpo_alpha == 0.0 {
-                    nll.zeros_like()?
-                } else {
-                    nll
-                };
-                (
-                    losses::cpo(ops, c, &chosen, &rejected, &nll)?,
-                    &s.full_logits,
-                )
-            }
-        };
-        let mut m = out.metrics;
-        // TRL: the mean of every logit of the chosen (rejected) rows, padding included.
-        let l = logits.detach();
-        m.insert(
-            "logits/chosen".into(),
-            l.narrow(0, 0, n)?.mean_all()?.to_scalar::<f32>()? as f64,
-        );
-        m.insert(
-            "logits/rejected".into(),
-            l.narrow(0, n, n)?.mean_all()?.to_scalar::<f32>()? as f64,
-        );
-        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
-        Ok((out.loss, m, tokens))
+        self.0.loss(setup, indices)
     }
 }
 
@@ -801,104 +684,23 @@ candle_trainer! {
 
 // ---------------------------------------------------------------- kto
 
-/// KTO (TRL's `KTOTrainer`): unpaired desirable / undesirable completions against a frozen
-/// reference, with the KL reference point estimated on mismatched prompt/completion pairs.
-pub struct KtoObjective {
-    examples: Vec<UnpairedExample>,
-    kind: KtoLoss,
-    beta: f64,
-    weights: (f64, f64),
-    reference: Option<DecoderModel>,
-    /// Reference log-probs of each completion and KL sequence, computed before training.
-    precomputed: Option<Vec<(f64, f64)>>,
-}
+/// KTO on candle ([`super::tasks::KtoTask`]).
+pub struct KtoObjective(super::tasks::KtoTask<DecoderModel>);
 
 impl KtoObjective {
-    /// KTO's options (TRL's `KTOConfig`): `beta` 0.1, `loss_type` kto (or
-    /// apo_zero_unpaired), `desirable_weight` 1, `undesirable_weight` 1,
-    /// `precompute_ref_log_probs`.
+    /// KTO's options (TRL's `KTOConfig`); the reference as TRL makes it: with LoRA the base
+    /// model (adapters off), even when training continues an existing adapter.
     pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        let name = config
-            .option::<String>("loss_type")?
-            .unwrap_or_else(|| "kto".into());
-        let kind = KtoLoss::parse(&name).ok_or_else(|| {
-            config_err(
-                "loss_type",
-                format!("`{name}` is not one of {}", KtoLoss::NAMES.join(", ")),
-            )
-        })?;
-        let bs = config.hyper.per_device_train_batch_size;
-        if kind == KtoLoss::Kto && bs <= 1 {
-            return Err(config_err(
-                "per_device_train_batch_size",
-                "KTO needs at least 2 examples per micro-batch: its KL term pairs each prompt with another example's completion",
-            ));
-        }
-        // TRL's KTO trainer unpairs preference data, then renders conversations into text.
-        let data = read_data(config, &[DataFormat::Unpaired, DataFormat::Preference])?;
-        let data = super::data::apply_chat_template(&super::data::unpair(&data), &setup.tokenizer)?;
-        let max_length = config.hyper.max_length.unwrap_or(512);
-        let kl = (kind == KtoLoss::Kto).then_some(bs);
-        let examples = unpaired_examples(&data, &setup.tokenizer, max_length, kl)?;
-        // TRL: with LoRA the reference is the base model (adapters off), even when training
-        // continues an existing adapter.
         let reference = match &setup.adapters {
             Some(_) => setup.model.with_adapters(None),
             None => setup.reference()?,
         };
-        let mut me = KtoObjective {
-            examples,
-            kind,
-            beta: config.option::<f64>("beta")?.unwrap_or(0.1),
-            weights: (
-                config.option::<f64>("desirable_weight")?.unwrap_or(1.0),
-                config.option::<f64>("undesirable_weight")?.unwrap_or(1.0),
-            ),
-            reference: Some(reference),
-            precomputed: None,
-        };
-        if config
-            .option::<bool>("precompute_ref_log_probs")?
-            .unwrap_or(false)
-        {
-            let idx: Vec<usize> = (0..me.examples.len()).collect();
-            let mut all = Vec::with_capacity(idx.len());
-            for chunk in idx.chunks(bs.max(1)) {
-                let model = me.reference.as_ref().expect("kept until now");
-                let c = me.sums(setup, model, chunk, false)?;
-                let k = match kl {
-                    Some(_) => setup.ops.to_f64(&me.sums(setup, model, chunk, true)?)?,
-                    None => vec![0.0; chunk.len()],
-                };
-                all.extend(setup.ops.to_f64(&c)?.into_iter().zip(k));
-            }
-            me.precomputed = Some(all);
-            me.reference = None;
-        }
-        Ok(me)
-    }
-
-    /// Summed completion log-probs of `model` over the completions (or the KL sequences).
-    fn sums(
-        &self,
-        setup: &Setup,
-        model: &DecoderModel,
-        indices: &[usize],
-        kl: bool,
-    ) -> Result<Tensor, TrainError> {
-        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
-            .iter()
-            .map(|&i| {
-                let e = if kl {
-                    &self.examples[i].kl_seq
-                } else {
-                    &self.examples[i].seq
-                };
-                (e.ids.clone(), e.mask.clone())
-            })
-            .collect();
-        let s = forward_shifted(model, &setup.ops, &seqs, setup.tokenizer.pad_id)?;
-        Ok(setup.ops.sum_last(&setup.ops.mul(&s.logps, &s.mask)?)?)
+        Ok(KtoObjective(super::tasks::KtoTask::new(
+            config,
+            &setup.tokenizer,
+            setup,
+            reference,
+        )?))
     }
 }
 
@@ -907,7 +709,7 @@ impl Objective for KtoObjective {
         "kto"
     }
     fn examples(&self) -> usize {
-        self.examples.len()
+        self.0.examples()
     }
     fn sequential(&self) -> bool {
         true
@@ -920,67 +722,7 @@ impl Objective for KtoObjective {
         setup: &Setup,
         indices: &[usize],
     ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        let ops = &setup.ops;
-        let n = indices.len();
-        let with_kl = self.kind == KtoLoss::Kto;
-        let seqs: Vec<(Vec<u32>, Vec<u8>)> = indices
-            .iter()
-            .map(|&i| {
-                (
-                    self.examples[i].seq.ids.clone(),
-                    self.examples[i].seq.mask.clone(),
-                )
-            })
-            .collect();
-        let s = forward_shifted(&setup.model, ops, &seqs, setup.tokenizer.pad_id)?;
-        let logps = ops.sum_last(&ops.mul(&s.logps, &s.mask)?)?;
-        let (ref_logps, ref_kl): (Vec<f64>, Vec<f64>) = match &self.precomputed {
-            Some(all) => indices.iter().map(|&i| all[i]).unzip(),
-            None => {
-                let model = self.reference.as_ref().expect("reference kept");
-                let c = ops.to_f64(&self.sums(setup, model, indices, false)?)?;
-                let k = if with_kl {
-                    ops.to_f64(&self.sums(setup, model, indices, true)?)?
-                } else {
-                    vec![0.0; n]
-                };
-                (c, k)
-            }
-        };
-        let kl = if with_kl {
-            // The policy's KL log-probs, without gradient, as TRL computes them.
-            let p = ops.to_f64(&self.sums(setup, &setup.model, indices, true)?)?;
-            p.iter().zip(&ref_kl).map(|(a, b)| a - b).sum::<f64>() / n as f64
-        } else {
-            0.0
-        };
-        let logratios = ops.sub(&logps, &ops.tensor(&ref_logps, &[n])?)?;
-        let labels: Vec<bool> = indices.iter().map(|&i| self.examples[i].label).collect();
-        let out = losses::kto(
-            ops,
-            self.kind,
-            self.beta,
-            &logratios,
-            &logps,
-            &labels,
-            kl,
-            self.weights,
-        )?;
-        let mut m = out.metrics;
-        // TRL: the sum of every logit of each side's rows (all positions, padding included).
-        let per_row: Vec<f64> =
-            ops.to_f64(&s.full_logits.detach().sum(D::Minus1)?.sum(D::Minus1)?)?;
-        for (side, want) in [("chosen", true), ("rejected", false)] {
-            if labels.contains(&want) {
-                let sum: f64 = (0..n)
-                    .filter(|&i| labels[i] == want)
-                    .map(|i| per_row[i])
-                    .sum();
-                m.insert(format!("logits/{side}_sum"), sum);
-            }
-        }
-        let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
-        Ok((out.loss, m, tokens))
+        self.0.loss(setup, indices)
     }
 }
 

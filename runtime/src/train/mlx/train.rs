@@ -11,7 +11,7 @@ use crate::train::data::TextTokenizer;
 use crate::train::driver::{Stepper, drive};
 use crate::train::ops::TensorOps;
 use crate::train::runner::{Runner, Shifted};
-use crate::train::tasks::{DpoTask, MicroBatch, SftTask};
+use crate::train::tasks::{DpoTask, KtoTask, MicroBatch, ScoredPairTask, SftTask};
 use crate::train::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use mlx_rs::Array;
 use mlx_rs::error::Exception;
@@ -241,6 +241,8 @@ impl Runner for MlxRunner<'_> {
 enum MlxTask {
     Sft(SftTask),
     Dpo(DpoTask<MlxModel>),
+    Scored(ScoredPairTask),
+    Kto(KtoTask<MlxModel>),
 }
 
 impl MlxTask {
@@ -248,14 +250,29 @@ impl MlxTask {
         match self {
             MlxTask::Sft(_) => "sft",
             MlxTask::Dpo(_) => "dpo",
+            MlxTask::Scored(t) => t.name(),
+            MlxTask::Kto(_) => "kto",
         }
     }
     fn examples(&self) -> usize {
         match self {
             MlxTask::Sft(t) => t.examples(),
             MlxTask::Dpo(t) => t.examples(),
+            MlxTask::Scored(t) => t.examples(),
+            MlxTask::Kto(t) => t.examples(),
         }
     }
+    /// The logged figures of a window (KTO divides its per-side sums by their counts).
+    fn window(&self, totals: &crate::train::driver::Window) -> BTreeMap<String, f64> {
+        match self {
+            MlxTask::Kto(_) => crate::train::losses::kto_window(totals),
+            _ => totals
+                .iter()
+                .map(|(k, (s, n))| (k.clone(), s / *n as f64))
+                .collect(),
+        }
+    }
+
     /// Whether the loop divides each micro-batch's loss by the step's micro-batch count.
     fn divides(&self) -> bool {
         !matches!(self, MlxTask::Sft(_))
@@ -264,6 +281,8 @@ impl MlxTask {
         match self {
             MlxTask::Sft(t) => t.loss(r, indices),
             MlxTask::Dpo(t) => t.loss(r, indices),
+            MlxTask::Scored(t) => t.loss(r, indices),
+            MlxTask::Kto(t) => t.loss(r, indices),
         }
     }
 }
@@ -307,11 +326,14 @@ impl MlxStepper {
                 e.1 += 1;
             }
         }
-        let mut out: BTreeMap<String, f64> = totals
+        let mut out: BTreeMap<String, f64> = eval
+            .window(&totals)
             .into_iter()
-            .map(|(k, (s, n))| (format!("eval_{k}"), s / n as f64))
+            .map(|(k, v)| (format!("eval_{k}"), v))
             .collect();
-        out.insert("eval_num_tokens".into(), tokens as f64);
+        if let Some(t) = out.get_mut("eval_num_tokens") {
+            *t = tokens as f64;
+        }
         out.insert("eval_loss".into(), loss / count.max(1) as f64);
         Ok(out)
     }
@@ -332,6 +354,13 @@ impl MlxStepper {
 impl Stepper for MlxStepper {
     fn task(&self) -> &'static str {
         self.task.name()
+    }
+    fn sequential(&self) -> bool {
+        // TRL's KTO trainer ignores shuffling (its KL pairs span consecutive examples).
+        matches!(self.task, MlxTask::Kto(_))
+    }
+    fn window(&self, totals: &crate::train::driver::Window) -> BTreeMap<String, f64> {
+        self.task.window(totals)
     }
     fn backend(&self) -> &'static str {
         BACKEND
@@ -635,5 +664,31 @@ mlx_trainer! {
             policy: reference.clone(),
         };
         Ok(MlxTask::Dpo(DpoTask::new(config, &setup.tokenizer, &runner, reference)?))
+    }
+}
+
+mlx_trainer! {
+    /// `orpo` on MLX.
+    MlxOrpoTrainer, "orpo", |config, setup, _| Ok(MlxTask::Scored(ScoredPairTask::orpo(config, &setup.tokenizer)?))
+}
+
+mlx_trainer! {
+    /// `simpo` (TRL's CPO trainer) on MLX.
+    MlxSimpoTrainer, "simpo", |config, setup, _| Ok(MlxTask::Scored(ScoredPairTask::simpo(config, &setup.tokenizer)?))
+}
+
+mlx_trainer! {
+    /// `kto` on MLX; the reference as TRL makes it (with LoRA the base model alone, even when
+    /// training continues an adapter; else the starting weights).
+    MlxKtoTrainer, "kto", |config, setup, initial| {
+        let mut reference = reference(setup, initial);
+        if setup.adapters.is_some() {
+            reference.adapters.clear();
+        }
+        let runner = MlxRunner {
+            setup,
+            policy: reference.clone(),
+        };
+        Ok(MlxTask::Kto(KtoTask::new(config, &setup.tokenizer, &runner, reference)?))
     }
 }
