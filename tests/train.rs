@@ -29,7 +29,7 @@ struct Replay(Vec<Vec<Vec<u32>>>, usize);
 impl kiln_runtime::train::candle::CompletionSource for Replay {
     fn complete(
         &mut self,
-        _model: &kiln_runtime::model::DecoderModel,
+        _policy: &dyn kiln_runtime::train::candle::Sample,
         prompts: &[Vec<u32>],
         g: usize,
     ) -> Result<Vec<Vec<Vec<u32>>>, kiln_runtime::TrainError> {
@@ -76,7 +76,7 @@ impl ReplayByPrompt {
 impl kiln_runtime::train::candle::CompletionSource for ReplayByPrompt {
     fn complete(
         &mut self,
-        _model: &kiln_runtime::model::DecoderModel,
+        _policy: &dyn kiln_runtime::train::candle::Sample,
         prompts: &[Vec<u32>],
         g: usize,
     ) -> Result<Vec<Vec<Vec<u32>>>, kiln_runtime::TrainError> {
@@ -213,6 +213,23 @@ fn check_on(name: &str, backend: &str) {
     let mut cfg = config(name, run, &out.path().join("run"));
     cfg.backend = backend.to_string();
     let mut seen = Collect::default();
+    #[cfg(feature = "mlx")]
+    if backend == "mlx" && run["task"] == "grpo" {
+        use kiln_runtime::Trainer;
+        let replay = Replay(
+            serde_json::from_value(run["completions"].clone()).expect("completions"),
+            0,
+        );
+        let eval = run.get("eval_completions").map(|r| {
+            Box::new(ReplayByPrompt::new(r))
+                as Box<dyn kiln_runtime::train::candle::CompletionSource>
+        });
+        let mut trainer =
+            kiln_runtime::train::mlx::train::grpo_with_sources(&cfg, Box::new(replay), eval)
+                .unwrap();
+        let report = trainer.train(&mut seen).unwrap();
+        return compare(name, run, backend, &seen, &report);
+    }
     let report = if run["task"] == "grpo" {
         // TRL's sampled completions, replayed: GRPO's numbers given the same completions.
         use kiln_runtime::train::candle::{GrpoObjective, Setup, run as train_run};
@@ -239,6 +256,17 @@ fn check_on(name: &str, backend: &str) {
         let mut trainer = entry.construct(&cfg).unwrap();
         trainer.train(&mut seen).unwrap()
     };
+    compare(name, run, backend, &seen, &report);
+}
+
+/// Every figure the run logged against TRL's (see [`check`]).
+fn compare(
+    name: &str,
+    run: &Value,
+    backend: &str,
+    seen: &Collect,
+    report: &kiln_runtime::train::TrainReport,
+) {
     assert_eq!(report.backend, backend, "{name}: the run's backend");
     let want = run["logs"].as_array().unwrap();
     assert_eq!(seen.0.len(), want.len(), "{name}: logged steps");
@@ -310,7 +338,7 @@ fn check_on(name: &str, backend: &str) {
             }
         }
     }
-    let out_dir = report.output.unwrap();
+    let out_dir = report.output.clone().unwrap();
     if run["adapter"].as_bool().unwrap() {
         assert!(out_dir.join("adapter_model.safetensors").is_file());
         assert!(out_dir.join("adapter_config.json").is_file());
@@ -707,6 +735,23 @@ fn mlx_orpo_simpo_kto_match_trl() {
         "kto-chat",
         "kto-paired",
         "kto-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// GRPO on MLX on TRL's own completions: every loss variant, KL to the reference, LoRA,
+/// two iterations per generation (clipped ratios), evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_grpo_matches_trl() {
+    for name in [
+        "grpo-dapo",
+        "grpo-beta",
+        "grpo-lora",
+        "grpo-dr",
+        "grpo-iterations",
+        "grpo-eval",
     ] {
         check_on(name, "mlx");
     }

@@ -12,6 +12,8 @@ pub mod chat;
 pub mod data;
 pub mod driver;
 pub mod fields;
+#[cfg(feature = "exec")]
+pub mod grpo;
 pub mod losses;
 #[cfg(feature = "mlx")]
 pub mod mlx;

@@ -53,6 +53,16 @@ pub trait TensorOps {
     fn sum_all(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// The mean of every element (→ scalar).
     fn mean_all(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
+    /// Positions `start..start + len` of dimension `dim`.
+    fn narrow(
+        &self,
+        a: &Self::T,
+        dim: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Self::T, Self::Error>;
+    /// A tensor of token ids with `shape` (the labels of [`TensorOps::token_logps`]).
+    fn ids(&self, values: &[u32], shape: &[usize]) -> Result<Self::T, Self::Error>;
     /// The first and second halves along the first dimension (chosen rows, rejected rows).
     fn halves(&self, a: &Self::T) -> Result<(Self::T, Self::T), Self::Error>;
     /// The same values outside the autograd graph.

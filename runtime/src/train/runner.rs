@@ -79,8 +79,8 @@ impl Padded {
     }
 }
 
-/// A backend as the tasks see it.
-pub trait Runner {
+/// A backend as the tasks see it (and, for GRPO, how its policy samples).
+pub trait Runner: super::grpo::Sample {
     /// Its loss operations.
     type Ops: TensorOps;
     /// A model: the policy, or a frozen reference.
@@ -90,7 +90,19 @@ pub trait Runner {
     /// The policy (with its adapters, dropout on while training).
     fn policy(&self) -> &Self::Model;
     /// The padding id.
-    fn pad_id(&self) -> u32;
+    fn pad_id(&self) -> u32 {
+        self.tokenizer().pad_id
+    }
+    /// The model's tokenizer.
+    fn tokenizer(&self) -> &super::data::TextTokenizer;
+    /// The logits `[batch, seq, vocab]` of `ids` under `model`, `attention[i][j]` false hiding
+    /// token `j` of row `i` (transformers' `attention_mask`).
+    fn forward_masked(
+        &self,
+        model: &Self::Model,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+    ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
     /// Right-pads `seqs`, runs `model` and shifts.
     fn forward_shifted(
         &self,

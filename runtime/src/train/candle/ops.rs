@@ -94,6 +94,18 @@ impl TensorOps for CandleOps {
     fn mean_all(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.mean_all()
     }
+    fn narrow(
+        &self,
+        a: &Tensor,
+        dim: usize,
+        start: usize,
+        len: usize,
+    ) -> candle_core::Result<Tensor> {
+        a.narrow(dim, start, len)
+    }
+    fn ids(&self, values: &[u32], shape: &[usize]) -> candle_core::Result<Tensor> {
+        Tensor::from_vec(values.to_vec(), shape, &self.device)
+    }
     fn halves(&self, a: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let n = a.dim(0)? / 2;
         Ok((a.narrow(0, 0, n)?, a.narrow(0, n, n)?))

@@ -140,6 +140,14 @@ impl TensorOps for MlxOps {
     fn mean_all(&self, a: &Array) -> Result<Array, Exception> {
         a.mean(None)
     }
+    fn narrow(&self, a: &Array, dim: usize, start: usize, len: usize) -> Result<Array, Exception> {
+        let idx: Vec<i32> = (start as i32..(start + len) as i32).collect();
+        a.take_axis(Array::from_slice(&idx, &[len as i32]), dim as i32)
+    }
+    fn ids(&self, values: &[u32], shape: &[usize]) -> Result<Array, Exception> {
+        let shape: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+        Ok(Array::from_slice(values, &shape))
+    }
     fn halves(&self, a: &Array) -> Result<(Array, Array), Exception> {
         let mut parts = a.split_equal(2, 0)?;
         let second = parts.pop().expect("two parts");

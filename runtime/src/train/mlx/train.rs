@@ -6,9 +6,11 @@
 use super::model::{MlxDecoder, MlxLora, MlxWeights, mlx_err};
 use super::ops::MlxOps;
 use crate::checkpoint::Checkpoint;
+use crate::model::generate::{Rng, SamplingConfig, choose};
 use crate::model::lora::{Adapters, LoraSpec, linear_modules_of};
 use crate::train::data::TextTokenizer;
 use crate::train::driver::{Stepper, drive};
+use crate::train::grpo::GrpoTask;
 use crate::train::ops::TensorOps;
 use crate::train::runner::{Runner, Shifted};
 use crate::train::tasks::{DpoTask, KtoTask, MicroBatch, ScoredPairTask, SftTask};
@@ -180,6 +182,82 @@ pub struct MlxRunner<'a> {
     policy: MlxModel,
 }
 
+impl crate::train::grpo::Sample for MlxRunner<'_> {
+    /// The candle sampler's draws over MLX logits: every row re-run in full for each new token
+    /// (no KV cache on MLX yet), the policy without adapter dropout.
+    fn sample(
+        &self,
+        prompt: &[u32],
+        n: usize,
+        cfg: &SamplingConfig,
+        rng: &mut Rng,
+    ) -> Result<Vec<Vec<u32>>, TrainError> {
+        if prompt.is_empty() {
+            return Err(config_err(
+                "train_data",
+                "cannot sample after an empty prompt",
+            ));
+        }
+        let last_logits = |rows: &[Vec<u32>]| -> Result<Vec<Vec<f32>>, TrainError> {
+            let logits = self
+                .setup
+                .decoder
+                .forward_with(
+                    &self.policy.weights,
+                    &self.policy.adapters,
+                    None,
+                    rows,
+                    None,
+                )
+                .map_err(mlx_err)?;
+            let t = rows[0].len() as i32;
+            let last = ops::split_at_indices(&logits, &[t - 1], 1)
+                .map_err(mlx_err)?
+                .remove(1);
+            let flat = host(&last)?;
+            let v = flat.len() / rows.len();
+            Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
+        };
+        let first = last_logits(&[prompt.to_vec()])?.remove(0);
+        let mut last = vec![first; n];
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut done = vec![false; n];
+        for _ in 0..cfg.max_new_tokens {
+            for r in 0..n {
+                let t = if done[r] {
+                    *out[r].last().unwrap_or(&0)
+                } else {
+                    let seen: Vec<u32> = prompt.iter().chain(&out[r]).copied().collect();
+                    let t = choose(&last[r], &seen, cfg, rng);
+                    out[r].push(t);
+                    if cfg.eos.contains(&t) {
+                        done[r] = true;
+                    }
+                    t
+                };
+                let _ = t;
+            }
+            if done.iter().all(|&d| d) || out.iter().all(|o| o.len() >= cfg.max_new_tokens) {
+                break;
+            }
+            // Finished rows keep repeating their last token, as the cached sampler feeds it.
+            let rows: Vec<Vec<u32>> = (0..n)
+                .map(|r| {
+                    let mut row = prompt.to_vec();
+                    row.extend(&out[r]);
+                    let missing =
+                        prompt.len() + out.iter().map(Vec::len).max().unwrap_or(0) - row.len();
+                    let fill = *row.last().unwrap_or(&0);
+                    row.extend(std::iter::repeat_n(fill, missing));
+                    row
+                })
+                .collect();
+            last = last_logits(&rows)?;
+        }
+        Ok(out)
+    }
+}
+
 impl Runner for MlxRunner<'_> {
     type Ops = MlxOps;
     type Model = MlxModel;
@@ -189,8 +267,32 @@ impl Runner for MlxRunner<'_> {
     fn policy(&self) -> &MlxModel {
         &self.policy
     }
-    fn pad_id(&self) -> u32 {
-        self.setup.tokenizer.pad_id
+    fn tokenizer(&self) -> &TextTokenizer {
+        &self.setup.tokenizer
+    }
+    fn forward_masked(
+        &self,
+        model: &MlxModel,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+    ) -> Result<Array, TrainError> {
+        let dropout = self
+            .setup
+            .adapters
+            .as_ref()
+            .filter(|_| model.dropout)
+            .and_then(|a| a.dropout_rng());
+        Ok(self
+            .setup
+            .decoder
+            .forward_with(
+                &model.weights,
+                &model.adapters,
+                dropout,
+                ids,
+                Some(attention),
+            )
+            .map_err(mlx_err)?)
     }
     fn forward_shifted(
         &self,
@@ -243,6 +345,7 @@ enum MlxTask {
     Dpo(DpoTask<MlxModel>),
     Scored(ScoredPairTask),
     Kto(KtoTask<MlxModel>),
+    Grpo(Box<GrpoTask<MlxModel>>),
 }
 
 impl MlxTask {
@@ -252,6 +355,7 @@ impl MlxTask {
             MlxTask::Dpo(_) => "dpo",
             MlxTask::Scored(t) => t.name(),
             MlxTask::Kto(_) => "kto",
+            MlxTask::Grpo(_) => "grpo",
         }
     }
     fn examples(&self) -> usize {
@@ -260,6 +364,7 @@ impl MlxTask {
             MlxTask::Dpo(t) => t.examples(),
             MlxTask::Scored(t) => t.examples(),
             MlxTask::Kto(t) => t.examples(),
+            MlxTask::Grpo(t) => t.examples(),
         }
     }
     /// The logged figures of a window (KTO divides its per-side sums by their counts).
@@ -275,7 +380,26 @@ impl MlxTask {
 
     /// Whether the loop divides each micro-batch's loss by the step's micro-batch count.
     fn divides(&self) -> bool {
-        !matches!(self, MlxTask::Sft(_))
+        match self {
+            MlxTask::Sft(_) => false,
+            MlxTask::Grpo(t) => t.divide_by_accumulation(),
+            _ => true,
+        }
+    }
+
+    /// Before a step's (or an evaluation batch's) micro-batches: SFT counts its label tokens,
+    /// GRPO generates and scores.
+    fn begin_step(
+        &mut self,
+        r: &MlxRunner<'_>,
+        micro_batches: &[Vec<usize>],
+    ) -> Result<(), TrainError> {
+        match self {
+            MlxTask::Sft(t) => t.begin_step(micro_batches),
+            MlxTask::Grpo(t) => t.begin_step(r, micro_batches)?,
+            _ => {}
+        }
+        Ok(())
     }
     fn loss(&self, r: &MlxRunner<'_>, indices: &[usize]) -> Result<MicroBatch<Array>, TrainError> {
         match self {
@@ -283,6 +407,7 @@ impl MlxTask {
             MlxTask::Dpo(t) => t.loss(r, indices),
             MlxTask::Scored(t) => t.loss(r, indices),
             MlxTask::Kto(t) => t.loss(r, indices),
+            MlxTask::Grpo(t) => t.loss(r, indices),
         }
     }
 }
@@ -314,9 +439,7 @@ impl MlxStepper {
         let idx: Vec<usize> = (0..eval.examples()).collect();
         let r = self.runner(&self.params, false);
         for chunk in idx.chunks(bs) {
-            if let MlxTask::Sft(t) = eval {
-                t.begin_step(&[chunk.to_vec()]);
-            }
+            eval.begin_step(&r, &[chunk.to_vec()])?;
             let (l, figures, _) = eval.loss(&r, chunk)?;
             loss += f64::from(host(&l)?[0]) * chunk.len() as f64;
             count += chunk.len();
@@ -374,11 +497,29 @@ impl Stepper for MlxStepper {
             .map(|p| p.shape().iter().product::<i32>() as u64)
             .sum()
     }
-    fn begin_step(&mut self, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
-        if let MlxTask::Sft(t) = &mut self.task {
-            t.begin_step(micro_batches);
+    fn group(&self) -> usize {
+        match &self.task {
+            MlxTask::Grpo(t) => t.group(),
+            _ => 1,
         }
-        Ok(())
+    }
+    fn repeats(&self) -> usize {
+        match &self.task {
+            MlxTask::Grpo(t) => t.repeats(),
+            _ => 1,
+        }
+    }
+    fn begin_step(&mut self, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        let (weights, adapters) = self.setup.parts(&self.params);
+        let r = MlxRunner {
+            setup: &self.setup,
+            policy: MlxModel {
+                weights,
+                adapters,
+                dropout: true,
+            },
+        };
+        self.task.begin_step(&r, micro_batches)
     }
     fn micro_batch(
         &mut self,
@@ -564,6 +705,26 @@ fn build(
     config: &TrainConfig,
     make: fn(&TrainConfig, &MlxSetup, &[Array]) -> Result<MlxTask, TrainError>,
 ) -> Result<MlxStepper, TrainError> {
+    refuse_unsupported(config)?;
+    let (setup, params) = MlxSetup::load(config)?;
+    let task = make(config, &setup, &params)?;
+    let eval = match &config.eval_data {
+        Some(path) => {
+            let mut c = config.clone();
+            c.train_data = Some(path.clone());
+            let mut e = make(&c, &setup, &params)?;
+            if let MlxTask::Grpo(t) = &mut e {
+                t.for_evaluation(&c)?;
+            }
+            Some(e)
+        }
+        None => None,
+    };
+    assemble(setup, params, task, eval)
+}
+
+/// What the MLX backend does not do yet, refused by name before any work.
+fn refuse_unsupported(config: &TrainConfig) -> Result<(), TrainError> {
     if config.hyper.save_steps.is_some() {
         return Err(config_err(
             "save_steps",
@@ -576,16 +737,15 @@ fn build(
             "the MLX backend cannot resume a run yet (use --backend candle)",
         ));
     }
-    let (setup, params) = MlxSetup::load(config)?;
-    let task = make(config, &setup, &params)?;
-    let eval = match &config.eval_data {
-        Some(path) => {
-            let mut c = config.clone();
-            c.train_data = Some(path.clone());
-            Some(make(&c, &setup, &params)?)
-        }
-        None => None,
-    };
+    Ok(())
+}
+
+fn assemble(
+    setup: MlxSetup,
+    params: Vec<Array>,
+    task: MlxTask,
+    eval: Option<MlxTask>,
+) -> Result<MlxStepper, TrainError> {
     let zeros = |p: &Array| ops::zeros_like(p).map_err(mlx_err);
     let m = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
     let v = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
@@ -604,6 +764,32 @@ fn build(
         v,
         decay,
         step: 0,
+    })
+}
+
+/// GRPO on MLX with completions from `train` (and, with evaluation data, `eval`) instead of
+/// sampling: another run's completions replayed, as the parity tests replay TRL's.
+pub fn grpo_with_sources(
+    config: &TrainConfig,
+    train: Box<dyn crate::train::grpo::CompletionSource>,
+    eval: Option<Box<dyn crate::train::grpo::CompletionSource>>,
+) -> Result<MlxGrpoTrainer, TrainError> {
+    refuse_unsupported(config)?;
+    let (setup, params) = MlxSetup::load(config)?;
+    let reference_of = || Ok(reference(&setup, &params));
+    let task = GrpoTask::with_source(config, &setup.tokenizer, reference_of, train)?;
+    let eval = match (&config.eval_data, eval) {
+        (Some(path), Some(source)) => {
+            let mut c = config.clone();
+            c.train_data = Some(path.clone());
+            let mut e = GrpoTask::with_source(&c, &setup.tokenizer, reference_of, source)?;
+            e.for_evaluation(&c)?;
+            Some(MlxTask::Grpo(Box::new(e)))
+        }
+        _ => None,
+    };
+    Ok(MlxGrpoTrainer {
+        stepper: assemble(setup, params, MlxTask::Grpo(Box::new(task)), eval)?,
     })
 }
 
@@ -690,5 +876,14 @@ mlx_trainer! {
             policy: reference.clone(),
         };
         Ok(MlxTask::Kto(KtoTask::new(config, &setup.tokenizer, &runner, reference)?))
+    }
+}
+
+mlx_trainer! {
+    /// `grpo` on MLX: completions sampled from the policy on MLX (without a KV cache yet).
+    MlxGrpoTrainer, "grpo", |config, setup, initial| {
+        Ok(MlxTask::Grpo(Box::new(GrpoTask::new(config, &setup.tokenizer, || {
+            Ok(reference(setup, initial))
+        })?)))
     }
 }
