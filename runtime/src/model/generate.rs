@@ -166,6 +166,25 @@ pub fn sample(
         .flatten_all()?
         .to_vec1()?;
     cache.repeat_rows(n)?;
+    sample_with(prompt, n, cfg, rng, first, |next, _| {
+        let ids = Tensor::from_vec(next.to_vec(), (n, 1), &device)?;
+        let logits = model.forward_cached(&ids, &mut cache)?;
+        Ok(logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2()?)
+    })
+}
+
+/// The sampling loop over any forward pass: `first` is the prompt's last logits; `step`
+/// takes every row's newest token (a finished row repeats its last one) and the completions
+/// so far, and gives each row's next logits. Every backend draws the same tokens from the
+/// same logits.
+pub fn sample_with<E>(
+    prompt: &[u32],
+    n: usize,
+    cfg: &SamplingConfig,
+    rng: &mut Rng,
+    first: Vec<f32>,
+    mut step: impl FnMut(&[u32], &[Vec<u32>]) -> Result<Vec<Vec<f32>>, E>,
+) -> Result<Vec<Vec<u32>>, E> {
     let mut last = vec![first; n];
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut done = vec![false; n];
@@ -188,10 +207,7 @@ pub fn sample(
         if done.iter().all(|&d| d) || out.iter().all(|o| o.len() >= cfg.max_new_tokens) {
             break;
         }
-        let ids = Tensor::from_vec(next, (n, 1), &device)?;
-        let logits = model.forward_cached(&ids, &mut cache)?;
-        let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2()?;
-        last = rows;
+        last = step(&next, &out)?;
     }
     Ok(out)
 }

@@ -104,6 +104,32 @@ fn to_var(
     })
 }
 
+/// The values of tensor `t` (BF16, F16 or F32) as f32, or a named error for any other dtype.
+pub fn read_f32(
+    checkpoint: &Checkpoint,
+    t: &crate::checkpoint::TensorMeta,
+) -> Result<Vec<f32>, ModelError> {
+    Ok(match t.dtype {
+        Dtype::BF16 => checkpoint
+            .read_as::<bf16>(&t.name)?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        Dtype::F16 => checkpoint
+            .read_as::<f16>(&t.name)?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        Dtype::F32 => checkpoint.read_as::<f32>(&t.name)?,
+        other => {
+            return Err(ModelError::Tensor {
+                tensor: t.name.clone(),
+                message: format!("dtype {other:?} cannot be run (expected BF16, F16 or F32)"),
+            });
+        }
+    })
+}
+
 /// The weights by tensor name, as candle variables (so gradients can flow to them), or
 /// frozen ([`Weights::freeze`]: the same storage, outside autograd, as under LoRA).
 #[derive(Debug, Clone)]
@@ -131,27 +157,7 @@ impl Weights {
     ) -> Result<Self, ModelError> {
         let mut vars = BTreeMap::new();
         for t in checkpoint.tensors().filter(|t| keep(&t.name)) {
-            let data: Vec<f32> = match t.dtype {
-                Dtype::BF16 => checkpoint
-                    .read_as::<bf16>(&t.name)?
-                    .into_iter()
-                    .map(f32::from)
-                    .collect(),
-                Dtype::F16 => checkpoint
-                    .read_as::<f16>(&t.name)?
-                    .into_iter()
-                    .map(f32::from)
-                    .collect(),
-                Dtype::F32 => checkpoint.read_as::<f32>(&t.name)?,
-                other => {
-                    return Err(ModelError::Tensor {
-                        tensor: t.name.clone(),
-                        message: format!(
-                            "dtype {other:?} cannot be run (expected BF16, F16 or F32)"
-                        ),
-                    });
-                }
-            };
+            let data = read_f32(checkpoint, t)?;
             vars.insert(t.name.clone(), to_var(data, &t.shape, dtype, device)?);
         }
         Ok(Weights { vars, frozen: None })

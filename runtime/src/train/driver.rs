@@ -106,6 +106,49 @@ pub(crate) fn epoch_steps(
         .collect()
 }
 
+/// transformers' evaluation: the `n` examples in order, in batches of `batch_size`;
+/// `batch(indices)` gives a batch's loss and figures. Returns `eval_loss` (the mean of the
+/// batch losses weighted by batch size) and every figure's total and count over the batches.
+pub fn evaluation(
+    n: usize,
+    batch_size: usize,
+    mut batch: impl FnMut(&[usize]) -> Result<(f64, BTreeMap<String, f64>), TrainError>,
+) -> Result<(f64, Window), TrainError> {
+    let idx: Vec<usize> = (0..n).collect();
+    let (mut loss, mut count) = (0f64, 0usize);
+    let mut totals = Window::new();
+    for chunk in idx.chunks(batch_size.max(1)) {
+        let (l, figures) = batch(chunk)?;
+        loss += l * chunk.len() as f64;
+        count += chunk.len();
+        for (k, v) in figures {
+            let e = totals.entry(k).or_insert((0.0, 0));
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    Ok((loss / count.max(1) as f64, totals))
+}
+
+/// The evaluation's logged figures: the task's figures (its window over the batches) named
+/// `eval_<name>`, `eval_num_tokens` the training tokens seen so far (as TRL logs it), and
+/// `eval_loss`.
+pub fn eval_figures(
+    eval_loss: f64,
+    figures: BTreeMap<String, f64>,
+    tokens: u64,
+) -> BTreeMap<String, f64> {
+    let mut out: BTreeMap<String, f64> = figures
+        .into_iter()
+        .map(|(k, v)| (format!("eval_{k}"), v))
+        .collect();
+    if let Some(t) = out.get_mut("eval_num_tokens") {
+        *t = tokens as f64;
+    }
+    out.insert("eval_loss".into(), eval_loss);
+    out
+}
+
 /// Runs `s` to the end of the plan `config` sets (or until the observer stops it) and saves
 /// the result.
 pub fn drive(

@@ -329,31 +329,17 @@ pub fn evaluate(
     tokens: u64,
 ) -> Result<BTreeMap<String, f64>, TrainError> {
     let n = eval.examples();
-    let bs = setup.config.hyper.per_device_eval_batch_size.max(1);
-    let idx: Vec<usize> = (0..n).collect();
-    let (mut loss, mut count) = (0f64, 0usize);
-    let mut totals: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    for chunk in idx.chunks(bs) {
+    let bs = setup.config.hyper.per_device_eval_batch_size;
+    let (loss, totals) = super::driver::evaluation(n, bs, |chunk| {
         eval.begin_step(setup, &[chunk.to_vec()])?;
         let (l, figures, _) = eval.micro_batch(setup, chunk)?;
-        loss += l.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 * chunk.len() as f64;
-        count += chunk.len();
-        for (k, v) in figures {
-            let e = totals.entry(k).or_insert((0.0, 0));
-            e.0 += v;
-            e.1 += 1;
-        }
-    }
-    let mut out: BTreeMap<String, f64> = eval
-        .window(&totals)
-        .into_iter()
-        .map(|(k, v)| (format!("eval_{k}"), v))
-        .collect();
-    if let Some(t) = out.get_mut("eval_num_tokens") {
-        *t = tokens as f64;
-    }
-    out.insert("eval_loss".into(), loss / count.max(1) as f64);
-    Ok(out)
+        Ok((l.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64, figures))
+    })?;
+    Ok(super::driver::eval_figures(
+        loss,
+        eval.window(&totals),
+        tokens,
+    ))
 }
 
 /// [`run`] with an evaluation set, evaluated every `eval_steps` steps.

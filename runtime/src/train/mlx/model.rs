@@ -12,11 +12,9 @@
 use crate::checkpoint::Checkpoint;
 use crate::model::lora::DropoutRng;
 use crate::model::{DecoderConfig, ModelError};
-use half::{bf16, f16};
 use mlx_rs::Array;
 use mlx_rs::error::Exception;
 use mlx_rs::ops;
-use safetensors::Dtype;
 use std::collections::BTreeMap;
 
 /// Weights by tensor name.
@@ -93,27 +91,7 @@ impl MlxDecoder {
         }
         let mut weights = MlxWeights::new();
         for t in checkpoint.tensors() {
-            let data: Vec<f32> = match t.dtype {
-                Dtype::BF16 => checkpoint
-                    .read_as::<bf16>(&t.name)?
-                    .into_iter()
-                    .map(f32::from)
-                    .collect(),
-                Dtype::F16 => checkpoint
-                    .read_as::<f16>(&t.name)?
-                    .into_iter()
-                    .map(f32::from)
-                    .collect(),
-                Dtype::F32 => checkpoint.read_as::<f32>(&t.name)?,
-                other => {
-                    return Err(ModelError::Tensor {
-                        tensor: t.name.clone(),
-                        message: format!(
-                            "dtype {other:?} cannot be run (expected BF16, F16 or F32)"
-                        ),
-                    });
-                }
-            };
+            let data = crate::model::read_f32(checkpoint, t)?;
             weights.insert(t.name.clone(), f32_array(&data, &t.shape));
         }
         let model = Self::new(config, &weights)?;

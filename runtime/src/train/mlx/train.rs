@@ -6,10 +6,10 @@
 use super::model::{MlxDecoder, MlxLora, MlxWeights, mlx_err};
 use super::ops::MlxOps;
 use crate::checkpoint::Checkpoint;
-use crate::model::generate::{Rng, SamplingConfig, choose};
+use crate::model::generate::{Rng, SamplingConfig, sample_with};
 use crate::model::lora::{Adapters, LoraSpec, linear_modules_of};
 use crate::train::data::TextTokenizer;
-use crate::train::driver::{Stepper, drive};
+use crate::train::driver::{Stepper, drive, eval_figures, evaluation};
 use crate::train::grpo::GrpoTask;
 use crate::train::ops::TensorOps;
 use crate::train::runner::{Runner, Shifted};
@@ -219,42 +219,22 @@ impl crate::train::grpo::Sample for MlxRunner<'_> {
             Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
         };
         let first = last_logits(&[prompt.to_vec()])?.remove(0);
-        let mut last = vec![first; n];
-        let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
-        let mut done = vec![false; n];
-        for _ in 0..cfg.max_new_tokens {
-            for r in 0..n {
-                let t = if done[r] {
-                    *out[r].last().unwrap_or(&0)
-                } else {
-                    let seen: Vec<u32> = prompt.iter().chain(&out[r]).copied().collect();
-                    let t = choose(&last[r], &seen, cfg, rng);
-                    out[r].push(t);
-                    if cfg.eos.contains(&t) {
-                        done[r] = true;
-                    }
-                    t
-                };
-                let _ = t;
-            }
-            if done.iter().all(|&d| d) || out.iter().all(|o| o.len() >= cfg.max_new_tokens) {
-                break;
-            }
-            // Finished rows keep repeating their last token, as the cached sampler feeds it.
-            let rows: Vec<Vec<u32>> = (0..n)
-                .map(|r| {
+        // No KV cache: every row re-runs in full, finished rows padded with their last token
+        // (as the cached sampler feeds it).
+        sample_with(prompt, n, cfg, rng, first, |_, out| {
+            let longest = out.iter().map(Vec::len).max().unwrap_or(0);
+            let rows: Vec<Vec<u32>> = out
+                .iter()
+                .map(|o| {
                     let mut row = prompt.to_vec();
-                    row.extend(&out[r]);
-                    let missing =
-                        prompt.len() + out.iter().map(Vec::len).max().unwrap_or(0) - row.len();
+                    row.extend(o);
                     let fill = *row.last().unwrap_or(&0);
-                    row.extend(std::iter::repeat_n(fill, missing));
+                    row.resize(prompt.len() + longest, fill);
                     row
                 })
                 .collect();
-            last = last_logits(&rows)?;
-        }
-        Ok(out)
+            last_logits(&rows)
+        })
     }
 }
 
@@ -433,32 +413,14 @@ impl MlxStepper {
         eval: &mut MlxTask,
         tokens: u64,
     ) -> Result<BTreeMap<String, f64>, TrainError> {
-        let bs = self.setup.config.hyper.per_device_eval_batch_size.max(1);
-        let (mut loss, mut count) = (0f64, 0usize);
-        let mut totals: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-        let idx: Vec<usize> = (0..eval.examples()).collect();
+        let bs = self.setup.config.hyper.per_device_eval_batch_size;
         let r = self.runner(&self.params, false);
-        for chunk in idx.chunks(bs) {
+        let (loss, totals) = evaluation(eval.examples(), bs, |chunk| {
             eval.begin_step(&r, &[chunk.to_vec()])?;
             let (l, figures, _) = eval.loss(&r, chunk)?;
-            loss += f64::from(host(&l)?[0]) * chunk.len() as f64;
-            count += chunk.len();
-            for (k, v) in figures {
-                let e = totals.entry(k).or_insert((0.0, 0));
-                e.0 += v;
-                e.1 += 1;
-            }
-        }
-        let mut out: BTreeMap<String, f64> = eval
-            .window(&totals)
-            .into_iter()
-            .map(|(k, v)| (format!("eval_{k}"), v))
-            .collect();
-        if let Some(t) = out.get_mut("eval_num_tokens") {
-            *t = tokens as f64;
-        }
-        out.insert("eval_loss".into(), loss / count.max(1) as f64);
-        Ok(out)
+            Ok((f64::from(host(&l)?[0]), figures))
+        })?;
+        Ok(eval_figures(loss, eval.window(&totals), tokens))
     }
 
     fn runner(&self, params: &[Array], training: bool) -> MlxRunner<'_> {
