@@ -756,3 +756,60 @@ fn mlx_grpo_matches_trl() {
         check_on(name, "mlx");
     }
 }
+
+/// MLX runs resume exactly, as candle's do: a run saved at step 2 and resumed logs step 3 as
+/// the straight run does (LoRA dropout and shuffling; full fine-tuning; GRPO mid-way through a
+/// generation batch, sampling on MLX).
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_runs_resume_exactly() {
+    type Tweak = fn(&mut TrainConfig);
+    let cases: [(&str, &str, Tweak); 3] = [
+        ("sft", "data/sft.jsonl", |c| {
+            c.lora.get_or_insert_with(Default::default).lora_dropout = 0.1;
+            c.hyper.train_sampling_strategy = "random".into();
+        }),
+        ("dpo", "data/dpo.jsonl", |c| c.lora = None),
+        ("grpo", "data/grpo.jsonl", |c| {
+            for (k, v) in [
+                ("num_generations", serde_json::json!(4)),
+                ("max_completion_length", serde_json::json!(4)),
+                ("num_iterations", serde_json::json!(3)),
+            ] {
+                c.task_options.insert(k.into(), v);
+            }
+        }),
+    ];
+    for (task, data, tweak) in cases {
+        let run = |dir: &Path, save: bool, resume: Option<PathBuf>| {
+            let mut c = TrainConfig::new(task, "mlx", here().join("tiny/model"), dir.join("out"));
+            c.train_data = Some(here().join(data));
+            c.hyper.max_steps = Some(3);
+            c.hyper.logging_steps = 1;
+            c.hyper.per_device_train_batch_size = 4;
+            c.hyper.learning_rate = 1e-3;
+            c.hyper.warmup_steps = 1;
+            tweak(&mut c);
+            if save {
+                c.hyper.save_steps = Some(2);
+            }
+            c.resume = resume;
+            let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+            let mut trainer = entry.construct(&c).unwrap();
+            let mut seen = Collect::default();
+            trainer.train(&mut seen).unwrap();
+            seen.0
+        };
+        let straight = run(tempfile::tempdir().unwrap().path(), false, None);
+        let saved = tempfile::tempdir().unwrap();
+        run(saved.path(), true, None);
+        let ck = saved.path().join("out/checkpoint-2");
+        assert!(ck.join("trainer_state.json").is_file(), "{task}");
+        let resumed = run(tempfile::tempdir().unwrap().path(), false, Some(ck));
+        assert_eq!(resumed.len(), 1, "{task}: only step 3 is left");
+        assert_eq!(
+            resumed[0], straight[2],
+            "{task}: step 3 resumed = step 3 straight"
+        );
+    }
+}

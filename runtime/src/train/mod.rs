@@ -9,6 +9,8 @@ pub mod candle;
 #[cfg(feature = "exec")]
 pub mod chat;
 #[cfg(feature = "exec")]
+pub mod checkpoint;
+#[cfg(feature = "exec")]
 pub mod data;
 pub mod driver;
 pub mod fields;

@@ -8,6 +8,7 @@ use super::ops::MlxOps;
 use crate::checkpoint::Checkpoint;
 use crate::model::generate::{Rng, SamplingConfig, sample_with};
 use crate::model::lora::{Adapters, LoraSpec, linear_modules_of};
+use crate::train::checkpoint::HostTensor;
 use crate::train::data::TextTokenizer;
 use crate::train::driver::{Stepper, drive, eval_figures, evaluation};
 use crate::train::grpo::GrpoTask;
@@ -597,67 +598,128 @@ impl Stepper for MlxStepper {
         self.eval = Some(eval);
         figures.map(Some)
     }
-    fn save_checkpoint(&self, _step: u64, _tokens: u64) -> Result<PathBuf, TrainError> {
-        Err(config_err(
-            "save_steps",
-            "resumable checkpoints are not written by the MLX backend yet (use --backend candle)",
-        ))
+    fn save_checkpoint(&self, step: u64, tokens: u64) -> Result<PathBuf, TrainError> {
+        let host_of = |name: String, a: &Array| -> Result<(String, HostTensor), TrainError> {
+            Ok((
+                name,
+                HostTensor {
+                    dims: a.shape().iter().map(|&d| d as usize).collect(),
+                    data: host(a)?,
+                },
+            ))
+        };
+        let names = &self.setup.names;
+        let trainable = names
+            .iter()
+            .zip(&self.params)
+            .map(|(n, p)| host_of(n.clone(), p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut moments = Vec::with_capacity(2 * names.len());
+        for ((n, m), v) in names.iter().zip(&self.m).zip(&self.v) {
+            moments.push(host_of(format!("m/{n}"), m)?);
+            moments.push(host_of(format!("v/{n}"), v)?);
+        }
+        let state = serde_json::json!({
+            "task": self.task.name(),
+            "backend": BACKEND,
+            "optimizer_steps": self.step,
+            "tokens": tokens,
+            "dropout_rng": self.setup.adapters.as_ref().map(|a| a.dropout_state()),
+            "objective": match &self.task {
+                MlxTask::Grpo(t) => t.state(),
+                _ => serde_json::Value::Null,
+            },
+        });
+        crate::train::checkpoint::save(
+            &self.setup.config.output,
+            step,
+            state,
+            &trainable,
+            &moments,
+            |dir| self.write_result(dir, false),
+            self.setup.config.hyper.save_total_limit,
+        )
     }
-    fn resume(&mut self, _dir: &Path) -> Result<(u64, u64), TrainError> {
-        Err(config_err(
-            "resume",
-            "the MLX backend cannot resume a run yet (use --backend candle)",
-        ))
+    fn resume(&mut self, dir: &Path) -> Result<(u64, u64), TrainError> {
+        let expected: Vec<(String, Vec<usize>)> = self
+            .setup
+            .names
+            .iter()
+            .zip(&self.params)
+            .map(|(n, p)| (n.clone(), p.shape().iter().map(|&d| d as usize).collect()))
+            .collect();
+        let c = crate::train::checkpoint::load(dir, self.task.name(), &expected)?;
+        let array = |t: &HostTensor| {
+            let shape: Vec<i32> = t.dims.iter().map(|&d| d as i32).collect();
+            Array::from_slice(&t.data, &shape)
+        };
+        for (i, n) in self.setup.names.iter().enumerate() {
+            self.params[i] = array(&c.trainable[n]);
+            self.m[i] = array(&c.moments[&format!("m/{n}")]);
+            self.v[i] = array(&c.moments[&format!("v/{n}")]);
+        }
+        self.step = c.optimizer_steps;
+        if let (Some(a), Some(r)) = (&self.setup.adapters, c.state["dropout_rng"].as_u64()) {
+            a.set_dropout_state(r);
+        }
+        if let MlxTask::Grpo(t) = &mut self.task {
+            t.restore(&c.state["objective"])?;
+        }
+        Ok((c.step, c.tokens))
     }
     fn save_output(&self) -> Result<PathBuf, TrainError> {
-        let setup = &self.setup;
-        crate::train::output::save_into(&setup.config.output, |dir| {
-            let base = setup.config.model.display().to_string();
-            match &setup.adapters {
-                Some(a) => {
-                    // The trained arrays back into the adapters' storage, then PEFT's files.
-                    for ((_, var), p) in a.vars().iter().zip(&self.params) {
-                        let data = host(p)?;
-                        let t = candle_core::Tensor::from_vec(
-                            data,
-                            var.as_tensor().dims(),
-                            &candle_core::Device::Cpu,
-                        )?;
-                        var.set(&t)?;
-                    }
-                    a.save_peft_for(dir, &setup.modules, &base)?;
-                    if setup.config.merge {
-                        let merged_dir = crate::train::output::merged_dir(dir)?;
-                        let (w, lora) = setup.parts(&self.params);
-                        let tensors = w.iter().map(|(name, arr)| {
-                            let module = name.strip_suffix(".weight").unwrap_or(name);
-                            let arr = match lora.get(module) {
-                                Some(l) => ops::matmul(&l.b, &l.a)
-                                    .and_then(|d| ops::multiply(&d, Array::from_f32(l.scale)))
-                                    .and_then(|d| ops::add(arr, &d))
-                                    .map_err(mlx_err)?,
-                                None => arr.clone(),
-                            };
-                            let dims = arr.shape().iter().map(|&d| d as usize).collect();
-                            Ok((name.clone(), dims, host(&arr)?))
-                        });
-                        crate::train::output::write_full(
-                            &setup.config.model,
-                            &merged_dir,
-                            tensors,
-                        )?;
-                    }
-                    Ok(())
-                }
-                None => {
-                    let tensors = setup.names.iter().zip(&self.params).map(|(name, p)| {
-                        let dims = p.shape().iter().map(|&d| d as usize).collect();
-                        Ok((name.clone(), dims, host(p)?))
-                    });
-                    crate::train::output::write_full(&setup.config.model, dir, tensors)
-                }
-            }
+        crate::train::output::save_into(&self.setup.config.output, |dir| {
+            self.write_result(dir, self.setup.config.merge)
         })
+    }
+}
+
+impl MlxStepper {
+    /// The result as the user gets it, into `dir`: PEFT's adapter files (and with `merge` the
+    /// merged full checkpoint in `dir/merged`), or the full checkpoint.
+    fn write_result(&self, dir: &Path, merge: bool) -> Result<(), TrainError> {
+        let setup = &self.setup;
+        let base = setup.config.model.display().to_string();
+        match &setup.adapters {
+            Some(a) => {
+                // The trained arrays back into the adapters' storage, then PEFT's files.
+                for ((_, var), p) in a.vars().iter().zip(&self.params) {
+                    let data = host(p)?;
+                    let t = candle_core::Tensor::from_vec(
+                        data,
+                        var.as_tensor().dims(),
+                        &candle_core::Device::Cpu,
+                    )?;
+                    var.set(&t)?;
+                }
+                a.save_peft_for(dir, &setup.modules, &base)?;
+                if merge {
+                    let merged_dir = crate::train::output::merged_dir(dir)?;
+                    let (w, lora) = setup.parts(&self.params);
+                    let tensors = w.iter().map(|(name, arr)| {
+                        let module = name.strip_suffix(".weight").unwrap_or(name);
+                        let arr = match lora.get(module) {
+                            Some(l) => ops::matmul(&l.b, &l.a)
+                                .and_then(|d| ops::multiply(&d, Array::from_f32(l.scale)))
+                                .and_then(|d| ops::add(arr, &d))
+                                .map_err(mlx_err)?,
+                            None => arr.clone(),
+                        };
+                        let dims = arr.shape().iter().map(|&d| d as usize).collect();
+                        Ok((name.clone(), dims, host(&arr)?))
+                    });
+                    crate::train::output::write_full(&setup.config.model, &merged_dir, tensors)?;
+                }
+                Ok(())
+            }
+            None => {
+                let tensors = setup.names.iter().zip(&self.params).map(|(name, p)| {
+                    let dims = p.shape().iter().map(|&d| d as usize).collect();
+                    Ok((name.clone(), dims, host(p)?))
+                });
+                crate::train::output::write_full(&setup.config.model, dir, tensors)
+            }
+        }
     }
 }
 
@@ -667,7 +729,6 @@ fn build(
     config: &TrainConfig,
     make: fn(&TrainConfig, &MlxSetup, &[Array]) -> Result<MlxTask, TrainError>,
 ) -> Result<MlxStepper, TrainError> {
-    refuse_unsupported(config)?;
     let (setup, params) = MlxSetup::load(config)?;
     let task = make(config, &setup, &params)?;
     let eval = match &config.eval_data {
@@ -683,23 +744,6 @@ fn build(
         None => None,
     };
     assemble(setup, params, task, eval)
-}
-
-/// What the MLX backend does not do yet, refused by name before any work.
-fn refuse_unsupported(config: &TrainConfig) -> Result<(), TrainError> {
-    if config.hyper.save_steps.is_some() {
-        return Err(config_err(
-            "save_steps",
-            "resumable checkpoints are not written by the MLX backend yet (use --backend candle)",
-        ));
-    }
-    if config.resume.is_some() {
-        return Err(config_err(
-            "resume",
-            "the MLX backend cannot resume a run yet (use --backend candle)",
-        ));
-    }
-    Ok(())
 }
 
 fn assemble(
@@ -736,7 +780,6 @@ pub fn grpo_with_sources(
     train: Box<dyn crate::train::grpo::CompletionSource>,
     eval: Option<Box<dyn crate::train::grpo::CompletionSource>>,
 ) -> Result<MlxGrpoTrainer, TrainError> {
-    refuse_unsupported(config)?;
     let (setup, params) = MlxSetup::load(config)?;
     let reference_of = || Ok(reference(&setup, &params));
     let task = GrpoTask::with_source(config, &setup.tokenizer, reference_of, train)?;
