@@ -813,3 +813,123 @@ fn mlx_runs_resume_exactly() {
         );
     }
 }
+
+/// mlx-lm's adapter layout (`--adapter-format mlx-lm`): written from a PEFT adapter and read
+/// back (as `--init-adapter` reads it), it gives the PEFT adapter's logits; adapters mlx-lm
+/// cannot express (not the same modules in every layer) are a named error.
+#[test]
+fn mlx_lm_adapters_round_trip_to_the_same_logits() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{DType, Device, Tensor};
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let modules = linear_modules(&base);
+    let peft =
+        Adapters::load_peft_for(&here().join("tiny/init-adapter"), &modules, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    peft.save_mlx_lm(dir.path(), base.config().layers).unwrap();
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["fine_tune_type"], "lora");
+    assert_eq!(cfg["num_layers"], base.config().layers);
+    assert_eq!(cfg["lora_parameters"]["rank"], 4);
+    assert_eq!(cfg["lora_parameters"]["scale"], 2.0);
+    let back = Adapters::load_any_for(dir.path(), &modules, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[3u32, 17, 42, 99, 5]], &Device::Cpu).unwrap();
+    let logits = |a: &Adapters| -> Vec<f32> {
+        base.with_adapters(Some(std::sync::Arc::new(a.clone())))
+            .forward(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (want, got) = (logits(&peft), logits(&back));
+    assert!(
+        want.iter()
+            .zip(&got)
+            .all(|(a, b)| (a - b).abs() <= 1e-6 * a.abs().max(1.0))
+    );
+    // Adapters on one layer's q_proj only: mlx-lm's "last N layers" cannot say that.
+    let spec = kiln_runtime::model::lora::LoraSpec {
+        r: 2,
+        alpha: 4.0,
+        dropout: 0.0,
+        rslora: false,
+        target_modules: vec!["model.layers.0.self_attn.q_proj".into()],
+    };
+    let one = Adapters::new_for(&modules, &spec, 1, &Device::Cpu).unwrap();
+    let err = one
+        .save_mlx_lm(dir.path(), base.config().layers)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("last N layers"), "{err}");
+}
+
+/// `mlx_lm` loads the mlx-lm layout kiln writes and computes kiln's logits:
+/// `tests/train/mlx-lm/adapter` is kiln's `--adapter-format mlx-lm` writing of
+/// `tests/train/peft/adapter` (written again here and compared byte for byte), and
+/// `tests/train/mlx_lm_check.py` loaded it onto the tiny Llama with `mlx_lm.load` and saved its
+/// logits, which kiln reproduces from the same files.
+#[test]
+fn mlx_lm_loads_kilns_adapter_and_gives_kilns_logits() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{DType, Device, Tensor};
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let modules = linear_modules(&base);
+    let peft =
+        Adapters::load_peft_for(&here().join("peft/adapter"), &modules, &Device::Cpu).unwrap();
+    let committed = here().join("mlx-lm/adapter");
+    if std::env::var_os("KILN_BLESS_MLX_LM").is_some() {
+        std::fs::create_dir_all(&committed).unwrap();
+        peft.save_mlx_lm(&committed, base.config().layers).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    peft.save_mlx_lm(dir.path(), base.config().layers).unwrap();
+    for f in ["adapters.safetensors", "adapter_config.json"] {
+        assert_eq!(
+            std::fs::read(dir.path().join(f)).unwrap(),
+            std::fs::read(committed.join(f)).unwrap(),
+            "{f}: kiln writes what mlx-lm was checked on"
+        );
+    }
+    let bytes = std::fs::read(here().join("mlx-lm/mlx_lm_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids_view = st.tensor("ids").unwrap();
+    let ids: Vec<u32> = ids_view
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    let shape = ids_view.shape().to_vec();
+    let ids = Tensor::from_vec(ids, (shape[0], shape[1]), &Device::Cpu).unwrap();
+    let adapters = Adapters::load_any_for(&committed, &modules, &Device::Cpu).unwrap();
+    let got: Vec<f32> = base
+        .with_adapters(Some(std::sync::Arc::new(adapters)))
+        .forward(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let want: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "kiln vs mlx-lm logits differ by {worst}");
+}

@@ -610,3 +610,34 @@ fn save_total_limit_keeps_the_newest_checkpoints() {
     assert_eq!(checkpoints(&[]), ["checkpoint-1", "checkpoint-2"]);
     assert_eq!(checkpoints(&["--save-total-limit", "1"]), ["checkpoint-2"]);
 }
+
+/// `--adapter-format mlx-lm` writes mlx-lm's layout, and `--init-adapter` continues from it.
+#[test]
+fn adapters_in_mlx_lms_layout_are_written_and_read() {
+    let (_, out, _d) = train("sft", "sft.jsonl", &["--adapter-format", "mlx-lm"]);
+    assert!(out.join("adapters.safetensors").is_file());
+    assert!(!out.join("adapter_model.safetensors").exists());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["fine_tune_type"], "lora");
+    assert_eq!(cfg["lora_parameters"]["scale"], 2.0);
+    let dir = out.display().to_string();
+    let (m, again, _d2) = train("sft", "sft.jsonl", &["--init-adapter", &dir]);
+    assert_eq!(m.len(), 3);
+    assert!(again.join("adapter_model.safetensors").is_file());
+    let o = kiln(&[
+        "train",
+        "--task",
+        "sft",
+        "--model",
+        &tiny(),
+        "--lora-r",
+        "0",
+        "--adapter-format",
+        "mlx-lm",
+        "--quiet",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--adapter-format mlx-lm needs LoRA"));
+}

@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// With LoRA, also write the merged full checkpoint to <out>/merged.
     #[arg(long)]
     merge: bool,
+    /// The adapter's layout: peft (adapter_model.safetensors, what `peft` loads) or mlx-lm
+    /// (adapters.safetensors, what `mlx_lm` loads). --init-adapter reads either.
+    #[arg(long, value_name = "FORMAT", default_value = "peft", value_parser = ["peft", "mlx-lm"])]
+    adapter_format: String,
     /// Replace the output folder if it exists (without it, an existing folder is an error,
     /// unless the run resumes from a checkpoint inside it).
     #[arg(long)]
@@ -200,6 +204,19 @@ fn build_config(
         c.init_adapter = Some(dir.clone());
     }
     c.merge = args.merge;
+    c.adapter_format = if args.adapter_format == "mlx-lm" {
+        kiln_runtime::train::AdapterFormat::MlxLm
+    } else {
+        kiln_runtime::train::AdapterFormat::Peft
+    };
+    if c.adapter_format == kiln_runtime::train::AdapterFormat::MlxLm
+        && c.lora.is_none()
+        && c.init_adapter.is_none()
+    {
+        bail!(
+            "--adapter-format mlx-lm needs LoRA (with --lora-r 0 the output is a full checkpoint)"
+        );
+    }
     c.eval_data = args.eval_data.clone();
     if c.eval_data.is_some() != c.hyper.eval_steps.is_some() {
         bail!("--eval-data and --eval-steps go together (evaluate this file every N steps)");

@@ -442,6 +442,221 @@ impl Adapters {
         .map_err(|e| io(&path, e.to_string()))
     }
 
+    /// Writes mlx-lm's adapter layout into `dir`: `adapters.safetensors` (per adapted Linear
+    /// `<module>.lora_a` `[in, r]` = `Aᵀ` and `<module>.lora_b` `[r, out]` = `Bᵀ`) and
+    /// `adapter_config.json` (`fine_tune_type` lora, `num_layers`, `lora_parameters` with
+    /// `rank`, `scale` = kiln's α/r or α/√r, `dropout` and the layer-relative `keys`).
+    /// mlx-lm adapts the same keys in the last `num_layers` layers of `layers` (every layer's
+    /// `model.layers.<i>.` paths): adapters it cannot express that way are an error.
+    pub fn save_mlx_lm(&self, dir: &Path, layers: usize) -> Result<(), ModelError> {
+        let mut keys: BTreeSet<String> = BTreeSet::new();
+        let mut by_layer: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+        for m in self.layers.keys() {
+            let rest = m.strip_prefix("model.layers.").and_then(|r| {
+                let (i, key) = r.split_once('.')?;
+                Some((i.parse::<usize>().ok()?, key.to_string()))
+            });
+            let Some((i, key)) = rest else {
+                return Err(ModelError::Config(format!(
+                    "mlx-lm adapters live in decoder layers; `{m}` is not in one (use --adapter-format peft)"
+                )));
+            };
+            keys.insert(key.clone());
+            by_layer.entry(i).or_default().insert(key);
+        }
+        let first = by_layer.keys().next().copied().unwrap_or(layers);
+        let uniform = (first..layers).all(|i| by_layer.get(&i) == Some(&keys));
+        if !uniform {
+            return Err(ModelError::Config(
+                "mlx-lm adapts the same modules in the last N layers; these adapters cover another set (use --adapter-format peft)".into(),
+            ));
+        }
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (m, l) in &self.layers {
+            for (suffix, v) in [("lora_a", &l.a), ("lora_b", &l.b)] {
+                let t = v.as_tensor().t()?.contiguous()?.to_dtype(DType::F32)?;
+                let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
+                tensors.push((
+                    format!("{m}.{suffix}"),
+                    t.dims().to_vec(),
+                    bytemuck::cast_slice(&data).to_vec(),
+                ));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, b)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| ModelError::Tensor {
+                        tensor: n.clone(),
+                        message: e.to_string(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        let io = |path: &Path, e: String| ModelError::Config(format!("{}: {e}", path.display()));
+        let path = dir.join("adapters.safetensors");
+        safetensors::serialize_to_file(views, None, &path).map_err(|e| io(&path, e.to_string()))?;
+        let s = &self.spec;
+        let config = json!({
+            "fine_tune_type": "lora",
+            "num_layers": layers - first,
+            "lora_parameters": {
+                "rank": s.r,
+                "scale": s.scale(),
+                "dropout": s.dropout,
+                "keys": keys,
+            },
+        });
+        let path = dir.join("adapter_config.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&config).expect("JSON") + "\n",
+        )
+        .map_err(|e| io(&path, e.to_string()))
+    }
+
+    /// Reads an adapter folder in PEFT's layout or mlx-lm's (`adapters.safetensors`), for a
+    /// model whose Linear layers are `modules`.
+    pub fn load_any_for(
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
+        if dir.join("adapters.safetensors").is_file()
+            && !dir.join("adapter_model.safetensors").is_file()
+        {
+            Self::load_mlx_lm_for(dir, modules, device)
+        } else {
+            Self::load_peft_for(dir, modules, device)
+        }
+    }
+
+    /// Reads mlx-lm's adapter layout (see [`Adapters::save_mlx_lm`]): α is taken as
+    /// `scale · r`, so the adapters compute what mlx-lm computes.
+    pub fn load_mlx_lm_for(
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
+        let cfg_path = dir.join("adapter_config.json");
+        let err = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
+        let cfg: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+        if cfg
+            .get("fine_tune_type")
+            .and_then(Value::as_str)
+            .unwrap_or("lora")
+            != "lora"
+        {
+            return Err(err(format!(
+                "`fine_tune_type` {} is not lora",
+                cfg["fine_tune_type"]
+            )));
+        }
+        let p = cfg
+            .get("lora_parameters")
+            .ok_or_else(|| err("`lora_parameters` is missing".into()))?;
+        let r = p
+            .get("rank")
+            .and_then(Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| err("`lora_parameters.rank` must be a positive integer".into()))?
+            as usize;
+        let scale = p
+            .get("scale")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| err("`lora_parameters.scale` must be a number".into()))?;
+        let st_path = dir.join("adapters.safetensors");
+        let st_err = |m: String| ModelError::Config(format!("{}: {m}", st_path.display()));
+        let bytes = std::fs::read(&st_path).map_err(|e| st_err(e.to_string()))?;
+        let st =
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+        let shapes: BTreeMap<&str, (usize, usize)> = modules
+            .iter()
+            .map(|(m, i, o)| (m.as_str(), (*i, *o)))
+            .collect();
+        let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
+        for (name, view) in st.tensors() {
+            let (module, which) = if let Some(m) = name.strip_suffix(".lora_a") {
+                (m, 0)
+            } else if let Some(m) = name.strip_suffix(".lora_b") {
+                (m, 1)
+            } else {
+                return Err(st_err(format!(
+                    "tensor `{name}` is not an mlx-lm LoRA tensor (lora_a / lora_b)"
+                )));
+            };
+            let &(inputs, outputs) = shapes.get(module).ok_or_else(|| {
+                st_err(format!(
+                    "tensor `{name}`: the model has no Linear `{module}`"
+                ))
+            })?;
+            let expect = if which == 0 {
+                vec![inputs, r]
+            } else {
+                vec![r, outputs]
+            };
+            if view.shape() != expect.as_slice() {
+                return Err(st_err(format!(
+                    "tensor `{name}` has shape {:?}, expected {expect:?}",
+                    view.shape()
+                )));
+            }
+            let data = decode_float(view.dtype(), view.data()).ok_or_else(|| {
+                st_err(format!(
+                    "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
+                    view.dtype()
+                ))
+            })?;
+            // PEFT's orientation: A [r, in], B [out, r].
+            let t = Tensor::from_vec(data, expect.as_slice(), device)?
+                .t()?
+                .contiguous()?;
+            let e = halves.entry(module.to_string()).or_default();
+            if which == 0 {
+                e.0 = Some(Var::from_tensor(&t)?);
+            } else {
+                e.1 = Some(Var::from_tensor(&t)?);
+            }
+        }
+        let spec = LoraSpec {
+            r,
+            alpha: scale * r as f64,
+            dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0),
+            rslora: false,
+            target_modules: Vec::new(),
+        };
+        let mut layers = BTreeMap::new();
+        for (module, (a, b)) in halves {
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(st_err(format!(
+                    "`{module}` has only one of lora_a / lora_b"
+                )));
+            };
+            layers.insert(module, LoraLayer::of(a, b, &spec));
+        }
+        if layers.is_empty() {
+            return Err(st_err("holds no LoRA tensors".into()));
+        }
+        let mut spec = spec;
+        spec.target_modules = layers
+            .keys()
+            .map(|m| m.rsplit('.').next().unwrap_or(m).to_string())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        for l in layers.values_mut() {
+            *l = LoraLayer::of(l.a.clone(), l.b.clone(), &spec);
+        }
+        Ok(Adapters {
+            layers,
+            spec,
+            training: false,
+            rng: std::sync::Arc::new(DropoutRng::new(0x6472_6f70)),
+        })
+    }
+
     /// Reads a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`) for
     /// `model`: every tensor must name a Linear of the model with the right shape.
     pub fn load_peft(dir: &Path, model: &DecoderModel) -> Result<Self, ModelError> {

@@ -30,6 +30,17 @@ pub mod schedule;
 pub mod tasks;
 
 use serde::{Deserialize, Serialize};
+
+/// The layout a LoRA adapter is written in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdapterFormat {
+    /// PEFT's `adapter_model.safetensors` + `adapter_config.json` (what `peft` loads).
+    #[default]
+    Peft,
+    /// mlx-lm's `adapters.safetensors` + `adapter_config.json` (what `mlx_lm` loads).
+    MlxLm,
+}
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -69,6 +80,10 @@ pub struct TrainConfig {
     /// With LoRA, also write the merged full checkpoint (`<output>/merged`).
     #[serde(default)]
     pub merge: bool,
+    /// The adapter's layout: `peft` (`adapter_model.safetensors`, default) or `mlx-lm`
+    /// (`adapters.safetensors`, mlx-lm's `adapter_config.json`).
+    #[serde(default)]
+    pub adapter_format: AdapterFormat,
     /// Continue the run saved in this checkpoint folder (`<output>/checkpoint-<step>`):
     /// weights, optimizer state, step, data position and random streams.
     #[serde(default)]
@@ -106,6 +121,7 @@ impl TrainConfig {
             lora: None,
             init_adapter: None,
             merge: false,
+            adapter_format: AdapterFormat::Peft,
             resume: None,
             task_options: serde_json::Map::new(),
         }

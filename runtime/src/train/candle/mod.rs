@@ -116,7 +116,11 @@ impl Setup {
             (lora, init) => {
                 model.freeze()?;
                 let adapters = match init {
-                    Some(dir) => Adapters::load_peft(dir, &model)?,
+                    Some(dir) => Adapters::load_any_for(
+                        dir,
+                        &crate::model::lora::linear_modules(&model),
+                        model.device(),
+                    )?,
                     None => {
                         let l = lora.as_ref().expect("one of the two is set");
                         let spec = LoraSpec {
@@ -472,7 +476,12 @@ pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainErr
         let base = setup.config.model.display().to_string();
         match &setup.adapters {
             Some(a) => {
-                a.save_peft(dir, &setup.model, &base)?;
+                match setup.config.adapter_format {
+                    super::AdapterFormat::Peft => a.save_peft(dir, &setup.model, &base)?,
+                    super::AdapterFormat::MlxLm => {
+                        a.save_mlx_lm(dir, setup.model.config().layers)?
+                    }
+                }
                 if setup.config.merge {
                     let merged_dir = super::output::merged_dir(dir)?;
                     let merged = a.merged(&setup.model)?;

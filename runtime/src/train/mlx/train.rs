@@ -76,7 +76,7 @@ impl MlxSetup {
         let cpu = candle_core::Device::Cpu;
         let adapters = match (&config.lora, &config.init_adapter) {
             (None, None) => None,
-            (_, Some(dir)) => Some(Adapters::load_peft_for(dir, &modules, &cpu)?),
+            (_, Some(dir)) => Some(Adapters::load_any_for(dir, &modules, &cpu)?),
             (Some(l), None) => {
                 let spec = LoraSpec {
                     r: l.r,
@@ -669,15 +669,16 @@ impl Stepper for MlxStepper {
     }
     fn save_output(&self) -> Result<PathBuf, TrainError> {
         crate::train::output::save_into(&self.setup.config.output, |dir| {
-            self.write_result(dir, self.setup.config.merge)
+            self.write_result(dir, true)
         })
     }
 }
 
 impl MlxStepper {
-    /// The result as the user gets it, into `dir`: PEFT's adapter files (and with `merge` the
-    /// merged full checkpoint in `dir/merged`), or the full checkpoint.
-    fn write_result(&self, dir: &Path, merge: bool) -> Result<(), TrainError> {
+    /// The result as the user gets it, into `dir`: the adapter files (and with `--merge` the
+    /// merged full checkpoint in `dir/merged`), or the full checkpoint; `fin`: the final
+    /// output (a checkpoint writes PEFT's layout and no merge).
+    fn write_result(&self, dir: &Path, fin: bool) -> Result<(), TrainError> {
         let setup = &self.setup;
         let base = setup.config.model.display().to_string();
         match &setup.adapters {
@@ -692,8 +693,14 @@ impl MlxStepper {
                     )?;
                     var.set(&t)?;
                 }
-                a.save_peft_for(dir, &setup.modules, &base)?;
-                if merge {
+                match (setup.config.adapter_format, fin) {
+                    // Checkpoints keep PEFT's layout (a resumed run reads its own arrays).
+                    (crate::train::AdapterFormat::MlxLm, true) => {
+                        a.save_mlx_lm(dir, setup.decoder.config().layers)?
+                    }
+                    _ => a.save_peft_for(dir, &setup.modules, &base)?,
+                }
+                if fin && setup.config.merge {
                     let merged_dir = crate::train::output::merged_dir(dir)?;
                     let (w, lora) = setup.parts(&self.params);
                     let tensors = w.iter().map(|(name, arr)| {
