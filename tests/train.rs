@@ -933,3 +933,89 @@ fn mlx_lm_loads_kilns_adapter_and_gives_kilns_logits() {
         .fold(0f32, f32::max);
     assert!(worst < 1e-4, "kiln vs mlx-lm logits differ by {worst}");
 }
+
+/// A broken adapter folder is a named error, in either layout: a module with only one half, a
+/// tensor of the wrong shape, a Linear the model does not have.
+#[test]
+fn broken_adapters_are_named_errors() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{DType, Device};
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let modules = linear_modules(&base);
+    let write = |dir: &Path, file: &str, config: &str, tensors: &[(&str, Vec<usize>)]| {
+        std::fs::write(dir.join("adapter_config.json"), config).unwrap();
+        let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(n, s)| {
+                (
+                    n.to_string(),
+                    s.clone(),
+                    vec![0u8; 4 * s.iter().product::<usize>()],
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(file)).unwrap();
+    };
+    let (_, inputs, outputs) = modules
+        .iter()
+        .find(|(m, _, _)| m == "model.layers.0.self_attn.q_proj")
+        .cloned()
+        .unwrap();
+    let peft_cfg = r#"{"peft_type":"LORA","r":2,"lora_alpha":4,"target_modules":["q_proj"]}"#;
+    let mlx_cfg = r#"{"fine_tune_type":"lora","num_layers":2,"lora_parameters":{"rank":2,"scale":2.0,"dropout":0.0}}"#;
+    let q = "model.layers.0.self_attn.q_proj";
+    let cases: Vec<(&str, &str, Vec<(String, Vec<usize>)>, String)> = vec![
+        (
+            "adapter_model.safetensors",
+            peft_cfg,
+            vec![(
+                format!("base_model.model.{q}.lora_A.weight"),
+                vec![2, inputs],
+            )],
+            format!("`{q}` has only one of lora_A / lora_B"),
+        ),
+        (
+            "adapters.safetensors",
+            mlx_cfg,
+            vec![
+                (format!("{q}.lora_a"), vec![2, inputs]),
+                (format!("{q}.lora_b"), vec![2, outputs]),
+            ],
+            format!("tensor `{q}.lora_a` has shape [2, {inputs}], expected [{inputs}, 2]"),
+        ),
+        (
+            "adapters.safetensors",
+            mlx_cfg,
+            vec![(
+                "model.layers.0.self_attn.nope.lora_a".into(),
+                vec![inputs, 2],
+            )],
+            "the model has no Linear `model.layers.0.self_attn.nope`".into(),
+        ),
+    ];
+    for (file, cfg, tensors, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let t: Vec<(&str, Vec<usize>)> = tensors
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.clone()))
+            .collect();
+        write(dir.path(), file, cfg, &t);
+        let err = Adapters::load_any_for(dir.path(), &modules, &Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&want), "{err}");
+        assert!(err.contains(file), "names the file: {err}");
+    }
+}

@@ -221,6 +221,107 @@ impl SplitMix {
     }
 }
 
+/// The `A [r, in]`, `B [out, r]` pairs of the adapter file at `path`, by module: `split`
+/// names each tensor's module and side (0: A, 1: B) or says why it is not an adapter tensor;
+/// `transposed`: the file holds `Aᵀ [in, r]` and `Bᵀ [r, out]` (mlx-lm). Every module must be a
+/// Linear of `modules` with both halves in the right shape.
+#[allow(clippy::too_many_arguments)]
+fn read_pairs(
+    path: &Path,
+    modules: &[(String, usize, usize)],
+    r: usize,
+    (a_name, b_name): (&str, &str),
+    transposed: bool,
+    device: &candle_core::Device,
+    split: impl Fn(&str) -> Result<(String, usize), String>,
+) -> Result<BTreeMap<String, (Var, Var)>, ModelError> {
+    let st_err = |m: String| ModelError::Config(format!("{}: {m}", path.display()));
+    let bytes = std::fs::read(path).map_err(|e| st_err(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+    let shapes: BTreeMap<&str, (usize, usize)> = modules
+        .iter()
+        .map(|(m, i, o)| (m.as_str(), (*i, *o)))
+        .collect();
+    let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let (module, which) = split(&name).map_err(&st_err)?;
+        let &(inputs, outputs) = shapes.get(module.as_str()).ok_or_else(|| {
+            st_err(format!(
+                "tensor `{name}`: the model has no Linear `{module}`"
+            ))
+        })?;
+        let mut expect = if which == 0 {
+            vec![r, inputs]
+        } else {
+            vec![outputs, r]
+        };
+        if transposed {
+            expect.reverse();
+        }
+        if view.shape() != expect.as_slice() {
+            return Err(st_err(format!(
+                "tensor `{name}` has shape {:?}, expected {expect:?}",
+                view.shape()
+            )));
+        }
+        let data = decode_float(view.dtype(), view.data()).ok_or_else(|| {
+            st_err(format!(
+                "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
+                view.dtype()
+            ))
+        })?;
+        let mut t = Tensor::from_vec(data, expect.as_slice(), device)?;
+        if transposed {
+            t = t.t()?.contiguous()?;
+        }
+        let var = Var::from_tensor(&t)?;
+        let e = halves.entry(module).or_default();
+        if which == 0 {
+            e.0 = Some(var);
+        } else {
+            e.1 = Some(var);
+        }
+    }
+    let mut pairs = BTreeMap::new();
+    for (module, (a, b)) in halves {
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(st_err(format!(
+                "`{module}` has only one of {a_name} / {b_name}"
+            )));
+        };
+        pairs.insert(module, (a, b));
+    }
+    if pairs.is_empty() {
+        return Err(st_err("holds no LoRA tensors".into()));
+    }
+    Ok(pairs)
+}
+
+/// Writes f32 `tensors` (name, shape, values) to the safetensors file `path`.
+fn write_f32(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<(), ModelError> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, v)| {
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                d.clone(),
+                bytemuck::cast_slice(v),
+            )
+            .map(|t| (n.clone(), t))
+            .map_err(|e| ModelError::Tensor {
+                tensor: n.clone(),
+                message: e.to_string(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    safetensors::serialize_to_file(views, metadata, path)
+        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))
+}
+
 impl Adapters {
     /// New adapters on every Linear of `model` that `spec` targets: `A` Kaiming-uniform from
     /// `seed`, `B` zero (PEFT's default initialisation). No Linear targeted is an error
@@ -385,32 +486,18 @@ impl Adapters {
         modules: &[(String, usize, usize)],
         base_model: &str,
     ) -> Result<(), ModelError> {
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let mut tensors = Vec::new();
         for (name, var) in self.vars() {
             let t = var.as_tensor().to_dtype(DType::F32)?;
-            let dims = t.dims().to_vec();
-            let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
-            tensors.push((name, dims, bytemuck::cast_slice(&data).to_vec()));
+            tensors.push((name, t.dims().to_vec(), t.flatten_all()?.to_vec1()?));
         }
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-            .iter()
-            .map(|(n, d, b)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| ModelError::Tensor {
-                        tensor: n.clone(),
-                        message: e.to_string(),
-                    })
-            })
-            .collect::<Result<_, _>>()?;
-        let metadata = Some(std::collections::HashMap::from([(
-            "format".to_string(),
-            "pt".to_string(),
-        )]));
+        let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        write_f32(
+            &dir.join("adapter_model.safetensors"),
+            &tensors,
+            Some(metadata),
+        )?;
         let io = |path: &Path, e: String| ModelError::Config(format!("{}: {e}", path.display()));
-        let path = dir.join("adapter_model.safetensors");
-        safetensors::serialize_to_file(views, metadata, &path)
-            .map_err(|e| io(&path, e.to_string()))?;
         let s = &self.spec;
         let config = json!({
             "alpha_pattern": {},
@@ -471,32 +558,16 @@ impl Adapters {
                 "mlx-lm adapts the same modules in the last N layers; these adapters cover another set (use --adapter-format peft)".into(),
             ));
         }
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let mut tensors = Vec::new();
         for (m, l) in &self.layers {
             for (suffix, v) in [("lora_a", &l.a), ("lora_b", &l.b)] {
                 let t = v.as_tensor().t()?.contiguous()?.to_dtype(DType::F32)?;
-                let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
-                tensors.push((
-                    format!("{m}.{suffix}"),
-                    t.dims().to_vec(),
-                    bytemuck::cast_slice(&data).to_vec(),
-                ));
+                let dims = t.dims().to_vec();
+                tensors.push((format!("{m}.{suffix}"), dims, t.flatten_all()?.to_vec1()?));
             }
         }
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-            .iter()
-            .map(|(n, d, b)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| ModelError::Tensor {
-                        tensor: n.clone(),
-                        message: e.to_string(),
-                    })
-            })
-            .collect::<Result<_, _>>()?;
+        write_f32(&dir.join("adapters.safetensors"), &tensors, None)?;
         let io = |path: &Path, e: String| ModelError::Config(format!("{}: {e}", path.display()));
-        let path = dir.join("adapters.safetensors");
-        safetensors::serialize_to_file(views, None, &path).map_err(|e| io(&path, e.to_string()))?;
         let s = &self.spec;
         let config = json!({
             "fine_tune_type": "lora",
@@ -567,94 +638,38 @@ impl Adapters {
             .get("scale")
             .and_then(Value::as_f64)
             .ok_or_else(|| err("`lora_parameters.scale` must be a number".into()))?;
-        let st_path = dir.join("adapters.safetensors");
-        let st_err = |m: String| ModelError::Config(format!("{}: {m}", st_path.display()));
-        let bytes = std::fs::read(&st_path).map_err(|e| st_err(e.to_string()))?;
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
-        let shapes: BTreeMap<&str, (usize, usize)> = modules
-            .iter()
-            .map(|(m, i, o)| (m.as_str(), (*i, *o)))
-            .collect();
-        let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
-        for (name, view) in st.tensors() {
-            let (module, which) = if let Some(m) = name.strip_suffix(".lora_a") {
-                (m, 0)
-            } else if let Some(m) = name.strip_suffix(".lora_b") {
-                (m, 1)
-            } else {
-                return Err(st_err(format!(
-                    "tensor `{name}` is not an mlx-lm LoRA tensor (lora_a / lora_b)"
-                )));
-            };
-            let &(inputs, outputs) = shapes.get(module).ok_or_else(|| {
-                st_err(format!(
-                    "tensor `{name}`: the model has no Linear `{module}`"
-                ))
-            })?;
-            let expect = if which == 0 {
-                vec![inputs, r]
-            } else {
-                vec![r, outputs]
-            };
-            if view.shape() != expect.as_slice() {
-                return Err(st_err(format!(
-                    "tensor `{name}` has shape {:?}, expected {expect:?}",
-                    view.shape()
-                )));
-            }
-            let data = decode_float(view.dtype(), view.data()).ok_or_else(|| {
-                st_err(format!(
-                    "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
-                    view.dtype()
-                ))
-            })?;
-            // PEFT's orientation: A [r, in], B [out, r].
-            let t = Tensor::from_vec(data, expect.as_slice(), device)?
-                .t()?
-                .contiguous()?;
-            let e = halves.entry(module.to_string()).or_default();
-            if which == 0 {
-                e.0 = Some(Var::from_tensor(&t)?);
-            } else {
-                e.1 = Some(Var::from_tensor(&t)?);
-            }
-        }
+        let pairs = read_pairs(
+            &dir.join("adapters.safetensors"),
+            modules,
+            r,
+            ("lora_a", "lora_b"),
+            true,
+            device,
+            |name| {
+                if let Some(m) = name.strip_suffix(".lora_a") {
+                    Ok((m.to_string(), 0))
+                } else if let Some(m) = name.strip_suffix(".lora_b") {
+                    Ok((m.to_string(), 1))
+                } else {
+                    Err(format!(
+                        "tensor `{name}` is not an mlx-lm LoRA tensor (lora_a / lora_b)"
+                    ))
+                }
+            },
+        )?;
         let spec = LoraSpec {
             r,
             alpha: scale * r as f64,
             dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0),
             rslora: false,
-            target_modules: Vec::new(),
+            target_modules: pairs
+                .keys()
+                .map(|m| m.rsplit('.').next().unwrap_or(m).to_string())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
         };
-        let mut layers = BTreeMap::new();
-        for (module, (a, b)) in halves {
-            let (Some(a), Some(b)) = (a, b) else {
-                return Err(st_err(format!(
-                    "`{module}` has only one of lora_a / lora_b"
-                )));
-            };
-            layers.insert(module, LoraLayer::of(a, b, &spec));
-        }
-        if layers.is_empty() {
-            return Err(st_err("holds no LoRA tensors".into()));
-        }
-        let mut spec = spec;
-        spec.target_modules = layers
-            .keys()
-            .map(|m| m.rsplit('.').next().unwrap_or(m).to_string())
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        for l in layers.values_mut() {
-            *l = LoraLayer::of(l.a.clone(), l.b.clone(), &spec);
-        }
-        Ok(Adapters {
-            layers,
-            spec,
-            training: false,
-            rng: std::sync::Arc::new(DropoutRng::new(0x6472_6f70)),
-        })
+        Ok(Adapters::of_pairs(pairs, spec))
     }
 
     /// Reads a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`) for
@@ -722,77 +737,43 @@ impl Adapters {
                 .unwrap_or(false),
             target_modules: targets,
         };
-        let st_path = dir.join("adapter_model.safetensors");
-        let st_err = |m: String| ModelError::Config(format!("{}: {m}", st_path.display()));
-        let bytes = std::fs::read(&st_path).map_err(|e| st_err(e.to_string()))?;
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
-        let shapes: BTreeMap<String, (usize, usize)> = modules
-            .iter()
-            .map(|(m, i, o)| (m.clone(), (*i, *o)))
+        let pairs = read_pairs(
+            &dir.join("adapter_model.safetensors"),
+            modules,
+            r,
+            ("lora_A", "lora_B"),
+            false,
+            device,
+            |name| {
+                let rest = name
+                    .strip_prefix("base_model.model.")
+                    .ok_or_else(|| format!("tensor `{name}` is not a PEFT LoRA tensor"))?;
+                if let Some(m) = rest.strip_suffix(".lora_A.weight") {
+                    Ok((m.to_string(), 0))
+                } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
+                    Ok((m.to_string(), 1))
+                } else {
+                    Err(format!(
+                        "tensor `{name}` is not a LoRA A/B weight (only LoRA on Linear layers is supported)"
+                    ))
+                }
+            },
+        )?;
+        Ok(Adapters::of_pairs(pairs, spec))
+    }
+
+    /// Adapters of `spec` from their `A`, `B` pairs by module.
+    fn of_pairs(pairs: BTreeMap<String, (Var, Var)>, spec: LoraSpec) -> Self {
+        let layers = pairs
+            .into_iter()
+            .map(|(m, (a, b))| (m, LoraLayer::of(a, b, &spec)))
             .collect();
-        let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
-        for (name, view) in st.tensors() {
-            let rest = name
-                .strip_prefix("base_model.model.")
-                .ok_or_else(|| st_err(format!("tensor `{name}` is not a PEFT LoRA tensor")))?;
-            let (module, which) = if let Some(m) = rest.strip_suffix(".lora_A.weight") {
-                (m, 0)
-            } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
-                (m, 1)
-            } else {
-                return Err(st_err(format!(
-                    "tensor `{name}` is not a LoRA A/B weight (only LoRA on Linear layers is supported)"
-                )));
-            };
-            let &(inputs, outputs) = shapes.get(module).ok_or_else(|| {
-                st_err(format!(
-                    "tensor `{name}`: the model has no Linear `{module}`"
-                ))
-            })?;
-            let expect = if which == 0 {
-                vec![r, inputs]
-            } else {
-                vec![outputs, r]
-            };
-            if view.shape() != expect.as_slice() {
-                return Err(st_err(format!(
-                    "tensor `{name}` has shape {:?}, expected {expect:?}",
-                    view.shape()
-                )));
-            }
-            let data = decode_float(view.dtype(), view.data()).ok_or_else(|| {
-                st_err(format!(
-                    "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
-                    view.dtype()
-                ))
-            })?;
-            let var = Var::from_vec(data, expect.as_slice(), device)?;
-            let e = halves.entry(module.to_string()).or_default();
-            if which == 0 {
-                e.0 = Some(var);
-            } else {
-                e.1 = Some(var);
-            }
-        }
-        let mut layers = BTreeMap::new();
-        for (module, (a, b)) in halves {
-            let (Some(a), Some(b)) = (a, b) else {
-                return Err(st_err(format!(
-                    "`{module}` has only one of lora_A / lora_B"
-                )));
-            };
-            layers.insert(module, LoraLayer::of(a, b, &spec));
-        }
-        if layers.is_empty() {
-            return Err(st_err("holds no LoRA tensors".into()));
-        }
-        Ok(Adapters {
+        Adapters {
             layers,
             spec,
             training: false,
             rng: std::sync::Arc::new(DropoutRng::new(0x6472_6f70)),
-        })
+        }
     }
 
     /// `W + s·B·A` for every adapted Linear: the merged weights by tensor name (`--merge`).

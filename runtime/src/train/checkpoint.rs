@@ -8,6 +8,7 @@
 //! renamed; `save_total_limit` rotates old ones out.
 
 use super::TrainError;
+use super::config_err;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -41,13 +42,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |source| TrainError::Io {
         path: path.to_path_buf(),
         source,
-    }
-}
-
-fn config_err(field: &str, message: impl Into<String>) -> TrainError {
-    TrainError::Config {
-        field: field.into(),
-        message: message.into(),
     }
 }
 

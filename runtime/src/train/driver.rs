@@ -3,6 +3,7 @@
 //! logging windows, evaluation and checkpoint cadences, resuming, stopping. A backend hands in
 //! a [`Stepper`]: its objective, forward and backward passes, optimizer, checkpoints and output.
 
+use super::config_err;
 use super::schedule::{Schedule, ScheduleKind};
 use super::{StepMetrics, TrainConfig, TrainError, TrainObserver, TrainPlan, TrainReport};
 use std::collections::BTreeMap;
@@ -62,13 +63,6 @@ pub trait Stepper {
     fn resume(&mut self, dir: &Path) -> Result<(u64, u64), TrainError>;
     /// Writes the trained result into the configured output folder.
     fn save_output(&self) -> Result<PathBuf, TrainError>;
-}
-
-fn config_err(field: &str, message: impl Into<String>) -> TrainError {
-    TrainError::Config {
-        field: field.to_string(),
-        message: message.into(),
-    }
 }
 
 /// A seeded permutation (Fisher–Yates over SplitMix64).

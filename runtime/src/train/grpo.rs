@@ -3,6 +3,7 @@
 //! functions, group-normalised advantages, the clipped policy objective with an optional k3 KL
 //! to the reference; `num_iterations` steps per generation batch.
 
+use super::config_err;
 use super::data::{DataFormat, TextTokenizer};
 use super::losses::{self, GrpoInputs, GrpoLoss, GrpoSettings};
 use super::ops::TensorOps;
@@ -11,13 +12,6 @@ use super::tasks::{MicroBatch, TensorOf, read_data};
 use super::{TrainConfig, TrainError};
 use crate::model::generate::{Rng, SamplingConfig};
 use std::collections::BTreeMap;
-
-fn config_err(field: &str, message: impl Into<String>) -> TrainError {
-    TrainError::Config {
-        field: field.into(),
-        message: message.into(),
-    }
-}
 
 fn backend_err(e: impl std::fmt::Display) -> TrainError {
     TrainError::Config {

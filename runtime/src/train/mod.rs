@@ -31,6 +31,14 @@ pub mod tasks;
 
 use serde::{Deserialize, Serialize};
 
+/// A [`TrainError::Config`] naming `field`.
+pub(crate) fn config_err(field: &str, message: impl Into<String>) -> TrainError {
+    TrainError::Config {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
 /// The layout a LoRA adapter is written in.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

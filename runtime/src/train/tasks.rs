@@ -5,6 +5,7 @@
 
 use super::TrainConfig;
 use super::TrainError;
+use super::config_err;
 use super::data::{
     DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, UnpairedExample,
     apply_chat_template, pair_examples, scored_pairs, unpair, unpaired_examples,
@@ -19,13 +20,6 @@ pub type TensorOf<R> = <<R as Runner>::Ops as TensorOps>::T;
 
 /// A micro-batch's loss, its figures and its token count.
 pub type MicroBatch<T> = (T, BTreeMap<String, f64>, u64);
-
-fn config_err(field: &str, message: impl Into<String>) -> TrainError {
-    TrainError::Config {
-        field: field.into(),
-        message: message.into(),
-    }
-}
 
 /// The training data of `config`, in one of the `accepted` formats.
 pub fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Dataset, TrainError> {

@@ -12,6 +12,7 @@ pub mod optim;
 
 use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
+use super::config_err;
 use super::data::TextTokenizer;
 use super::losses::{self};
 use super::ops::TensorOps;
@@ -30,13 +31,6 @@ fn backend_err(e: impl std::fmt::Display) -> TrainError {
     TrainError::Backend {
         backend: BACKEND.into(),
         message: e.to_string(),
-    }
-}
-
-fn config_err(field: &str, message: impl Into<String>) -> TrainError {
-    TrainError::Config {
-        field: field.into(),
-        message: message.into(),
     }
 }
 

@@ -9,6 +9,7 @@ use crate::checkpoint::Checkpoint;
 use crate::model::generate::{Rng, SamplingConfig, sample_with};
 use crate::model::lora::{Adapters, LoraSpec, linear_modules_of};
 use crate::train::checkpoint::HostTensor;
+use crate::train::config_err;
 use crate::train::data::TextTokenizer;
 use crate::train::driver::{Stepper, drive, eval_figures, evaluation};
 use crate::train::grpo::GrpoTask;
@@ -28,13 +29,6 @@ fn backend_err(e: impl std::fmt::Display) -> TrainError {
     TrainError::Backend {
         backend: BACKEND.into(),
         message: e.to_string(),
-    }
-}
-
-fn config_err(field: &str, message: impl Into<String>) -> TrainError {
-    TrainError::Config {
-        field: field.into(),
-        message: message.into(),
     }
 }
 
