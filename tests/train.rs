@@ -976,7 +976,8 @@ fn broken_adapters_are_named_errors() {
     let peft_cfg = r#"{"peft_type":"LORA","r":2,"lora_alpha":4,"target_modules":["q_proj"]}"#;
     let mlx_cfg = r#"{"fine_tune_type":"lora","num_layers":2,"lora_parameters":{"rank":2,"scale":2.0,"dropout":0.0}}"#;
     let q = "model.layers.0.self_attn.q_proj";
-    let cases: Vec<(&str, &str, Vec<(String, Vec<usize>)>, String)> = vec![
+    type Case<'a> = (&'a str, &'a str, Vec<(String, Vec<usize>)>, String);
+    let cases: Vec<Case> = vec![
         (
             "adapter_model.safetensors",
             peft_cfg,
