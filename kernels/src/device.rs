@@ -10,7 +10,7 @@ pub enum Device {
     Cpu,
     /// An NVIDIA GPU by ordinal (feature `cuda`).
     Cuda(usize),
-    /// An Apple GPU (no kernels yet).
+    /// An Apple GPU through MLX (feature `mlx`; MLX's layouts only).
     Metal(usize),
 }
 
@@ -63,11 +63,16 @@ mod tests {
         );
         assert!("cuda:x".parse::<Device>().is_err());
         assert!(Device::Cpu.check().is_ok());
-        let metal = Device::Metal(0).check().unwrap_err().to_string();
-        assert_eq!(
-            metal,
-            "metal is not available: kiln was built without Metal kernels (not implemented yet)"
-        );
+        if !cfg!(feature = "mlx") {
+            assert_eq!(
+                Device::Metal(0).check().unwrap_err().to_string(),
+                "metal is not available: kiln was built without the `mlx` feature (MLX is \
+                 kiln's Metal backend)"
+            );
+        } else if !crate::mlx::metal_available() {
+            let e = Device::Metal(0).check().unwrap_err().to_string();
+            assert!(e.contains("MLX sees no Metal GPU"), "{e}");
+        }
         if !cfg!(feature = "cuda") {
             assert_eq!(
                 Device::Cuda(0).check().unwrap_err().to_string(),

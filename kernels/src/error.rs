@@ -46,6 +46,14 @@ pub enum KernelError {
         /// The shape given.
         shape: Vec<usize>,
     },
+    /// A parameter the operation does not take.
+    #[error("{op}: {what}")]
+    Parameter {
+        /// The kernel that refused.
+        op: &'static str,
+        /// What was wrong.
+        what: String,
+    },
     /// The operation has no implementation on this device.
     #[error("{op} has no {device} implementation")]
     Unsupported {

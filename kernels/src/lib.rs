@@ -1,5 +1,6 @@
 //! kiln's number formats and quantization kernels: FP8, FP4 (NVFP4/MXFP4), E8M0 scales,
-//! INT8/INT4, each with a scalar reference and SIMD / CUDA / Metal implementations.
+//! INT8/INT4, each with a scalar reference and SIMD / CUDA implementations, and MLX's own
+//! layouts (affine, mxfp4, mxfp8, nvfp4) with MLX as the Metal backend.
 //!
 //! Kernels know nothing of models, files or registries; exporters call them. The exact
 //! rounding of every format follows `docs/FORMATS.md`.
@@ -25,6 +26,11 @@ pub mod error;
 pub mod formats;
 pub mod layout;
 pub mod metal;
+#[cfg(feature = "mlx")]
+pub mod mlx;
+#[cfg(not(feature = "mlx"))]
+#[path = "mlx/dummy.rs"]
+pub mod mlx;
 pub mod ops;
 
 pub use device::Device;

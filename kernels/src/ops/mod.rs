@@ -6,6 +6,7 @@
 pub mod amax;
 pub mod fp8;
 pub mod int;
+pub mod mlx;
 pub mod mx;
 pub mod nvfp4;
 

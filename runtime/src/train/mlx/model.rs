@@ -10,6 +10,7 @@
 //! base weights).
 
 use crate::checkpoint::Checkpoint;
+use crate::model::generate::{Rng, SamplingConfig, sample_with};
 use crate::model::lora::DropoutRng;
 use crate::model::{DecoderConfig, ModelError};
 use mlx_rs::Array;
@@ -43,6 +44,38 @@ struct Ctx<'a> {
     w: &'a MlxWeights,
     adapters: &'a BTreeMap<String, MlxLora>,
     dropout: Option<&'a DropoutRng>,
+}
+
+/// Keys and values of the positions run so far, per layer (`[rows, kv_heads, len, head_dim]`,
+/// after RoPE): sampling runs one new token per row per step against them.
+pub struct MlxCache {
+    layers: Vec<Option<(Array, Array)>>,
+    len: usize,
+}
+
+impl MlxCache {
+    /// The positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Repeats a one-row cache for `n` rows (one prompt, `n` completions).
+    pub fn repeat_rows(&mut self, n: usize) -> Result<(), Exception> {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            let grow = |a: &Array| -> Result<Array, Exception> {
+                let mut shape = a.shape().to_vec();
+                shape[0] = n as i32;
+                ops::broadcast_to(a, &shape)?.contiguous()
+            };
+            (*k, *v) = (grow(k)?, grow(v)?);
+        }
+        Ok(())
+    }
 }
 
 /// The names a layer's tensors go by, resolved once.
@@ -197,16 +230,63 @@ impl MlxDecoder {
             adapters,
             dropout,
         };
+        self.run(&ctx, ids, attention, None)
+    }
+
+    /// An empty cache for [`MlxDecoder::forward_cached`].
+    pub fn new_cache(&self) -> MlxCache {
+        MlxCache {
+            layers: vec![None; self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Logits `[rows, t, vocab]` of `ids` (`t` new tokens per row, no padding) at the positions
+    /// after those in `cache`, which takes their keys and values (no adapter dropout: for
+    /// sampling).
+    pub fn forward_cached(
+        &self,
+        w: &MlxWeights,
+        adapters: &BTreeMap<String, MlxLora>,
+        ids: &[Vec<u32>],
+        cache: &mut MlxCache,
+    ) -> Result<Array, Exception> {
+        let ctx = Ctx {
+            w,
+            adapters,
+            dropout: None,
+        };
+        let logits = self.run(&ctx, ids, None, Some(&mut *cache))?;
+        cache.len += ids.first().map_or(0, Vec::len);
+        let held: Vec<&Array> = cache
+            .layers
+            .iter()
+            .flatten()
+            .flat_map(|(k, v)| [k, v])
+            .collect();
+        mlx_rs::transforms::eval(held)?;
+        Ok(logits)
+    }
+
+    fn run(
+        &self,
+        ctx: &Ctx<'_>,
+        ids: &[Vec<u32>],
+        attention: Option<&[Vec<bool>]>,
+        mut cache: Option<&mut MlxCache>,
+    ) -> Result<Array, Exception> {
+        let w = ctx.w;
         let c = &self.config;
         let b = ids.len();
         let t = ids.first().map_or(0, Vec::len);
+        let start = cache.as_ref().map_or(0, |c| c.len);
         let flat: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
         let idx = Array::from_slice(&flat, &[(b * t) as i32]);
         let table = &w["model.embed_tokens.weight"];
         let mut h = table
             .take_axis(&idx, 0)?
             .reshape(&[b as i32, t as i32, c.hidden as i32])?;
-        let (cos, sin) = self.rope_tables(t);
+        let (cos, sin) = self.rope_tables(start, t);
         let key_mask = match attention {
             Some(a) => {
                 let m: Vec<f32> = a
@@ -217,22 +297,23 @@ impl MlxDecoder {
             }
             None => None,
         };
-        for l in &self.layers {
+        for (i, l) in self.layers.iter().enumerate() {
             let x = self.rms_norm(&h, &w[&l.input_norm])?;
-            let a = self.attention(&ctx, l, &x, &cos, &sin, key_mask.as_ref())?;
+            let past = cache.as_deref_mut().map(|c| (&mut c.layers[i], start));
+            let a = self.attention(ctx, l, &x, (&cos, &sin), key_mask.as_ref(), past)?;
             h = ops::add(&h, &a)?;
             let x = self.rms_norm(&h, &w[&l.post_norm])?;
-            let g = self.linear(&ctx, &l.gate, &x)?;
+            let g = self.linear(ctx, &l.gate, &x)?;
             let g = ops::multiply(&g, &ops::sigmoid(&g)?)?;
-            let u = self.linear(&ctx, &l.up, &x)?;
-            let m = self.linear(&ctx, &l.down, &ops::multiply(&g, &u)?)?;
+            let u = self.linear(ctx, &l.up, &x)?;
+            let m = self.linear(ctx, &l.down, &ops::multiply(&g, &u)?)?;
             h = ops::add(&h, &m)?;
         }
         let h = self.rms_norm(&h, &w["model.norm.weight"])?;
         if self.tied {
             ops::matmul(&h, table.t())
         } else {
-            self.linear(&ctx, "lm_head", &h)
+            self.linear(ctx, "lm_head", &h)
         }
     }
 
@@ -268,12 +349,13 @@ impl MlxDecoder {
         ops::multiply(&normed, w)
     }
 
-    /// `cos`, `sin` `[seq, head_dim]`, computed on the host as the candle decoder does.
-    fn rope_tables(&self, t: usize) -> (Array, Array) {
+    /// `cos`, `sin` `[seq, head_dim]` for positions `start..start + t`, computed on the host
+    /// as the candle decoder does.
+    fn rope_tables(&self, start: usize, t: usize) -> (Array, Array) {
         let hd = self.config.head_dim;
         let mut cos = Vec::with_capacity(t * hd);
         let mut sin = Vec::with_capacity(t * hd);
-        for pos in 0..t {
+        for pos in start..start + t {
             for _ in 0..2 {
                 for &f in &self.inv_freq {
                     let a = pos as f32 * f;
@@ -285,15 +367,16 @@ impl MlxDecoder {
         (f32_array(&cos, &[t, hd]), f32_array(&sin, &[t, hd]))
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Self-attention of `x`'s `t` positions; with `past` (this layer's cache and the number of
+    /// positions before `x`), against the cached keys and values too, which it extends.
     fn attention(
         &self,
         ctx: &Ctx<'_>,
         l: &LayerNames,
         x: &Array,
-        cos: &Array,
-        sin: &Array,
+        (cos, sin): (&Array, &Array),
         key_mask: Option<&Array>,
+        past: Option<(&mut Option<(Array, Array)>, usize)>,
     ) -> Result<Array, Exception> {
         let c = &self.config;
         let (b, t) = (x.shape()[0], x.shape()[1]);
@@ -313,29 +396,39 @@ impl MlxDecoder {
             ops::add(&ops::multiply(&x, cos)?, &ops::multiply(&rotated, sin)?)
         };
         let q = rope(proj(&l.q, l.q_norm.as_ref(), nh)?)?;
-        let k = rope(proj(&l.k, l.k_norm.as_ref(), nkv)?)?;
-        let v = proj(&l.v, None, nkv)?;
+        let mut k = rope(proj(&l.k, l.k_norm.as_ref(), nkv)?)?;
+        let mut v = proj(&l.v, None, nkv)?;
+        let mut start = 0;
+        if let Some((slot, before)) = past {
+            if let Some((pk, pv)) = slot.as_ref() {
+                k = ops::concatenate(&[pk.clone(), k], 2)?;
+                v = ops::concatenate(&[pv.clone(), v], 2)?;
+            }
+            *slot = Some((k.clone(), v.clone()));
+            start = before;
+        }
+        let keys = k.shape()[2];
         let repeat = |x: Array| -> Result<Array, Exception> {
             if nh == nkv {
                 return Ok(x);
             }
             let x = x.expand_dims(2)?;
-            let x = ops::broadcast_to(&x, &[b, nkv, nh / nkv, t, hd])?;
-            x.reshape(&[b, nh, t, hd])
+            let x = ops::broadcast_to(&x, &[b, nkv, nh / nkv, keys, hd])?;
+            x.reshape(&[b, nh, keys, hd])
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scale = Array::from_f32(1.0 / (hd as f32).sqrt());
         let scores = ops::multiply(&ops::matmul(&q, &k.transpose_axes(&[0, 1, 3, 2])?)?, &scale)?;
-        let tu = t as usize;
-        let mask: Vec<f32> = (0..tu)
+        let (tu, ku) = (t as usize, keys as usize);
+        let mask: Vec<f32> = (start..start + tu)
             .flat_map(|i| {
-                (0..tu).map(move |j| {
+                (0..ku).map(move |j| {
                     let hidden = j > i || l.window.is_some_and(|w| i - j >= w);
                     if hidden { f32::NEG_INFINITY } else { 0.0 }
                 })
             })
             .collect();
-        let mut scores = ops::add(&scores, f32_array(&mask, &[tu, tu]))?;
+        let mut scores = ops::add(&scores, f32_array(&mask, &[tu, ku]))?;
         if let Some(k) = key_mask {
             scores = ops::add(&scores, k)?;
         }
@@ -347,4 +440,47 @@ impl MlxDecoder {
             .reshape(&[b, t, nh * hd])?;
         self.linear(ctx, &l.o, &o)
     }
+}
+
+/// `n` completions of `prompt` on MLX, drawn as the candle sampler draws
+/// (`generate::sample_with`): the prompt runs once, its keys and values are shared by the `n`
+/// rows, then each step runs every row's newest token against the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    decoder: &MlxDecoder,
+    weights: &MlxWeights,
+    adapters: &BTreeMap<String, MlxLora>,
+    prompt: &[u32],
+    n: usize,
+    cfg: &SamplingConfig,
+    rng: &mut Rng,
+) -> Result<Vec<Vec<u32>>, ModelError> {
+    if prompt.is_empty() {
+        return Err(ModelError::Config(
+            "cannot sample after an empty prompt".into(),
+        ));
+    }
+    // The last position's logits of each row, as host rows.
+    let last_rows = |logits: Array| -> Result<Vec<Vec<f32>>, Exception> {
+        let (rows, t) = (logits.shape()[0] as usize, logits.shape()[1]);
+        let last = ops::split_at_indices(&logits, &[t - 1], 1)?.remove(1);
+        let last = last.as_type::<f32>()?.contiguous()?;
+        last.eval()?;
+        let flat = last.as_slice::<f32>();
+        let v = flat.len() / rows;
+        Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
+    };
+    let mut cache = decoder.new_cache();
+    let logits = decoder
+        .forward_cached(weights, adapters, &[prompt.to_vec()], &mut cache)
+        .map_err(mlx_err)?;
+    let first = last_rows(logits).map_err(mlx_err)?.remove(0);
+    cache.repeat_rows(n).map_err(mlx_err)?;
+    sample_with(prompt, n, cfg, rng, first, |next, _| {
+        let ids: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        decoder
+            .forward_cached(weights, adapters, &ids, &mut cache)
+            .and_then(last_rows)
+            .map_err(mlx_err)
+    })
 }

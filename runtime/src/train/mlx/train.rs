@@ -6,7 +6,7 @@
 use super::model::{MlxDecoder, MlxLora, MlxWeights, mlx_err};
 use super::ops::MlxOps;
 use crate::checkpoint::Checkpoint;
-use crate::model::generate::{Rng, SamplingConfig, sample_with};
+use crate::model::generate::{Rng, SamplingConfig};
 use crate::model::lora::{Adapters, LoraSpec, linear_modules_of};
 use crate::train::checkpoint::HostTensor;
 use crate::train::config_err;
@@ -178,8 +178,8 @@ pub struct MlxRunner<'a> {
 }
 
 impl crate::train::grpo::Sample for MlxRunner<'_> {
-    /// The candle sampler's draws over MLX logits: every row re-run in full for each new token
-    /// (no KV cache on MLX yet), the policy without adapter dropout.
+    /// The candle sampler's draws over MLX logits, with MLX's KV cache (`MlxCache`), the
+    /// policy without adapter dropout.
     fn sample(
         &self,
         prompt: &[u32],
@@ -187,49 +187,16 @@ impl crate::train::grpo::Sample for MlxRunner<'_> {
         cfg: &SamplingConfig,
         rng: &mut Rng,
     ) -> Result<Vec<Vec<u32>>, TrainError> {
-        if prompt.is_empty() {
-            return Err(config_err(
-                "train_data",
-                "cannot sample after an empty prompt",
-            ));
-        }
-        let last_logits = |rows: &[Vec<u32>]| -> Result<Vec<Vec<f32>>, TrainError> {
-            let logits = self
-                .setup
-                .decoder
-                .forward_with(
-                    &self.policy.weights,
-                    &self.policy.adapters,
-                    None,
-                    rows,
-                    None,
-                )
-                .map_err(mlx_err)?;
-            let t = rows[0].len() as i32;
-            let last = ops::split_at_indices(&logits, &[t - 1], 1)
-                .map_err(mlx_err)?
-                .remove(1);
-            let flat = host(&last)?;
-            let v = flat.len() / rows.len();
-            Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
-        };
-        let first = last_logits(&[prompt.to_vec()])?.remove(0);
-        // No KV cache: every row re-runs in full, finished rows padded with their last token
-        // (as the cached sampler feeds it).
-        sample_with(prompt, n, cfg, rng, first, |_, out| {
-            let longest = out.iter().map(Vec::len).max().unwrap_or(0);
-            let rows: Vec<Vec<u32>> = out
-                .iter()
-                .map(|o| {
-                    let mut row = prompt.to_vec();
-                    row.extend(o);
-                    let fill = *row.last().unwrap_or(&0);
-                    row.resize(prompt.len() + longest, fill);
-                    row
-                })
-                .collect();
-            last_logits(&rows)
-        })
+        super::model::sample(
+            &self.setup.decoder,
+            &self.policy.weights,
+            &self.policy.adapters,
+            prompt,
+            n,
+            cfg,
+            rng,
+        )
+        .map_err(TrainError::from)
     }
 }
 
