@@ -2,7 +2,9 @@
 # Installs what .ci/run needs beyond the Rust toolchain the machine ships with:
 # - the rustfmt and clippy components;
 # - NVRTC from PyPI (`nvidia-cuda-nvrtc-cu12`, no GPU needed), so CI compiles every CUDA kernel
-#   to PTX. Prints the folder holding libnvrtc on its last line.
+#   to PTX. Prints the folder holding libnvrtc on its last line;
+# - llama.cpp's Python package gguf (gguf-py) and numpy, pinned: tests/gguf.rs has it read the
+#   GGUF files kiln writes.
 set -euo pipefail
 need=()
 cargo fmt --version >/dev/null 2>&1 || need+=(rustfmt)
@@ -10,6 +12,10 @@ cargo clippy --version >/dev/null 2>&1 || need+=(clippy)
 if [ ${#need[@]} -gt 0 ]; then
   echo "ci-deps: installing rust components: ${need[*]}" >&2
   rustup component add "${need[@]}" >&2
+fi
+if ! python3 -c "import gguf, numpy" 2>/dev/null; then
+  echo "ci-deps: installing gguf-py (gguf==0.19.0, numpy==2.4.6)" >&2
+  python3 -m pip install -q --disable-pip-version-check gguf==0.19.0 numpy==2.4.6 >&2
 fi
 nvrtc_dir() {
   python3 -c "import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null

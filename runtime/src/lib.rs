@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod demo;
 pub mod export;
 pub mod families;
+pub mod gguf;
 #[cfg(feature = "exec")]
 pub mod model;
 pub mod module_tree;

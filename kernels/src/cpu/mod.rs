@@ -429,3 +429,35 @@ pub fn quantize_int4_groups<T: Element>(
             _ => ops::int::quantize_int4_groups(w, 2, cols, group, s, o),
         })
 }
+
+/// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
+/// over rayon's threads. Each block is the reference's own computation (no SIMD yet), so the
+/// bytes equal the single-threaded reference's.
+pub fn quantize_gguf(
+    ty: ops::gguf::GgufType,
+    x: &[f32],
+    cols: usize,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    // Validate the whole layout once (the same errors as the reference).
+    let block = ty.block_elems();
+    if cols == 0 || !cols.is_multiple_of(block) || !x.len().is_multiple_of(cols) {
+        return Err(KernelError::BlockMismatch {
+            op: "quantize_gguf",
+            cols,
+            block,
+        });
+    }
+    check_len(
+        "quantize_gguf",
+        "output",
+        out.len(),
+        ty.bytes_for(x.len()),
+        &[x.len() / cols, cols],
+    )?;
+    // About 64 KiB of input per task.
+    let blocks = (CHUNK / 4 / block).max(1);
+    x.par_chunks(blocks * block)
+        .zip(out.par_chunks_mut(blocks * ty.block_bytes()))
+        .try_for_each(|(x, o)| ops::gguf::quantize(ty, x, x.len(), o))
+}

@@ -5,6 +5,7 @@
 
 pub mod amax;
 pub mod fp8;
+pub mod gguf;
 pub mod int;
 pub mod mlx;
 pub mod mx;

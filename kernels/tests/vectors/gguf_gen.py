@@ -1,0 +1,153 @@
+"""llama.cpp's own reference quantizers (`quantize_row_*_ref` in ggml-quants.c, from the
+llama-cpp-python 0.3.36 source distribution on PyPI) run on random and adversarial inputs,
+written to gguf_cases.json for kernels/tests/gguf_vectors.rs, which checks kiln's
+`ops::gguf` against every output byte.
+
+    python kernels/tests/vectors/gguf_gen.py [LLAMA_CPP_DIR]
+
+Without LLAMA_CPP_DIR it downloads the pinned sdist with pip (a C compiler and numpy are all
+it needs). ggml-quants.c is compiled alone, with `-O2 -ffp-contract=off` (no fused
+multiply-add: the arithmetic C's source order states), beside four stubs for the ggml
+functions its validation code names. gguf-py's numpy quantizers (same sdist) are run too for the
+types they have, and must agree with the C code; gguf-py's dequantizers give the decoded values
+(`y`) that kiln's decoding is compared with.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import numpy as np
+
+SDIST = "llama-cpp-python==0.3.36"
+OUT = pathlib.Path(__file__).with_name("gguf_cases.json")
+TYPES = {  # name → (C function suffix, block elements, block bytes)
+    "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20), "Q5_0": ("q5_0", 32, 22),
+    "Q5_1": ("q5_1", 32, 24), "Q8_0": ("q8_0", 32, 34), "Q4_K": ("q4_K", 256, 144),
+    "Q5_K": ("q5_K", 256, 176), "Q6_K": ("q6_K", 256, 210), "MXFP4": ("mxfp4", 32, 17),
+}
+STUBS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <stddef.h>
+void ggml_abort(const char * file, int line, const char * fmt, ...) {
+    fprintf(stderr, "ggml_abort %s:%d %s\n", file, line, fmt); abort();
+}
+size_t ggml_row_size(int type, long long ne) { (void) type; (void) ne; abort(); }
+const char * ggml_type_name(int type) { (void) type; abort(); }
+size_t ggml_type_size(int type) { (void) type; abort(); }
+"""
+HARNESS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+%s
+int main(int argc, char ** argv) {
+    FILE * f = fopen(argv[2], "rb");
+    fseek(f, 0, SEEK_END); long n = ftell(f) / 4; fseek(f, 0, SEEK_SET);
+    float * x = malloc(n * 4); if (fread(x, 4, n, f) != (size_t) n) return 2; fclose(f);
+    unsigned char * y = calloc(n, 4);
+    long bytes = 0;
+%s
+    FILE * o = fopen(argv[3], "wb"); fwrite(y, 1, bytes, o); fclose(o);
+    return 0;
+}
+"""
+
+
+def source_dir(arg):
+    if arg:
+        return pathlib.Path(arg)
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(tmp), SDIST], check=True)
+    (archive,) = tmp.glob("*.tar.gz")
+    with tarfile.open(archive) as t:
+        t.extractall(tmp, filter="data")
+    (root,) = [p for p in tmp.iterdir() if p.is_dir()]
+    return root / "vendor" / "llama.cpp"
+
+
+def build(llama, work):
+    ggml = llama / "ggml"
+    decls = "\n".join(f"void quantize_row_{c}_ref(const float * x, void * y, int64_t k);"
+                      for c, _, _ in TYPES.values())
+    calls = "\n".join(
+        f'    if (!strcmp(argv[1], "{name}")) {{ quantize_row_{c}_ref(x, y, n); bytes = n / {e} * {b}; }}'
+        for name, (c, e, b) in TYPES.items())
+    (work / "harness.c").write_text(HARNESS % (decls, calls))
+    (work / "stubs.c").write_text(STUBS)
+    exe = work / "quantize"
+    flags = ["-O2", "-ffp-contract=off", "-std=gnu11", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}"]
+    subprocess.run(["cc", *flags, "-o", str(exe), str(work / "harness.c"), str(work / "stubs.c"),
+                    str(ggml / "src" / "ggml-quants.c"), "-lm"], check=True)
+    return exe
+
+
+def inputs(rng):
+    """(name, f32 matrix [rows, 512]) pairs."""
+    cols = 512
+    yield "normal", (rng.standard_normal((4, cols)) * 0.02).astype(np.float32)
+    yield "wide", (rng.standard_normal((4, cols)) * 10.0 ** rng.uniform(-4, 3, (4, 1))).astype(np.float32)
+    yield "heavy-tails", (rng.standard_t(2, (4, cols)) * 0.01).astype(np.float32)
+    yield "positive", np.abs(rng.standard_normal((2, cols))).astype(np.float32)
+    yield "negative", -np.abs(rng.standard_normal((2, cols))).astype(np.float32) - 0.5
+    z = rng.standard_normal((4, cols)).astype(np.float32)
+    z[0] = 0.0
+    z[1, :256] = 0.0
+    z[1, 256:288] = 1e-3
+    z[2, ::7] = 0.0
+    z[3, 5] = 100.0
+    yield "zeros-outlier", z
+    yield "constant", np.full((2, cols), 0.25, np.float32)
+    g = rng.integers(-8, 8, (4, cols)).astype(np.float32) * np.float32(0.125)
+    yield "grid", g  # exact grid points and ties of the legacy types
+
+
+def gguf_py_quantize(llama, name, x):
+    sys.path.insert(0, str(llama / "gguf-py"))
+    from gguf import quants, GGMLQuantizationType  # noqa: E402
+    qt = getattr(GGMLQuantizationType, name)
+    try:
+        return quants.quantize(x, qt).tobytes()
+    except NotImplementedError:
+        return None
+
+
+def gguf_py_dequantize(llama, name, q, shape):
+    sys.path.insert(0, str(llama / "gguf-py"))
+    from gguf import quants, GGMLQuantizationType  # noqa: E402
+    qt = getattr(GGMLQuantizationType, name)
+    rows = np.frombuffer(q, np.uint8).reshape(shape[0], -1)
+    return np.ascontiguousarray(quants.dequantize(rows, qt), np.float32).tobytes()
+
+
+def main():
+    llama = source_dir(sys.argv[1] if len(sys.argv) > 1 else None)
+    work = pathlib.Path(tempfile.mkdtemp())
+    exe = build(llama, work)
+    rng = np.random.default_rng(20261201)
+    cases, checked = [], 0
+    for input_name, x in inputs(rng):
+        x = np.ascontiguousarray(x, np.float32)
+        (work / "x.bin").write_bytes(x.tobytes())
+        for name in TYPES:
+            subprocess.run([str(exe), name, str(work / "x.bin"), str(work / "q.bin")], check=True)
+            q = (work / "q.bin").read_bytes()
+            py = gguf_py_quantize(llama, name, x)
+            if py is not None:
+                assert py == q, f"gguf-py disagrees with ggml-quants.c: {name} {input_name}"
+                checked += 1
+            y = gguf_py_dequantize(llama, name, q, x.shape)
+            cases.append({"input": input_name, "type": name, "shape": list(x.shape),
+                          "x": x.tobytes().hex(), "q": q.hex(), "y": y.hex()})
+    OUT.write_text(json.dumps({"source": SDIST, "cases": cases}, indent=0))
+    print(f"{len(cases)} cases ({checked} also checked against gguf-py) → {OUT}")
+
+
+if __name__ == "__main__":
+    main()
