@@ -654,6 +654,32 @@ mod tests {
         assert!(e.contains("never written"), "{e}");
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        /// Any corruption of a valid file — bytes overwritten anywhere, or the file cut
+        /// short — is refused by name or read; never a panic, and what opens reads back.
+        #[test]
+        fn corrupted_files_never_panic(
+            edits in proptest::collection::vec((0usize..400, proptest::prelude::any::<u8>()), 1..6),
+            cut in 0usize..420,
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let mut bytes = std::fs::read(sample(dir.path())).unwrap();
+            for (at, b) in edits {
+                let n = bytes.len();
+                bytes[at % n] = b;
+            }
+            bytes.truncate(cut.max(1).min(bytes.len()));
+            let path = dir.path().join("fuzzed.gguf");
+            std::fs::write(&path, &bytes).unwrap();
+            if let Ok(f) = GgufFile::open(&path) {
+                for t in &f.tensors {
+                    f.read(t).unwrap();
+                }
+            }
+        }
+    }
+
     /// Hostile headers are named errors, refused before any large allocation.
     #[test]
     fn broken_headers_are_named_errors() {
