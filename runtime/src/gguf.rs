@@ -164,10 +164,11 @@ pub fn tensor_bytes(dims: &[u64], ggml_type: u32) -> Result<u64, String> {
             "rows of {row} elements are not whole blocks of {block} (ggml type {ggml_type})"
         ));
     }
-    dims.iter()
-        .skip(1)
-        .try_fold(row / block * bytes, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| format!("dimensions {dims:?} overflow"))
+    let mut total = (row / block).checked_mul(bytes);
+    for &d in dims.iter().skip(1) {
+        total = total.and_then(|t| t.checked_mul(d));
+    }
+    total.ok_or_else(|| format!("dimensions {dims:?} overflow"))
 }
 
 fn align(x: u64, a: u64) -> u64 {
@@ -264,7 +265,13 @@ impl GgufWriter {
                 },
                 bytes,
             ));
-            offset = align(offset + bytes, alignment);
+            offset = offset
+                .checked_add(bytes)
+                .map(|end| align(end, alignment))
+                .ok_or_else(|| GgufError::Tensor {
+                    name: name.clone(),
+                    what: "the data section would exceed 2^64 bytes".into(),
+                })?;
         }
         let mut head = Vec::new();
         head.extend_from_slice(MAGIC);
@@ -652,6 +659,11 @@ mod tests {
         let w = GgufWriter::create(&path, &[], &tensors).unwrap();
         let e = w.finish().unwrap_err().to_string();
         assert!(e.contains("never written"), "{e}");
+        // A row so long its byte count overflows is an error, not a wrapped size.
+        let e = tensor_bytes(&[1 << 62], 0).unwrap_err();
+        assert!(e.contains("overflow"), "{e}");
+        let e = tensor_bytes(&[1 << 40, 1 << 40], 1).unwrap_err();
+        assert!(e.contains("overflow"), "{e}");
     }
 
     proptest::proptest! {
