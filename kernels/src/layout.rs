@@ -108,6 +108,19 @@ pub fn blocks(
     check_len(op, "scales", scales, n / block, shape)
 }
 
+/// `n` elements in rows of `cols`, each row whole blocks of `block`: the number of blocks.
+pub fn row_blocks(
+    op: &'static str,
+    n: usize,
+    cols: usize,
+    block: usize,
+) -> Result<usize, KernelError> {
+    if cols == 0 || !cols.is_multiple_of(block) || !n.is_multiple_of(cols) {
+        return Err(KernelError::BlockMismatch { op, cols, block });
+    }
+    Ok(n / block)
+}
+
 /// Rows of `cols` in 32-element MX blocks: `out_per_block` bytes and one E8M0 scale per block.
 pub fn mx_blocks(
     op: &'static str,

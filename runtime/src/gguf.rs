@@ -73,7 +73,7 @@ pub enum Value {
     Bool(bool),
     /// `STRING`.
     String(String),
-    /// `ARRAY` of one element type (an empty array records `UINT8`... as written).
+    /// `ARRAY` of one element type (an empty one is written with element type `UINT8`).
     Array(Vec<Value>),
     /// `UINT64`.
     U64(u64),

@@ -439,22 +439,8 @@ pub fn quantize_gguf(
     cols: usize,
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    // Validate the whole layout once (the same errors as the reference).
+    ops::gguf::check_layout(ty, x.len(), cols, out.len())?;
     let block = ty.block_elems();
-    if cols == 0 || !cols.is_multiple_of(block) || !x.len().is_multiple_of(cols) {
-        return Err(KernelError::BlockMismatch {
-            op: "quantize_gguf",
-            cols,
-            block,
-        });
-    }
-    check_len(
-        "quantize_gguf",
-        "output",
-        out.len(),
-        ty.bytes_for(x.len()),
-        &[x.len() / cols, cols],
-    )?;
     // About 64 KiB of input per task.
     let blocks = (CHUNK / 4 / block).max(1);
     x.par_chunks(blocks * block)

@@ -59,18 +59,18 @@ fn to_array<T: Element>(w: &[T], rows: usize, cols: usize) -> Result<Array, Kern
 
 /// An MLX array's elements as `T` (its dtype must be `T`'s).
 fn elements<T: Element>(a: &Array) -> Result<Vec<T>, KernelError> {
-    let bytes: &[u8] = match a.dtype() {
-        Dtype::Float32 => bytemuck::cast_slice(a.try_as_slice::<f32>().map_err(as_err)?),
-        Dtype::Bfloat16 => bytemuck::cast_slice(a.try_as_slice::<bf16>().map_err(as_err)?),
-        Dtype::Float16 => bytemuck::cast_slice(a.try_as_slice::<f16>().map_err(as_err)?),
-        other => return Err(failed("mlx", format!("unexpected dtype {other:?}"))),
-    };
     if a.dtype() != dtype_of::<T>() {
         return Err(failed(
             "mlx",
             format!("expected {}, got {:?}", T::DTYPE, a.dtype()),
         ));
     }
+    let bytes: &[u8] = match a.dtype() {
+        Dtype::Float32 => bytemuck::cast_slice(a.try_as_slice::<f32>().map_err(as_err)?),
+        Dtype::Bfloat16 => bytemuck::cast_slice(a.try_as_slice::<bf16>().map_err(as_err)?),
+        Dtype::Float16 => bytemuck::cast_slice(a.try_as_slice::<f16>().map_err(as_err)?),
+        other => return Err(failed("mlx", format!("unexpected dtype {other:?}"))),
+    };
     Ok(bytemuck::pod_collect_to_vec(bytes))
 }
 
@@ -197,7 +197,7 @@ impl MlxKernels {
         global_amax: Option<f32>,
     ) -> Result<(Vec<u8>, Vec<u8>), KernelError> {
         let op = "quantize_fp (mlx)";
-        check_groups(op, w.len(), cols, mode.group())?;
+        nonempty_groups(op, w.len(), cols, mode.group())?;
         let name = match mode {
             FpMode::Mxfp4 => c"mxfp4",
             FpMode::Mxfp8 => c"mxfp8",
@@ -244,7 +244,7 @@ impl MlxKernels {
                 what: format!("bits {bits} with group size {group} (2, 4 or 8; 32, 64 or 128)"),
             });
         }
-        check_groups(op, w.len(), cols, group)?;
+        nonempty_groups(op, w.len(), cols, group)?;
         let a = to_array(w, w.len() / cols, cols)?;
         let out = self.quantize(op, a, group, bits, c"affine", None)?;
         let [q, s, b] = &out[..] else {
@@ -268,13 +268,19 @@ impl MlxKernels {
     }
 }
 
-fn check_groups(op: &'static str, n: usize, cols: usize, group: usize) -> Result<(), KernelError> {
-    if cols == 0 || !cols.is_multiple_of(group) || !n.is_multiple_of(cols) || n == 0 {
-        return Err(KernelError::BlockMismatch {
+/// Whole groups along every row, and at least one (MLX refuses an empty array).
+fn nonempty_groups(
+    op: &'static str,
+    n: usize,
+    cols: usize,
+    group: usize,
+) -> Result<(), KernelError> {
+    match crate::layout::row_blocks(op, n, cols, group)? {
+        0 => Err(KernelError::BlockMismatch {
             op,
             cols,
             block: group,
-        });
+        }),
+        _ => Ok(()),
     }
-    Ok(())
 }

@@ -162,24 +162,28 @@ fn inverse(d: f32) -> f32 {
     if d != 0.0 { 1.0 / d } else { 0.0 }
 }
 
-/// Quantizes `x` (rows of `cols`) to `ty`, writing [`GgufType::bytes_for`] bytes.
-pub fn quantize(ty: GgufType, x: &[f32], cols: usize, out: &mut [u8]) -> Result<(), KernelError> {
-    let block = ty.block_elems();
-    if cols == 0 || !cols.is_multiple_of(block) || !x.len().is_multiple_of(cols) {
-        return Err(KernelError::BlockMismatch {
-            op: "quantize_gguf",
-            cols,
-            block,
-        });
-    }
-    let shape = [x.len() / cols, cols];
+/// Checks that `n` elements in rows of `cols` are whole blocks of `ty` and `out` holds their
+/// bytes (the reference's and the threaded driver's errors).
+pub(crate) fn check_layout(
+    ty: GgufType,
+    n: usize,
+    cols: usize,
+    out: usize,
+) -> Result<(), KernelError> {
+    crate::layout::row_blocks("quantize_gguf", n, cols, ty.block_elems())?;
     check_len(
         "quantize_gguf",
         "output",
-        out.len(),
-        ty.bytes_for(x.len()),
-        &shape,
-    )?;
+        out,
+        ty.bytes_for(n),
+        &[n / cols, cols],
+    )
+}
+
+/// Quantizes `x` (rows of `cols`) to `ty`, writing [`GgufType::bytes_for`] bytes.
+pub fn quantize(ty: GgufType, x: &[f32], cols: usize, out: &mut [u8]) -> Result<(), KernelError> {
+    check_layout(ty, x.len(), cols, out.len())?;
+    let block = ty.block_elems();
     for (b, o) in x
         .chunks_exact(block)
         .zip(out.chunks_exact_mut(ty.block_bytes()))

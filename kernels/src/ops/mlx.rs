@@ -118,22 +118,6 @@ fn mx_byte_mlx(k: i32) -> u8 {
     (k + 127).rem_euclid(256) as u8
 }
 
-fn group_layout(
-    op: &'static str,
-    n: usize,
-    cols: usize,
-    group: usize,
-) -> Result<usize, KernelError> {
-    if cols == 0 || !cols.is_multiple_of(group) || !n.is_multiple_of(cols) {
-        return Err(KernelError::BlockMismatch {
-            op,
-            cols,
-            block: group,
-        });
-    }
-    Ok(n / group)
-}
-
 fn bmax<T: Element>(g: &[T]) -> f32 {
     g.iter().fold(0f32, |m, x| m.max(x.to_f32().abs()))
 }
@@ -150,7 +134,7 @@ pub fn quantize_fp<T: Element>(
 ) -> Result<(), KernelError> {
     let op = "quantize_fp_mlx";
     let group = mode.group();
-    let groups = group_layout(op, w.len(), cols, group)?;
+    let groups = crate::layout::row_blocks(op, w.len(), cols, group)?;
     let shape = [w.len() / cols, cols];
     check_len(
         op,
@@ -280,7 +264,7 @@ pub fn quantize_affine<T: Element>(
 ) -> Result<(), KernelError> {
     let op = "quantize_affine";
     affine_params(op, bits, group)?;
-    let groups = group_layout(op, w.len(), cols, group)?;
+    let groups = crate::layout::row_blocks(op, w.len(), cols, group)?;
     let shape = [w.len() / cols, cols];
     check_len(
         op,
