@@ -3,8 +3,10 @@
 # - the rustfmt and clippy components;
 # - NVRTC from PyPI (`nvidia-cuda-nvrtc-cu12`, no GPU needed), so CI compiles every CUDA kernel
 #   to PTX. Prints the folder holding libnvrtc on its last line;
-# - llama.cpp's Python package gguf (gguf-py) and numpy, pinned: tests/gguf.rs has it read the
-#   GGUF files kiln writes.
+# - llama.cpp's Python package gguf (gguf-py) and numpy, pinned: tests/gguf.rs and
+#   tests/gguf_export.rs have it read the GGUF files kiln writes;
+# - MLX on the CPU and mlx-lm, pinned: tests/mlx_export.rs compares kiln's MLX exports with
+#   `mlx_lm.convert` and runs them in mlx-lm.
 set -euo pipefail
 need=()
 cargo fmt --version >/dev/null 2>&1 || need+=(rustfmt)
@@ -16,6 +18,10 @@ fi
 if ! python3 -c "import gguf, numpy" 2>/dev/null; then
   echo "ci-deps: installing gguf-py (gguf==0.19.0, numpy==2.4.6)" >&2
   python3 -m pip install -q --disable-pip-version-check gguf==0.19.0 numpy==2.4.6 >&2
+fi
+if ! python3 -c "import mlx_lm" 2>/dev/null; then
+  echo "ci-deps: installing mlx[cpu]==0.32.4 and mlx-lm==0.32.2" >&2
+  python3 -m pip install -q --disable-pip-version-check "mlx[cpu]==0.32.4" mlx-lm==0.32.2 >&2
 fi
 nvrtc_dir() {
   python3 -c "import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null

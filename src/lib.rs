@@ -35,7 +35,7 @@ pub use kiln_kernels as kernels;
 pub use kiln_runtime::__private;
 
 // The attribute macros.
-pub use kiln_runtime::{architecture, exporter, reward, trainer};
+pub use kiln_runtime::{architecture, exporter, reward, trainer, writer};
 // The module tree exporters match on.
 pub use kiln_runtime::{
     Class, ClassChain, Embedding, Linear, Module, ModuleClass, ModuleRef, ModuleTree, TensorInfo,
@@ -53,6 +53,7 @@ pub use kiln_runtime::{
     TrainerRegistry, resolve_trainer,
 };
 pub use kiln_runtime::{RewardEntry, RewardInput, RewardRegistry};
+pub use kiln_runtime::{WriterEntry, WriterRegistry};
 
 /// Exporting: what a plugin exporter calls, and what a program that runs exports needs.
 pub mod export {
@@ -62,8 +63,12 @@ pub mod export {
     pub use kiln_runtime::export::run::{ExportOptions, ExportSummary, run};
     pub use kiln_runtime::export::{
         ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome, ProgressFn,
-        full_name, is_moe, plan, quantize_linear, quantize_weight, walk,
+        full_name, is_moe, plan, quantize_linear, quantize_module, quantize_weight, walk,
     };
+    /// Output writers (`--output-format`): what a user crate implements to add a format.
+    pub mod writer {
+        pub use kiln_runtime::export::writer::*;
+    }
 }
 
 /// Training: the trainer interface and what a trainer reports.

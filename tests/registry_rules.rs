@@ -431,3 +431,59 @@ fn train_config_reads_json_with_defaults_and_typed_task_options() {
             .unwrap_err();
     assert!(bad.to_string().contains("unknown field `lr`"), "{bad}");
 }
+
+#[test]
+fn a_writer_registered_in_another_crate_is_an_output_format() {
+    let r = kiln::WriterRegistry::try_global().unwrap();
+    assert_eq!(r.names(), ["gguf", "mlx", "modelopt", "plugin-manifest"]);
+    let entry = r.get("plugin-manifest").unwrap();
+    assert_eq!(entry.meta.path, "kiln_test_plugin::PluginManifest");
+    assert_eq!(entry.default_format(), Some("list"));
+    // An export through it, with kiln's built-in exporters only (this binary's and the
+    // plugin's own exporters write nothing): the walk hands it every Linear and tensor.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    kiln_runtime::demo::write_demo_model(&model, kiln_runtime::demo::DemoConfig::default())
+        .unwrap();
+    let mut builtins = kiln::RegistryBuilder::<kiln::ExporterEntry>::from_static().unwrap();
+    let others: Vec<String> = builtins
+        .entries()
+        .iter()
+        .map(|e| e.meta.path.to_string())
+        .filter(|p| !p.starts_with("kiln_runtime::"))
+        .collect();
+    for p in &others {
+        builtins.remove(p);
+    }
+    let options = export::ExportOptions {
+        exporters: Some(std::sync::Arc::new(builtins.build().unwrap())),
+        output: Some(kiln_runtime::export::run::OutputFormat {
+            writer: "plugin-manifest".into(),
+            format: "list".into(),
+        }),
+        ..export::ExportOptions::new(
+            &model,
+            tmp.path().join("out"),
+            export::Recipe::new(kiln::Format::Nvfp4),
+        )
+    };
+    let s = export::run(&options).unwrap();
+    assert_eq!(s.files, ["manifest.txt"]);
+    let manifest = std::fs::read_to_string(s.out.join("manifest.txt")).unwrap();
+    assert!(
+        manifest.starts_with("model.embed_tokens.weight Dtype(BF16) [4096, 512] 4194304\n"),
+        "{manifest}"
+    );
+    assert!(manifest.contains("model.norm.weight Dtype(BF16) [512] 1024"));
+    // Linears come through `linear`, in the checkpoint's dtype.
+    assert!(
+        manifest.contains("model.layers.0.self_attn.q_proj.weight Dtype(BF16) [512, 512] 524288")
+    );
+    assert_eq!(manifest.lines().count(), 39, "{manifest}");
+    let e = entry.make("other").err().unwrap().to_string();
+    assert_eq!(
+        e,
+        "the plugin-manifest writer has no format `other` (it writes: list)"
+    );
+}

@@ -5,13 +5,14 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote, quote_spanned};
 use syn::Path;
 
-/// The three registries; each names its entry type and its distributed slice.
+/// The registries; each names its entry type and its distributed slice.
 #[derive(Clone, Copy)]
 pub enum Kind {
     Exporter,
     Trainer,
     Architecture,
     Reward,
+    Writer,
 }
 
 impl Kind {
@@ -21,6 +22,7 @@ impl Kind {
             Kind::Trainer => "TrainerEntry",
             Kind::Architecture => "ArchitectureEntry",
             Kind::Reward => "RewardEntry",
+            Kind::Writer => "WriterEntry",
         }
     }
 
@@ -30,6 +32,7 @@ impl Kind {
             Kind::Trainer => "TRAINERS",
             Kind::Architecture => "ARCHITECTURES",
             Kind::Reward => "REWARDS",
+            Kind::Writer => "WRITERS",
         }
     }
 }

@@ -28,6 +28,7 @@ mod exporter;
 mod item;
 mod reward;
 mod trainer;
+mod writer;
 
 use proc_macro::TokenStream;
 
@@ -60,4 +61,11 @@ pub fn architecture(args: TokenStream, input: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn reward(args: TokenStream, input: TokenStream) -> TokenStream {
     emit::finish(reward::expand(args.into(), input.clone().into()), input)
+}
+
+/// Registers an output writer (`OutputWriter` + `WriterType`) under the `--output-format` name
+/// `name = "..."`; `priority = N`, `replaces = path::Type`, `crate = path` as the others.
+#[proc_macro_attribute]
+pub fn writer(args: TokenStream, input: TokenStream) -> TokenStream {
+    emit::finish(writer::expand(args.into(), input.clone().into()), input)
 }

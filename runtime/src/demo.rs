@@ -131,6 +131,7 @@ fn bf16_bytes(n: usize, std: f32, seed: u64) -> Vec<u8> {
 pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError> {
     let head_dim = c.hidden / c.heads;
     let config = json!({
+        "_name_or_path": "kiln-demo",
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": c.hidden,

@@ -73,7 +73,8 @@ pub enum Value {
     Bool(bool),
     /// `STRING`.
     String(String),
-    /// `ARRAY` of one element type (an empty one is written with element type `UINT8`).
+    /// `ARRAY` of one element type (an empty one is written with element type `STRING`, what
+    /// llama.cpp expects of an empty token or merge list).
     Array(Vec<Value>),
     /// `UINT64`.
     U64(u64),
@@ -203,7 +204,7 @@ fn put_value(buf: &mut Vec<u8>, v: &Value) {
         Value::Bool(x) => buf.push(u8::from(*x)),
         Value::String(s) => put_str(buf, s),
         Value::Array(items) => {
-            let elem = items.first().map_or(0, Value::type_id);
+            let elem = items.first().map_or(8, Value::type_id);
             buf.extend_from_slice(&elem.to_le_bytes());
             buf.extend_from_slice(&(items.len() as u64).to_le_bytes());
             for i in items {

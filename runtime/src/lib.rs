@@ -27,10 +27,11 @@ pub mod module_tree;
 pub mod registry;
 pub mod sink;
 pub mod train;
+pub mod writers;
 
 pub use architecture::{Architecture, ArchitectureError};
 pub use export::{ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome};
-pub use kiln_macros::{architecture, exporter, reward, trainer};
+pub use kiln_macros::{architecture, exporter, reward, trainer, writer};
 pub use module_tree::{
     Class, ClassChain, Embedding, Linear, Module, ModuleClass, ModuleRef, ModuleTree, TensorInfo,
 };
@@ -38,6 +39,7 @@ pub use registry::architectures::{ArchitectureEntry, ArchitectureRegistry};
 pub use registry::exporters::{ExporterEntry, ExporterRegistry, Key, Match, Matcher, Predicate};
 pub use registry::rewards::{RewardEntry, RewardInput, RewardRegistry};
 pub use registry::trainers::{RouteError, TrainerEntry, TrainerRegistry, resolve_trainer};
+pub use registry::writers::{WriterEntry, WriterRegistry};
 pub use registry::{RegistryBuilder, RegistryError, SourceLocation, Tier};
 pub use train::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
 
@@ -46,10 +48,11 @@ pub use train::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
 pub mod __private {
     pub use crate::registry::architectures::ArchitectureEntry;
     #[cfg(not(feature = "inventory"))]
-    pub use crate::registry::collect::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS};
+    pub use crate::registry::collect::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS, WRITERS};
     pub use crate::registry::exporters::{ExporterEntry, Key, Predicate, PredicateFn};
     pub use crate::registry::rewards::{RewardEntry, RewardFn};
     pub use crate::registry::trainers::TrainerEntry;
+    pub use crate::registry::writers::WriterEntry;
     pub use crate::registry::{EntryMeta, Replaces, SourceLocation, Tier};
     #[cfg(feature = "inventory")]
     pub use inventory;
@@ -69,6 +72,24 @@ pub mod __private {
         config: &TrainConfig,
     ) -> Result<Box<dyn Trainer>, TrainError> {
         Ok(Box::new(T::new(config)?))
+    }
+
+    /// Constructs and boxes a writer; spanned at the user's type.
+    pub fn boxed_writer<T: crate::export::writer::WriterType>(
+        format: &str,
+    ) -> Result<Box<dyn crate::export::writer::OutputWriter>, crate::ExportError> {
+        Ok(Box::new(T::new(format)?))
+    }
+
+    /// A writer type's formats.
+    pub fn writer_formats<T: crate::export::writer::WriterType>()
+    -> Vec<(&'static str, std::string::String)> {
+        T::formats()
+    }
+
+    /// The `TypeId` of a writer type named in `replaces`.
+    pub fn writer_type_id<T: crate::export::writer::WriterType>() -> TypeId {
+        TypeId::of::<T>()
     }
 
     /// Boxes an architecture.

@@ -2,9 +2,8 @@
 //! `--format`, `--kv-cache`, `--calib-dtype` and `--size` (clap lists their values in
 //! `--help` and rejects others with the list).
 
-use clap::builder::PossibleValue;
 use clap::{Args, ValueEnum};
-use kiln_runtime::export::recipe::{Format, KvCache};
+use kiln_runtime::export::recipe::KvCache;
 use kiln_runtime::model::candle;
 
 /// Where a model runs (`export --calib`, `eval`, `verify`).
@@ -26,30 +25,6 @@ impl DeviceArgs {
     /// Whether this is the default, the CPU.
     pub fn is_cpu(&self) -> bool {
         self.device == "cpu"
-    }
-}
-
-/// `--format`: every [`Format`], by its `--format` name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FormatArg(pub Format);
-
-const FORMATS: [FormatArg; Format::ALL.len()] = {
-    let mut out = [FormatArg(Format::Fp8); Format::ALL.len()];
-    let mut i = 0;
-    while i < out.len() {
-        out[i] = FormatArg(Format::ALL[i]);
-        i += 1;
-    }
-    out
-};
-
-impl ValueEnum for FormatArg {
-    fn value_variants<'a>() -> &'a [Self] {
-        &FORMATS
-    }
-
-    fn to_possible_value(&self) -> Option<PossibleValue> {
-        Some(PossibleValue::new(self.0.cli_name()).help(self.0.quant_algo()))
     }
 }
 

@@ -1,16 +1,16 @@
 //! `kiln export` and `kiln explain`.
 
-use super::args::{CalibDtype, DemoSize, DeviceArgs, FormatArg, KvCacheArg};
+use super::args::{CalibDtype, DemoSize, DeviceArgs, KvCacheArg};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
 use kiln_runtime::demo::{DemoConfig, write_demo_model};
 use kiln_runtime::export::act_amax::ActAmax;
 use kiln_runtime::export::recipe::{Format, Recipe};
-use kiln_runtime::export::run::{ExportOptions, ExportSummary, module_tree, run};
+use kiln_runtime::export::run::{ExportOptions, ExportSummary, OutputFormat, module_tree, run};
 use kiln_runtime::export::{ModuleOutcome, plan};
 use kiln_runtime::model::for_export::{Calibration, CalibrationOptions};
-use kiln_runtime::{ExporterRegistry, Linear};
+use kiln_runtime::{ExporterRegistry, Linear, WriterRegistry};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -39,9 +39,14 @@ pub struct RecipeArgs {
     /// random Llama-family demo model and uses it.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The quantization format.
-    #[arg(long, default_value = "nvfp4")]
-    format: FormatArg,
+    /// The output layout, one registered writer: `modelopt` (vLLM, SGLang, TensorRT-LLM),
+    /// `gguf` (llama.cpp, Ollama); `kiln registry` lists them with their formats.
+    #[arg(long, value_name = "WRITER", default_value = "modelopt")]
+    output_format: String,
+    /// The quantization format, one of the writer's: modelopt's nvfp4 (its default), fp8,
+    /// int4-awq, …; gguf's q4-k-m (its default), q5-k-m, q6-k, q8-0, q4-0, …, f16, bf16.
+    #[arg(long)]
+    format: Option<String>,
     /// Leave modules matching this glob unquantized (repeatable).
     #[arg(long, value_name = "GLOB")]
     exclude: Vec<String>,
@@ -54,13 +59,45 @@ pub struct RecipeArgs {
 }
 
 impl RecipeArgs {
-    fn recipe(&self) -> Recipe {
-        Recipe {
-            format: self.format.0,
+    /// The writer and its format (`--format`, or the writer's default).
+    fn output(&self) -> Result<OutputFormat> {
+        let registry = WriterRegistry::try_global().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let entry = registry.get(&self.output_format)?;
+        let format = match &self.format {
+            Some(f) => f.clone(),
+            None => entry
+                .default_format()
+                .with_context(|| format!("the {} writer lists no format", entry.name))?
+                .to_string(),
+        };
+        Ok(OutputFormat {
+            writer: self.output_format.clone(),
+            format,
+        })
+    }
+
+    /// Whether the writer is ModelOpt's (the recipe's format is then a ModelOpt format).
+    fn is_modelopt(&self) -> bool {
+        self.output_format == "modelopt"
+    }
+
+    fn recipe(&self) -> Result<Recipe> {
+        // Another writer carries its own format (`ExportOptions::output`); the recipe's
+        // ModelOpt format is then not used.
+        let format = if self.is_modelopt() {
+            self.output()?
+                .format
+                .parse::<Format>()
+                .map_err(|e| anyhow::anyhow!("--format: {e}"))?
+        } else {
+            Format::Nvfp4
+        };
+        Ok(Recipe {
+            format,
             exclude: self.exclude.clone(),
             include: self.include.clone(),
             kv_cache: self.kv_cache.map(Into::into),
-        }
+        })
     }
 }
 
@@ -178,7 +215,7 @@ fn calibrate(
         awq_clip: args.awq_clip,
         ..CalibrationOptions::new(calib)
     };
-    let calibration = Calibration::prepare(model, &args.recipe.recipe(), options)
+    let calibration = Calibration::prepare(model, &args.recipe.recipe()?, options)
         .with_context(|| format!("--calib {}", calib.display()))?;
     writeln!(
         err,
@@ -243,18 +280,31 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     if args.calib.is_none() && !args.device.is_cpu() {
         bail!("--device runs calibration: it needs --calib");
     }
+    let output = args.recipe.output()?;
+    let recipe = args.recipe.recipe()?;
+    if !args.recipe.is_modelopt() && (args.act_amax.is_some() || args.calib.is_some()) {
+        bail!(
+            "--act-amax and --calib give activation statistics, which the {} writer does not use",
+            output.writer
+        );
+    }
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
     let act = match (&args.act_amax, &args.calib) {
         (Some(path), _) => Some(ActAmax::read(path)?),
         (None, Some(calib)) => Some(calibrate(&model, calib, args, err)?),
-        (None, None) => demo_act,
+        (None, None) if args.recipe.is_modelopt() => demo_act,
+        (None, None) => None,
     };
     // The demo's output goes to a kiln-owned folder under the temporary directory, replaced on
     // every run; a real model's output needs --out.
     let (out_dir, force) = match (&args.out, &args.recipe.model) {
         (Some(o), _) => (o.clone(), args.force),
         (None, None) => (
-            std::env::temp_dir().join(format!("kiln-demo-{}", args.recipe.format.0)),
+            std::env::temp_dir().join(if args.recipe.is_modelopt() {
+                format!("kiln-demo-{}", output.format)
+            } else {
+                format!("kiln-demo-{}-{}", output.writer, output.format)
+            }),
             true,
         ),
         (None, Some(_)) => bail!("--out is required with --model"),
@@ -267,7 +317,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     let options = ExportOptions {
         model,
         out: out_dir,
-        recipe: args.recipe.recipe(),
+        recipe,
         act_amax: act,
         max_shard_bytes: args.max_shard_size,
         force,
@@ -278,6 +328,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         cancel: Some(cancel_flag()),
         strict: args.strict,
         exporters: None,
+        output: Some(output.clone()),
     };
     let result = run(&options);
     if matches!(result, Err(kiln_runtime::ExportError::Cancelled)) {
@@ -294,11 +345,11 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     for w in &summary.warnings {
         writeln!(err, "warning: {w}")?;
     }
-    print_report(&summary, args.recipe.format.0, out)?;
+    print_report(&summary, &output, out)?;
     Ok(0)
 }
 
-fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Result<()> {
+fn print_report(s: &ExportSummary, output: &OutputFormat, out: &mut dyn Write) -> Result<()> {
     let secs = s.elapsed.as_secs_f64();
     writeln!(
         out,
@@ -309,7 +360,11 @@ fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Resul
         } else {
             "known family"
         },
-        format,
+        if output.writer == "modelopt" {
+            output.format.clone()
+        } else {
+            format!("{} {}", output.writer, output.format)
+        },
         s.out.display()
     )?;
     if s.generic_fallback {
@@ -328,9 +383,12 @@ fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Resul
             exporter.as_deref().unwrap_or("(copied unchanged)")
         )?;
     }
-    let mut per_format: BTreeMap<Format, usize> = BTreeMap::new();
+    let mut per_format: BTreeMap<String, usize> = BTreeMap::new();
     for f in s.quantized.values() {
-        *per_format.entry(*f).or_default() += 1;
+        *per_format.entry(f.to_string()).or_default() += 1;
+    }
+    for t in s.written_as.values() {
+        *per_format.entry(t.clone()).or_default() += 1;
     }
     writeln!(
         out,
@@ -347,7 +405,12 @@ fn print_report(s: &ExportSummary, format: Format, out: &mut dyn Write) -> Resul
             s.excluded.join(", ")
         }
     )?;
-    for (format, e) in &s.errors {
+    let errors = s
+        .errors
+        .iter()
+        .map(|(f, e)| (f.to_string(), e))
+        .chain(s.writer_errors.iter().map(|(t, e)| (t.clone(), e)));
+    for (format, e) in errors {
         writeln!(
             out,
             "{format} error vs the original weights: max |Δ| {:.3e}, mean |Δ| {:.3e} over {} weights in {} modules",
@@ -374,7 +437,7 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
     let (model, _demo, _) = model_dir(&args.recipe, err)?;
     let checkpoint = Checkpoint::open(&model)?;
     let (tree, architecture, fallback) = module_tree(&checkpoint)?;
-    let recipe = args.recipe.recipe();
+    let recipe = args.recipe.recipe()?;
     let registry = ExporterRegistry::try_global().map_err(|e| anyhow::anyhow!("{e}"))?;
     // The plan only matches: no exporter runs, so any exporter can be explained.
     let report = plan(&tree, registry)?;

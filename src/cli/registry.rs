@@ -1,17 +1,19 @@
-//! `kiln registry [exporters|trainers|architectures|rewards] [--json]`.
+//! `kiln registry [exporters|trainers|architectures|rewards|writers] [--json]`.
 
 use super::table;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use kiln_runtime::registry::trainers::BUILTIN_BACKENDS;
 use kiln_runtime::registry::{EntryMeta, RegistryError, collect};
-use kiln_runtime::{ArchitectureRegistry, ExporterRegistry, RewardRegistry, TrainerRegistry};
+use kiln_runtime::{
+    ArchitectureRegistry, ExporterRegistry, RewardRegistry, TrainerRegistry, WriterRegistry,
+};
 use serde_json::{Value, json};
 use std::io::Write;
 
 #[derive(Debug, Args)]
 pub struct RegistryArgs {
-    /// Which registry to list (all four when omitted).
+    /// Which registry to list (all when omitted).
     kind: Option<Kind>,
     /// Print JSON instead of tables.
     #[arg(long)]
@@ -24,6 +26,7 @@ enum Kind {
     Trainers,
     Architectures,
     Rewards,
+    Writers,
 }
 
 /// Every validation error of the registries asked for.
@@ -39,13 +42,14 @@ impl std::fmt::Display for InvalidRegistries {
 
 impl std::error::Error for InvalidRegistries {}
 
-/// Validates the four registries; every error at once.
+/// Validates every registry; every error at once.
 pub fn validate_all() -> Result<(), InvalidRegistries> {
     let errors: Vec<RegistryError> = [
         ExporterRegistry::try_global().err(),
         TrainerRegistry::try_global().err(),
         ArchitectureRegistry::try_global().err(),
         RewardRegistry::try_global().err(),
+        WriterRegistry::try_global().err(),
     ]
     .into_iter()
     .flatten()
@@ -65,7 +69,11 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     let trainers = wants(Kind::Trainers).then(TrainerRegistry::try_global);
     let architectures = wants(Kind::Architectures).then(ArchitectureRegistry::try_global);
     let rewards = wants(Kind::Rewards).then(RewardRegistry::try_global);
+    let writers = wants(Kind::Writers).then(WriterRegistry::try_global);
     if let Some(Err(e)) = rewards {
+        errors.push(e.clone());
+    }
+    if let Some(Err(e)) = writers {
         errors.push(e.clone());
     }
     if let Some(Err(e)) = exporters {
@@ -84,6 +92,7 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     let trainers = trainers.and_then(Result::ok);
     let architectures = architectures.and_then(Result::ok);
     let rewards = rewards.and_then(Result::ok);
+    let writers = writers.and_then(Result::ok);
 
     if args.json {
         let mut doc = serde_json::Map::new();
@@ -105,6 +114,19 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
             });
             doc.insert("rewards".into(), Value::Array(items.collect()));
         }
+        if let Some(r) = writers {
+            let items = r.entries().iter().enumerate().map(|(i, e)| {
+                let mut o = common_json(i, &e.meta);
+                o.insert("name".into(), json!(e.name));
+                let formats: Vec<Value> = (e.formats)()
+                    .into_iter()
+                    .map(|(f, d)| json!({"format": f, "description": d}))
+                    .collect();
+                o.insert("formats".into(), Value::Array(formats));
+                Value::Object(o)
+            });
+            doc.insert("writers".into(), Value::Array(items.collect()));
+        }
         writeln!(
             out,
             "{}",
@@ -125,6 +147,9 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     }
     if let Some(r) = rewards {
         sections.push(rewards_table(r));
+    }
+    if let Some(r) = writers {
+        sections.push(writers_table(r));
     }
     write!(out, "{}", sections.join("\n"))?;
     Ok(0)
@@ -333,5 +358,29 @@ fn rewards_table(r: &RewardRegistry) -> String {
         rows.len(),
         table::render(&["#", "reward", "function", "source"], &rows),
         empty_note("reward", rows.len())
+    )
+}
+
+fn writers_table(r: &WriterRegistry) -> String {
+    let rows: Vec<Vec<String>> = r
+        .entries()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let formats: Vec<&str> = (e.formats)().iter().map(|(f, _)| *f).collect();
+            vec![
+                i.to_string(),
+                e.name.to_string(),
+                formats.join(" "),
+                e.meta.path.to_string(),
+                source(&e.meta),
+            ]
+        })
+        .collect();
+    format!(
+        "writers ({}): --output-format, and its --format names (the first is the default)\n{}{}",
+        rows.len(),
+        table::render(&["#", "writer", "formats", "type", "source"], &rows),
+        empty_note("writer", rows.len())
     )
 }

@@ -4,6 +4,7 @@
 use super::act_amax::ActAmax;
 use super::recipe::{Format, Recipe};
 use super::report::ExportReport;
+use super::writer::{LinearWeight, OutputWriter, Written};
 use super::{ExportError, smooth, stats};
 use crate::checkpoint::Checkpoint;
 use crate::module_tree::ModuleRef;
@@ -33,6 +34,31 @@ struct Captured {
     errors: Vec<(Format, stats::ErrorStats)>,
     /// Modules this module's exporter declared quantized, with their formats.
     declared: Vec<(String, Format)>,
+    /// What another writer than ModelOpt's made of the module, keyed by module or tensor.
+    written: Vec<(String, Written)>,
+}
+
+/// Another writer than ModelOpt's, and what it reported.
+struct Foreign {
+    name: String,
+    /// Its `--format` names.
+    formats: Vec<String>,
+    /// Read-locked by the parallel encoders, write-locked by the in-order writes.
+    writer: std::sync::RwLock<Box<dyn OutputWriter>>,
+    /// Module or tensor → what the writer wrote for it.
+    written_as: Mutex<BTreeMap<String, String>>,
+    /// Quantization error per written type.
+    errors: Mutex<BTreeMap<String, stats::ErrorStats>>,
+}
+
+/// What another writer than ModelOpt's leaves when the walk ends.
+pub struct ForeignOutcome {
+    /// The writer, to finish.
+    pub writer: Box<dyn OutputWriter>,
+    /// Module or tensor → what the writer wrote for it.
+    pub written_as: BTreeMap<String, String>,
+    /// Quantization error per written type.
+    pub errors: BTreeMap<String, stats::ErrorStats>,
 }
 
 /// Called after each module of the walk with (modules done, modules in total, module path).
@@ -51,7 +77,9 @@ struct Job {
     checkpoint: std::sync::Arc<Checkpoint>,
     recipe: Recipe,
     act: Mutex<ActAmax>,
-    writer: Mutex<ShardWriter>,
+    writer: Mutex<Option<ShardWriter>>,
+    /// Another writer than ModelOpt's, when the export has one.
+    foreign: Option<Foreign>,
     /// Output tensors not written: aliases of tied weights (docs/FORMATS.md §4.1).
     dropped: BTreeSet<String>,
     /// AWQ / SmoothQuant smoothing, for formats with pre-quant scales.
@@ -71,6 +99,26 @@ struct Job {
 }
 
 impl Job {
+    /// Writes what another writer returned for `key` (a module or a tensor), in order.
+    fn commit(&self, key: &str, written: Written) -> Result<(), ExportError> {
+        let Some(f) = &self.foreign else {
+            return Ok(());
+        };
+        let mut w = f.writer.write().unwrap_or_else(|p| p.into_inner());
+        for t in written.tensors {
+            *lock(&self.bytes_out) += t.data.len() as u64;
+            w.write(t)?;
+        }
+        if let Some((label, e)) = written.quantized {
+            // A copied `<module>.weight` the writer quantized is reported by its module, as
+            // the Linears the exporters hand over are.
+            let module = key.strip_suffix(".weight").unwrap_or(key);
+            lock(&f.errors).entry(label.clone()).or_default().merge(&e);
+            lock(&f.written_as).insert(module.to_string(), label);
+        }
+        Ok(())
+    }
+
     /// Records a declaration; a module declared again keeps its place and takes the new format.
     fn declare(&self, module: &str, format: Format) {
         if lock(&self.quantized)
@@ -106,7 +154,8 @@ impl ExportContext {
                 checkpoint,
                 recipe,
                 act: Mutex::new(act),
-                writer: Mutex::new(writer),
+                writer: Mutex::new(Some(writer)),
+                foreign: None,
                 dropped,
                 smooth: None,
                 quantized: Mutex::default(),
@@ -117,6 +166,80 @@ impl ExportContext {
                 bytes_out: Mutex::default(),
             })),
         }
+    }
+
+    /// A context for exporting `checkpoint` through another writer than ModelOpt's (`name`,
+    /// its `--output-format`).
+    pub fn for_writer(
+        checkpoint: std::sync::Arc<Checkpoint>,
+        recipe: Recipe,
+        act: ActAmax,
+        name: &str,
+        formats: Vec<String>,
+        writer: Box<dyn OutputWriter>,
+        dropped: BTreeSet<String>,
+    ) -> Self {
+        let mut ctx = Self::for_export(
+            checkpoint,
+            recipe,
+            act,
+            ShardWriter::new(std::path::Path::new(""), u64::MAX),
+            dropped,
+        );
+        if let Some(job) = ctx.job.as_mut().and_then(std::sync::Arc::get_mut) {
+            *job.writer.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+            job.foreign = Some(Foreign {
+                name: name.to_string(),
+                formats,
+                writer: std::sync::RwLock::new(writer),
+                written_as: Mutex::default(),
+                errors: Mutex::default(),
+            });
+        }
+        ctx
+    }
+
+    /// The `--output-format` of the export when it is not ModelOpt's.
+    pub fn foreign_writer(&self) -> Option<&str> {
+        self.job
+            .as_ref()
+            .and_then(|j| j.foreign.as_ref())
+            .map(|f| f.name.as_str())
+    }
+
+    /// The `--format` names of the export's writer when it is not ModelOpt's.
+    pub fn writer_formats(&self) -> Vec<String> {
+        self.job
+            .as_ref()
+            .and_then(|j| j.foreign.as_ref())
+            .map(|f| f.formats.clone())
+            .unwrap_or_default()
+    }
+
+    /// Hands one Linear to the export's writer (not ModelOpt's): it quantizes, and what it
+    /// returns is written in module order.
+    pub(crate) fn write_linear(&self, weight: &LinearWeight<'_>) -> Result<(), ExportError> {
+        let job = self.job()?;
+        let Some(f) = &job.foreign else {
+            return Err(ExportError::DryRun {
+                what: "another writer than ModelOpt's",
+            });
+        };
+        let written = f
+            .writer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .linear(weight)?;
+        self.take_written(weight.module, written)
+    }
+
+    /// Keeps what a writer returned for the module's turn, or writes it now.
+    fn take_written(&self, key: &str, written: Written) -> Result<(), ExportError> {
+        match &self.capture {
+            Some(c) => lock(c).written.push((key.to_string(), written)),
+            None => self.job()?.commit(key, written)?,
+        }
+        Ok(())
     }
 
     /// Smooths Linears and folds norms by `plan` (AWQ / SmoothQuant formats).
@@ -163,6 +286,9 @@ impl ExportContext {
         }
         for (format, e) in captured.errors {
             self.record_error(format, &e)?;
+        }
+        for (key, written) in captured.written {
+            self.job()?.commit(&key, written)?;
         }
         let report = module
             .report
@@ -261,10 +387,10 @@ impl ExportContext {
         if job.dropped.contains(name) {
             return Ok(());
         }
-        if self.capture.is_some() {
+        if self.capture.is_some() || job.foreign.is_some() {
             return self.emit_owned(name, dtype, shape, data.to_vec());
         }
-        lock(&job.writer).write(name, dtype, shape, data)?;
+        write_shard(&job.writer, name, dtype, shape, data)?;
         *lock(&job.bytes_out) += data.len() as u64;
         Ok(())
     }
@@ -282,12 +408,20 @@ impl ExportContext {
         if job.dropped.contains(name) {
             return Ok(());
         }
+        if let Some(f) = &job.foreign {
+            let written = f
+                .writer
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .tensor(name, dtype, shape, data)?;
+            return self.take_written(name, written);
+        }
         match &self.capture {
             Some(c) => lock(c)
                 .tensors
                 .push((name.to_string(), dtype, shape.to_vec(), data)),
             None => {
-                lock(&job.writer).write(name, dtype, shape, &data)?;
+                write_shard(&job.writer, name, dtype, shape, &data)?;
                 *lock(&job.bytes_out) += data.len() as u64;
             }
         }
@@ -536,8 +670,32 @@ impl ExportContext {
             .ok_or(ExportError::DryRun {
                 what: "an output to finish",
             })?;
+        let writer = job
+            .writer
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .ok_or(ExportError::DryRun {
+                what: "ModelOpt's shard writer",
+            })?;
+        Ok((writer, report))
+    }
+
+    /// Takes another writer than ModelOpt's out to finish it, with what it wrote.
+    pub fn finish_foreign(self) -> Result<(ForeignOutcome, ExportReport), ExportError> {
+        let report = self.report.into_inner().unwrap_or_else(|p| p.into_inner());
+        let f = self
+            .job
+            .and_then(|j| std::sync::Arc::try_unwrap(j).ok())
+            .and_then(|j| j.foreign)
+            .ok_or(ExportError::DryRun {
+                what: "another writer to finish",
+            })?;
         Ok((
-            job.writer.into_inner().unwrap_or_else(|p| p.into_inner()),
+            ForeignOutcome {
+                writer: f.writer.into_inner().unwrap_or_else(|p| p.into_inner()),
+                written_as: f.written_as.into_inner().unwrap_or_else(|p| p.into_inner()),
+                errors: f.errors.into_inner().unwrap_or_else(|p| p.into_inner()),
+            },
             report,
         ))
     }
@@ -564,6 +722,22 @@ impl ExportContext {
     /// Ends the call, returning its report.
     pub fn into_report(self) -> ExportReport {
         self.report.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Writes one tensor to ModelOpt's shard writer (absent when another writer writes).
+fn write_shard(
+    w: &Mutex<Option<ShardWriter>>,
+    name: &str,
+    dtype: safetensors::Dtype,
+    shape: &[usize],
+    data: &[u8],
+) -> Result<(), ExportError> {
+    match lock(w).as_mut() {
+        Some(shards) => Ok(shards.write(name, dtype, shape, data)?),
+        None => Err(ExportError::DryRun {
+            what: "ModelOpt's shard writer",
+        }),
     }
 }
 

@@ -175,4 +175,41 @@ pub enum ExportError {
         /// Each tensor and how many of its values are not finite.
         tensors: Vec<(String, usize)>,
     },
+    /// `--output-format` names no registered writer.
+    #[error("unknown output format `{name}` (this build writes: {})", known.join(", "))]
+    UnknownWriter {
+        /// The name given.
+        name: String,
+        /// The registered writers' names.
+        known: Vec<String>,
+    },
+    /// `--format` names nothing the chosen writer writes.
+    #[error("the {writer} writer has no format `{format}` (it writes: {})", known.join(", "))]
+    UnknownWriterFormat {
+        /// The writer.
+        writer: String,
+        /// The format given.
+        format: String,
+        /// The writer's formats.
+        known: Vec<String>,
+    },
+    /// An exporter asked for something the chosen writer cannot express (a ModelOpt format
+    /// named explicitly, an option such as `--kv-cache`, a family or MoE layout).
+    #[error("the {writer} writer cannot express {what} (it writes: {})", supported.join(", "))]
+    WriterCannot {
+        /// The writer.
+        writer: String,
+        /// What was asked, naming the module, format or option.
+        what: String,
+        /// What the writer can write instead.
+        supported: Vec<String>,
+    },
+    /// A writer refused a tensor or a file, naming it.
+    #[error("{writer} writer: {what}")]
+    Writer {
+        /// The writer.
+        writer: String,
+        /// What is wrong, naming the tensor, field or file.
+        what: String,
+    },
 }

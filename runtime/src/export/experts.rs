@@ -12,7 +12,7 @@
 //!   per-tensor scales, NVFP4 blocks along `in` (ModelOpt transposes, quantizes, transposes
 //!   back), MX blocks along the last dimension, FP8 per-channel scales per expert.
 
-use super::quantize::{Quantize, f32s, scalar};
+use super::quantize::{Quantize, f32s, scalar, write_values};
 use super::recipe::{Format, Recipe};
 use super::scales::{ScaleSource, export_scale, input_scale_of};
 use super::stats::ErrorStats;
@@ -264,6 +264,10 @@ fn slices<T: Element>(p: &Projection<'_>) -> Result<(), ExportError> {
             )?;
             continue;
         }
+        if ctx.foreign_writer().is_some() {
+            write_values(ctx, &out, &source, slice, p.part_rows, p.cols)?;
+            continue;
+        }
         Quantize {
             ctx,
             scales: &scales,
@@ -297,6 +301,13 @@ impl ModuleExporter for BmmExperts {
         let recipe = ctx.recipe()?;
         if !recipe.quantizes(name) {
             return ctx.copy_module(module);
+        }
+        if let Some(writer) = ctx.foreign_writer() {
+            return Err(ExportError::WriterCannot {
+                writer: writer.to_string(),
+                what: format!("the BMM experts of `{name}` (GPT-OSS / Llama4 layout)"),
+                supported: ctx.writer_formats(),
+            });
         }
         let projections = ["gate_up_proj", "down_proj"];
         for t in module

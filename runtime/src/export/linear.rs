@@ -3,7 +3,7 @@
 //! Linears (`lm_head`, routers, `--exclude`) are copied unchanged. Any other tensor the module
 //! owns (`bias`) is copied unchanged.
 
-use super::quantize::{quantize_linear, scalar};
+use super::quantize::{quantize_module, scalar};
 use super::{ExportContext, ExportError, ModuleExporter, full_name};
 use crate::module_tree::{Linear, ModuleRef};
 use safetensors::Dtype;
@@ -27,7 +27,7 @@ impl ModuleExporter for QuantLinear {
         if !recipe.quantizes(name) || module.tensor("weight").is_none() {
             return ctx.copy_module(module);
         }
-        quantize_linear(ctx, module, recipe.format)
+        quantize_module(ctx, module)
     }
 }
 

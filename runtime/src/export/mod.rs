@@ -23,11 +23,12 @@ pub mod scales;
 pub mod smooth;
 pub mod stats;
 mod walk;
+pub mod writer;
 
 pub use context::{ExportContext, ProgressFn, full_name};
 pub use error::ExportError;
 pub use exporter::ModuleExporter;
-pub use quantize::{quantize_linear, quantize_weight};
+pub use quantize::{quantize_linear, quantize_module, quantize_weight};
 pub use report::{ExportReport, ModuleOutcome};
 pub use walk::{is_moe, plan, walk};
 

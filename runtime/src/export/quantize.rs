@@ -47,26 +47,12 @@ pub fn quantize_linear(
     format: Format,
 ) -> Result<(), ExportError> {
     let name = module.path();
+    refuse_modelopt_format(ctx, name, format)?;
     for t in module.tensors().iter().filter(|t| t.name != "weight") {
         ctx.copy_tensor(&full_name(name, &t.name))?;
     }
-    let weight = full_name(name, "weight");
     let c = ctx.checkpoint()?;
-    let meta = c
-        .tensor(&weight)
-        .ok_or_else(|| ExportError::MissingTensor {
-            tensor: weight.clone(),
-        })?;
-    let (rows, cols) = match meta.shape[..] {
-        [r, k] => (r, k),
-        ref s => {
-            return Err(ExportError::Shape {
-                tensor: weight,
-                expected: "a 2-D Linear weight [out, in]".into(),
-                found: s.to_vec(),
-            });
-        }
-    };
+    let (weight, meta, rows, cols) = linear_weight(c, name)?;
     let scales = TreeScales { ctx, module, name };
     let q = Quantize {
         ctx,
@@ -95,6 +81,108 @@ pub fn quantize_linear(
     ctx.record_quantized(name, format)
 }
 
+/// Quantizes the Linear `module` in the export's own format, whichever writer the export
+/// uses (`--output-format`): ModelOpt's ([`quantize_linear`] with the recipe's format) or
+/// another, which receives the weight's values and chooses the arithmetic. This is what
+/// kiln's built-in Linear exporter calls; a plugin that quantizes a module the built-ins do
+/// not take calls it too, so its module follows the export into every format.
+pub fn quantize_module(ctx: &ExportContext, module: ModuleRef<'_>) -> Result<(), ExportError> {
+    if ctx.foreign_writer().is_none() {
+        return quantize_linear(ctx, module, ctx.recipe()?.format);
+    }
+    let name = module.path();
+    for t in module.tensors().iter().filter(|t| t.name != "weight") {
+        ctx.copy_tensor(&full_name(name, &t.name))?;
+    }
+    let c = ctx.checkpoint()?;
+    let (weight, meta, rows, cols) = linear_weight(c, name)?;
+    match meta.dtype {
+        Dtype::BF16 => write_values(ctx, name, &weight, &c.read_as::<bf16>(&weight)?, rows, cols),
+        Dtype::F16 => write_values(ctx, name, &weight, &c.read_as::<f16>(&weight)?, rows, cols),
+        Dtype::F32 => write_values(ctx, name, &weight, &c.read_as::<f32>(&weight)?, rows, cols),
+        dtype => Err(ExportError::Dtype {
+            tensor: weight,
+            dtype,
+        }),
+    }
+}
+
+/// The `weight` of the Linear `module`: its name, its entry and `[rows, cols]`, or an error
+/// naming it when it is missing or not 2-D.
+fn linear_weight<'c>(
+    c: &'c crate::checkpoint::Checkpoint,
+    module: &str,
+) -> Result<(String, &'c crate::checkpoint::TensorMeta, usize, usize), ExportError> {
+    let weight = full_name(module, "weight");
+    let meta = c
+        .tensor(&weight)
+        .ok_or_else(|| ExportError::MissingTensor {
+            tensor: weight.clone(),
+        })?;
+    match meta.shape[..] {
+        [r, k] => Ok((weight, meta, r, k)),
+        ref s => Err(ExportError::Shape {
+            tensor: weight,
+            expected: "a 2-D Linear weight [out, in]".into(),
+            found: s.to_vec(),
+        }),
+    }
+}
+
+/// Hands `rows × cols` values of a Linear (output module `module`, read from `source`) to the
+/// export's writer when it is not ModelOpt's.
+pub(crate) fn write_values<T: Element>(
+    ctx: &ExportContext,
+    module: &str,
+    source: &str,
+    w: &[T],
+    rows: usize,
+    cols: usize,
+) -> Result<(), ExportError> {
+    use super::writer::{LinearWeight, WeightValues};
+    ctx.count_nonfinite(source, w)?;
+    let values = WeightValues::from_bytes(element_dtype::<T>(), bytemuck::cast_slice(w))
+        .ok_or_else(|| ExportError::Dtype {
+            tensor: source.to_string(),
+            dtype: element_dtype::<T>(),
+        })?;
+    ctx.write_linear(&LinearWeight {
+        module,
+        source,
+        values,
+        rows,
+        cols,
+        input_amax: ctx.input_amax(module)?,
+    })
+}
+
+/// The safetensors dtype of a kernel element type.
+fn element_dtype<T: Element>() -> Dtype {
+    match T::DTYPE {
+        "F16" => Dtype::F16,
+        "F32" => Dtype::F32,
+        _ => Dtype::BF16,
+    }
+}
+
+/// Under another writer than ModelOpt's, a ModelOpt format named explicitly by an exporter is
+/// refused by name: the writer has its own formats (`--format`), and silently writing another
+/// would misstate what the module holds.
+fn refuse_modelopt_format(
+    ctx: &ExportContext,
+    module: &str,
+    format: Format,
+) -> Result<(), ExportError> {
+    match ctx.foreign_writer() {
+        None => Ok(()),
+        Some(writer) => Err(ExportError::WriterCannot {
+            writer: writer.to_string(),
+            what: format!("ModelOpt's `{format}`, which an exporter asked for module `{module}`"),
+            supported: ctx.writer_formats(),
+        }),
+    }
+}
+
 /// Quantizes weight values a plugin computed itself (`rows × cols`, row-major, `[out, in]`)
 /// to `format`, writes `<module>.weight`, `<module>.weight_scale`, … with ModelOpt's scale
 /// rules for a Linear that shares no scale with another, and declares the format.
@@ -110,6 +198,7 @@ pub fn quantize_weight<T: Element>(
     format: Format,
     input_amax: Option<f32>,
 ) -> Result<(), ExportError> {
+    refuse_modelopt_format(ctx, module, format)?;
     if w.len() != rows * cols {
         return Err(ExportError::Shape {
             tensor: values_of.to_string(),
@@ -242,11 +331,7 @@ impl Quantize<'_> {
         drop(w);
         if let Some(scale) = &s.scale {
             let pqs: Vec<T> = scale.iter().map(|&x| T::from_f32(x)).collect();
-            let dtype = match T::DTYPE {
-                "F16" => Dtype::F16,
-                "F32" => Dtype::F32,
-                _ => Dtype::BF16,
-            };
+            let dtype = element_dtype::<T>();
             self.emit(
                 "pre_quant_scale",
                 dtype,

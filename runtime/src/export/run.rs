@@ -11,6 +11,7 @@ use crate::checkpoint::Checkpoint;
 use crate::module_tree::{Embedding, Linear, ModuleTree, TensorInfo};
 use crate::registry::architectures::{ArchitectureMatch, ArchitectureRegistry};
 use crate::registry::exporters::ExporterRegistry;
+use crate::registry::writers::WriterRegistry;
 use crate::sink::{OutputDir, ShardWriter};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -41,6 +42,18 @@ pub struct ExportOptions {
     pub strict: bool,
     /// The exporters to use; `None`: the registry the binary's `#[exporter]`s built.
     pub exporters: Option<Arc<ExporterRegistry>>,
+    /// The writer (`--output-format`) and its format (`--format`); `None`: ModelOpt's, in
+    /// the recipe's format.
+    pub output: Option<OutputFormat>,
+}
+
+/// A writer and one of its formats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputFormat {
+    /// The writer's registered name (`modelopt`, `gguf`, …).
+    pub writer: String,
+    /// One of its `--format` names.
+    pub format: String,
 }
 
 impl ExportOptions {
@@ -58,6 +71,7 @@ impl ExportOptions {
             cancel: None,
             strict: false,
             exporters: None,
+            output: None,
         }
     }
 }
@@ -94,8 +108,13 @@ pub struct ExportSummary {
     /// `exclude_modules`: the unquantized modules, summarised by prefix wildcards — derived
     /// from what the exporters declared, not from the recipe.
     pub excluded: Vec<String>,
-    /// Each module declared quantized, with its format.
+    /// Each module declared quantized, with its format (ModelOpt's writer).
     pub quantized: BTreeMap<String, super::recipe::Format>,
+    /// Another writer than ModelOpt's: each module or tensor it quantized, with the type it
+    /// wrote (`Q6_K`, `affine4g64`, …).
+    pub written_as: BTreeMap<String, String>,
+    /// Another writer than ModelOpt's: the quantization error per written type.
+    pub writer_errors: BTreeMap<String, super::stats::ErrorStats>,
     /// Input tensors holding NaN or ±Inf values, with their counts.
     pub nonfinite: BTreeMap<String, usize>,
     /// Everything kiln substituted or ignored, one line each (printed as warnings).
@@ -267,30 +286,33 @@ fn smoothing(
 
 /// Runs one export.
 pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
+    if let Some(o) = &options.output {
+        let registry =
+            WriterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
+        let entry = registry.get(&o.writer)?;
+        let writer = entry.make(&o.format)?;
+        if !writer.is_modelopt() {
+            let formats = (entry.formats)()
+                .iter()
+                .map(|(f, _)| f.to_string())
+                .collect();
+            return run_foreign(options, o, formats, writer);
+        }
+        if o.format != options.recipe.format.cli_name() {
+            return Err(ExportError::Writer {
+                writer: o.writer.clone(),
+                what: format!(
+                    "--format `{}` disagrees with the recipe's `{}`",
+                    o.format, options.recipe.format
+                ),
+            });
+        }
+    }
     let started = Instant::now();
     let recipe = &options.recipe;
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
-    let (act, binding) = options.act_amax.clone().unwrap_or_default().bind(&tree);
-    let source = act.source().map_or_else(
-        || PathBuf::from("the activation statistics"),
-        Path::to_path_buf,
-    );
-    if options.strict && !binding.unknown.is_empty() {
-        return Err(ExportError::UnknownStatistics {
-            file: source,
-            keys: binding.unknown,
-        });
-    }
-    let mut warnings = Vec::new();
-    if !binding.unknown.is_empty() {
-        warnings.push(format!(
-            "{}: {} key(s) name no quantizer of this model and were ignored: {}",
-            source.display(),
-            binding.unknown.len(),
-            binding.unknown.join(", ")
-        ));
-    }
+    let (act, mut warnings) = bind_statistics(options, &tree)?;
     check_act_amax(&tree, recipe, &act)?;
     let smoothing = smoothing(&checkpoint, &tree, recipe, &act)?;
     let dropped = tied_aliases(&checkpoint)?;
@@ -304,33 +326,10 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         .sum();
     let writer = ShardWriter::new(out.path(), options.max_shard_bytes)
         .with_header_room(header_estimate.clamp(4096, 8 << 20));
-    let mut ctx =
-        ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped)
-            .with_smoothing(smoothing);
-    if let Some(p) = &options.progress {
-        ctx = ctx.with_progress(p.clone());
-    }
-    if let Some(c) = &options.cancel {
-        ctx = ctx.with_cancel(c.clone());
-    }
-    let registry = match &options.exporters {
-        Some(r) => r.as_ref(),
-        None => {
-            ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?
-        }
-    };
-    walk(&tree, registry, &ctx)?;
-    let nonfinite = ctx.nonfinite();
-    if options.strict && !nonfinite.is_empty() {
-        return Err(ExportError::NonFinite {
-            tensors: nonfinite.into_iter().collect(),
-        });
-    }
-    for (tensor, n) in &nonfinite {
-        warnings.push(format!(
-            "`{tensor}` holds {n} NaN/Inf value(s); they are exported as the format encodes them (--strict refuses)"
-        ));
-    }
+    let ctx = ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped)
+        .with_smoothing(smoothing);
+    let ctx = with_hooks(ctx, options);
+    let nonfinite = walk_all(options, &tree, &ctx, &mut warnings)?;
     let quantized = ctx.quantized();
     let ctx_declarations = ctx.declarations();
     let errors = ctx.errors();
@@ -381,18 +380,6 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     }
     let out_path = out.commit()?;
 
-    let mut modules_per_exporter = BTreeMap::new();
-    for (path, outcome) in &report.modules {
-        let key = match outcome {
-            ModuleOutcome::Exported { exporter, .. } => Some(exporter.clone()),
-            // Containers without tensors are not "copied"; count only modules with data.
-            ModuleOutcome::Unchanged if tree.find(path).is_some_and(|m| m.tensors().is_empty()) => {
-                continue;
-            }
-            ModuleOutcome::Unchanged => None,
-        };
-        *modules_per_exporter.entry(key).or_insert(0) += 1;
-    }
     let mut files_written = written.files.clone();
     if written.files.len() > 1 {
         files_written.push("model.safetensors.index.json".into());
@@ -403,10 +390,12 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         out: out_path,
         architecture,
         generic_fallback,
+        modules_per_exporter: count_per_exporter(&tree, &report),
         report,
-        modules_per_exporter,
         quantized_modules: quantized.len(),
         quantized,
+        written_as: BTreeMap::new(),
+        writer_errors: BTreeMap::new(),
         nonfinite,
         warnings,
         errors,
@@ -418,7 +407,8 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     })
 }
 
-fn write_json(path: &Path, value: &Value, indent: usize) -> Result<(), ExportError> {
+/// Writes `value` as JSON with `indent` spaces, as transformers and ModelOpt do.
+pub(crate) fn write_json(path: &Path, value: &Value, indent: usize) -> Result<(), ExportError> {
     let mut buf = Vec::new();
     let pad = vec![b' '; indent];
     let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
@@ -435,4 +425,157 @@ fn write_json(path: &Path, value: &Value, indent: usize) -> Result<(), ExportErr
         }
         .into()
     })
+}
+
+/// Modules per exporter type path (`None`: copied unchanged), counting only modules with data.
+fn count_per_exporter(tree: &ModuleTree, report: &ExportReport) -> BTreeMap<Option<String>, usize> {
+    let mut per = BTreeMap::new();
+    for (path, outcome) in &report.modules {
+        let key = match outcome {
+            ModuleOutcome::Exported { exporter, .. } => Some(exporter.clone()),
+            ModuleOutcome::Unchanged if tree.find(path).is_some_and(|m| m.tensors().is_empty()) => {
+                continue;
+            }
+            ModuleOutcome::Unchanged => None,
+        };
+        *per.entry(key).or_insert(0) += 1;
+    }
+    per
+}
+
+/// One export through another writer than ModelOpt's: the same walk and exporters, the
+/// writer's arithmetic, names and files (docs/DESIGN.md §7). The recipe's ModelOpt format and
+/// its statistics checks do not apply; the writer's `begin` refuses what it cannot express.
+fn run_foreign(
+    options: &ExportOptions,
+    output: &OutputFormat,
+    formats: Vec<String>,
+    mut writer: Box<dyn super::writer::OutputWriter>,
+) -> Result<ExportSummary, ExportError> {
+    let started = Instant::now();
+    let recipe = &options.recipe;
+    let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
+    let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
+    let (act, mut warnings) = bind_statistics(options, &tree)?;
+    let dropped = tied_aliases(&checkpoint)?;
+    let out = OutputDir::create(&options.out, options.force)?;
+    writer.begin(&super::writer::WriterStart {
+        out: out.path(),
+        model: &options.model,
+        checkpoint: &checkpoint,
+        tree: &tree,
+        architecture: &architecture,
+        recipe,
+        max_shard_bytes: options.max_shard_bytes,
+    })?;
+    let ctx = ExportContext::for_writer(
+        checkpoint.clone(),
+        recipe.clone(),
+        act,
+        &output.writer,
+        formats,
+        writer,
+        dropped,
+    );
+    let ctx = with_hooks(ctx, options);
+    let nonfinite = walk_all(options, &tree, &ctx, &mut warnings)?;
+    let bytes_out = ctx.bytes_out();
+    let (mut done, report) = ctx.finish_foreign()?;
+    warnings.extend(report.warnings.iter().map(|(m, w)| format!("`{m}`: {w}")));
+    let files = done.writer.finish(&super::writer::WriterEnd {
+        out: out.path(),
+        model: &options.model,
+        checkpoint: &checkpoint,
+        written: &done.written_as,
+    })?;
+    warnings.extend(done.writer.warnings());
+    let out_path = out.commit()?;
+    Ok(ExportSummary {
+        out: out_path,
+        architecture,
+        generic_fallback,
+        modules_per_exporter: count_per_exporter(&tree, &report),
+        report,
+        quantized_modules: done.written_as.len(),
+        quantized: BTreeMap::new(),
+        written_as: done.written_as,
+        writer_errors: done.errors,
+        nonfinite,
+        warnings,
+        errors: BTreeMap::new(),
+        excluded: Vec::new(),
+        bytes_in: checkpoint.data_bytes(),
+        bytes_out,
+        files,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// The export's activation statistics bound to the tree, and the warning for keys that name
+/// no quantizer (an error with `--strict`).
+fn bind_statistics(
+    options: &ExportOptions,
+    tree: &ModuleTree,
+) -> Result<(super::act_amax::ActAmax, Vec<String>), ExportError> {
+    let (act, binding) = options.act_amax.clone().unwrap_or_default().bind(tree);
+    let mut warnings = Vec::new();
+    if !binding.unknown.is_empty() {
+        let source = act.source().map_or_else(
+            || PathBuf::from("the activation statistics"),
+            Path::to_path_buf,
+        );
+        if options.strict {
+            return Err(ExportError::UnknownStatistics {
+                file: source,
+                keys: binding.unknown,
+            });
+        }
+        warnings.push(format!(
+            "{}: {} key(s) name no quantizer of this model and were ignored: {}",
+            source.display(),
+            binding.unknown.len(),
+            binding.unknown.join(", ")
+        ));
+    }
+    Ok((act, warnings))
+}
+
+/// The progress callback and Ctrl-C flag of `options` on `ctx`.
+fn with_hooks(mut ctx: ExportContext, options: &ExportOptions) -> ExportContext {
+    if let Some(p) = &options.progress {
+        ctx = ctx.with_progress(p.clone());
+    }
+    if let Some(c) = &options.cancel {
+        ctx = ctx.with_cancel(c.clone());
+    }
+    ctx
+}
+
+/// Walks the tree with the export's exporters; returns the input tensors holding NaN / Inf
+/// (an error with `--strict`, else one warning each).
+fn walk_all(
+    options: &ExportOptions,
+    tree: &ModuleTree,
+    ctx: &ExportContext,
+    warnings: &mut Vec<String>,
+) -> Result<BTreeMap<String, usize>, ExportError> {
+    let registry = match &options.exporters {
+        Some(r) => r.as_ref(),
+        None => {
+            ExporterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?
+        }
+    };
+    walk(tree, registry, ctx)?;
+    let nonfinite = ctx.nonfinite();
+    if options.strict && !nonfinite.is_empty() {
+        return Err(ExportError::NonFinite {
+            tensors: nonfinite.into_iter().collect(),
+        });
+    }
+    for (tensor, n) in &nonfinite {
+        warnings.push(format!(
+            "`{tensor}` holds {n} NaN/Inf value(s); they are exported as the format encodes them (--strict refuses)"
+        ));
+    }
+    Ok(nonfinite)
 }

@@ -9,6 +9,7 @@ use super::architectures::ArchitectureEntry;
 use super::exporters::ExporterEntry;
 use super::rewards::RewardEntry;
 use super::trainers::TrainerEntry;
+use super::writers::WriterEntry;
 
 #[cfg(not(feature = "inventory"))]
 mod imp {
@@ -29,6 +30,14 @@ mod imp {
     /// Every `#[reward]` entry linked into the program.
     #[linkme::distributed_slice]
     pub static REWARDS: [RewardEntry];
+
+    /// Every `#[writer]` entry linked into the program.
+    #[linkme::distributed_slice]
+    pub static WRITERS: [WriterEntry];
+
+    pub(crate) fn writers() -> Vec<WriterEntry> {
+        WRITERS.to_vec()
+    }
 
     pub(crate) fn rewards() -> Vec<RewardEntry> {
         REWARDS.to_vec()
@@ -53,6 +62,14 @@ mod imp {
     inventory::collect!(TrainerEntry);
     inventory::collect!(ArchitectureEntry);
     inventory::collect!(RewardEntry);
+    inventory::collect!(WriterEntry);
+
+    pub(crate) fn writers() -> Vec<WriterEntry> {
+        inventory::iter::<WriterEntry>
+            .into_iter()
+            .cloned()
+            .collect()
+    }
 
     pub(crate) fn rewards() -> Vec<RewardEntry> {
         inventory::iter::<RewardEntry>
@@ -82,8 +99,8 @@ mod imp {
 }
 
 #[cfg(not(feature = "inventory"))]
-pub use imp::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS};
-pub(crate) use imp::{architectures, exporters, rewards, trainers};
+pub use imp::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS, WRITERS};
+pub(crate) use imp::{architectures, exporters, rewards, trainers, writers};
 
 /// The collection mechanism this build uses: "linkme" or "inventory".
 pub const MECHANISM: &str = if cfg!(feature = "inventory") {

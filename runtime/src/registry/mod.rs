@@ -15,6 +15,7 @@ pub mod collect;
 pub mod exporters;
 pub mod rewards;
 pub mod trainers;
+pub mod writers;
 
 use std::any::TypeId;
 use std::borrow::Cow;
@@ -135,6 +136,34 @@ pub trait RegistryEntry: Clone + Send + Sync + 'static {
     fn assemble(entries: Vec<Self>) -> Result<Self::Registry, Vec<RegistryIssue>>;
 }
 
+/// Indexes `entries` by a name each must hold alone (rewards, writers): a second entry with a
+/// name already taken becomes the issue `conflict(name, first, second)`.
+pub(crate) fn index_by_name<E: RegistryEntry>(
+    entries: &[E],
+    name: impl Fn(&E) -> &str,
+    conflict: impl Fn(String, &EntryMeta, &EntryMeta) -> RegistryIssue,
+) -> Result<std::collections::BTreeMap<String, usize>, Vec<RegistryIssue>> {
+    let mut by_name: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    let mut issues = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        match by_name.get(name(e)) {
+            Some(&first) => issues.push(conflict(
+                name(e).to_string(),
+                entries[first].meta(),
+                e.meta(),
+            )),
+            None => {
+                by_name.insert(name(e).to_string(), i);
+            }
+        }
+    }
+    if issues.is_empty() {
+        Ok(by_name)
+    } else {
+        Err(issues)
+    }
+}
+
 /// An ordered, validated list of entries: the core of every registry.
 #[derive(Debug, Clone)]
 pub struct Registry<E> {
@@ -247,6 +276,19 @@ pub enum RegistryIssue {
         /// Where it is declared.
         second_at: SourceLocation,
     },
+    /// Two writers share one `--output-format` name, neither replacing the other.
+    WriterConflict {
+        /// The name.
+        name: String,
+        /// The first writer's type path.
+        first: String,
+        /// Where it is declared.
+        first_at: SourceLocation,
+        /// The second writer's type path.
+        second: String,
+        /// Where it is declared.
+        second_at: SourceLocation,
+    },
     /// Two architectures claim one `config.json` architecture name.
     ArchitectureConflict {
         /// The `config.json` architecture name.
@@ -323,6 +365,17 @@ impl fmt::Display for RegistryIssue {
                 f,
                 "two reward functions named '{name}': `{first}` ({first_at}) and `{second}` \
                  ({second_at}); rename one"
+            ),
+            RegistryIssue::WriterConflict {
+                name,
+                first,
+                first_at,
+                second,
+                second_at,
+            } => write!(
+                f,
+                "two writers named '{name}': `{first}` ({first_at}) and `{second}` \
+                 ({second_at}); mark one `replaces = <the other>`"
             ),
             RegistryIssue::ArchitectureConflict {
                 name,

@@ -67,30 +67,21 @@ impl RegistryEntry for RewardEntry {
         super::collect::rewards()
     }
     fn assemble(entries: Vec<Self>) -> Result<RewardRegistry, Vec<RegistryIssue>> {
-        let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
-        let mut issues = Vec::new();
-        for (i, e) in entries.iter().enumerate() {
-            if let Some(&first) = by_name.get(e.name.as_ref()) {
-                let f = &entries[first].meta;
-                issues.push(RegistryIssue::RewardConflict {
-                    name: e.name.to_string(),
-                    first: f.path.to_string(),
-                    first_at: f.location,
-                    second: e.meta.path.to_string(),
-                    second_at: e.meta.location,
-                });
-            } else {
-                by_name.insert(e.name.to_string(), i);
-            }
-        }
-        if issues.is_empty() {
-            Ok(RewardRegistry {
-                core: Registry::from_sorted(entries),
-                by_name,
-            })
-        } else {
-            Err(issues)
-        }
+        let by_name = super::index_by_name(
+            &entries,
+            |e| e.name.as_ref(),
+            |name, f, s| RegistryIssue::RewardConflict {
+                name,
+                first: f.path.to_string(),
+                first_at: f.location,
+                second: s.path.to_string(),
+                second_at: s.location,
+            },
+        )?;
+        Ok(RewardRegistry {
+            core: Registry::from_sorted(entries),
+            by_name,
+        })
     }
 }
 

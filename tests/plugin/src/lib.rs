@@ -133,3 +133,78 @@ impl Architecture for PluginArch {
         Ok(tree)
     }
 }
+
+/// An output writer registered from outside kiln (`--output-format plugin-manifest`): lists
+/// every tensor it is handed, with its dtype and shape, in `manifest.txt`.
+#[kiln::writer(name = "plugin-manifest")]
+#[derive(Debug, Default)]
+pub struct PluginManifest {
+    lines: Vec<String>,
+}
+
+impl kiln::export::writer::OutputWriter for PluginManifest {
+    fn linear(
+        &self,
+        w: &kiln::export::writer::LinearWeight<'_>,
+    ) -> Result<kiln::export::writer::Written, ExportError> {
+        self.tensor(
+            &format!("{}.weight", w.module),
+            w.values.dtype(),
+            &[w.rows, w.cols],
+            w.values.bytes().to_vec(),
+        )
+    }
+
+    fn tensor(
+        &self,
+        name: &str,
+        dtype: kiln::export::writer::Dtype,
+        shape: &[usize],
+        data: Vec<u8>,
+    ) -> Result<kiln::export::writer::Written, ExportError> {
+        use kiln::export::writer::{Encoded, EncodedType, Written};
+        Ok(Written {
+            tensors: vec![Encoded {
+                name: name.to_string(),
+                ty: EncodedType::Dtype(dtype),
+                shape: shape.to_vec(),
+                data,
+            }],
+            quantized: None,
+        })
+    }
+
+    fn write(&mut self, t: kiln::export::writer::Encoded) -> Result<(), ExportError> {
+        self.lines.push(format!(
+            "{} {:?} {:?} {}",
+            t.name,
+            t.ty,
+            t.shape,
+            t.data.len()
+        ));
+        Ok(())
+    }
+
+    fn finish(
+        &mut self,
+        end: &kiln::export::writer::WriterEnd<'_>,
+    ) -> Result<Vec<String>, ExportError> {
+        std::fs::write(end.out.join("manifest.txt"), self.lines.join("\n")).map_err(|e| {
+            ExportError::Writer {
+                writer: "plugin-manifest".into(),
+                what: e.to_string(),
+            }
+        })?;
+        Ok(vec!["manifest.txt".into()])
+    }
+}
+
+impl kiln::export::writer::WriterType for PluginManifest {
+    fn formats() -> Vec<(&'static str, String)> {
+        vec![("list", "every tensor's name, dtype, shape and size".into())]
+    }
+
+    fn new(_format: &str) -> Result<Self, ExportError> {
+        Ok(PluginManifest::default())
+    }
+}

@@ -1,0 +1,307 @@
+//! Output writers (docs/DESIGN.md §7): the exporters decide *which* modules are quantized and
+//! with which statistics; a writer decides *how* — the consumer's own arithmetic, tensor names,
+//! dtypes, packing, scale encodings and config files. `kiln export --output-format NAME`
+//! picks the writer registered under `NAME` with `#[writer(name = "...")]`, in kiln or in a
+//! user's crate.
+//!
+//! The ModelOpt writer is the default. Its scales are shared across modules (q/k/v and
+//! gate/up share amax, experts sync theirs, AWQ smooths whole groups), so its arithmetic runs
+//! inside the export context, as it always has; every other writer receives each quantized
+//! Linear's values here, one at a time, from several threads at once ([`OutputWriter::linear`]),
+//! and every copied tensor ([`OutputWriter::tensor`]); what they return is written in module
+//! order ([`OutputWriter::write`]), so the output never depends on the thread count.
+
+use super::ExportError;
+use super::recipe::Recipe;
+use super::stats::ErrorStats;
+use crate::checkpoint::Checkpoint;
+use crate::module_tree::ModuleTree;
+use half::{bf16, f16};
+pub use safetensors::Dtype;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What a writer knows when the export starts.
+pub struct WriterStart<'a> {
+    /// The temporary output folder (renamed into place when the export succeeds).
+    pub out: &'a Path,
+    /// The input model folder (tokenizer, chat template); never modified.
+    pub model: &'a Path,
+    /// The input checkpoint.
+    pub checkpoint: &'a Checkpoint,
+    /// The model's module tree.
+    pub tree: &'a ModuleTree,
+    /// The `config.json` architecture (`LlamaForCausalLM`, …).
+    pub architecture: &'a str,
+    /// The export's recipe (exclusions, KV cache).
+    pub recipe: &'a Recipe,
+    /// Tensor bytes per output shard, for writers that shard.
+    pub max_shard_bytes: u64,
+}
+
+/// What a writer knows when the export ends.
+pub struct WriterEnd<'a> {
+    /// The temporary output folder.
+    pub out: &'a Path,
+    /// The input model folder.
+    pub model: &'a Path,
+    /// The input checkpoint.
+    pub checkpoint: &'a Checkpoint,
+    /// Each module or tensor the writer quantized, with what it wrote (its own type names).
+    pub written: &'a BTreeMap<String, String>,
+}
+
+/// A Linear weight's values, in the checkpoint's dtype.
+#[derive(Debug, Clone, Copy)]
+pub enum WeightValues<'a> {
+    /// bfloat16.
+    Bf16(&'a [bf16]),
+    /// float16.
+    F16(&'a [f16]),
+    /// float32.
+    F32(&'a [f32]),
+}
+
+impl WeightValues<'_> {
+    /// The number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            WeightValues::Bf16(v) => v.len(),
+            WeightValues::F16(v) => v.len(),
+            WeightValues::F32(v) => v.len(),
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The safetensors dtype.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            WeightValues::Bf16(_) => Dtype::BF16,
+            WeightValues::F16(_) => Dtype::F16,
+            WeightValues::F32(_) => Dtype::F32,
+        }
+    }
+
+    /// The values widened to f32 (exact for every dtype here).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            WeightValues::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            WeightValues::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            WeightValues::F32(v) => v.to_vec(),
+        }
+    }
+
+    /// The raw little-endian bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            WeightValues::Bf16(v) => bytemuck::cast_slice(v),
+            WeightValues::F16(v) => bytemuck::cast_slice(v),
+            WeightValues::F32(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// Reads a float tensor's bytes as values of its dtype, or `None` for other dtypes.
+    pub fn from_bytes(dtype: Dtype, data: &[u8]) -> Option<WeightValues<'_>> {
+        match dtype {
+            Dtype::BF16 => bytemuck::try_cast_slice(data).ok().map(WeightValues::Bf16),
+            Dtype::F16 => bytemuck::try_cast_slice(data).ok().map(WeightValues::F16),
+            Dtype::F32 => bytemuck::try_cast_slice(data).ok().map(WeightValues::F32),
+            _ => None,
+        }
+    }
+}
+
+/// Float values owned in their dtype: a tensor's little-endian bytes decoded into aligned
+/// values, for a writer that receives bytes ([`OutputWriter::tensor`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum FloatValues {
+    /// bfloat16.
+    Bf16(Vec<bf16>),
+    /// float16.
+    F16(Vec<f16>),
+    /// float32.
+    F32(Vec<f32>),
+}
+
+impl FloatValues {
+    /// Decodes BF16, F16 or F32 bytes; `None` for other dtypes.
+    pub fn decode(dtype: Dtype, data: &[u8]) -> Option<Self> {
+        let two = || data.chunks_exact(2).map(|c| [c[0], c[1]]);
+        match dtype {
+            Dtype::BF16 => Some(FloatValues::Bf16(two().map(bf16::from_le_bytes).collect())),
+            Dtype::F16 => Some(FloatValues::F16(two().map(f16::from_le_bytes).collect())),
+            Dtype::F32 => Some(FloatValues::F32(
+                data.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            )),
+            _ => None,
+        }
+    }
+
+    /// A view of the values.
+    pub fn view(&self) -> WeightValues<'_> {
+        match self {
+            FloatValues::Bf16(v) => WeightValues::Bf16(v),
+            FloatValues::F16(v) => WeightValues::F16(v),
+            FloatValues::F32(v) => WeightValues::F32(v),
+        }
+    }
+}
+
+/// A Linear the exporters decided to quantize.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearWeight<'a> {
+    /// The output module path, in the input's (Hugging Face) naming; a fused expert tensor's
+    /// slices are named per expert (`…experts.3.gate_proj`).
+    pub module: &'a str,
+    /// The input tensor the values come from, for messages.
+    pub source: &'a str,
+    /// `rows × cols` values, row-major (`[out, in]`).
+    pub values: WeightValues<'a>,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// The input's calibrated amax, when the export has activation statistics.
+    pub input_amax: Option<f32>,
+}
+
+/// A tensor's type in a writer's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EncodedType {
+    /// A safetensors dtype.
+    Dtype(Dtype),
+    /// A ggml type number (GGUF).
+    Ggml(u32),
+}
+
+/// One output tensor, as the writer names and encodes it.
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    /// The output name.
+    pub name: String,
+    /// The output type.
+    pub ty: EncodedType,
+    /// The shape, outermost first.
+    pub shape: Vec<usize>,
+    /// The bytes.
+    pub data: Vec<u8>,
+}
+
+/// What a writer made of one Linear or one copied tensor.
+#[derive(Debug, Clone, Default)]
+pub struct Written {
+    /// The output tensors (none: the writer dropped the input, or holds it until `finish`).
+    pub tensors: Vec<Encoded>,
+    /// Set when the writer quantized: what it wrote (its own name for the type, such as
+    /// `Q6_K`) and the error against the input values.
+    pub quantized: Option<(String, ErrorStats)>,
+}
+
+/// An output writer. [`OutputWriter::linear`] and [`OutputWriter::tensor`] run on several
+/// threads at once and only encode; [`OutputWriter::write`] receives their tensors one at a
+/// time in module order.
+pub trait OutputWriter: Send + Sync {
+    /// Called once before the walk.
+    fn begin(&mut self, start: &WriterStart<'_>) -> Result<(), ExportError> {
+        let _ = start;
+        Ok(())
+    }
+
+    /// Quantizes one Linear the exporters selected.
+    fn linear(&self, weight: &LinearWeight<'_>) -> Result<Written, ExportError>;
+
+    /// Encodes one tensor the exporters copied unchanged (renaming, converting or
+    /// quantizing it as the format requires).
+    fn tensor(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        data: Vec<u8>,
+    ) -> Result<Written, ExportError>;
+
+    /// Writes one encoded tensor, in module order.
+    fn write(&mut self, tensor: Encoded) -> Result<(), ExportError>;
+
+    /// Called once after the walk: writes what remains and the config files; returns the
+    /// files written, relative to the output folder.
+    fn finish(&mut self, end: &WriterEnd<'_>) -> Result<Vec<String>, ExportError>;
+
+    /// What the writer substituted or noticed, one line each (printed as warnings).
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Whether this is ModelOpt's writer, whose arithmetic runs in the export context.
+    #[doc(hidden)]
+    fn is_modelopt(&self) -> bool {
+        false
+    }
+}
+
+/// A writer type the `#[writer]` attribute registers: its formats and its constructor.
+pub trait WriterType: OutputWriter + Sized + 'static {
+    /// The `--format` names it accepts, each with one line saying what it writes; the first
+    /// is the default.
+    fn formats() -> Vec<(&'static str, String)>;
+
+    /// The writer for one export in `format` (one of [`WriterType::formats`]).
+    fn new(format: &str) -> Result<Self, ExportError>;
+}
+
+/// ModelOpt's layout (docs/FORMATS.md §2–4): the default writer.
+#[crate::writer(name = "modelopt", crate = crate)]
+#[derive(Debug, Default)]
+pub struct ModelOptWriter;
+
+impl ModelOptWriter {
+    fn inside() -> ExportError {
+        ExportError::Writer {
+            writer: "modelopt".into(),
+            what: "ModelOpt's writer runs inside the export context; it takes no calls".into(),
+        }
+    }
+}
+
+impl OutputWriter for ModelOptWriter {
+    fn linear(&self, _: &LinearWeight<'_>) -> Result<Written, ExportError> {
+        Err(Self::inside())
+    }
+    fn tensor(&self, _: &str, _: Dtype, _: &[usize], _: Vec<u8>) -> Result<Written, ExportError> {
+        Err(Self::inside())
+    }
+    fn write(&mut self, _: Encoded) -> Result<(), ExportError> {
+        Err(Self::inside())
+    }
+    fn finish(&mut self, _: &WriterEnd<'_>) -> Result<Vec<String>, ExportError> {
+        Err(Self::inside())
+    }
+    fn is_modelopt(&self) -> bool {
+        true
+    }
+}
+
+impl WriterType for ModelOptWriter {
+    fn formats() -> Vec<(&'static str, String)> {
+        super::recipe::Format::ALL
+            .iter()
+            .map(|f| (f.cli_name(), format!("ModelOpt `{}`", f.quant_algo())))
+            .collect()
+    }
+
+    fn new(format: &str) -> Result<Self, ExportError> {
+        format
+            .parse::<super::recipe::Format>()
+            .map(|_| ModelOptWriter)
+            .map_err(|what| ExportError::Writer {
+                writer: "modelopt".into(),
+                what,
+            })
+    }
+}

@@ -1,0 +1,397 @@
+//! Which ggml type each tensor gets: `convert_hf_to_gguf.py`'s choices for the unquantized
+//! file, then `llama-quantize`'s per-tensor mix for the file type (llama.cpp's
+//! `src/llama-quant.cpp`, `llama_tensor_get_type`, without an imatrix or overrides). Only the
+//! branches that the file types kiln writes can reach are here (docs/FORMATS.md §7.2).
+
+use kiln_kernels::ops::gguf::GgufType;
+
+/// ggml's F32, F16 and BF16 type numbers.
+pub const F32: u32 = 0;
+/// ggml's F16.
+pub const F16: u32 = 1;
+/// ggml's BF16.
+pub const BF16: u32 = 30;
+
+/// A llama.cpp file type (`general.file_type`), as `llama-quantize` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileType {
+    /// Every tensor F32.
+    F32,
+    /// 2-D weights F16.
+    F16,
+    /// 2-D weights BF16.
+    Bf16,
+    /// Q8_0.
+    Q8_0,
+    /// Q4_0.
+    Q4_0,
+    /// Q4_1.
+    Q4_1,
+    /// Q5_0.
+    Q5_0,
+    /// Q5_1.
+    Q5_1,
+    /// Q4_K_M: Q4_K, with Q6_K for `output`, and for `attn_v` / `ffn_down` in the
+    /// `use_more_bits` layers.
+    Q4KM,
+    /// Q5_K_M: the same mix around Q5_K.
+    Q5KM,
+    /// Q6_K.
+    Q6K,
+    /// MXFP4_MOE: stacked experts MXFP4, other weights Q8_0.
+    Mxfp4Moe,
+}
+
+impl FileType {
+    /// Every file type, in `--format` order (the first is the default).
+    pub const ALL: [FileType; 12] = [
+        FileType::Q4KM,
+        FileType::Q5KM,
+        FileType::Q6K,
+        FileType::Q8_0,
+        FileType::Q4_0,
+        FileType::Q4_1,
+        FileType::Q5_0,
+        FileType::Q5_1,
+        FileType::Mxfp4Moe,
+        FileType::F16,
+        FileType::Bf16,
+        FileType::F32,
+    ];
+
+    /// The `--format` name.
+    pub fn cli_name(self) -> &'static str {
+        match self {
+            FileType::F32 => "f32",
+            FileType::F16 => "f16",
+            FileType::Bf16 => "bf16",
+            FileType::Q8_0 => "q8-0",
+            FileType::Q4_0 => "q4-0",
+            FileType::Q4_1 => "q4-1",
+            FileType::Q5_0 => "q5-0",
+            FileType::Q5_1 => "q5-1",
+            FileType::Q4KM => "q4-k-m",
+            FileType::Q5KM => "q5-k-m",
+            FileType::Q6K => "q6-k",
+            FileType::Mxfp4Moe => "mxfp4-moe",
+        }
+    }
+
+    /// llama.cpp's name (`llama-quantize`'s argument).
+    pub fn llama_name(self) -> &'static str {
+        match self {
+            FileType::F32 => "F32",
+            FileType::F16 => "F16",
+            FileType::Bf16 => "BF16",
+            FileType::Q8_0 => "Q8_0",
+            FileType::Q4_0 => "Q4_0",
+            FileType::Q4_1 => "Q4_1",
+            FileType::Q5_0 => "Q5_0",
+            FileType::Q5_1 => "Q5_1",
+            FileType::Q4KM => "Q4_K_M",
+            FileType::Q5KM => "Q5_K_M",
+            FileType::Q6K => "Q6_K",
+            FileType::Mxfp4Moe => "MXFP4_MOE",
+        }
+    }
+
+    /// `general.file_type` (`enum llama_ftype`).
+    pub fn number(self) -> u32 {
+        match self {
+            FileType::F32 => 0,
+            FileType::F16 => 1,
+            FileType::Q4_0 => 2,
+            FileType::Q4_1 => 3,
+            FileType::Q8_0 => 7,
+            FileType::Q5_0 => 8,
+            FileType::Q5_1 => 9,
+            FileType::Q4KM => 15,
+            FileType::Q5KM => 17,
+            FileType::Q6K => 18,
+            FileType::Bf16 => 32,
+            FileType::Mxfp4Moe => 38,
+        }
+    }
+
+    /// The type most tensors get (`llama_ftype_get_default_type`); F32 / F16 / BF16 for the
+    /// unquantized file types.
+    pub fn default_type(self) -> u32 {
+        match self {
+            FileType::F32 => F32,
+            FileType::F16 => F16,
+            FileType::Bf16 => BF16,
+            FileType::Q8_0 => GgufType::Q8_0.ggml_type(),
+            FileType::Q4_0 => GgufType::Q4_0.ggml_type(),
+            FileType::Q4_1 => GgufType::Q4_1.ggml_type(),
+            FileType::Q5_0 => GgufType::Q5_0.ggml_type(),
+            FileType::Q5_1 => GgufType::Q5_1.ggml_type(),
+            FileType::Q4KM => GgufType::Q4K.ggml_type(),
+            FileType::Q5KM => GgufType::Q5K.ggml_type(),
+            FileType::Q6K => GgufType::Q6K.ggml_type(),
+            FileType::Mxfp4Moe => GgufType::Mxfp4.ggml_type(),
+        }
+    }
+
+    /// Whether the file type quantizes (its default type is a block type).
+    pub fn quantizes(self) -> bool {
+        !matches!(self, FileType::F32 | FileType::F16 | FileType::Bf16)
+    }
+
+    /// One line for `--format` listings.
+    pub fn describe(self) -> String {
+        match self {
+            FileType::F32 | FileType::F16 | FileType::Bf16 => {
+                format!(
+                    "{}: unquantized, as convert_hf_to_gguf.py --outtype writes",
+                    self.llama_name()
+                )
+            }
+            _ => format!("{}: llama-quantize's mix", self.llama_name()),
+        }
+    }
+}
+
+/// What the mix needs to know about the model (`quantize_state_impl` and `hparams`).
+#[derive(Debug, Clone, Copy)]
+pub struct MixModel {
+    /// `n_expert` (0 for dense models).
+    pub experts: usize,
+    /// `n_layer`.
+    pub layers: usize,
+    /// llama.cpp reports the model as `LLM_TYPE_70B` (Llama / Qwen2 with 80 layers and GQA):
+    /// `attn_v` is raised from Q4_K to Q5_K.
+    pub is_70b: bool,
+    /// `output.weight` absent: `token_embd` is quantized as the output.
+    pub tied_embeddings: bool,
+}
+
+/// llama.cpp's `tensor_category` of a GGUF tensor name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Category {
+    Output,
+    TokenEmbd,
+    AttnV,
+    AttnK,
+    AttnOutput,
+    FfnDown,
+    Other,
+}
+
+fn category(name: &str) -> Category {
+    if name == "output.weight" {
+        Category::Output
+    } else if name == "token_embd.weight" {
+        Category::TokenEmbd
+    } else if name.contains("attn_v.weight") {
+        Category::AttnV
+    } else if name.contains("attn_k.weight") {
+        Category::AttnK
+    } else if name.contains("attn_output.weight") {
+        Category::AttnOutput
+    } else if name.contains("ffn_down") {
+        Category::FfnDown
+    } else {
+        Category::Other
+    }
+}
+
+/// Whether llama-quantize quantizes this tensor at all (`tensor_allows_quantization`), for
+/// the tensors of the families kiln writes: 2-D and 3-D weights, not norms, not routers.
+pub fn allows_quantization(name: &str, dims: usize) -> bool {
+    dims >= 2
+        && name.ends_with("weight")
+        && !name.contains("_norm.weight")
+        && !name.contains("ffn_gate_inp.weight")
+}
+
+/// The layer of a `blk.N.` tensor.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// `use_more_bits`: the first and last eighth of the layers, and every third between.
+fn use_more_bits(i: usize, n: usize) -> bool {
+    let (i, n) = (i as i64, n as i64);
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// The type of `name` (`dims` dimensions, rows of `cols`) under `ftype`, before the fallback.
+fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) -> u32 {
+    let default = ftype.default_type();
+    if !ftype.quantizes() {
+        return default;
+    }
+    let cat = category(name);
+    let block = |t: u32| {
+        GgufType::ALL
+            .iter()
+            .find(|g| g.ggml_type() == t)
+            .map_or(1, |g| g.block_elems())
+    };
+    let q6k = GgufType::Q6K.ggml_type();
+    let q8 = GgufType::Q8_0.ggml_type();
+    let q5k = GgufType::Q5K.ggml_type();
+    let q4k = GgufType::Q4K.ggml_type();
+    if cat == Category::Output || (m.tied_embeddings && cat == Category::TokenEmbd) {
+        return if ftype == FileType::Mxfp4Moe || !cols.is_multiple_of(block(default)) {
+            q8
+        } else if default != q8 {
+            q6k
+        } else {
+            default
+        };
+    }
+    if ftype == FileType::Mxfp4Moe {
+        return if dims == 3 { default } else { q8 };
+    }
+    let km = matches!(ftype, FileType::Q4KM | FileType::Q5KM);
+    let layer = layer_of(name).unwrap_or(0);
+    match cat {
+        Category::AttnV => {
+            // One attn_v per layer, counted in layer order: the counter is the layer.
+            let mut t = if km && use_more_bits(layer, m.layers) {
+                q6k
+            } else {
+                default
+            };
+            if m.is_70b && t == q4k {
+                t = q5k;
+            }
+            if m.experts == 8 {
+                t = q8;
+            }
+            t
+        }
+        Category::AttnK if m.experts == 8 => q8,
+        Category::FfnDown if km && use_more_bits(layer, m.layers) => q6k,
+        Category::AttnOutput if m.experts == 8 && ftype == FileType::Q4KM => q5k,
+        _ => default,
+    }
+}
+
+/// The ggml type `llama-quantize` gives `name` (`dims` dimensions, rows of `cols`) in a file
+/// of type `ftype`, and whether it fell back (rows not whole blocks of the chosen type).
+/// `None`: llama-quantize leaves the tensor in its unquantized type.
+pub fn tensor_type(
+    ftype: FileType,
+    m: &MixModel,
+    name: &str,
+    dims: usize,
+    cols: usize,
+) -> Option<(u32, bool)> {
+    if !allows_quantization(name, dims) {
+        return None;
+    }
+    let t = mixed(ftype, m, name, dims, cols);
+    if !ftype.quantizes() {
+        return Some((t, false));
+    }
+    let Some(g) = GgufType::ALL.iter().find(|g| g.ggml_type() == t) else {
+        return Some((t, false));
+    };
+    if cols.is_multiple_of(g.block_elems()) {
+        return Some((t, false));
+    }
+    // `tensor_type_fallback`: a 256-block type to the 32-block type llama.cpp names; F16 when
+    // even that does not fit.
+    let fallback = match g {
+        GgufType::Q4K => GgufType::Q5_0.ggml_type(),
+        GgufType::Q5K => GgufType::Q5_1.ggml_type(),
+        GgufType::Q6K => GgufType::Q8_0.ggml_type(),
+        _ => t,
+    };
+    if cols.is_multiple_of(32) && fallback != t {
+        Some((fallback, true))
+    } else {
+        Some((F16, true))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(t: Option<(u32, bool)>) -> &'static str {
+        match t {
+            None => "keep",
+            Some((F16, _)) => "F16",
+            Some((t, _)) => GgufType::ALL
+                .iter()
+                .find(|g| g.ggml_type() == t)
+                .map_or("?", |g| g.name()),
+        }
+    }
+
+    #[test]
+    fn q4_k_m_follows_llama_quantize() {
+        let m = MixModel {
+            experts: 0,
+            layers: 32,
+            is_70b: false,
+            tied_embeddings: false,
+        };
+        let t = |n: &str, cols| name(tensor_type(FileType::Q4KM, &m, n, 2, cols));
+        assert_eq!(t("output.weight", 4096), "Q6_K");
+        assert_eq!(t("token_embd.weight", 4096), "Q4_K");
+        // use_more_bits(i, 32): i < 4, i >= 28, (i - 4) % 3 == 2.
+        let more: Vec<usize> = (0..32).filter(|&i| use_more_bits(i, 32)).collect();
+        assert_eq!(
+            more,
+            [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+        );
+        assert_eq!(t("blk.6.attn_v.weight", 4096), "Q6_K");
+        assert_eq!(t("blk.7.attn_v.weight", 4096), "Q4_K");
+        assert_eq!(t("blk.9.ffn_down.weight", 14336), "Q6_K");
+        assert_eq!(t("blk.10.ffn_down.weight", 14336), "Q4_K");
+        assert_eq!(t("blk.10.attn_q.weight", 4096), "Q4_K");
+        assert_eq!(t("blk.10.attn_norm.weight", 4096), "keep");
+        // Rows not whole 256-blocks fall back to llama.cpp's 32-block types.
+        assert_eq!(t("blk.10.attn_q.weight", 4000), "Q5_0");
+        assert_eq!(t("blk.6.attn_v.weight", 4000), "Q8_0");
+        assert_eq!(t("blk.10.attn_q.weight", 100), "F16");
+        // Tied embeddings: token_embd is the output.
+        let tied = MixModel {
+            tied_embeddings: true,
+            ..m
+        };
+        assert_eq!(
+            name(tensor_type(
+                FileType::Q4KM,
+                &tied,
+                "token_embd.weight",
+                2,
+                4096
+            )),
+            "Q6_K"
+        );
+        // Eight experts: attn_v and attn_k Q8_0, attn_output Q5_K.
+        let moe = MixModel { experts: 8, ..m };
+        let t = |n: &str| name(tensor_type(FileType::Q4KM, &moe, n, 2, 4096));
+        assert_eq!(t("blk.7.attn_v.weight"), "Q8_0");
+        assert_eq!(t("blk.7.attn_k.weight"), "Q8_0");
+        assert_eq!(t("blk.7.attn_output.weight"), "Q5_K");
+        assert_eq!(t("blk.7.ffn_gate_inp.weight"), "keep");
+    }
+
+    #[test]
+    fn other_file_types() {
+        let m = MixModel {
+            experts: 0,
+            layers: 4,
+            is_70b: false,
+            tied_embeddings: false,
+        };
+        let t = |f, n: &str, dims| name(tensor_type(f, &m, n, dims, 512));
+        assert_eq!(t(FileType::Q4_0, "output.weight", 2), "Q6_K");
+        assert_eq!(t(FileType::Q8_0, "output.weight", 2), "Q8_0");
+        assert_eq!(t(FileType::Q4_0, "blk.0.attn_v.weight", 2), "Q4_0");
+        assert_eq!(
+            t(FileType::Mxfp4Moe, "blk.0.ffn_up_exps.weight", 3),
+            "MXFP4"
+        );
+        assert_eq!(t(FileType::Mxfp4Moe, "blk.0.attn_q.weight", 2), "Q8_0");
+        assert_eq!(t(FileType::Mxfp4Moe, "output.weight", 2), "Q8_0");
+        assert_eq!(t(FileType::F16, "blk.0.attn_q.weight", 2), "F16");
+        assert_eq!(t(FileType::F16, "output.weight", 2), "F16");
+    }
+}

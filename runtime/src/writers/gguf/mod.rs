@@ -1,0 +1,712 @@
+//! The GGUF writer (`--output-format gguf`): what llama.cpp's `convert_hf_to_gguf.py`
+//! followed by `llama-quantize` makes of a Hugging Face checkpoint, in one pass — the same
+//! names, the Q/K row order of llama.cpp's Llama models, the per-tensor type mix of the file
+//! type, block bytes identical to `ggml-quants.c` (`kiln_kernels::ops::gguf`), the
+//! architecture metadata and the tokenizer (docs/FORMATS.md §7).
+//!
+//! Tensors stream: each encoded tensor is appended to a spool file beside the output while
+//! the walk runs (a GGUF header lists every tensor before the data); `finish` writes the
+//! header and moves the spooled bytes behind it, one tensor at a time.
+
+pub mod mix;
+pub mod vocab;
+
+use crate::export::ExportError;
+use crate::export::recipe::glob_match;
+use crate::export::stats::ErrorStats;
+use crate::export::writer::{
+    Encoded, EncodedType, FloatValues, LinearWeight, OutputWriter, WriterEnd, WriterStart,
+    WriterType, Written,
+};
+use crate::gguf::{GgufWriter, Value};
+use kiln_kernels::ops::gguf::GgufType;
+use mix::{BF16, F16, F32, FileType, MixModel};
+use safetensors::Dtype;
+use serde_json::{Map, Value as Json};
+use std::fs::File;
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+/// The file the writer produces inside the output folder.
+pub const FILE_NAME: &str = "model.gguf";
+const SPOOL: &str = ".kiln-gguf-tensors.spool";
+
+/// llama.cpp's GGUF, one file per model.
+#[crate::writer(name = "gguf", crate = crate)]
+pub struct GgufOutput {
+    ftype: FileType,
+    plan: Option<Plan>,
+    spool: Option<Spool>,
+    warnings: Mutex<Vec<String>>,
+}
+
+/// What `begin` learns about the model: names, metadata, the mix.
+struct Plan {
+    family: Family,
+    heads: usize,
+    kv_heads: usize,
+    experts: usize,
+    mix: MixModel,
+    /// The type unquantized 2-D weights keep: the checkpoint's float dtype.
+    base: u32,
+    exclude: Vec<String>,
+    include: Vec<String>,
+    metadata: Vec<(String, Value)>,
+}
+
+/// The tensors written so far: their bytes in the spool, their header entries in order.
+struct Spool {
+    path: PathBuf,
+    file: BufWriter<File>,
+    len: u64,
+    /// (name, dims innermost first, ggml type, spool offset, bytes).
+    entries: Vec<(String, Vec<u64>, u32, u64, u64)>,
+    /// Stacked expert tensors being gathered.
+    stacks: super::Stacks<u32>,
+}
+
+/// The Hugging Face families the writer maps, with llama.cpp's architecture name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    /// `LlamaForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM`: llama.cpp's `llama`,
+    /// whose Q and K rows are reordered (`LlamaModel.permute`).
+    Llama,
+    /// `Qwen2ForCausalLM`: `qwen2`.
+    Qwen2,
+    /// `Qwen3ForCausalLM`: `qwen3`.
+    Qwen3,
+    /// `Qwen3MoeForCausalLM`: `qwen3moe`.
+    Qwen3Moe,
+}
+
+impl Family {
+    const NAMES: [(&'static str, Family); 6] = [
+        ("LlamaForCausalLM", Family::Llama),
+        ("MistralForCausalLM", Family::Llama),
+        ("MixtralForCausalLM", Family::Llama),
+        ("Qwen2ForCausalLM", Family::Qwen2),
+        ("Qwen3ForCausalLM", Family::Qwen3),
+        ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
+    ];
+
+    fn arch(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3moe",
+        }
+    }
+}
+
+/// Where a Hugging Face tensor goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Target {
+    /// Not written (`rotary_emb.inv_freq`: llama.cpp computes it).
+    Drop,
+    /// A GGUF tensor; `expert`: its slot in a stacked `*_exps` tensor; `permute`: the number
+    /// of heads whose rows llama.cpp reorders (Llama's Q and K).
+    Tensor {
+        name: String,
+        expert: Option<usize>,
+        permute: Option<usize>,
+    },
+}
+
+impl GgufOutput {
+    fn err(what: impl Into<String>) -> ExportError {
+        ExportError::Writer {
+            writer: "gguf".into(),
+            what: what.into(),
+        }
+    }
+
+    fn plan(&self) -> Result<&Plan, ExportError> {
+        self.plan
+            .as_ref()
+            .ok_or_else(|| Self::err("used before `begin`"))
+    }
+
+    fn warn(&self, w: String) {
+        self.warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(w);
+    }
+}
+
+fn cfg_usize(c: &Map<String, Json>, key: &str) -> Option<usize> {
+    c.get(key).and_then(Json::as_u64).map(|v| v as usize)
+}
+
+fn need(c: &Map<String, Json>, key: &str) -> Result<usize, ExportError> {
+    cfg_usize(c, key).ok_or_else(|| {
+        GgufOutput::err(format!(
+            "config.json: `{key}` is missing or not a non-negative integer"
+        ))
+    })
+}
+
+impl Plan {
+    fn target(&self, hf: &str) -> Option<Target> {
+        let t = |name: String| Target::Tensor {
+            name,
+            expert: None,
+            permute: None,
+        };
+        match hf {
+            "model.embed_tokens.weight" => return Some(t("token_embd.weight".into())),
+            "model.norm.weight" => return Some(t("output_norm.weight".into())),
+            "lm_head.weight" => return Some(t("output.weight".into())),
+            _ => {}
+        }
+        let rest = hf.strip_prefix("model.layers.")?;
+        let (layer, rest) = rest.split_once('.')?;
+        let n: usize = layer.parse().ok()?;
+        let blk = |s: &str| format!("blk.{n}.{s}");
+        if rest.ends_with("rotary_emb.inv_freq") {
+            return Some(Target::Drop);
+        }
+        let (local, suffix) = rest.rsplit_once('.')?;
+        let simple = match local {
+            "input_layernorm" => Some("attn_norm"),
+            "post_attention_layernorm" => Some("ffn_norm"),
+            "self_attn.q_proj" => Some("attn_q"),
+            "self_attn.k_proj" => Some("attn_k"),
+            "self_attn.v_proj" => Some("attn_v"),
+            "self_attn.o_proj" => Some("attn_output"),
+            "self_attn.q_norm" => Some("attn_q_norm"),
+            "self_attn.k_norm" => Some("attn_k_norm"),
+            "mlp.gate_proj" => Some("ffn_gate"),
+            "mlp.up_proj" => Some("ffn_up"),
+            "mlp.down_proj" => Some("ffn_down"),
+            "mlp.gate" | "block_sparse_moe.gate" if self.experts > 0 => Some("ffn_gate_inp"),
+            _ => None,
+        };
+        if let Some(g) = simple {
+            let permute = match (self.family, local) {
+                (Family::Llama, "self_attn.q_proj") => Some(self.heads),
+                (Family::Llama, "self_attn.k_proj") => Some(self.kv_heads),
+                _ => None,
+            };
+            return Some(Target::Tensor {
+                name: blk(&format!("{g}.{suffix}")),
+                expert: None,
+                permute,
+            });
+        }
+        // Experts, one tensor per expert in the checkpoint, stacked in the GGUF.
+        let (list, proj) = if let Some(r) = local.strip_prefix("mlp.experts.") {
+            (r, ["gate_proj", "up_proj", "down_proj"])
+        } else if let Some(r) = local.strip_prefix("block_sparse_moe.experts.") {
+            (r, ["w1", "w3", "w2"])
+        } else {
+            return None;
+        };
+        let (e, p) = list.split_once('.')?;
+        let e: usize = e.parse().ok()?;
+        let g =
+            ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"][proj.iter().position(|x| *x == p)?];
+        (suffix == "weight").then(|| Target::Tensor {
+            name: blk(&format!("{g}.weight")),
+            expert: Some(e),
+            permute: None,
+        })
+    }
+
+    /// Whether the user excluded the module owning `hf` with `--exclude` (and did not
+    /// `--include` it): it keeps its unquantized type.
+    fn user_excluded(&self, hf: &str) -> bool {
+        let module = hf.rsplit_once('.').map_or(hf, |(m, _)| m);
+        !self.include.iter().any(|g| glob_match(g, module))
+            && self.exclude.iter().any(|g| glob_match(g, module))
+    }
+}
+
+/// llama.cpp's `LlamaModel.permute`: within each of `heads` heads, rows `[a0 a1 … b0 b1 …]`
+/// (the two rotary halves) become `[a0 b0 a1 b1 …]`.
+fn permute_rows<T: Copy>(v: &[T], rows: usize, heads: usize) -> Result<Vec<T>, String> {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+        return Err(format!("{rows} rows are not {heads} heads of an even size"));
+    }
+    let cols = v.len() / rows;
+    let (per, half) = (rows / heads, rows / heads / 2);
+    let mut out = Vec::with_capacity(v.len());
+    for r in 0..rows {
+        let (h, within) = (r / per, r % per);
+        let src = h * per + (within % 2) * half + within / 2;
+        out.extend_from_slice(&v[src * cols..(src + 1) * cols]);
+    }
+    Ok(out)
+}
+
+/// Little-endian float bytes as f32 values.
+fn floats(dtype: Dtype, data: &[u8]) -> Option<Vec<f32>> {
+    FloatValues::decode(dtype, data).map(|v| v.view().to_f32())
+}
+
+fn block_type(t: u32) -> Option<GgufType> {
+    GgufType::ALL.iter().copied().find(|g| g.ggml_type() == t)
+}
+
+/// A ggml type's name (`Q4_K`, `F16`).
+pub fn type_name(t: u32) -> &'static str {
+    match t {
+        F32 => "F32",
+        F16 => "F16",
+        BF16 => "BF16",
+        _ => block_type(t).map_or("?", |g| g.name()),
+    }
+}
+
+impl GgufOutput {
+    /// Encodes the values of HF tensor `hf` (`shape`, outermost first).
+    fn encode(
+        &self,
+        hf: &str,
+        values: Vec<f32>,
+        shape: &[usize],
+        excluded: bool,
+    ) -> Result<Written, ExportError> {
+        let plan = self.plan()?;
+        let Some(target) = plan.target(hf) else {
+            return Err(Self::err(format!(
+                "no GGUF name for tensor `{hf}` of a {} model",
+                plan.family.arch()
+            )));
+        };
+        let Target::Tensor {
+            name,
+            expert,
+            permute,
+        } = target
+        else {
+            return Ok(Written::default());
+        };
+        let (rows, cols) = match shape {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            s => {
+                return Err(Self::err(format!(
+                    "tensor `{hf}` has shape {s:?}; the GGUF writer maps 1-D and 2-D tensors"
+                )));
+            }
+        };
+        let values = match permute {
+            Some(h) if shape.len() == 2 => permute_rows(&values, rows, h),
+            Some(h) => permute_rows(&values, cols, h),
+            None => Ok(values),
+        }
+        .map_err(|e| Self::err(format!("`{hf}`: {e}")))?;
+        let dims = shape.len() + usize::from(expert.is_some());
+        let chosen = if excluded {
+            None
+        } else {
+            mix::tensor_type(self.ftype, &plan.mix, &name, dims, cols)
+        };
+        let ty = match chosen {
+            Some((t, fallback)) => {
+                if fallback {
+                    self.warn(format!(
+                        "`{name}`: rows of {cols} do not fill {}'s blocks; {} instead, as \
+                         llama-quantize falls back",
+                        self.ftype.llama_name(),
+                        type_name(t)
+                    ));
+                }
+                t
+            }
+            None if dims >= 2 && mix::allows_quantization(&name, dims) => plan.base,
+            None => F32,
+        };
+        let data: Vec<u8> = match ty {
+            F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            F16 => values
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            BF16 => values
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            t => {
+                let g = block_type(t).ok_or_else(|| Self::err(format!("type {t}")))?;
+                let mut out = vec![0u8; rows * g.bytes_for(cols)];
+                kiln_kernels::cpu::quantize_gguf(g, &values, cols, &mut out).map_err(|source| {
+                    ExportError::Kernel {
+                        tensor: hf.to_string(),
+                        source,
+                    }
+                })?;
+                out
+            }
+        };
+        let quantized = if chosen.is_some() {
+            let decoded = decode(ty, &data, values.len())?;
+            let w: Vec<f32> = values;
+            Some((
+                type_name(ty).to_string(),
+                ErrorStats::measure(&w, |i| decoded[i]),
+            ))
+        } else {
+            None
+        };
+        let name = match expert {
+            Some(e) => format!("{name}#{e}"),
+            None => name,
+        };
+        Ok(Written {
+            tensors: vec![Encoded {
+                name,
+                ty: EncodedType::Ggml(ty),
+                shape: shape.to_vec(),
+                data,
+            }],
+            quantized,
+        })
+    }
+}
+
+/// Values of `n` elements of ggml type `ty`, for the error statistics.
+fn decode(ty: u32, data: &[u8], n: usize) -> Result<Vec<f32>, ExportError> {
+    let dt = match ty {
+        F32 => Dtype::F32,
+        F16 => Dtype::F16,
+        BF16 => Dtype::BF16,
+        t => {
+            let g = block_type(t).ok_or_else(|| GgufOutput::err(format!("type {t}")))?;
+            let mut out = vec![0f32; n];
+            kiln_kernels::ops::gguf::dequantize(g, data, &mut out).map_err(|source| {
+                ExportError::Kernel {
+                    tensor: "decoding for the error statistics".into(),
+                    source,
+                }
+            })?;
+            return Ok(out);
+        }
+    };
+    floats(dt, data).ok_or_else(|| GgufOutput::err("decode"))
+}
+
+impl OutputWriter for GgufOutput {
+    fn begin(&mut self, start: &WriterStart<'_>) -> Result<(), ExportError> {
+        let family = Family::NAMES
+            .iter()
+            .find(|(n, _)| *n == start.architecture)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| ExportError::WriterCannot {
+                writer: "gguf".into(),
+                what: format!("the `{}` architecture", start.architecture),
+                supported: Family::NAMES.iter().map(|(n, _)| n.to_string()).collect(),
+            })?;
+        if start.recipe.kv_cache.is_some() {
+            return Err(ExportError::WriterCannot {
+                writer: "gguf".into(),
+                what: "--kv-cache (llama.cpp chooses its KV-cache type at load time: \
+                       --cache-type-k / --cache-type-v)"
+                    .into(),
+                supported: FileType::ALL.iter().map(|f| f.cli_name().into()).collect(),
+            });
+        }
+        let c = start.checkpoint.config().raw();
+        let heads = need(c, "num_attention_heads")?;
+        let kv_heads = cfg_usize(c, "num_key_value_heads").unwrap_or(heads);
+        let layers = need(c, "num_hidden_layers")?;
+        let hidden = need(c, "hidden_size")?;
+        let vocab_size = need(c, "vocab_size")?;
+        let experts = cfg_usize(c, "num_local_experts")
+            .or_else(|| cfg_usize(c, "num_experts"))
+            .unwrap_or(0);
+        let rope = c.get("rope_parameters").and_then(Json::as_object);
+        let scaling = c.get("rope_scaling").filter(|v| !v.is_null()).or_else(|| {
+            rope.and_then(|r| r.get("rope_type"))
+                .filter(|t| t.as_str() != Some("default"))
+        });
+        if let Some(s) = scaling {
+            return Err(ExportError::WriterCannot {
+                writer: "gguf".into(),
+                what: format!(
+                    "config.json's RoPE scaling {s} (llama.cpp's rope_freqs and YaRN keys are not written yet)"
+                ),
+                supported: vec!["models without rope_scaling".into()],
+            });
+        }
+        let theta = c
+            .get("rope_theta")
+            .or_else(|| rope.and_then(|r| r.get("rope_theta")))
+            .and_then(Json::as_f64);
+        let has_output = start.checkpoint.tensor("lm_head.weight").is_some()
+            && c.get("tie_word_embeddings").and_then(Json::as_bool) != Some(true);
+        let base = start
+            .tree
+            .walk()
+            .find_map(|m| {
+                m.tensor("weight")
+                    .filter(|t| t.shape.len() == 2)
+                    .and_then(|t| {
+                        start
+                            .checkpoint
+                            .tensor(&crate::export::full_name(m.path(), &t.name))
+                    })
+            })
+            .map_or(BF16, |t| match t.dtype {
+                Dtype::F16 => F16,
+                Dtype::F32 => F32,
+                _ => BF16,
+            });
+        let arch = family.arch();
+        // `general.name`: the model's name in config.json (`_name_or_path`, its last part),
+        // else the folder's name, as the converter does.
+        let name = c
+            .get("_name_or_path")
+            .and_then(Json::as_str)
+            .and_then(|p| p.trim_end_matches('/').rsplit('/').next())
+            .filter(|n| !n.is_empty())
+            .map(str::to_string)
+            .or_else(|| {
+                start
+                    .model
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+            })
+            .unwrap_or_else(|| "model".to_string());
+        let mut md: Vec<(String, Value)> = vec![
+            ("general.architecture".into(), Value::String(arch.into())),
+            ("general.type".into(), Value::String("model".into())),
+            ("general.name".into(), Value::String(name)),
+        ];
+        let a = |k: &str| format!("{arch}.{k}");
+        let u = |v: usize| Value::U32(v as u32);
+        md.push((a("vocab_size"), u(vocab_size)));
+        if let Some(ctx) = cfg_usize(c, "max_position_embeddings") {
+            md.push((a("context_length"), u(ctx)));
+        }
+        md.push((a("embedding_length"), u(hidden)));
+        md.push((a("block_count"), u(layers)));
+        if let Some(ff) = cfg_usize(c, "intermediate_size") {
+            md.push((a("feed_forward_length"), u(ff)));
+        }
+        md.push((a("attention.head_count"), u(heads)));
+        md.push((a("attention.head_count_kv"), u(kv_heads)));
+        if let Some(t) = theta {
+            md.push((a("rope.freq_base"), Value::F32(t as f32)));
+        }
+        if let Some(eps) = c.get("rms_norm_eps").and_then(Json::as_f64) {
+            md.push((
+                a("attention.layer_norm_rms_epsilon"),
+                Value::F32(eps as f32),
+            ));
+        }
+        let head_dim = cfg_usize(c, "head_dim");
+        if let Some(hd) = head_dim {
+            md.push((a("attention.key_length"), u(hd)));
+            md.push((a("attention.value_length"), u(hd)));
+        }
+        if family == Family::Llama {
+            md.push((
+                a("rope.dimension_count"),
+                u(head_dim.unwrap_or(hidden / heads.max(1))),
+            ));
+        }
+        if experts > 0 {
+            md.push((a("expert_count"), u(experts)));
+            if let Some(k) = cfg_usize(c, "num_experts_per_tok") {
+                md.push((a("expert_used_count"), u(k)));
+            }
+            if let Some(ff) = cfg_usize(c, "moe_intermediate_size") {
+                md.push((a("expert_feed_forward_length"), u(ff)));
+            }
+        }
+        md.push(("general.file_type".into(), Value::U32(self.ftype.number())));
+        md.push(("general.quantization_version".into(), Value::U32(2)));
+        let vocab = vocab::read(start.model, vocab_size).map_err(Self::err)?;
+        for w in vocab.warnings {
+            self.warn(w);
+        }
+        md.extend(vocab.metadata);
+        let is_70b = layers == 80
+            && match family {
+                Family::Llama => heads != kv_heads,
+                Family::Qwen2 => true,
+                _ => false,
+            };
+        self.plan = Some(Plan {
+            family,
+            heads,
+            kv_heads,
+            experts,
+            mix: MixModel {
+                experts,
+                layers,
+                is_70b,
+                tied_embeddings: !has_output,
+            },
+            base,
+            exclude: start.recipe.exclude.clone(),
+            include: start.recipe.include.clone(),
+            metadata: md,
+        });
+        let path = start.out.join(SPOOL);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| Self::err(format!("{}: {e}", path.display())))?;
+        self.spool = Some(Spool {
+            path,
+            file: BufWriter::new(file),
+            len: 0,
+            entries: Vec::new(),
+            stacks: super::Stacks::new(experts),
+        });
+        Ok(())
+    }
+
+    fn linear(&self, w: &LinearWeight<'_>) -> Result<Written, ExportError> {
+        let hf = crate::export::full_name(w.module, "weight");
+        self.encode(&hf, w.values.to_f32(), &[w.rows, w.cols], false)
+    }
+
+    fn tensor(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        data: Vec<u8>,
+    ) -> Result<Written, ExportError> {
+        let values = floats(dtype, &data).ok_or_else(|| {
+            Self::err(format!(
+                "tensor `{name}` is {dtype:?}; GGUF tensors are written from F32, F16 or BF16"
+            ))
+        })?;
+        drop(data);
+        let excluded = self.plan()?.user_excluded(name);
+        self.encode(name, values, shape, excluded)
+    }
+
+    fn write(&mut self, t: Encoded) -> Result<(), ExportError> {
+        let EncodedType::Ggml(ty) = t.ty else {
+            return Err(Self::err(format!("`{}` is not a ggml tensor", t.name)));
+        };
+        let spool = self
+            .spool
+            .as_mut()
+            .ok_or_else(|| Self::err("written before `begin`"))?;
+        let Some(parsed) = super::Stacks::<u32>::parse(&t.name) else {
+            let dims: Vec<u64> = t.shape.iter().rev().map(|&d| d as u64).collect();
+            return spool.append(t.name.clone(), dims, ty, &t.data);
+        };
+        let (name, e) = parsed.map_err(Self::err)?;
+        if let Some((ty, shape, data)) = spool
+            .stacks
+            .add(name, e, ty, &t.shape, t.data)
+            .map_err(Self::err)?
+        {
+            let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+            spool.append(name.to_string(), dims, ty, &data)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, end: &WriterEnd<'_>) -> Result<Vec<String>, ExportError> {
+        let plan = self
+            .plan
+            .take()
+            .ok_or_else(|| Self::err("finished before `begin`"))?;
+        let mut spool = self
+            .spool
+            .take()
+            .ok_or_else(|| Self::err("finished before `begin`"))?;
+        spool.stacks.check_complete().map_err(Self::err)?;
+        let io =
+            |p: &std::path::Path, e: std::io::Error| Self::err(format!("{}: {e}", p.display()));
+        spool.file.flush().map_err(|e| io(&spool.path, e))?;
+        let mut src = spool
+            .file
+            .into_inner()
+            .map_err(|e| io(&spool.path, e.into_error()))?;
+        let tensors: Vec<(String, Vec<u64>, u32)> = spool
+            .entries
+            .iter()
+            .map(|(n, d, t, _, _)| (n.clone(), d.clone(), *t))
+            .collect();
+        let path = end.out.join(FILE_NAME);
+        let gguf_err = |e: crate::gguf::GgufError| Self::err(e.to_string());
+        let mut w = GgufWriter::create(&path, &plan.metadata, &tensors).map_err(gguf_err)?;
+        let mut buf = Vec::new();
+        for (name, _, _, offset, len) in &spool.entries {
+            buf.resize(*len as usize, 0);
+            src.seek(SeekFrom::Start(*offset))
+                .and_then(|_| src.read_exact(&mut buf))
+                .map_err(|e| io(&spool.path, e))?;
+            w.write_tensor(name, &buf).map_err(gguf_err)?;
+        }
+        w.finish().map_err(gguf_err)?;
+        drop(src);
+        std::fs::remove_file(&spool.path).map_err(|e| io(&spool.path, e))?;
+        Ok(vec![FILE_NAME.to_string()])
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl Spool {
+    fn append(
+        &mut self,
+        name: String,
+        dims: Vec<u64>,
+        ty: u32,
+        data: &[u8],
+    ) -> Result<(), ExportError> {
+        self.file
+            .write_all(data)
+            .map_err(|e| GgufOutput::err(format!("{}: {e}", self.path.display())))?;
+        self.entries
+            .push((name, dims, ty, self.len, data.len() as u64));
+        self.len += data.len() as u64;
+        Ok(())
+    }
+}
+
+impl WriterType for GgufOutput {
+    fn formats() -> Vec<(&'static str, String)> {
+        FileType::ALL
+            .iter()
+            .map(|f| (f.cli_name(), f.describe()))
+            .collect()
+    }
+
+    fn new(format: &str) -> Result<Self, ExportError> {
+        let ftype = FileType::ALL
+            .into_iter()
+            .find(|f| f.cli_name() == format)
+            .ok_or_else(|| Self::err(format!("no file type `{format}`")))?;
+        Ok(GgufOutput {
+            ftype,
+            plan: None,
+            spool: None,
+            warnings: Mutex::default(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutation_interleaves_the_rotary_halves_per_head() {
+        // Two heads of four rows, one column: [a0 a1 b0 b1 | c0 c1 d0 d1] → [a0 b0 a1 b1 | …].
+        let v = [0, 1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(permute_rows(&v, 8, 2).unwrap(), [0, 2, 1, 3, 4, 6, 5, 7]);
+        assert!(permute_rows(&v, 8, 3).is_err());
+    }
+}

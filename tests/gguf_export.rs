@@ -1,0 +1,204 @@
+//! `--output-format gguf`: every file type on the demo model and the Llama, Mistral, Qwen2,
+//! Qwen3, Qwen3-MoE (per-expert and fused) and Mixtral families, each file read back by kiln
+//! and checked by llama.cpp's gguf-py (`tests/gguf/check_export.py`: names, Q/K row order,
+//! llama-quantize's type mix, bytes equal to gguf-py's quantizers where it has them, decoded
+//! values, metadata). CI sets `KILN_REQUIRE_GGUF_PY=1` so the gguf-py half cannot skip.
+
+use kiln_runtime::demo::{DemoConfig, write_demo_model};
+use kiln_runtime::export::recipe::Format;
+use kiln_runtime::export::recipe::{KvCache, Recipe};
+use kiln_runtime::export::run::OutputFormat;
+use kiln_runtime::export::run::{ExportOptions, run};
+use kiln_runtime::gguf::GgufFile;
+use std::path::Path;
+
+mod common;
+use common::family;
+
+fn export(model: &Path, out: &Path, format: &str) -> kiln_runtime::export::run::ExportSummary {
+    common::export("gguf", model, out, format)
+}
+
+/// kiln reads its own file back, then gguf-py checks it against the input.
+fn check(model: &Path, file: &Path, format: &str) {
+    let g = GgufFile::open(file).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!g.tensors.is_empty());
+    for t in &g.tensors {
+        g.read(t).unwrap_or_else(|e| panic!("{}: {e}", t.name));
+    }
+    let install = "pip install gguf==0.19.0";
+    if common::python_has("python3", "gguf", "KILN_REQUIRE_GGUF_PY", install) {
+        common::run_check(
+            "python3",
+            "tests/gguf/check_export.py",
+            &[model.as_os_str(), file.as_os_str(), format.as_ref()],
+            &format!("{} {format}", model.display()),
+        );
+    }
+}
+
+const ALL: [&str; 12] = [
+    "q4-k-m",
+    "q5-k-m",
+    "q6-k",
+    "q8-0",
+    "q4-0",
+    "q4-1",
+    "q5-0",
+    "q5-1",
+    "mxfp4-moe",
+    "f16",
+    "bf16",
+    "f32",
+];
+
+#[test]
+fn every_file_type_on_the_demo_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    write_demo_model(&model, DemoConfig::default()).unwrap();
+    for format in ALL {
+        let out = tmp.path().join(format);
+        let s = export(&model, &out, format);
+        assert_eq!(s.files, ["model.gguf"]);
+        check(&model, &out.join("model.gguf"), format);
+    }
+}
+
+#[test]
+fn q4_k_m_mix_on_the_demo_model() {
+    // 4 layers: use_more_bits picks layers 2 and 3 for attn_v and ffn_down; output is Q6_K.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    write_demo_model(&model, DemoConfig::default()).unwrap();
+    let s = export(&model, &tmp.path().join("out"), "q4-k-m");
+    let six: Vec<&str> = s
+        .written_as
+        .iter()
+        .filter(|(_, t)| *t == "Q6_K")
+        .map(|(m, _)| m.as_str())
+        .collect();
+    assert_eq!(
+        six,
+        [
+            "lm_head",
+            "model.layers.2.mlp.down_proj",
+            "model.layers.2.self_attn.v_proj",
+            "model.layers.3.mlp.down_proj",
+            "model.layers.3.self_attn.v_proj",
+        ]
+    );
+    assert_eq!(s.written_as["model.embed_tokens"], "Q4_K");
+    assert_eq!(s.written_as.len(), 30);
+}
+
+#[test]
+fn every_family() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in [
+        "llama-tiny",
+        "llama-tied-tiny",
+        "mistral-tiny",
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "qwen3-moe-tiny",
+        "qwen3-moe-fused-tiny",
+        "mixtral-tiny",
+    ] {
+        let model = family(name, tmp.path());
+        for format in ["q8-0", "q4-k-m", "mxfp4-moe", "bf16"] {
+            let out = tmp.path().join(format!("{name}-{format}"));
+            export(&model, &out, format);
+            check(&model, &out.join("model.gguf"), format);
+        }
+    }
+}
+
+#[test]
+fn the_bytes_do_not_depend_on_the_thread_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = family("qwen3-moe-tiny", tmp.path());
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(|| export(&model, &tmp.path().join("one"), "q4-k-m"));
+    let many = export(&model, &tmp.path().join("many"), "q4-k-m");
+    let read = |p: &Path| std::fs::read(p.join("model.gguf")).unwrap();
+    assert_eq!(read(&one.out), read(&many.out));
+}
+
+fn error(model: &Path, out: &Path, writer: &str, format: &str, recipe: Recipe) -> String {
+    let options = ExportOptions {
+        output: Some(OutputFormat {
+            writer: writer.into(),
+            format: format.into(),
+        }),
+        ..ExportOptions::new(model, out, recipe)
+    };
+    let e = run(&options).expect_err("the export must fail").to_string();
+    assert!(!out.exists(), "{e}: a failed export left {}", out.display());
+    e
+}
+
+#[test]
+fn what_gguf_cannot_express_is_a_named_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let llama = family("llama-tiny", tmp.path());
+    let e = error(&llama, &out, "gguf", "q3-k-s", Recipe::new(Format::Nvfp4));
+    assert!(
+        e.starts_with("the gguf writer has no format `q3-k-s` (it writes: q4-k-m, q5-k-m, q6-k,"),
+        "{e}"
+    );
+    let e = error(&llama, &out, "onnx", "int8", Recipe::new(Format::Nvfp4));
+    assert!(
+        e.starts_with("unknown output format `onnx` (this build writes: "),
+        "{e}"
+    );
+    assert!(e.contains("gguf") && e.contains("modelopt"), "{e}");
+    let kv = Recipe {
+        kv_cache: Some(KvCache::Fp8),
+        ..Recipe::new(Format::Nvfp4)
+    };
+    let e = error(&llama, &out, "gguf", "q8-0", kv);
+    assert!(e.contains("cannot express --kv-cache"), "{e}");
+    let gpt_oss = family("gpt-oss-tiny", tmp.path());
+    let e = error(&gpt_oss, &out, "gguf", "q8-0", Recipe::new(Format::Nvfp4));
+    assert!(
+        e.starts_with("the gguf writer cannot express the `GptOssForCausalLM` architecture (it writes: LlamaForCausalLM,"),
+        "{e}"
+    );
+    // A model without a tokenizer: the file would not load in llama.cpp.
+    std::fs::remove_file(llama.join("tokenizer.json")).unwrap();
+    let e = error(&llama, &out, "gguf", "q8-0", Recipe::new(Format::Nvfp4));
+    assert!(e.contains("tokenizer.json"), "{e}");
+}
+
+#[test]
+fn excluded_modules_keep_their_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = family("llama-tiny", tmp.path());
+    let options = ExportOptions {
+        output: Some(OutputFormat {
+            writer: "gguf".into(),
+            format: "q8-0".into(),
+        }),
+        ..ExportOptions::new(
+            &model,
+            tmp.path().join("out"),
+            Recipe {
+                exclude: vec!["model.layers.0.*".into()],
+                ..Recipe::new(Format::Nvfp4)
+            },
+        )
+    };
+    let s = run(&options).unwrap();
+    let g = GgufFile::open(&s.out.join("model.gguf")).unwrap();
+    let ty = |n: &str| g.tensor(n).unwrap().ggml_type;
+    assert_eq!(ty("blk.0.attn_q.weight"), 30, "BF16, as the checkpoint");
+    assert_eq!(ty("blk.1.attn_q.weight"), 8, "Q8_0");
+    assert!(!s.written_as.contains_key("model.layers.0.self_attn.q_proj"));
+}

@@ -1,0 +1,6 @@
+use kiln::writer;
+
+#[writer(priority = 1)]
+struct NoName;
+
+fn main() {}

@@ -1,0 +1,6 @@
+use kiln::writer;
+
+#[writer(name = "GGUF")]
+struct Upper;
+
+fn main() {}

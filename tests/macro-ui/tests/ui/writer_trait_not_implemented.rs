@@ -1,0 +1,6 @@
+use kiln::writer;
+
+#[writer(name = "mine")]
+struct NotAWriter;
+
+fn main() {}
