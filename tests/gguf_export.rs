@@ -92,6 +92,7 @@ fn q4_k_m_mix_on_the_demo_model() {
     );
     assert_eq!(s.written_as["model.embed_tokens"], "Q4_K");
     assert_eq!(s.written_as.len(), 30);
+    assert!(s.excluded.is_empty(), "{:?}", s.excluded);
 }
 
 #[test]
@@ -201,4 +202,6 @@ fn excluded_modules_keep_their_dtype() {
     assert_eq!(ty("blk.0.attn_q.weight"), 30, "BF16, as the checkpoint");
     assert_eq!(ty("blk.1.attn_q.weight"), 8, "Q8_0");
     assert!(!s.written_as.contains_key("model.layers.0.self_attn.q_proj"));
+    // The report states what the writer left unquantized.
+    assert_eq!(s.excluded, ["model.layers.0*"]);
 }

@@ -438,6 +438,14 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
     let checkpoint = Checkpoint::open(&model)?;
     let (tree, architecture, fallback) = module_tree(&checkpoint)?;
     let recipe = args.recipe.recipe()?;
+    let output = args.recipe.output()?;
+    // What a quantized Linear becomes: the ModelOpt format, or another writer's format (whose
+    // own rules choose each tensor's type).
+    let target = if args.recipe.is_modelopt() {
+        recipe.format.to_string()
+    } else {
+        format!("{} {}", output.writer, output.format)
+    };
     let registry = ExporterRegistry::try_global().map_err(|e| anyhow::anyhow!("{e}"))?;
     // The plan only matches: no exporter runs, so any exporter can be explained.
     let report = plan(&tree, registry)?;
@@ -446,7 +454,7 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
         "{architecture}{}: {} modules, format {}",
         if fallback { " (generic tree)" } else { "" },
         tree.len(),
-        recipe.format
+        target
     )?;
     for (path, outcome) in report.modules {
         let module = tree.find(&path).expect("walked modules exist");
@@ -460,7 +468,7 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
                 let detail =
                     if module.class_chain().is::<Linear>() && exporter.ends_with("::QuantLinear") {
                         if recipe.quantizes(&path) {
-                            format!(" → {}", recipe.format)
+                            format!(" → {target}")
                         } else {
                             " → excluded, copied unchanged".into()
                         }

@@ -145,6 +145,39 @@ impl ExportContext {
         writer: ShardWriter,
         dropped: BTreeSet<String>,
     ) -> Self {
+        Self::with_sink(checkpoint, recipe, act, Some(writer), None, dropped)
+    }
+
+    /// A context for exporting `checkpoint` through another writer than ModelOpt's (`name`,
+    /// its `--output-format`, with its `--format` names).
+    pub fn for_writer(
+        checkpoint: std::sync::Arc<Checkpoint>,
+        recipe: Recipe,
+        act: ActAmax,
+        name: &str,
+        formats: Vec<String>,
+        writer: Box<dyn OutputWriter>,
+        dropped: BTreeSet<String>,
+    ) -> Self {
+        let foreign = Foreign {
+            name: name.to_string(),
+            formats,
+            writer: std::sync::RwLock::new(writer),
+            written_as: Mutex::default(),
+            errors: Mutex::default(),
+        };
+        Self::with_sink(checkpoint, recipe, act, None, Some(foreign), dropped)
+    }
+
+    /// An export context writing through ModelOpt's shard writer or another writer.
+    fn with_sink(
+        checkpoint: std::sync::Arc<Checkpoint>,
+        recipe: Recipe,
+        act: ActAmax,
+        shards: Option<ShardWriter>,
+        foreign: Option<Foreign>,
+        dropped: BTreeSet<String>,
+    ) -> Self {
         ExportContext {
             report: Mutex::default(),
             progress: None,
@@ -154,8 +187,8 @@ impl ExportContext {
                 checkpoint,
                 recipe,
                 act: Mutex::new(act),
-                writer: Mutex::new(Some(writer)),
-                foreign: None,
+                writer: Mutex::new(shards),
+                foreign,
                 dropped,
                 smooth: None,
                 quantized: Mutex::default(),
@@ -166,37 +199,6 @@ impl ExportContext {
                 bytes_out: Mutex::default(),
             })),
         }
-    }
-
-    /// A context for exporting `checkpoint` through another writer than ModelOpt's (`name`,
-    /// its `--output-format`).
-    pub fn for_writer(
-        checkpoint: std::sync::Arc<Checkpoint>,
-        recipe: Recipe,
-        act: ActAmax,
-        name: &str,
-        formats: Vec<String>,
-        writer: Box<dyn OutputWriter>,
-        dropped: BTreeSet<String>,
-    ) -> Self {
-        let mut ctx = Self::for_export(
-            checkpoint,
-            recipe,
-            act,
-            ShardWriter::new(std::path::Path::new(""), u64::MAX),
-            dropped,
-        );
-        if let Some(job) = ctx.job.as_mut().and_then(std::sync::Arc::get_mut) {
-            *job.writer.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
-            job.foreign = Some(Foreign {
-                name: name.to_string(),
-                formats,
-                writer: std::sync::RwLock::new(writer),
-                written_as: Mutex::default(),
-                errors: Mutex::default(),
-            });
-        }
-        ctx
     }
 
     /// The `--output-format` of the export when it is not ModelOpt's.

@@ -341,15 +341,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     // Modules recorded for exclude_modules: every Linear and Embedding, and routers with a
     // weight (GPT-OSS's `GptOssTopKRouter`) — ModelOpt gives each a quantizer; the unquantized
     // ones are summarised by prefix wildcards.
-    let mut recorded: BTreeSet<String> = tree
-        .walk()
-        .filter(|m| {
-            m.class_chain().is::<Linear>()
-                || m.class_chain().is::<Embedding>()
-                || (m.class_name().ends_with("Router") && m.tensor("weight").is_some())
-        })
-        .map(|m| m.path().to_string())
-        .collect();
+    let mut recorded = quantizable_modules(&tree);
     // A tied `lm_head` has no tensor on disk, but it is a module in memory with a quantizer:
     // ModelOpt lists it (docs/FORMATS.md §4.1).
     if ties_lm_head(&checkpoint) && tree.find("lm_head").is_none() {
@@ -427,6 +419,19 @@ pub(crate) fn write_json(path: &Path, value: &Value, indent: usize) -> Result<()
     })
 }
 
+/// Every Linear and Embedding, and routers with a weight (GPT-OSS's `GptOssTopKRouter`): the
+/// modules ModelOpt gives a quantizer, whose unquantized ones the report and the configs list.
+fn quantizable_modules(tree: &ModuleTree) -> BTreeSet<String> {
+    tree.walk()
+        .filter(|m| {
+            m.class_chain().is::<Linear>()
+                || m.class_chain().is::<Embedding>()
+                || (m.class_name().ends_with("Router") && m.tensor("weight").is_some())
+        })
+        .map(|m| m.path().to_string())
+        .collect()
+}
+
 /// Modules per exporter type path (`None`: copied unchanged), counting only modules with data.
 fn count_per_exporter(tree: &ModuleTree, report: &ExportReport) -> BTreeMap<Option<String>, usize> {
     let mut per = BTreeMap::new();
@@ -490,6 +495,14 @@ fn run_foreign(
     })?;
     warnings.extend(done.writer.warnings());
     let out_path = out.commit()?;
+    // What the writer left unquantized, as the report lists it for ModelOpt: the Linears and
+    // Embeddings it did not quantize (copied ones it quantized itself count as quantized).
+    let written: BTreeSet<String> = done.written_as.keys().cloned().collect();
+    let left: BTreeSet<String> = quantizable_modules(&tree)
+        .difference(&written)
+        .cloned()
+        .collect();
+    let excluded = files::exclude_summary(&left, &written);
     Ok(ExportSummary {
         out: out_path,
         architecture,
@@ -503,7 +516,7 @@ fn run_foreign(
         nonfinite,
         warnings,
         errors: BTreeMap::new(),
-        excluded: Vec::new(),
+        excluded,
         bytes_in: checkpoint.data_bytes(),
         bytes_out,
         files,

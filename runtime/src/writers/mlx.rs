@@ -400,11 +400,9 @@ impl OutputWriter for MlxOutput {
         // A Linear or Embedding weight the exporters left unquantized (`lm_head`, the
         // embeddings, routers): mlx-lm quantizes it.
         if let (Some(module), [rows, cols]) = (name.strip_suffix(".weight"), shape)
-            && matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
-            && self.mode_for(module, *cols)?.is_some()
+            && let Some(values) = FloatValues::decode(dtype, &data)
         {
-            let values = FloatValues::decode(dtype, &data)
-                .ok_or_else(|| err(format!("`{name}`: {dtype:?}")))?;
+            // `encode` quantizes it where mlx-lm would, and copies it otherwise.
             return self.encode(module, values.view(), *rows, *cols);
         }
         if name.ends_with("rotary_emb.inv_freq") {
