@@ -1,11 +1,10 @@
-# Sourced by the benchmark scripts: `timed LABEL COMMAND...` runs COMMAND under
-# `/usr/bin/time -v` with its output in "$work/LABEL.out" / "$work/LABEL.time", and sets
-# `wall` (m:ss) and `rss_mb` (peak resident memory).
-timed() {
+#!/usr/bin/env bash
+# Sourced by the export benchmarks: `measure LABEL COMMAND...` runs COMMAND under
+# /usr/bin/time and prints a Markdown row `| LABEL | wall time | peak RSS |` (W: a work folder).
+measure() {
   local label=$1; shift
-  /usr/bin/time -v "$@" > "$work/$label.out" 2> "$work/$label.time"
-  wall=$(grep 'Elapsed (wall clock)' "$work/$label.time" | awk '{print $NF}')
-  local rss
-  rss=$(grep 'Maximum resident set size' "$work/$label.time" | awk '{print $NF}')
-  rss_mb=$(awk -v k="$rss" 'BEGIN { printf "%.0f", k / 1024 }')
+  sync
+  /usr/bin/time -f "%e %M" -o "$W/time" "$@" >"$W/log" 2>&1 || { cat "$W/log"; exit 1; }
+  read -r secs kb <"$W/time"
+  printf '| %s | %.1f s | %.0f MB |\n' "$label" "$secs" "$((kb / 1024))"
 }

@@ -26,13 +26,8 @@ if [ -z "$LLAMA" ]; then
   LLAMA="$W/llama_cpp_python-0.3.36/vendor/llama.cpp"
 fi
 [ -f "$W/model/config.json" ] || "$KILN" demo-model --size 254m --out "$W/model" >/dev/null
-measure() { # label, command...
-  local label=$1; shift
-  sync
-  /usr/bin/time -f "%e %M" -o "$W/time" "$@" >"$W/log" 2>&1 || { cat "$W/log"; exit 1; }
-  read -r secs kb <"$W/time"
-  printf '| %s | %.1f s | %.0f MB |\n' "$label" "$secs" "$((kb / 1024))"
-}
+# shellcheck source=benches/measure.sh
+source "$(dirname "$0")/measure.sh"
 echo "| export | wall time | peak RSS |"
 echo "|---|---|---|"
 measure "kiln modelopt nvfp4" "$KILN" export --model "$W/model" --format nvfp4 --act-amax "$W/model/amax.json" --out "$W/k-nvfp4" --force

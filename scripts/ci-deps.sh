@@ -6,7 +6,10 @@
 # - llama.cpp's Python package gguf (gguf-py) and numpy, pinned: tests/gguf.rs and
 #   tests/gguf_export.rs have it read the GGUF files kiln writes;
 # - MLX on the CPU and mlx-lm, pinned: tests/mlx_export.rs compares kiln's MLX exports with
-#   `mlx_lm.convert` and runs them in mlx-lm.
+#   `mlx_lm.convert` and runs them in mlx-lm;
+# - torch, transformers and compressed-tensors, pinned (tests/compressed_tensors/requirements.txt),
+#   in their own venv target/ct-venv: tests/compressed_tensors.rs has transformers load kiln's
+#   compressed-tensors exports.
 set -euo pipefail
 need=()
 cargo fmt --version >/dev/null 2>&1 || need+=(rustfmt)
@@ -22,6 +25,13 @@ fi
 if ! python3 -c "import mlx_lm" 2>/dev/null; then
   echo "ci-deps: installing mlx[cpu]==0.32.4 and mlx-lm==0.32.2" >&2
   python3 -m pip install -q --disable-pip-version-check "mlx[cpu]==0.32.4" mlx-lm==0.32.2 >&2
+fi
+ct_venv=target/ct-venv
+if ! "$ct_venv/bin/python" -c "import compressed_tensors, torch, transformers" 2>/dev/null; then
+  echo "ci-deps: installing torch, transformers and compressed-tensors into $ct_venv" >&2
+  python3 -m venv "$ct_venv" >&2
+  "$ct_venv/bin/pip" install -q --disable-pip-version-check \
+    -r tests/compressed_tensors/requirements.txt >&2
 fi
 nvrtc_dir() {
   python3 -c "import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null

@@ -599,6 +599,12 @@ fn edited_export(
     json(&mut hf, &mut config);
     std::fs::write(dst.join("hf_quant_config.json"), hf.to_string()).unwrap();
     std::fs::write(dst.join("config.json"), config.to_string()).unwrap();
+    edit_tensors(&src, &dst, tensors);
+    dst
+}
+
+/// `dst/model.safetensors`: `src/model.safetensors` with its tensors edited by `tensors`.
+fn edit_tensors(src: &std::path::Path, dst: &std::path::Path, tensors: impl Fn(&mut Tensors)) {
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut all: Tensors = st
@@ -617,7 +623,6 @@ fn edited_export(
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
-    dst
 }
 
 #[test]
@@ -801,6 +806,115 @@ fn verify_compares_fused_experts_slice_by_slice() {
     assert_eq!(code, Some(1), "{text}");
     assert!(
         text.contains("FAIL `model.layers.0.mlp.experts.1.gate_proj` decodes to a weight"),
+        "{text}"
+    );
+}
+
+/// A copy of the export at `src` with its tensors edited (`edit` returns false to drop one).
+fn edited_copy(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    edit: impl Fn(&str, &mut Vec<u8>) -> bool,
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dst).unwrap();
+    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
+    edit_tensors(src, dst, |t| {
+        t.retain_mut(|(name, _, _, data)| edit(name, data))
+    });
+    dst.to_path_buf()
+}
+
+#[test]
+fn compressed_tensors_exports_verify_and_eval_from_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let compat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny");
+    let (reference, data) = (compat.join("model"), compat.join("calib.jsonl"));
+    // The README's command: the demo model, FP8 with its static input scales from the demo's
+    // statistics.
+    let out = kiln(&[
+        "export",
+        "--output-format",
+        "compressed-tensors",
+        "--format",
+        "fp8",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("as compressed-tensors fp8"), "{text}");
+    // A real model, INT4 with zero points; verify and eval read it back.
+    let ct = dir.path().join("w4a16-asym");
+    let out = kiln(&[
+        "export",
+        "--model",
+        reference.to_str().unwrap(),
+        "--out",
+        ct.to_str().unwrap(),
+        "--output-format",
+        "compressed-tensors",
+        "--format",
+        "w4a16-asym",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let verify = |q: &std::path::Path| {
+        run_verify(
+            &reference,
+            q,
+            &["--data", data.to_str().unwrap(), "--max-ppl-increase", "2"],
+        )
+    };
+    let (code, text) = verify(&ct);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.starts_with("ok: compressed-tensors pack-quantized — 14 quantized Linears decode"),
+        "{text}"
+    );
+    assert!(text.contains("perplexity: reference 254.15"), "{text}");
+    let out = kiln(&[
+        "eval",
+        "--model",
+        ct.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("perplexity"), "{text}");
+    // A scale 1000× off, and a missing zero point: verify names each.
+    let scaled = edited_copy(&ct, &dir.path().join("scaled"), |name, data| {
+        if name == "model.layers.0.mlp.down_proj.weight_scale" {
+            for c in data.chunks_exact_mut(2) {
+                let v = half::bf16::from_le_bytes([c[0], c[1]]).to_f32() * 1000.0;
+                c.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+            }
+        }
+        true
+    });
+    let (code, text) = verify(&scaled);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("FAIL `model.layers.0.mlp.down_proj` decodes to a weight"),
+        "{text}"
+    );
+    let no_zp = edited_copy(&ct, &dir.path().join("no-zp"), |name, _| {
+        name != "model.layers.1.self_attn.q_proj.weight_zero_point"
+    });
+    let (code, text) = verify(&no_zp);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("`model.layers.1.self_attn.q_proj` does not decode")
+            && text.contains("no weight_zero_point"),
         "{text}"
     );
 }

@@ -282,17 +282,27 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     }
     let output = args.recipe.output()?;
     let recipe = args.recipe.recipe()?;
-    if !args.recipe.is_modelopt() && (args.act_amax.is_some() || args.calib.is_some()) {
+    // Whether the writer stores scales from activation statistics (ModelOpt's always may).
+    let statistics = args.recipe.is_modelopt()
+        || recipe.kv_cache.is_some()
+        || WriterRegistry::try_global()
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .get(&output.writer)?
+            .make(&output.format)?
+            .uses_statistics();
+    if !statistics && (args.act_amax.is_some() || args.calib.is_some()) {
         bail!(
-            "--act-amax and --calib give activation statistics, which the {} writer does not use",
-            output.writer
+            "--act-amax and --calib give activation statistics, which the {} writer's `{}` \
+             does not use",
+            output.writer,
+            output.format
         );
     }
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
     let act = match (&args.act_amax, &args.calib) {
         (Some(path), _) => Some(ActAmax::read(path)?),
         (None, Some(calib)) => Some(calibrate(&model, calib, args, err)?),
-        (None, None) if args.recipe.is_modelopt() => demo_act,
+        (None, None) if statistics => demo_act,
         (None, None) => None,
     };
     // The demo's output goes to a kiln-owned folder under the temporary directory, replaced on

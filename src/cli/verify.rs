@@ -17,7 +17,8 @@ pub struct VerifyArgs {
     /// The model the export was made from.
     #[arg(long)]
     reference: PathBuf,
-    /// The quantized export (kiln's or ModelOpt's).
+    /// The quantized export: ModelOpt's layout (kiln's or ModelOpt's) or compressed-tensors
+    /// (kiln's or llm-compressor's).
     #[arg(long)]
     quantized: PathBuf,
     /// Evaluation data (JSONL of `{"input_ids": [...]}` or `{"text": ...}`): compare the
@@ -50,9 +51,16 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
         writeln!(out, "FAIL {p}")?;
     }
     if !failed {
+        // ModelOpt's layout has hf_quant_config.json beside config.json; compressed-tensors
+        // has config.json's quantization_config alone.
+        let configs = if report.quant_algo.starts_with("compressed-tensors") {
+            "config.json's quantization_config agrees"
+        } else {
+            "both JSON files agree"
+        };
         writeln!(
             out,
-            "ok: {} — {} quantized Linears decode to the reference's shapes; names, dtypes and both JSON files agree",
+            "ok: {} — {} quantized Linears decode to the reference's shapes; names, dtypes and {configs}",
             report.quant_algo,
             report.weight_errors.len()
         )?;

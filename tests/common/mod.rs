@@ -102,4 +102,6 @@ pub fn run_check(python: &str, script: &str, args: &[&std::ffi::OsStr], what: &s
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // What it measured, for `--nocapture`.
+    print!("{}", String::from_utf8_lossy(&out.stdout));
 }

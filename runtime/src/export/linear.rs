@@ -33,14 +33,16 @@ impl ModuleExporter for QuantLinear {
 
 /// With `--kv-cache`, an attention's `k_proj` / `v_proj` carry the KV-cache scale:
 /// `<attention>.k_proj.k_scale = k_bmm amax / 448` (likewise `v`), the same formula for FP8 and
-/// NVFP4 KV (docs/FORMATS.md "KV cache"). Without a calibrated amax no scale is written — ModelOpt's
+/// NVFP4 KV (docs/FORMATS.md "KV cache"), under ModelOpt's writer. Without a calibrated amax no scale is written — ModelOpt's
 /// constant-amax default — while `kv_cache_quant_algo` still names the format.
 fn kv_cache_scale(
     name: &str,
     module: ModuleRef<'_>,
     ctx: &ExportContext,
 ) -> Result<(), ExportError> {
-    if ctx.recipe()?.kv_cache.is_none() {
+    // Another writer than ModelOpt's names and computes its own KV scales (from
+    // `WriterStart::statistics`).
+    if ctx.recipe()?.kv_cache.is_none() || ctx.foreign_writer().is_some() {
         return Ok(());
     }
     let which = match module.local_name() {

@@ -462,6 +462,17 @@ fn run_foreign(
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
     let (act, mut warnings) = bind_statistics(options, &tree)?;
+    if options.act_amax.is_some() && !writer.uses_statistics() && recipe.kv_cache.is_none() {
+        return Err(ExportError::WriterCannot {
+            writer: output.writer.clone(),
+            what: format!(
+                "activation statistics (--act-amax, --calib): `{}` stores no activation or \
+                 KV-cache scale",
+                output.format
+            ),
+            supported: formats,
+        });
+    }
     let dropped = tied_aliases(&checkpoint)?;
     let out = OutputDir::create(&options.out, options.force)?;
     writer.begin(&super::writer::WriterStart {
@@ -472,6 +483,7 @@ fn run_foreign(
         architecture: &architecture,
         recipe,
         max_shard_bytes: options.max_shard_bytes,
+        statistics: &act,
     })?;
     let ctx = ExportContext::for_writer(
         checkpoint.clone(),

@@ -12,6 +12,7 @@
 //! order ([`OutputWriter::write`]), so the output never depends on the thread count.
 
 use super::ExportError;
+use super::act_amax::ActAmax;
 use super::recipe::Recipe;
 use super::stats::ErrorStats;
 use crate::checkpoint::Checkpoint;
@@ -20,6 +21,7 @@ use half::{bf16, f16};
 pub use safetensors::Dtype;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 /// What a writer knows when the export starts.
 pub struct WriterStart<'a> {
@@ -27,8 +29,8 @@ pub struct WriterStart<'a> {
     pub out: &'a Path,
     /// The input model folder (tokenizer, chat template); never modified.
     pub model: &'a Path,
-    /// The input checkpoint.
-    pub checkpoint: &'a Checkpoint,
+    /// The input checkpoint (shared: a writer may keep it to read tensors while it encodes).
+    pub checkpoint: &'a Arc<Checkpoint>,
     /// The model's module tree.
     pub tree: &'a ModuleTree,
     /// The `config.json` architecture (`LlamaForCausalLM`, …).
@@ -37,6 +39,10 @@ pub struct WriterStart<'a> {
     pub recipe: &'a Recipe,
     /// Tensor bytes per output shard, for writers that shard.
     pub max_shard_bytes: u64,
+    /// The export's activation statistics (`--act-amax`, `--calib`; empty when none were
+    /// given): KV-cache amax, for a writer that stores KV scales. Each Linear's input amax
+    /// also arrives with it ([`LinearWeight::input_amax`]).
+    pub statistics: &'a ActAmax,
 }
 
 /// What a writer knows when the export ends.
@@ -203,6 +209,21 @@ pub struct Written {
     pub quantized: Option<(String, ErrorStats)>,
 }
 
+impl Written {
+    /// One tensor written as it came (a copied tensor the format keeps unchanged).
+    pub fn copied(name: impl Into<String>, dtype: Dtype, shape: &[usize], data: Vec<u8>) -> Self {
+        Written {
+            tensors: vec![Encoded {
+                name: name.into(),
+                ty: EncodedType::Dtype(dtype),
+                shape: shape.to_vec(),
+                data,
+            }],
+            quantized: None,
+        }
+    }
+}
+
 /// An output writer. [`OutputWriter::linear`] and [`OutputWriter::tensor`] run on several
 /// threads at once and only encode; [`OutputWriter::write`] receives their tensors one at a
 /// time in module order.
@@ -232,6 +253,13 @@ pub trait OutputWriter: Send + Sync {
     /// Called once after the walk: writes what remains and the config files; returns the
     /// files written, relative to the output folder.
     fn finish(&mut self, end: &WriterEnd<'_>) -> Result<Vec<String>, ExportError>;
+
+    /// Whether the writer stores scales from activation statistics (a calibrated input scale,
+    /// KV-cache scales); an export that gives statistics to a writer that does not use them
+    /// is refused, so they are never silently ignored.
+    fn uses_statistics(&self) -> bool {
+        false
+    }
 
     /// What the writer substituted or noticed, one line each (printed as warnings).
     fn warnings(&self) -> Vec<String> {

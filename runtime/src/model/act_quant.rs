@@ -9,6 +9,8 @@
 //! | `NVFP4`, `NVFP4_AWQ` | NVFP4: dynamic 16-blocks under the static global `input_scale` |
 //! | `W8A8_SQ_PER_CHANNEL` | INT8 with the static `input_scale` |
 //! | `FP8_PER_CHANNEL_PER_TOKEN` | FP8 E4M3 with a dynamic scale per token |
+//! | compressed-tensors `FP8_BLOCK` | FP8 E4M3 with a dynamic scale per 128 values of a token |
+//! | compressed-tensors `W8A8` | INT8 with a dynamic scale per token (`amax / 127`) |
 //! | `MXFP8`, `MXFP4` | dynamic 32-blocks with E8M0 scales |
 //! | weight-only formats | unquantized |
 //!
@@ -27,6 +29,11 @@ pub enum InputQuant {
     Fp8(f32),
     /// FP8 E4M3 with a dynamic scale per token (row): `amax / 448`.
     Fp8PerToken,
+    /// FP8 E4M3 with a dynamic scale per group of this many values of a token (vLLM's
+    /// per-token-group quantization for FP8 block weights).
+    Fp8PerGroup(usize),
+    /// Symmetric INT8 with a dynamic scale per token: `amax / 127`.
+    Int8PerToken,
     /// NVFP4 with the static global scale (`input_scale`).
     Nvfp4(f32),
     /// Symmetric INT8 with a static scale: `round(x / s)` clamped to [−128, 127].
@@ -86,6 +93,27 @@ impl InputQuant {
                     let amax = kiln_kernels::cpu::amax(row);
                     let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
                     out.extend(fp8_round_trip(row, s)?);
+                }
+                Ok(out)
+            }
+            InputQuant::Fp8PerGroup(g) => {
+                let mut out = Vec::with_capacity(x.len());
+                for group in x.chunks(cols).flat_map(|row| row.chunks(g.max(1))) {
+                    let amax = kiln_kernels::cpu::amax(group);
+                    let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+                    out.extend(fp8_round_trip(group, s)?);
+                }
+                Ok(out)
+            }
+            InputQuant::Int8PerToken => {
+                let mut out = Vec::with_capacity(x.len());
+                for row in x.chunks(cols) {
+                    let amax = kiln_kernels::cpu::amax(row);
+                    let s = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+                    out.extend(
+                        row.iter()
+                            .map(|&v| (v / s).round_ties_even().clamp(-128.0, 127.0) * s),
+                    );
                 }
                 Ok(out)
             }
@@ -205,5 +233,16 @@ mod tests {
             .unwrap();
         // Row 1: amax 448 → scale 1, exact. Row 2: all zero stays zero.
         assert_eq!(y, [448.0, 1.0, 0.0, 0.0]);
+        // Groups of 2 within a row of 4: each group has its own scale.
+        let y = InputQuant::Fp8PerGroup(2)
+            .round_trip(&[448.0, 1.0, 224.0, 0.1], 4)
+            .unwrap();
+        // Second group: scale 0.5, and 0.1 / 0.5 = 0.2 rounds to E4M3 0.203125.
+        assert_eq!(y, [448.0, 1.0, 224.0, 0.1015625]);
+        // INT8 per token: amax 127 → scale 1; 2.5 rounds to even.
+        let y = InputQuant::Int8PerToken
+            .round_trip(&[127.0, 2.5, -127.0, 0.4], 2)
+            .unwrap();
+        assert_eq!(y, [127.0, 2.0, -127.0, 0.0]);
     }
 }

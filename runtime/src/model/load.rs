@@ -62,7 +62,9 @@ fn formats(
     Ok((algo.is_some(), whole, per_layer))
 }
 
-fn f32s(checkpoint: &Checkpoint, name: &str) -> Result<Vec<f32>, ModelError> {
+/// A tensor's values as f32: floats widened; FP8 and U8 as their raw byte values (scales
+/// ModelOpt stores as codes).
+pub(crate) fn f32s(checkpoint: &Checkpoint, name: &str) -> Result<Vec<f32>, ModelError> {
     let t = checkpoint.tensor(name).ok_or_else(|| ModelError::Tensor {
         tensor: name.to_string(),
         message: "missing (a quantized weight needs it)".into(),
@@ -410,6 +412,9 @@ pub fn load_for_execution(
     device: &Device,
     activations: bool,
 ) -> Result<(Weights, ActQuant), ModelError> {
+    if super::compressed::is_compressed_tensors(checkpoint) {
+        return super::compressed::load(checkpoint, dtype, device, activations);
+    }
     let (quantized, algo, per_layer) = formats(checkpoint)?;
     if !quantized {
         return Ok((

@@ -6,6 +6,7 @@
 pub mod act_quant;
 pub mod awq;
 pub mod calib;
+pub mod compressed;
 mod config;
 mod decoder;
 pub mod eval;

@@ -96,8 +96,15 @@ fn reference_tensors(r: &Checkpoint, q: &Checkpoint) -> Vec<RefTensor> {
                     _ => &[],
                 };
                 let first = format!("{experts}.0.{}.weight", parts.first().unwrap_or(&""));
-                (!parts.is_empty() && q.tensor(&first).is_some() && rows % parts.len() == 0)
-                    .then_some((experts, parts, e, rows / parts.len(), cols))
+                let held =
+                    q.tensor(&first).is_some() || q.tensor(&format!("{first}_packed")).is_some();
+                (!parts.is_empty() && held && rows % parts.len() == 0).then_some((
+                    experts,
+                    parts,
+                    e,
+                    rows / parts.len(),
+                    cols,
+                ))
             }
             _ => None,
         };
@@ -133,6 +140,9 @@ fn reference_tensors(r: &Checkpoint, q: &Checkpoint) -> Vec<RefTensor> {
 pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelError> {
     let r = Checkpoint::open(reference)?;
     let q = Checkpoint::open(quantized)?;
+    if super::compressed::is_compressed_tensors(&q) {
+        return verify_compressed(&r, &q);
+    }
     let mut report = VerifyReport::default();
     let algo = quant_algo(quantized, &q, &mut report.problems);
     report.quant_algo = algo.clone().unwrap_or_default();
@@ -273,6 +283,154 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
             name.trim_end_matches(".weight").to_string(),
             (diff / norm.max(f64::MIN_POSITIVE)).sqrt(),
         ));
+    }
+    Ok(report)
+}
+
+/// [`verify`] for a compressed-tensors export (docs/FORMATS.md §9): every reference tensor is
+/// there under its name (a quantized Linear's weight as `weight` in FP8 / INT8 or as
+/// `weight_packed`, with its parameters); nothing else is; `quantization_config` parses, names
+/// a config group for every quantized Linear and `ignore`s exactly the Linears stored
+/// unquantized; every quantized weight decodes to the reference's shape, without NaN / Inf the
+/// reference lacks; the error per quantized Linear.
+fn verify_compressed(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, ModelError> {
+    use super::compressed::PARAM_SUFFIXES;
+    let mut report = VerifyReport::default();
+    let config = q
+        .config()
+        .raw()
+        .get("quantization_config")
+        .cloned()
+        .unwrap_or(Value::Null);
+    report.quant_algo = format!(
+        "compressed-tensors {}",
+        config
+            .get("format")
+            .and_then(Value::as_str)
+            .unwrap_or("(no format)")
+    );
+    let problems = &mut report.problems;
+    let tied = r
+        .config()
+        .raw()
+        .get("tie_word_embeddings")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let tensors = reference_tensors(r, q);
+    let known: BTreeMap<&str, &RefTensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let quantized_dtype = |d: Dtype| matches!(d, Dtype::I8 | Dtype::F8_E4M3);
+    let mut quantized = Vec::new();
+    for t in &tensors {
+        let packed = format!("{}_packed", t.name);
+        match (q.tensor(&t.name), q.tensor(&packed)) {
+            (None, None) if tied && t.name == "lm_head.weight" => {}
+            (None, None) => problems.push(format!("`{}` is missing from the export", t.name)),
+            (Some(_), Some(_)) => problems.push(format!(
+                "`{}` is in the export both as itself and as `{packed}`",
+                t.name
+            )),
+            (Some(o), None) if quantized_dtype(o.dtype) => {
+                if !t.name.ends_with(".weight") || o.shape != t.shape {
+                    problems.push(format!(
+                        "`{}` is {:?} {:?} in the export, {:?} {:?} in the reference",
+                        t.name, o.dtype, o.shape, t.dtype, t.shape
+                    ));
+                } else {
+                    quantized.push(t.name.trim_end_matches(".weight").to_string());
+                }
+            }
+            (Some(o), None) if o.shape != t.shape || o.dtype != t.dtype => problems.push(format!(
+                "`{}` is {:?} {:?} in the export, {:?} {:?} in the reference",
+                t.name, o.dtype, o.shape, t.dtype, t.shape
+            )),
+            (Some(_), None) => {}
+            (None, Some(_)) => quantized.push(t.name.trim_end_matches(".weight").to_string()),
+        }
+    }
+    let kv = config.get("kv_cache_scheme").is_some_and(|k| !k.is_null());
+    for o in q.tensors() {
+        let param_of = PARAM_SUFFIXES
+            .iter()
+            .find_map(|s| o.name.strip_suffix(s))
+            .map(|m| format!("{m}.weight"));
+        let ok = known.contains_key(o.name.as_str())
+            || param_of.as_deref().is_some_and(|w| known.contains_key(w))
+            || (kv && (o.name.ends_with(".k_scale") || o.name.ends_with(".v_scale")));
+        if !ok {
+            problems.push(format!(
+                "`{}` is in the export but not in the reference",
+                o.name
+            ));
+        }
+    }
+    // `ignore` names Linears stored unquantized, and no quantized one.
+    let ignore: Vec<String> = config
+        .get("ignore")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
+    for m in &ignore {
+        if quantized.contains(m) {
+            problems.push(format!(
+                "`{m}` is in quantization_config.ignore, but it is quantized"
+            ));
+        } else if !m.starts_with("re:") && !known.contains_key(format!("{m}.weight").as_str()) {
+            problems.push(format!(
+                "quantization_config.ignore names `{m}`, which the model does not have"
+            ));
+        }
+    }
+    architecture_checks(r, q, problems);
+    if !report.problems.is_empty() {
+        return Ok(report);
+    }
+    let original = load_weights(r, DType::F32, &Device::Cpu)?;
+    for module in &quantized {
+        let name = format!("{module}.weight");
+        let (got, [rows, cols]) = match super::compressed::decode(q, module) {
+            Ok(Some(d)) => d,
+            Ok(None) => continue,
+            Err(e) => {
+                report
+                    .problems
+                    .push(format!("`{module}` does not decode: {e}"));
+                continue;
+            }
+        };
+        let want = match known.get(name.as_str()).and_then(|t| t.slice.as_ref()) {
+            Some(s) => original
+                .get(&s.fused)?
+                .get(s.expert)?
+                .narrow(0, s.first_row, s.rows)?,
+            None => original.get(&name)?.clone(),
+        };
+        if want.dims() != [rows, cols] {
+            report.problems.push(format!(
+                "`{name}` decodes to {:?}, the reference is {:?}",
+                [rows, cols],
+                want.dims()
+            ));
+            continue;
+        }
+        let want: Vec<f32> = want.flatten_all()?.to_vec1()?;
+        let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
+        let (mine, theirs) = (bad(&got), bad(&want));
+        if mine > theirs {
+            report.problems.push(format!(
+                "`{name}` decodes to {mine} NaN/Inf value(s); the reference has {theirs}"
+            ));
+        }
+        let (diff, norm) = got.iter().zip(&want).fold((0f64, 0f64), |(d, n), (a, b)| {
+            (d + f64::from(a - b).powi(2), n + f64::from(*b).powi(2))
+        });
+        report
+            .weight_errors
+            .push((module.clone(), (diff / norm.max(f64::MIN_POSITIVE)).sqrt()));
     }
     Ok(report)
 }

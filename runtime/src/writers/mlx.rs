@@ -341,15 +341,7 @@ impl MlxOutput {
             Some(((base, e), local)) => format!("{base}.{local}#{e}"),
             None => name.to_string(),
         };
-        Ok(Written {
-            tensors: vec![Encoded {
-                name,
-                ty: EncodedType::Dtype(dtype),
-                shape: shape.to_vec(),
-                data,
-            }],
-            quantized: None,
-        })
+        Ok(Written::copied(name, dtype, shape, data))
     }
 }
 
@@ -474,17 +466,7 @@ impl OutputWriter for MlxOutput {
         }
         config.insert("quantization".into(), Json::Object(q.clone()));
         config.insert("quantization_config".into(), Json::Object(q));
-        crate::export::run::write_json(&end.out.join("config.json"), &Json::Object(config), 4)?;
-        files.push("config.json".into());
-        for name in crate::export::files::COPIED_FILES {
-            let src = end.model.join(name);
-            if src.is_file() {
-                let dest = end.out.join(name);
-                std::fs::copy(&src, &dest)
-                    .map_err(|source| crate::sink::SinkError::Io { path: dest, source })?;
-                files.push(name.to_string());
-            }
-        }
+        files.extend(super::config_and_model_files(end, config, 4)?);
         Ok(files)
     }
 }

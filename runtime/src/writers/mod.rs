@@ -1,9 +1,35 @@
 //! The output writers other than ModelOpt's (`--output-format`, docs/DESIGN.md §7).
 
+pub mod compressed_tensors;
 pub mod gguf;
 pub mod mlx;
 
+use crate::export::ExportError;
+use crate::export::writer::WriterEnd;
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
+
+/// Writes `config` as the output's `config.json` (`indent` spaces, as the format's own tool
+/// writes it) and copies the model's tokenizer and generation files
+/// ([`crate::export::files::COPIED_FILES`]); returns the files written.
+pub(crate) fn config_and_model_files(
+    end: &WriterEnd<'_>,
+    config: Map<String, Value>,
+    indent: usize,
+) -> Result<Vec<String>, ExportError> {
+    crate::export::run::write_json(&end.out.join("config.json"), &Value::Object(config), indent)?;
+    let mut files = vec!["config.json".to_string()];
+    for name in crate::export::files::COPIED_FILES {
+        let src = end.model.join(name);
+        if src.is_file() {
+            let dest = end.out.join(name);
+            std::fs::copy(&src, &dest)
+                .map_err(|source| crate::sink::SinkError::Io { path: dest, source })?;
+            files.push(name.to_string());
+        }
+    }
+    Ok(files)
+}
 
 /// Per-expert tensors gathered into one stacked tensor `[experts, …]` (GGUF's `*_exps`,
 /// mlx-lm's `switch_mlp`), written once every expert has arrived. Memory: one stacked tensor

@@ -162,16 +162,9 @@ impl kiln::export::writer::OutputWriter for PluginManifest {
         shape: &[usize],
         data: Vec<u8>,
     ) -> Result<kiln::export::writer::Written, ExportError> {
-        use kiln::export::writer::{Encoded, EncodedType, Written};
-        Ok(Written {
-            tensors: vec![Encoded {
-                name: name.to_string(),
-                ty: EncodedType::Dtype(dtype),
-                shape: shape.to_vec(),
-                data,
-            }],
-            quantized: None,
-        })
+        Ok(kiln::export::writer::Written::copied(
+            name, dtype, shape, data,
+        ))
     }
 
     fn write(&mut self, t: kiln::export::writer::Encoded) -> Result<(), ExportError> {
