@@ -69,10 +69,84 @@ fn every_family() {
         let model = family(name, tmp.path());
         for format in ["q4", "mxfp4"] {
             let out = tmp.path().join(format!("{name}-{format}"));
-            export(&model, &out, format);
+            let s = export(&model, &out, format);
             check(&model, &out, format, tmp.path());
+            verified(&model, &out, &s);
         }
     }
+}
+
+/// `kiln verify` reads the MLX export back: every tensor decodes (experts unstacked) to the
+/// reference's shape, one weight error per module the writer quantized, each small.
+fn verified(model: &Path, out: &Path, s: &kiln_runtime::export::run::ExportSummary) {
+    let report = kiln_runtime::model::verify::verify(model, out).unwrap();
+    assert!(
+        report.problems.is_empty(),
+        "{}: {:?}",
+        out.display(),
+        report.problems
+    );
+    assert_eq!(
+        report.weight_errors.len(),
+        s.written_as.len(),
+        "{}",
+        out.display()
+    );
+    // 2-bit weights sit near 0.4 (relative), the others under 0.15.
+    let bound = if out.to_string_lossy().contains("q2") {
+        0.6
+    } else {
+        0.2
+    };
+    for (m, e) in &report.weight_errors {
+        assert!(*e < bound, "{}: `{m}` decodes {e:.3} away", out.display());
+    }
+}
+
+#[test]
+fn kiln_verify_reads_every_mode_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = family("llama-tiny", tmp.path());
+    for format in ["q4", "q8-g32", "q2-g128", "mxfp4", "mxfp8", "nvfp4"] {
+        let out = tmp.path().join(format);
+        let s = export(&model, &out, format);
+        verified(&model, &out, &s);
+    }
+    // Scales 1000× off decode to a weight far from the reference's: verify measures it.
+    let (src, bad) = (tmp.path().join("q4"), tmp.path().join("q4-bad-scales"));
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(src.join("config.json"), bad.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let edited: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let mut data = v.data().to_vec();
+            if n == "model.layers.0.mlp.down_proj.scales" {
+                for c in data.chunks_exact_mut(2) {
+                    let x = half::bf16::from_le_bytes([c[0], c[1]]).to_f32() * 1000.0;
+                    c.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+                }
+            }
+            (n, v.dtype(), v.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = edited
+        .iter()
+        .map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &bad.join("model.safetensors")).unwrap();
+    let report = kiln_runtime::model::verify::verify(&model, &bad).unwrap();
+    let worst = report
+        .weight_errors
+        .iter()
+        .find(|(m, _)| m == "model.layers.0.mlp.down_proj")
+        .unwrap();
+    assert!(worst.1 > 10.0, "{worst:?}");
 }
 
 #[test]

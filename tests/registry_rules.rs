@@ -435,7 +435,16 @@ fn train_config_reads_json_with_defaults_and_typed_task_options() {
 #[test]
 fn a_writer_registered_in_another_crate_is_an_output_format() {
     let r = kiln::WriterRegistry::try_global().unwrap();
-    assert_eq!(r.names(), ["gguf", "mlx", "modelopt", "plugin-manifest"]);
+    assert_eq!(
+        r.names(),
+        [
+            "compressed-tensors",
+            "gguf",
+            "mlx",
+            "modelopt",
+            "plugin-manifest"
+        ]
+    );
     let entry = r.get("plugin-manifest").unwrap();
     assert_eq!(entry.meta.path, "kiln_test_plugin::PluginManifest");
     assert_eq!(entry.default_format(), Some("list"));

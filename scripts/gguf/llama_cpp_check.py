@@ -38,7 +38,7 @@ def run(cmd):
 
 
 FAMILIES = ["llama-tiny", "llama-tied-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny",
-            "qwen3-moe-tiny", "mixtral-tiny"]
+            "qwen3-moe-tiny", "mixtral-tiny", "llama3-rope-tiny"]
 
 
 def write_tokenizer(d, vocab):

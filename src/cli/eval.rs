@@ -7,13 +7,16 @@ use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
 use kiln_runtime::model::calib::{model_tokenizer, read_samples_with};
 use kiln_runtime::model::eval::perplexity;
+use kiln_runtime::model::gguf_layout::gguf_file;
 use kiln_runtime::model::{DecoderModel, candle};
 use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// The model folder (a Hugging Face checkpoint, or a kiln / ModelOpt export).
+    /// The model: a Hugging Face checkpoint folder, or a quantized export — ModelOpt's or
+    /// compressed-tensors' layout, mlx-lm's, or a GGUF file kiln wrote (the folder or the
+    /// `.gguf` file).
     #[arg(long)]
     model: PathBuf,
     /// Evaluation data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` per line.
@@ -45,13 +48,17 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
         tokenizer.as_ref(),
     )
     .with_context(|| format!("--data {}", args.data.display()))?;
-    let checkpoint = Checkpoint::open(&args.model)?;
-    let model = DecoderModel::load_with(
-        &checkpoint,
-        candle::DType::F32,
-        &args.device.device()?,
-        !args.weights_only,
-    )
+    let device = args.device.device()?;
+    let model = match gguf_file(&args.model) {
+        // A GGUF file: its config from the metadata; llama.cpp runs the activations unquantized.
+        Some(g) => DecoderModel::load_gguf(&g, candle::DType::F32, &device),
+        None => DecoderModel::load_with(
+            &Checkpoint::open(&args.model)?,
+            candle::DType::F32,
+            &device,
+            !args.weights_only,
+        ),
+    }
     .with_context(|| format!("loading {}", args.model.display()))?;
     let act = model.activation_quant();
     let quantized_activations = act.inputs.values().filter(|q| q.quant.is_some()).count();

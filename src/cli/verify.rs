@@ -17,8 +17,9 @@ pub struct VerifyArgs {
     /// The model the export was made from.
     #[arg(long)]
     reference: PathBuf,
-    /// The quantized export: ModelOpt's layout (kiln's or ModelOpt's) or compressed-tensors
-    /// (kiln's or llm-compressor's).
+    /// The quantized export: ModelOpt's layout (kiln's or ModelOpt's), compressed-tensors
+    /// (kiln's or llm-compressor's), mlx-lm's layout (kiln's or `mlx_lm.convert`'s), or a
+    /// GGUF file kiln wrote (its folder or the `.gguf` file).
     #[arg(long)]
     quantized: PathBuf,
     /// Evaluation data (JSONL of `{"input_ids": [...]}` or `{"text": ...}`): compare the
@@ -38,9 +39,11 @@ pub struct VerifyArgs {
 }
 
 fn ppl(dir: &Path, samples: &[Vec<u32>], device: &candle::Device) -> Result<f64> {
-    let c = Checkpoint::open(dir)?;
-    let m = DecoderModel::load(&c, candle::DType::F32, device)
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let m = match kiln_runtime::model::gguf_layout::gguf_file(dir) {
+        Some(g) => DecoderModel::load_gguf(&g, candle::DType::F32, device),
+        None => DecoderModel::load(&Checkpoint::open(dir)?, candle::DType::F32, device),
+    }
+    .with_context(|| format!("loading {}", dir.display()))?;
     Ok(perplexity(&m, samples)?.perplexity)
 }
 
@@ -53,10 +56,11 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
     if !failed {
         // ModelOpt's layout has hf_quant_config.json beside config.json; compressed-tensors
         // has config.json's quantization_config alone.
-        let configs = if report.quant_algo.starts_with("compressed-tensors") {
-            "config.json's quantization_config agrees"
-        } else {
-            "both JSON files agree"
+        let configs = match report.quant_algo.split(' ').next() {
+            Some("compressed-tensors") => "config.json's quantization_config agrees",
+            Some("mlx") => "config.json's quantization agrees",
+            Some("gguf") => "the GGUF metadata agrees with the reference's config",
+            _ => "both JSON files agree",
         };
         writeln!(
             out,

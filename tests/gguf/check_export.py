@@ -12,6 +12,7 @@ Q5_1, Q8_0, MXFP4, F16, BF16) the bytes must equal its quantization of the input
 message naming the tensor or key at fault.
 """
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -139,6 +140,29 @@ for name, (w, _) in weights.items():
             fail(f"input tensor {name}: the checker has no GGUF name for it")
 for name, parts in stacks.items():
     expected[name] = np.stack([parts[e] for e in range(len(parts))])
+
+# llama3 RoPE scaling: the converter generates `rope_freqs` first (LlamaModel.
+# generate_extra_tensors), per-frequency factors computed in float32.
+rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+rope = rope.get("full_attention", rope)
+if str(rope.get("rope_type", rope.get("type"))).lower() == "llama3":
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    freqs = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    factor = np.float32(rope.get("factor", 8.0))
+    low, high = np.float32(rope.get("low_freq_factor", 1.0)), np.float32(rope.get("high_freq_factor", 4.0))
+    orig = np.float32(rope.get("original_max_position_embeddings", 8192))
+    factors = []
+    for freq in freqs:
+        wavelen = np.float32(2 * math.pi) / freq
+        if wavelen < orig / high:
+            factors.append(np.float32(1.0))
+        elif wavelen > orig / low:
+            factors.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            factors.append(np.float32(1.0) / ((np.float32(1.0) - smooth) / factor + smooth))
+    expected["rope_freqs.weight"] = np.array(factors, dtype=np.float32)
 
 
 # --- llama-quantize's mix (src/llama-quant.cpp), for the file types kiln writes ---------------

@@ -19,6 +19,9 @@ pub enum RopeScaling {
         /// `original_max_position_embeddings`.
         original_max_position_embeddings: f32,
     },
+    /// llama.cpp's `rope_freqs` (a GGUF file's llama3 scaling): each inverse frequency divided
+    /// by its own factor.
+    Factors(Vec<f32>),
     /// YaRN (GPT-OSS): frequencies blended between interpolated and extrapolated by a linear
     /// ramp over the correction range, cos/sin scaled by the attention factor.
     Yarn {
@@ -284,6 +287,9 @@ impl DecoderConfig {
             .collect();
         match self.rope_scaling {
             RopeScaling::None => inv,
+            RopeScaling::Factors(ref factors) => {
+                inv.iter().zip(factors).map(|(f, s)| f / s).collect()
+            }
             RopeScaling::Yarn {
                 factor,
                 beta_fast,

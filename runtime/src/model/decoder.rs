@@ -402,6 +402,34 @@ impl DecoderModel {
         Self::build(config, weights, device, act, true)
     }
 
+    /// The model of a GGUF file kiln wrote ([`super::gguf_layout`]): its config rebuilt from
+    /// the metadata, its weights dequantized; activations unquantized, as llama.cpp runs them.
+    pub fn load_gguf(
+        path: &std::path::Path,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let g = super::gguf_layout::GgufModel::open(path)?;
+        let mut config = DecoderConfig::from_json(&g.config)?;
+        if let Some(f) = &g.rope_freqs {
+            if f.len() != config.head_dim / 2 {
+                return Err(ModelError::Tensor {
+                    tensor: "rope_freqs.weight".into(),
+                    message: format!("{} factors for a head of {}", f.len(), config.head_dim),
+                });
+            }
+            config.rope_scaling = super::RopeScaling::Factors(f.clone());
+        }
+        let (weights, _) = g.weights(dtype, device)?;
+        Self::build(
+            config,
+            weights,
+            device,
+            act_quant::ActQuant::default(),
+            true,
+        )
+    }
+
     /// The model of `checkpoint` with only the weights `keep` accepts loaded (plain
     /// checkpoints): enough to run [`DecoderModel::embed`], one [`DecoderModel::layer`] or
     /// [`DecoderModel::head`] with bounded memory.

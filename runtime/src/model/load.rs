@@ -415,6 +415,11 @@ pub fn load_for_execution(
     if super::compressed::is_compressed_tensors(checkpoint) {
         return super::compressed::load(checkpoint, dtype, device, activations);
     }
+    // mlx-lm quantizes weights only.
+    if super::mlx_layout::is_mlx(checkpoint) {
+        let weights = super::mlx_layout::load(checkpoint, dtype, device)?;
+        return Ok((weights, ActQuant::default()));
+    }
     let (quantized, algo, per_layer) = formats(checkpoint)?;
     if !quantized {
         return Ok((

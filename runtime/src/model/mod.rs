@@ -12,8 +12,10 @@ mod decoder;
 pub mod eval;
 pub mod for_export;
 pub mod generate;
+pub mod gguf_layout;
 pub mod load;
 pub mod lora;
+pub mod mlx_layout;
 mod observe;
 pub mod verify;
 

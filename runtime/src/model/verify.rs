@@ -85,10 +85,17 @@ struct RefTensor {
 /// gate) that the export does not hold is split into `<experts>.<e>.{gate,up,down}_proj.weight`
 /// (docs/FORMATS.md §4.3b); every other tensor is itself.
 fn reference_tensors(r: &Checkpoint, q: &Checkpoint) -> Vec<RefTensor> {
+    reference_tensors_by(r, |name| {
+        q.tensor(name).is_some() || q.tensor(&format!("{name}_packed")).is_some()
+    })
+}
+
+/// [`reference_tensors`], with `held(name)` saying whether the export holds a tensor.
+fn reference_tensors_by(r: &Checkpoint, held: impl Fn(&str) -> bool) -> Vec<RefTensor> {
     let mut out = Vec::new();
     for t in r.tensors() {
         let split = match (t.name.rsplit_once('.'), &t.shape[..]) {
-            (Some((experts, local)), &[e, rows, cols]) if q.tensor(&t.name).is_none() => {
+            (Some((experts, local)), &[e, rows, cols]) if !held(&t.name) => {
                 let parts: &[&str] = match local {
                     "gate_up_proj" => &["gate_proj", "up_proj"],
                     "down_proj" => &["down_proj"],
@@ -96,9 +103,7 @@ fn reference_tensors(r: &Checkpoint, q: &Checkpoint) -> Vec<RefTensor> {
                     _ => &[],
                 };
                 let first = format!("{experts}.0.{}.weight", parts.first().unwrap_or(&""));
-                let held =
-                    q.tensor(&first).is_some() || q.tensor(&format!("{first}_packed")).is_some();
-                (!parts.is_empty() && held && rows % parts.len() == 0).then_some((
+                (!parts.is_empty() && held(&first) && rows % parts.len() == 0).then_some((
                     experts,
                     parts,
                     e,
@@ -139,9 +144,15 @@ fn reference_tensors(r: &Checkpoint, q: &Checkpoint) -> Vec<RefTensor> {
 /// Checks the export at `quantized` against the model at `reference`.
 pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelError> {
     let r = Checkpoint::open(reference)?;
+    if let Some(gguf) = super::gguf_layout::gguf_file(quantized) {
+        return verify_gguf(&r, &gguf);
+    }
     let q = Checkpoint::open(quantized)?;
     if super::compressed::is_compressed_tensors(&q) {
         return verify_compressed(&r, &q);
+    }
+    if super::mlx_layout::is_mlx(&q) {
+        return verify_mlx(&r, &q);
     }
     let mut report = VerifyReport::default();
     let algo = quant_algo(quantized, &q, &mut report.problems);
@@ -386,53 +397,203 @@ fn verify_compressed(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, Mod
         }
     }
     architecture_checks(r, q, problems);
+    if report.problems.is_empty() {
+        compare_decoded(
+            r,
+            q,
+            &tensors,
+            &quantized.into_iter().collect(),
+            &mut report,
+        )?;
+    }
+    Ok(report)
+}
+
+/// [`verify`] for an MLX export (docs/FORMATS.md §8): `quantization` parses; every reference
+/// tensor decodes (stacked experts split back per expert) to its shape, nothing is extra; the
+/// error per quantized module (`lm_head` and embeddings included, as mlx-lm quantizes them).
+fn verify_mlx(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, ModelError> {
+    let mut report = VerifyReport::default();
+    let qc = q
+        .config()
+        .raw()
+        .get("quantization")
+        .cloned()
+        .unwrap_or(Value::Null);
+    report.quant_algo = format!(
+        "mlx {} {}-bit, groups of {}",
+        qc.get("mode").and_then(Value::as_str).unwrap_or("affine"),
+        qc.get("bits").and_then(Value::as_u64).unwrap_or(0),
+        qc.get("group_size").and_then(Value::as_u64).unwrap_or(0),
+    );
+    let quantized = super::mlx_layout::quantized_hf_modules(q);
+    architecture_checks(r, q, &mut report.problems);
     if !report.problems.is_empty() {
         return Ok(report);
     }
+    // The names the decoded export holds: per expert where MLX stacks.
+    let decoded = load_weights(q, DType::F32, &Device::Cpu);
+    let held: std::collections::BTreeSet<String> = decoded
+        .as_ref()
+        .map(|w| w.vars().keys().cloned().collect())
+        .unwrap_or_default();
+    let tensors = reference_tensors_by(r, |name| held.contains(name));
+    let quantized = quantized.into_iter().collect();
+    compare_weights(r, decoded, &tensors, &quantized, &mut report)?;
+    Ok(report)
+}
+
+/// [`verify`] for a GGUF file kiln wrote (docs/FORMATS.md §7.2): the metadata gives the
+/// reference's architecture and sizes; every reference tensor is read back (dequantized, Q/K
+/// rows restored, experts unstacked) to its shape and nothing is left over; the error per
+/// block-quantized weight (`lm_head` and the embeddings included, as llama.cpp quantizes them).
+fn verify_gguf(r: &Checkpoint, path: &Path) -> Result<VerifyReport, ModelError> {
+    let mut report = VerifyReport::default();
+    let g = match super::gguf_layout::GgufModel::open(path) {
+        Ok(g) => g,
+        Err(e) => {
+            report.problems.push(e.to_string());
+            return Ok(report);
+        }
+    };
+    report.quant_algo = format!("gguf {}", g.file_type());
+    let reference = r.config().raw();
+    for key in [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    ] {
+        let (want, got) = (reference.get(key), g.config.get(key));
+        if want.is_some() && want != got {
+            report.problems.push(format!(
+                "the GGUF metadata gives {key} {got:?}, the reference's config.json {want:?}"
+            ));
+        }
+    }
+    if !report.problems.is_empty() {
+        return Ok(report);
+    }
+    let (decoded, quantized) = match g.weights(DType::F32, &Device::Cpu) {
+        Ok((w, q)) => (Ok(w), q),
+        Err(e) => (Err(e), Default::default()),
+    };
+    let held: std::collections::BTreeSet<String> = decoded
+        .as_ref()
+        .map(|w| w.vars().keys().cloned().collect())
+        .unwrap_or_default();
+    let tensors: Vec<RefTensor> = reference_tensors_by(r, |name| held.contains(name))
+        .into_iter()
+        // llama.cpp computes the rotary frequencies itself.
+        .filter(|t| !t.name.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    compare_weights(r, decoded, &tensors, &quantized, &mut report)?;
+    Ok(report)
+}
+
+/// Decodes the export `q` as it runs ([`load_weights`]) and compares it with the reference:
+/// every reference tensor is there with its shape (`lm_head` may be tied), nothing else is;
+/// each module in `quantized`: no NaN / Inf the reference lacks, and its relative error.
+fn compare_decoded(
+    r: &Checkpoint,
+    q: &Checkpoint,
+    tensors: &[RefTensor],
+    quantized: &std::collections::BTreeSet<String>,
+    report: &mut VerifyReport,
+) -> Result<(), ModelError> {
+    compare_weights(
+        r,
+        load_weights(q, DType::F32, &Device::Cpu),
+        tensors,
+        quantized,
+        report,
+    )
+}
+
+/// [`compare_decoded`] with the export already decoded (or the error decoding gave).
+fn compare_weights(
+    r: &Checkpoint,
+    decoded: Result<super::Weights, ModelError>,
+    tensors: &[RefTensor],
+    quantized: &std::collections::BTreeSet<String>,
+    report: &mut VerifyReport,
+) -> Result<(), ModelError> {
+    let decoded = match decoded {
+        Ok(w) => w,
+        Err(e) => {
+            report
+                .problems
+                .push(format!("the export does not decode: {e}"));
+            return Ok(());
+        }
+    };
     let original = load_weights(r, DType::F32, &Device::Cpu)?;
-    for module in &quantized {
-        let name = format!("{module}.weight");
-        let (got, [rows, cols]) = match super::compressed::decode(q, module) {
-            Ok(Some(d)) => d,
-            Ok(None) => continue,
-            Err(e) => {
+    let tied = r
+        .config()
+        .raw()
+        .get("tie_word_embeddings")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    for t in tensors {
+        let Some(got) = decoded.maybe(&t.name) else {
+            if !(tied && t.name == "lm_head.weight") {
                 report
                     .problems
-                    .push(format!("`{module}` does not decode: {e}"));
-                continue;
+                    .push(format!("`{}` is missing from the decoded export", t.name));
             }
+            continue;
         };
-        let want = match known.get(name.as_str()).and_then(|t| t.slice.as_ref()) {
+        let want = match &t.slice {
             Some(s) => original
                 .get(&s.fused)?
                 .get(s.expert)?
                 .narrow(0, s.first_row, s.rows)?,
-            None => original.get(&name)?.clone(),
+            None => original.get(&t.name)?.clone(),
         };
-        if want.dims() != [rows, cols] {
+        if got.dims() != want.dims() {
             report.problems.push(format!(
-                "`{name}` decodes to {:?}, the reference is {:?}",
-                [rows, cols],
+                "`{}` decodes to {:?}, the reference is {:?}",
+                t.name,
+                got.dims(),
                 want.dims()
             ));
             continue;
         }
+        let Some(module) = t
+            .name
+            .strip_suffix(".weight")
+            .filter(|m| quantized.contains(*m))
+        else {
+            continue;
+        };
+        let got: Vec<f32> = got.flatten_all()?.to_vec1()?;
         let want: Vec<f32> = want.flatten_all()?.to_vec1()?;
         let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
         let (mine, theirs) = (bad(&got), bad(&want));
         if mine > theirs {
             report.problems.push(format!(
-                "`{name}` decodes to {mine} NaN/Inf value(s); the reference has {theirs}"
+                "`{}` decodes to {mine} NaN/Inf value(s); the reference has {theirs}",
+                t.name
             ));
         }
         let (diff, norm) = got.iter().zip(&want).fold((0f64, 0f64), |(d, n), (a, b)| {
             (d + f64::from(a - b).powi(2), n + f64::from(*b).powi(2))
         });
-        report
-            .weight_errors
-            .push((module.clone(), (diff / norm.max(f64::MIN_POSITIVE)).sqrt()));
+        report.weight_errors.push((
+            module.to_string(),
+            (diff / norm.max(f64::MIN_POSITIVE)).sqrt(),
+        ));
     }
-    Ok(report)
+    let names: std::collections::BTreeSet<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    for name in decoded.vars().keys() {
+        if !names.contains(name.as_str()) {
+            report.problems.push(format!(
+                "`{name}` is in the decoded export but not in the reference"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The checks an inference engine makes when it loads a quantized checkpoint: what the

@@ -41,12 +41,18 @@ pub struct GgufOutput {
     warnings: Mutex<Vec<String>>,
 }
 
-/// What `begin` learns about the model: names, metadata, the mix.
-struct Plan {
+/// How a family's Hugging Face tensor names map to GGUF's ([`Names::target`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Names {
     family: Family,
     heads: usize,
     kv_heads: usize,
     experts: usize,
+}
+
+/// What `begin` learns about the model: names, metadata, the mix.
+struct Plan {
+    names: Names,
     mix: MixModel,
     /// The type unquantized 2-D weights keep: the checkpoint's float dtype.
     base: u32,
@@ -102,7 +108,7 @@ impl Family {
 
 /// Where a Hugging Face tensor goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Target {
+pub(crate) enum Target {
     /// Not written (`rotary_emb.inv_freq`: llama.cpp computes it).
     Drop,
     /// A GGUF tensor; `expert`: its slot in a stacked `*_exps` tensor; `permute`: the number
@@ -148,8 +154,27 @@ fn need(c: &Map<String, Json>, key: &str) -> Result<usize, ExportError> {
     })
 }
 
-impl Plan {
-    fn target(&self, hf: &str) -> Option<Target> {
+impl Names {
+    /// The names of a model of `architecture` (`config.json`'s first) with `config`, or `None`
+    /// for an architecture the GGUF writer does not map.
+    pub(crate) fn for_model(architecture: &str, config: &Map<String, Json>) -> Option<Names> {
+        let family = Family::NAMES
+            .iter()
+            .find(|(n, _)| *n == architecture)
+            .map(|(_, f)| *f)?;
+        let heads = cfg_usize(config, "num_attention_heads")?;
+        Some(Names {
+            family,
+            heads,
+            kv_heads: cfg_usize(config, "num_key_value_heads").unwrap_or(heads),
+            experts: cfg_usize(config, "num_local_experts")
+                .or_else(|| cfg_usize(config, "num_experts"))
+                .unwrap_or(0),
+        })
+    }
+
+    /// Where the Hugging Face tensor `hf` goes in the GGUF file, or `None` if it has no place.
+    pub(crate) fn target(&self, hf: &str) -> Option<Target> {
         let t = |name: String| Target::Tensor {
             name,
             expert: None,
@@ -214,6 +239,12 @@ impl Plan {
             permute: None,
         })
     }
+}
+
+impl Plan {
+    fn target(&self, hf: &str) -> Option<Target> {
+        self.names.target(hf)
+    }
 
     /// Whether the user excluded the module owning `hf` with `--exclude` (and did not
     /// `--include` it): it keeps its unquantized type.
@@ -241,6 +272,26 @@ fn permute_rows<T: Copy>(v: &[T], rows: usize, heads: usize) -> Result<Vec<T>, S
     Ok(out)
 }
 
+/// The inverse of [`permute_rows`]: llama.cpp's row order back to the checkpoint's.
+pub(crate) fn unpermute_rows<T: Copy>(
+    v: &[T],
+    rows: usize,
+    heads: usize,
+) -> Result<Vec<T>, String> {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+        return Err(format!("{rows} rows are not {heads} heads of an even size"));
+    }
+    let cols = v.len() / rows;
+    let (per, half) = (rows / heads, rows / heads / 2);
+    let mut out = vec![v[0]; v.len()];
+    for r in 0..rows {
+        let (h, within) = (r / per, r % per);
+        let src = h * per + (within % 2) * half + within / 2;
+        out[src * cols..(src + 1) * cols].copy_from_slice(&v[r * cols..(r + 1) * cols]);
+    }
+    Ok(out)
+}
+
 /// Little-endian float bytes as f32 values.
 fn floats(dtype: Dtype, data: &[u8]) -> Option<Vec<f32>> {
     FloatValues::decode(dtype, data).map(|v| v.view().to_f32())
@@ -248,6 +299,14 @@ fn floats(dtype: Dtype, data: &[u8]) -> Option<Vec<f32>> {
 
 fn block_type(t: u32) -> Option<GgufType> {
     GgufType::ALL.iter().copied().find(|g| g.ggml_type() == t)
+}
+
+/// llama.cpp's name of `general.file_type` `n` (`Q4_K_M`), for the file types kiln writes.
+pub(crate) fn file_type_name(n: u64) -> Option<&'static str> {
+    FileType::ALL
+        .iter()
+        .find(|f| u64::from(f.number()) == n)
+        .map(|f| f.llama_name())
 }
 
 /// A ggml type's name (`Q4_K`, `F16`).
@@ -273,7 +332,7 @@ impl GgufOutput {
         let Some(target) = plan.target(hf) else {
             return Err(Self::err(format!(
                 "no GGUF name for tensor `{hf}` of a {} model",
-                plan.family.arch()
+                plan.names.family.arch()
             )));
         };
         let Target::Tensor {
@@ -389,6 +448,130 @@ fn decode(ty: u32, data: &[u8], n: usize) -> Result<Vec<f32>, ExportError> {
     floats(dt, data).ok_or_else(|| GgufOutput::err("decode"))
 }
 
+/// config.json's RoPE scaling, as llama.cpp's converter writes it (`conversion/base.py`
+/// `set_gguf_parameters`, `conversion/llama.py` `generate_extra_tensors`).
+#[derive(Debug, Clone, PartialEq)]
+enum RopeScaling {
+    /// None, or `rope_type` `default`.
+    None,
+    /// `llama3`: a `rope_freqs` tensor of per-frequency factors (the llama architecture).
+    Llama3(Map<String, Json>),
+    /// `linear` / `yarn`: `rope.scaling.*` metadata keys.
+    Keys(Vec<(String, Value)>),
+}
+
+/// The RoPE scaling of `c`: `rope_parameters` (transformers 5) or `rope_scaling`, with
+/// `type` read as `rope_type`, as the converter does. Types llama.cpp's converter handles
+/// elsewhere or not at all are an error naming them.
+fn rope_scaling(c: &Map<String, Json>) -> Result<RopeScaling, ExportError> {
+    let params = c
+        .get("rope_parameters")
+        .filter(|v| !v.is_null())
+        .or_else(|| c.get("rope_scaling").filter(|v| !v.is_null()))
+        .and_then(Json::as_object);
+    let Some(p) = params else {
+        return Ok(RopeScaling::None);
+    };
+    let p = p
+        .get("full_attention")
+        .and_then(Json::as_object)
+        .unwrap_or(p);
+    let ty = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(Json::as_str);
+    let f32_of = |k: &str| {
+        p.get(k)
+            .and_then(Json::as_f64)
+            .map(|v| Value::F32(v as f32))
+    };
+    let cannot = |what: String| ExportError::WriterCannot {
+        writer: "gguf".into(),
+        what,
+        supported: vec![
+            "RoPE default".into(),
+            "linear".into(),
+            "yarn".into(),
+            "llama3".into(),
+        ],
+    };
+    match ty {
+        None | Some("default") => Ok(RopeScaling::None),
+        Some(t) if t.eq_ignore_ascii_case("llama3") => Ok(RopeScaling::Llama3(p.clone())),
+        Some("linear") => match f32_of("factor") {
+            Some(f) => Ok(RopeScaling::Keys(vec![
+                ("rope.scaling.type".into(), Value::String("linear".into())),
+                ("rope.scaling.factor".into(), f),
+            ])),
+            None => Ok(RopeScaling::None),
+        },
+        Some("yarn") => {
+            let Some(f) = f32_of("factor") else {
+                return Ok(RopeScaling::None);
+            };
+            let orig = p
+                .get("original_max_position_embeddings")
+                .and_then(Json::as_u64)
+                .ok_or_else(|| {
+                    cannot("yarn RoPE scaling without original_max_position_embeddings".into())
+                })?;
+            let mut keys = vec![
+                ("rope.scaling.type".into(), Value::String("yarn".into())),
+                ("rope.scaling.factor".into(), f),
+                (
+                    "rope.scaling.original_context_length".into(),
+                    Value::U32(orig as u32),
+                ),
+            ];
+            for (hf, gguf) in [
+                ("extrapolation_factor", "rope.scaling.yarn_ext_factor"),
+                ("attention_factor", "rope.scaling.yarn_attn_factor"),
+                ("beta_fast", "rope.scaling.yarn_beta_fast"),
+                ("beta_slow", "rope.scaling.yarn_beta_slow"),
+            ] {
+                let v = match (hf, f32_of(hf)) {
+                    ("attention_factor", None) => f32_of("attn_factor"),
+                    (_, v) => v,
+                };
+                if let Some(v) = v {
+                    keys.push((gguf.into(), v));
+                }
+            }
+            Ok(RopeScaling::Keys(keys))
+        }
+        Some(other) => Err(cannot(format!("config.json's RoPE scaling `{other}`"))),
+    }
+}
+
+/// llama.cpp's `rope_freqs` for llama3 RoPE scaling (`LlamaModel.generate_extra_tensors`), in
+/// f32 as PyTorch computes it there: `freq = 1 / base^(i/dim)` for even `i`,
+/// `wavelen = 2π / freq`; the factor is 1 below `orig / high`, `factor` above `orig / low`,
+/// and `1 / ((1 − s) / factor + s)` between, `s = (orig / wavelen − low) / (high − low)`.
+fn llama3_rope_factors(p: &Map<String, Json>, base: f64, dim: usize) -> Vec<f32> {
+    let get = |k: &str, d: f64| p.get(k).and_then(Json::as_f64).unwrap_or(d) as f32;
+    let factor = get("factor", 8.0);
+    let low = get("low_freq_factor", 1.0);
+    let high = get("high_freq_factor", 4.0);
+    let orig = get("original_max_position_embeddings", 8192.0);
+    let (low_wavelen, high_wavelen) = (orig / low, orig / high);
+    let two_pi = (2.0 * std::f64::consts::PI) as f32;
+    (0..dim)
+        .step_by(2)
+        .map(|i| {
+            let freq = 1.0 / (base as f32).powf(i as f32 / dim as f32);
+            let wavelen = two_pi / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
 impl OutputWriter for GgufOutput {
     fn begin(&mut self, start: &WriterStart<'_>) -> Result<(), ExportError> {
         let family = Family::NAMES
@@ -419,19 +602,7 @@ impl OutputWriter for GgufOutput {
             .or_else(|| cfg_usize(c, "num_experts"))
             .unwrap_or(0);
         let rope = c.get("rope_parameters").and_then(Json::as_object);
-        let scaling = c.get("rope_scaling").filter(|v| !v.is_null()).or_else(|| {
-            rope.and_then(|r| r.get("rope_type"))
-                .filter(|t| t.as_str() != Some("default"))
-        });
-        if let Some(s) = scaling {
-            return Err(ExportError::WriterCannot {
-                writer: "gguf".into(),
-                what: format!(
-                    "config.json's RoPE scaling {s} (llama.cpp's rope_freqs and YaRN keys are not written yet)"
-                ),
-                supported: vec!["models without rope_scaling".into()],
-            });
-        }
+        let scaling = rope_scaling(c)?;
         let theta = c
             .get("rope_theta")
             .or_else(|| rope.and_then(|r| r.get("rope_theta")))
@@ -492,6 +663,25 @@ impl OutputWriter for GgufOutput {
         if let Some(t) = theta {
             md.push((a("rope.freq_base"), Value::F32(t as f32)));
         }
+        let rope_freqs = match &scaling {
+            RopeScaling::None => None,
+            RopeScaling::Llama3(p) if family == Family::Llama => Some(llama3_rope_factors(
+                p,
+                theta.unwrap_or(10000.0),
+                cfg_usize(c, "head_dim").unwrap_or(hidden / heads.max(1)),
+            )),
+            RopeScaling::Llama3(_) => {
+                return Err(ExportError::WriterCannot {
+                    writer: "gguf".into(),
+                    what: format!("llama3 RoPE scaling on `{}`", start.architecture),
+                    supported: vec!["llama3 RoPE scaling on the llama architecture".into()],
+                });
+            }
+            RopeScaling::Keys(keys) => {
+                md.extend(keys.iter().map(|(k, v)| (a(k), v.clone())));
+                None
+            }
+        };
         if let Some(eps) = c.get("rms_norm_eps").and_then(Json::as_f64) {
             md.push((
                 a("attention.layer_norm_rms_epsilon"),
@@ -532,10 +722,12 @@ impl OutputWriter for GgufOutput {
                 _ => false,
             };
         self.plan = Some(Plan {
-            family,
-            heads,
-            kv_heads,
-            experts,
+            names: Names {
+                family,
+                heads,
+                kv_heads,
+                experts,
+            },
             mix: MixModel {
                 experts,
                 layers,
@@ -555,13 +747,24 @@ impl OutputWriter for GgufOutput {
             .truncate(true)
             .open(&path)
             .map_err(|e| Self::err(format!("{}: {e}", path.display())))?;
-        self.spool = Some(Spool {
+        let mut spool = Spool {
             path,
             file: BufWriter::new(file),
             len: 0,
             entries: Vec::new(),
             stacks: super::Stacks::new(experts),
-        });
+        };
+        // The converter yields its generated tensors before the checkpoint's.
+        if let Some(f) = rope_freqs {
+            let bytes: Vec<u8> = f.iter().flat_map(|x| x.to_le_bytes()).collect();
+            spool.append(
+                "rope_freqs.weight".into(),
+                vec![f.len() as u64],
+                F32,
+                &bytes,
+            )?;
+        }
+        self.spool = Some(spool);
         Ok(())
     }
 
@@ -703,10 +906,64 @@ mod tests {
     use super::*;
 
     #[test]
+    fn rope_scaling_follows_the_converter() {
+        let cfg = |j: &str| -> Map<String, Json> { serde_json::from_str(j).unwrap() };
+        let keys = |j: &str| match rope_scaling(&cfg(j)).unwrap() {
+            RopeScaling::Keys(k) => k,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            keys(r#"{"rope_scaling": {"type": "linear", "factor": 2.0}}"#),
+            vec![
+                ("rope.scaling.type".into(), Value::String("linear".into())),
+                ("rope.scaling.factor".into(), Value::F32(2.0)),
+            ]
+        );
+        let yarn = keys(
+            r#"{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                "original_max_position_embeddings": 32768, "rope_theta": 1e6}}"#,
+        );
+        assert_eq!(
+            yarn[2],
+            (
+                "rope.scaling.original_context_length".into(),
+                Value::U32(32768)
+            )
+        );
+        assert_eq!(
+            yarn[3],
+            ("rope.scaling.yarn_beta_fast".into(), Value::F32(32.0))
+        );
+        assert_eq!(yarn.len(), 4);
+        assert_eq!(
+            rope_scaling(&cfg(r#"{"rope_parameters": {"rope_type": "default"}}"#)).unwrap(),
+            RopeScaling::None
+        );
+        let e = rope_scaling(&cfg(r#"{"rope_scaling": {"rope_type": "dynamic"}}"#)).unwrap_err();
+        assert!(e.to_string().contains("`dynamic`"), "{e}");
+        // llama3: high frequencies keep 1, the lowest are divided by `factor`, a blend between.
+        let p = cfg(
+            r#"{"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}"#,
+        );
+        let f = llama3_rope_factors(&p, 500000.0, 128);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0);
+        assert_eq!(f[63], 8.0);
+        assert!(f.iter().any(|&x| x > 1.0 && x < 8.0));
+        assert!(f.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
     fn permutation_interleaves_the_rotary_halves_per_head() {
         // Two heads of four rows, one column: [a0 a1 b0 b1 | c0 c1 d0 d1] → [a0 b0 a1 b1 | …].
         let v = [0, 1, 2, 3, 4, 5, 6, 7];
         assert_eq!(permute_rows(&v, 8, 2).unwrap(), [0, 2, 1, 3, 4, 6, 5, 7]);
         assert!(permute_rows(&v, 8, 3).is_err());
+        // Reading back undoes it, for rows of several columns too.
+        let w: Vec<u32> = (0..48).collect();
+        let p = permute_rows(&w, 12, 2).unwrap();
+        assert_ne!(p, w);
+        assert_eq!(unpermute_rows(&p, 12, 2).unwrap(), w);
     }
 }
