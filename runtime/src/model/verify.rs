@@ -298,6 +298,11 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
     Ok(report)
 }
 
+/// `config.json`'s entry `key` (null when absent).
+fn config_entry(q: &Checkpoint, key: &str) -> Value {
+    q.config().raw().get(key).cloned().unwrap_or(Value::Null)
+}
+
 /// [`verify`] for a compressed-tensors export (docs/FORMATS.md §9): every reference tensor is
 /// there under its name (a quantized Linear's weight as `weight` in FP8 / INT8 or as
 /// `weight_packed`, with its parameters); nothing else is; `quantization_config` parses, names
@@ -307,12 +312,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
 fn verify_compressed(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, ModelError> {
     use super::compressed::PARAM_SUFFIXES;
     let mut report = VerifyReport::default();
-    let config = q
-        .config()
-        .raw()
-        .get("quantization_config")
-        .cloned()
-        .unwrap_or(Value::Null);
+    let config = config_entry(q, "quantization_config");
     report.quant_algo = format!(
         "compressed-tensors {}",
         config
@@ -414,12 +414,7 @@ fn verify_compressed(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, Mod
 /// error per quantized module (`lm_head` and embeddings included, as mlx-lm quantizes them).
 fn verify_mlx(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, ModelError> {
     let mut report = VerifyReport::default();
-    let qc = q
-        .config()
-        .raw()
-        .get("quantization")
-        .cloned()
-        .unwrap_or(Value::Null);
+    let qc = config_entry(q, "quantization");
     report.quant_algo = format!(
         "mlx {} {}-bit, groups of {}",
         qc.get("mode").and_then(Value::as_str).unwrap_or("affine"),

@@ -366,15 +366,7 @@ impl OutputWriter for MlxOutput {
             exclude: start.recipe.exclude.clone(),
             include: start.recipe.include.clone(),
         });
-        let room: u64 = start
-            .checkpoint
-            .tensors()
-            .map(|t| 3 * (t.name.len() as u64 + 120))
-            .sum();
-        self.shards = Some(
-            ShardWriter::new(start.out, start.max_shard_bytes)
-                .with_header_room(room.clamp(4096, 8 << 20)),
-        );
+        self.shards = Some(super::shards(start, 3));
         Ok(())
     }
 

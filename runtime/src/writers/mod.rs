@@ -9,6 +9,21 @@ use crate::export::writer::WriterEnd;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
+/// The output's safetensors shards, with header room for up to `per_input` output tensors per
+/// input tensor (a quantized Linear becomes a weight and its scales).
+pub(crate) fn shards(
+    start: &crate::export::writer::WriterStart<'_>,
+    per_input: u64,
+) -> crate::sink::ShardWriter {
+    let room: u64 = start
+        .checkpoint
+        .tensors()
+        .map(|t| per_input * (t.name.len() as u64 + 120))
+        .sum();
+    crate::sink::ShardWriter::new(start.out, start.max_shard_bytes)
+        .with_header_room(room.clamp(4096, 8 << 20))
+}
+
 /// Writes `config` as the output's `config.json` (`indent` spaces, as the format's own tool
 /// writes it) and copies the model's tokenizer and generation files
 /// ([`crate::export::files::COPIED_FILES`]); returns the files written.
