@@ -3,8 +3,9 @@
 # - the rustfmt and clippy components;
 # - NVRTC from PyPI (`nvidia-cuda-nvrtc-cu12`, no GPU needed), so CI compiles every CUDA kernel
 #   to PTX. Prints the folder holding libnvrtc on its last line;
-# - llama.cpp's Python package gguf (gguf-py) and numpy, pinned: tests/gguf.rs and
-#   tests/gguf_export.rs have it read the GGUF files kiln writes;
+# - llama.cpp's Python package gguf (gguf-py), numpy and sentencepiece, pinned: tests/gguf.rs
+#   and tests/gguf_export.rs have them read the GGUF files kiln writes (sentencepiece reads the
+#   SentencePiece fixture's pieces independently of kiln);
 # - MLX on the CPU and mlx-lm, pinned: tests/mlx_export.rs compares kiln's MLX exports with
 #   `mlx_lm.convert` and runs them in mlx-lm;
 # - torch, transformers and compressed-tensors, pinned (tests/compressed_tensors/requirements.txt),
@@ -18,9 +19,10 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "ci-deps: installing rust components: ${need[*]}" >&2
   rustup component add "${need[@]}" >&2
 fi
-if ! python3 -c "import gguf, numpy" 2>/dev/null; then
-  echo "ci-deps: installing gguf-py (gguf==0.19.0, numpy==2.4.6)" >&2
-  python3 -m pip install -q --disable-pip-version-check gguf==0.19.0 numpy==2.4.6 >&2
+if ! python3 -c "import gguf, numpy, sentencepiece" 2>/dev/null; then
+  echo "ci-deps: installing gguf-py (gguf==0.19.0, numpy==2.4.6) and sentencepiece==0.2.3" >&2
+  python3 -m pip install -q --disable-pip-version-check gguf==0.19.0 numpy==2.4.6 \
+    sentencepiece==0.2.3 >&2
 fi
 if ! python3 -c "import mlx_lm" 2>/dev/null; then
   echo "ci-deps: installing mlx[cpu]==0.32.4 and mlx-lm==0.32.2" >&2

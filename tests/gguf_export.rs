@@ -268,3 +268,58 @@ fn excluded_modules_keep_their_dtype() {
     // The report states what the writer left unquantized.
     assert_eq!(s.excluded, ["model.layers.0*"]);
 }
+
+#[test]
+fn a_sentencepiece_vocabulary_is_written_as_the_converter_writes_it() {
+    // A Llama with only a SentencePiece tokenizer.model (tests/gguf/sentencepiece, made by
+    // scripts/gguf/sentencepiece_fixture.py): `llama` tokens with scores and piece types,
+    // tokenizer_config.json's added tokens, `add_space_prefix`, special ids from config.json.
+    use kiln_runtime::gguf::Value;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("llama-sp");
+    std::fs::create_dir_all(&model).unwrap();
+    for dir in ["tests/compat/llama-tiny/model", "tests/gguf/sentencepiece"] {
+        for f in std::fs::read_dir(common::root().join(dir)).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let out = tmp.path().join("q8-0");
+    export(&model, &out, "q8-0");
+    let file = out.join("model.gguf");
+    let g = GgufFile::open(&file).unwrap();
+    let md = |k: &str| g.metadata.get(k).unwrap_or_else(|| panic!("{k} missing"));
+    assert_eq!(md("tokenizer.ggml.model").as_str(), Some("llama"));
+    assert_eq!(md("tokenizer.ggml.pre").as_str(), Some("default"));
+    assert!(!g.metadata.contains_key("tokenizer.ggml.merges"));
+    let Value::Array(tokens) = md("tokenizer.ggml.tokens") else {
+        panic!("tokens")
+    };
+    let Value::Array(types) = md("tokenizer.ggml.token_type") else {
+        panic!("types")
+    };
+    assert_eq!(tokens.len(), 256);
+    let token = |i: usize| tokens[i].as_str().unwrap().to_string();
+    let kind = |i: usize| match types[i] {
+        Value::I32(t) => t,
+        ref v => panic!("{v:?}"),
+    };
+    // unknown, control (bos), control (added, special), user-defined with `▁` as a space, padding
+    assert_eq!((token(0), kind(0)), ("<unk>".into(), 2));
+    assert_eq!((token(1), kind(1)), ("<s>".into(), 3));
+    assert_eq!((token(230), kind(230)), ("<|im_end|>".into(), 3));
+    assert_eq!((token(231), kind(231)), (" kiln".into(), 4));
+    assert_eq!((token(255), kind(255)), ("[PAD255]".into(), 5));
+    assert!(matches!(
+        md("tokenizer.ggml.add_space_prefix"),
+        Value::Bool(true)
+    ));
+    assert_eq!(md("tokenizer.ggml.bos_token_id").as_u64(), Some(1));
+    assert_eq!(md("tokenizer.ggml.eos_token_id").as_u64(), Some(2));
+    // gguf-py reads the file; the sentencepiece library's reading of the model gives the same
+    // tokens, scores and types.
+    check(&model, &file, "q8-0");
+    // The file reads back and runs.
+    let report = kiln_runtime::model::verify::verify(&model, &out).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}

@@ -226,6 +226,38 @@ def field(key):
     return f.contents()
 
 
+# The converter's LlamaModel reads a SentencePiece tokenizer.model before tokenizer.json.
+SENTENCEPIECE = ARCH == "llama" and (model_dir / "tokenizer.model").is_file()
+
+
+def sentencepiece_vocab():
+    """`_create_vocab_sentencepiece`, from the sentencepiece library's reading of the model."""
+    from sentencepiece import SentencePieceProcessor
+    sp = SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    n = cfg["vocab_size"]
+    tokens, scores, types = [f"[PAD{i}]" for i in range(n)], [-10000.0] * n, [5] * n
+    for i in range(min(sp.vocab_size(), n)):
+        kind = 1
+        if sp.is_unknown(i):
+            kind = 2
+        elif sp.is_control(i):
+            kind = 3
+        elif sp.is_unused(i):
+            kind = 5
+        elif sp.is_byte(i):
+            kind = 6
+        tokens[i], scores[i], types[i] = sp.id_to_piece(i), sp.get_score(i), kind
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    for i, data in tc.get("added_tokens_decoder", {}).items():
+        i, content = int(i), data["content"]
+        special = data.get("special") or content.startswith("<|") and content.endswith("|>")
+        tokens[i] = content if special else content.replace("\u2581", " ")
+        types[i] = 3 if special else 4
+        scores[i] = -1000.0
+    return tokens, scores, types
+
+
 want_meta = {
     "general.architecture": ARCH,
     "general.file_type": ftype_number,
@@ -234,7 +266,7 @@ want_meta = {
     f"{ARCH}.attention.head_count": heads,
     f"{ARCH}.attention.head_count_kv": kv_heads,
     f"{ARCH}.context_length": cfg.get("max_position_embeddings"),
-    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.model": "llama" if SENTENCEPIECE else "gpt2",
 }
 if experts:
     want_meta[f"{ARCH}.expert_count"] = experts
@@ -247,6 +279,19 @@ for k, v in want_meta.items():
 eps = field(f"{ARCH}.attention.layer_norm_rms_epsilon")
 if eps is None or abs(eps - cfg["rms_norm_eps"]) > 1e-9:
     fail(f"metadata rms eps {eps}")
+if SENTENCEPIECE:
+    want_tokens, want_scores, want_types = sentencepiece_vocab()
+    if field("tokenizer.ggml.tokens") != want_tokens:
+        fail("tokenizer.ggml.tokens differ from the SentencePiece model's pieces")
+    got_scores = field("tokenizer.ggml.scores")
+    if got_scores is None or np.asarray(got_scores, np.float32).tobytes() != np.asarray(want_scores, np.float32).tobytes():
+        fail("tokenizer.ggml.scores differ from the SentencePiece model's")
+    if field("tokenizer.ggml.token_type") != want_types:
+        fail("tokenizer.ggml.token_type differs from the SentencePiece model's piece types")
+    if "tokenizer.ggml.merges" in fields:
+        fail("a SentencePiece vocabulary has no merges")
+    if field("tokenizer.ggml.pre") != "default":
+        fail("tokenizer.ggml.pre is not `default`")
 tokens = field("tokenizer.ggml.tokens")
 if tokens is not None and len(tokens) != cfg["vocab_size"]:
     fail(f"tokenizer.ggml.tokens: {len(tokens)} tokens, config.json's vocab_size is {cfg['vocab_size']}")

@@ -710,7 +710,18 @@ impl OutputWriter for GgufOutput {
         }
         md.push(("general.file_type".into(), Value::U32(self.ftype.number())));
         md.push(("general.quantization_version".into(), Value::U32(2)));
-        let vocab = vocab::read(start.model, vocab_size).map_err(Self::err)?;
+        // The converter's LlamaModel: `add_space_prefix` from tokenizer_config.json, then
+        // SentencePiece before BPE.
+        if family == Family::Llama
+            && let Some(v) = std::fs::read_to_string(start.model.join("tokenizer_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<Json>(&t).ok())
+                .and_then(|c| c.get("add_prefix_space").and_then(Json::as_bool))
+        {
+            md.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(v)));
+        }
+        let vocab =
+            vocab::read(start.model, vocab_size, family == Family::Llama).map_err(Self::err)?;
         for w in vocab.warnings {
             self.warn(w);
         }
