@@ -289,6 +289,7 @@ fn hf_config(file: &GgufFile, path: &Path) -> Result<Map<String, Json>, ModelErr
         "num_key_value_heads": u("attention.head_count_kv").unwrap_or(need("attention.head_count")?),
         "vocab_size": vocab,
         "tie_word_embeddings": file.tensor("output.weight").is_none(),
+        // Not in the metadata: every architecture this reader maps uses SiLU.
         "hidden_act": "silu",
     });
     let Json::Object(m) = &mut c else {

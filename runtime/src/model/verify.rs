@@ -160,12 +160,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
     report.smoothed = q.tensors().any(|t| t.name.ends_with(".pre_quant_scale"))
         || report.quant_algo.contains("AWQ")
         || report.quant_algo.contains("SQ");
-    let tied = r
-        .config()
-        .raw()
-        .get("tie_word_embeddings")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let tied = ties_embeddings(&r);
     // The reference's tensors as the export names them: fused 3-D experts (transformers 5's
     // layout) are written as per-expert Linears, so they are compared slice by slice.
     let tensors = reference_tensors(&r, &q);
@@ -298,6 +293,15 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
     Ok(report)
 }
 
+/// Whether the reference ties `lm_head` to the embeddings (an export may then omit it).
+fn ties_embeddings(r: &Checkpoint) -> bool {
+    r.config()
+        .raw()
+        .get("tie_word_embeddings")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
 /// `config.json`'s entry `key` (null when absent).
 fn config_entry(q: &Checkpoint, key: &str) -> Value {
     q.config().raw().get(key).cloned().unwrap_or(Value::Null)
@@ -321,12 +325,7 @@ fn verify_compressed(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, Mod
             .unwrap_or("(no format)")
     );
     let problems = &mut report.problems;
-    let tied = r
-        .config()
-        .raw()
-        .get("tie_word_embeddings")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let tied = ties_embeddings(r);
     let tensors = reference_tensors(r, q);
     let known: BTreeMap<&str, &RefTensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let quantized_dtype = |d: Dtype| matches!(d, Dtype::I8 | Dtype::F8_E4M3);
@@ -524,12 +523,7 @@ fn compare_weights(
         }
     };
     let original = load_weights(r, DType::F32, &Device::Cpu)?;
-    let tied = r
-        .config()
-        .raw()
-        .get("tie_word_embeddings")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let tied = ties_embeddings(r);
     for t in tensors {
         let Some(got) = decoded.maybe(&t.name) else {
             if !(tied && t.name == "lm_head.weight") {
