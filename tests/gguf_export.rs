@@ -323,3 +323,104 @@ fn a_sentencepiece_vocabulary_is_written_as_the_converter_writes_it() {
     let report = kiln_runtime::model::verify::verify(&model, &out).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
+
+/// A GGUF metadata value as JSON (what gguf-py's `contents()` gives).
+fn as_json(v: &kiln_runtime::gguf::Value) -> serde_json::Value {
+    use kiln_runtime::gguf::Value;
+    match v {
+        Value::U8(x) => (*x).into(),
+        Value::I8(x) => (*x).into(),
+        Value::U16(x) => (*x).into(),
+        Value::I16(x) => (*x).into(),
+        Value::U32(x) => (*x).into(),
+        Value::I32(x) => (*x).into(),
+        Value::U64(x) => (*x).into(),
+        Value::I64(x) => (*x).into(),
+        Value::F32(x) => f64::from(*x).into(),
+        Value::Bool(x) => (*x).into(),
+        Value::String(s) => s.clone().into(),
+        Value::Array(a) => a.iter().map(as_json).collect(),
+        other => panic!("unexpected metadata value {other:?}"),
+    }
+}
+
+#[test]
+fn tokenizer_keys_are_the_converters() {
+    // tests/gguf/converter_tokenizer.json holds what llama.cpp's convert_hf_to_gguf.py wrote
+    // for three tokenizers, one per vocabulary path (scripts/gguf/converter_tokenizer_keys.py):
+    // the demo's byte-level BPE, a SentencePiece tokenizer.model, and a byte-fallback BPE
+    // tokenizer.json without tokenizer.model (`LlamaHfVocab`). kiln writes the same keys and
+    // values, with two differences it means: an empty merge list for a vocabulary without
+    // merges (llama.cpp refuses a BPE file without the key; the converter omits it), and the
+    // token lists padded with unused `[PADi]` up to config.json's vocab_size (the converter's
+    // `LlamaHfVocab` stops at the tokenizer's size, and llama.cpp then refuses the file).
+    let want: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/gguf/converter_tokenizer.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    for (case, fixture) in [
+        ("bpe", None),
+        ("sentencepiece", Some("tests/gguf/sentencepiece")),
+        ("llama-hf", Some("tests/gguf/llama-hf")),
+    ] {
+        let model = tmp.path().join(case);
+        match fixture {
+            None => {
+                std::fs::create_dir_all(&model).unwrap();
+                write_demo_model(&model, DemoConfig::default()).unwrap();
+            }
+            Some(dir) => {
+                std::fs::create_dir_all(&model).unwrap();
+                for d in ["tests/compat/llama-tiny/model", dir] {
+                    for f in std::fs::read_dir(common::root().join(d)).unwrap() {
+                        let f = f.unwrap().path();
+                        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+                    }
+                }
+            }
+        }
+        let out = tmp.path().join(format!("{case}-out"));
+        export(&model, &out, "f32");
+        let g = GgufFile::open(&out.join("model.gguf")).unwrap();
+        let ours: std::collections::BTreeMap<&str, serde_json::Value> = g
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .map(|(k, v)| (k.as_str(), as_json(v)))
+            .collect();
+        let theirs = want["cases"][case].as_array().unwrap();
+        let mut expected_keys: Vec<&str> =
+            theirs.iter().map(|kv| kv[0].as_str().unwrap()).collect();
+        for kv in theirs {
+            let key = kv[0].as_str().unwrap();
+            let got = ours
+                .get(key)
+                .unwrap_or_else(|| panic!("{case}: kiln wrote no `{key}`"));
+            match (got, &kv[1]) {
+                (serde_json::Value::Array(a), serde_json::Value::Array(b)) if a.len() > b.len() => {
+                    assert_eq!(&a[..b.len()], &b[..], "{case}: `{key}`");
+                    // The padding: unused `[PADi]` tokens, scores -1000, type UNUSED (5).
+                    for (i, v) in a.iter().enumerate().skip(b.len()) {
+                        let pad = match key {
+                            "tokenizer.ggml.tokens" => serde_json::json!(format!("[PAD{i}]")),
+                            "tokenizer.ggml.scores" => serde_json::json!(-1000.0),
+                            _ => serde_json::json!(5),
+                        };
+                        assert_eq!(v, &pad, "{case}: `{key}`[{i}]");
+                    }
+                }
+                (got, want) => assert_eq!(got, want, "{case}: `{key}`"),
+            }
+        }
+        if case == "bpe" {
+            assert_eq!(ours["tokenizer.ggml.merges"], serde_json::json!([]));
+            expected_keys.push("tokenizer.ggml.merges");
+        }
+        let mut ours_keys: Vec<&str> = ours.keys().copied().collect();
+        ours_keys.sort();
+        expected_keys.sort();
+        assert_eq!(ours_keys, expected_keys, "{case}: the tokenizer keys");
+    }
+}

@@ -1,6 +1,7 @@
 //! llama.cpp's GGUF quantizations on 1024×1024 f32 — the readable reference (`ops::gguf`, one
-//! thread) and `cpu::quantize_gguf` (the same code over every thread; no SIMD yet) — in bytes read + written per second, beside a plain copy of the
-//! input's bytes measured in the same run (the memory ceiling).
+//! thread) and `cpu::quantize_gguf` (the k-quants' lane searches, the other types the
+//! reference's code) on one thread and on every thread — in bytes read + written per second,
+//! beside a plain copy of the input's bytes measured in the same run (the memory ceiling).
 //!
 //! `cargo bench -p kiln-kernels --bench gguf`
 
@@ -28,6 +29,15 @@ fn bench(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(bytes_in + out.len() as u64));
         g.bench_function(format!("{}/reference", ty.name()), |b| {
             b.iter(|| quantize(ty, black_box(&x), cols, &mut out).unwrap())
+        });
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        g.bench_function(format!("{}/cpu-one-thread", ty.name()), |b| {
+            b.iter(|| {
+                one.install(|| cpu::quantize_gguf(ty, black_box(&x), cols, &mut out).unwrap())
+            })
         });
         g.bench_function(format!("{}/cpu-all-threads", ty.name()), |b| {
             b.iter(|| cpu::quantize_gguf(ty, black_box(&x), cols, &mut out).unwrap())

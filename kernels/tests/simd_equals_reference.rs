@@ -522,3 +522,66 @@ fn reports_which_instruction_sets_were_exercised() {
         }
     }
 }
+
+/// Values for the k-quant searches: ordinary weights, sub-blocks that are constant (the
+/// searches' early exits), zero, one-signed or near the search's ties, heavy tails and
+/// infinities. No NaN: a NaN's payload reaches the bytes through the scale searches' sums, and
+/// which of two NaN operands an addition returns is left open by IEEE 754 and chosen by the
+/// compiler (llama.cpp's C has the same freedom), so a NaN input has no single right answer.
+fn kquant_values() -> impl Strategy<Value = Vec<f32>> {
+    let block = prop_oneof![
+        4 => prop::collection::vec(-1.0f32..1.0, 256),
+        2 => prop::collection::vec(0.0f32..0.05, 256),
+        1 => prop::collection::vec(
+            prop::sample::select(vec![0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -3.0, 1e-20, -7.5]),
+            256
+        ),
+        1 => (-2.0f32..2.0, 0usize..16).prop_map(|(c, k)| {
+            // Constant sub-blocks (of 16 and of 32) in an otherwise varied block.
+            (0..256)
+                .map(|i| if (i / 16) % 4 == k % 4 { c } else { (i as f32 * 0.37).sin() })
+                .collect()
+        }),
+        1 => prop::collection::vec(
+            value().prop_map(|v| if v.is_nan() { f32::NEG_INFINITY } else { v }),
+            256
+        ),
+    ];
+    prop::collection::vec(block, 1..4).prop_map(|b| b.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// The lane searches (portable, AVX2, AVX-512) write the reference's k-quant bytes.
+    #[test]
+    fn kquant_searches_equal_the_reference(x in kquant_values()) {
+        use kiln_kernels::ops::gguf::{GgufType, quantize};
+        for ty in [GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
+            let mut want = vec![0u8; ty.bytes_for(x.len())];
+            quantize(ty, &x, 256, &mut want).unwrap();
+            let mut got = vec![0u8; want.len()];
+            portable::quantize_gguf(ty, &x, &mut got).unwrap();
+            prop_assert!(
+                got == want,
+                "{} portable: byte {:?}",
+                ty.name(),
+                got.iter().zip(&want).position(|(a, b)| a != b)
+            );
+            cpu::quantize_gguf(ty, &x, 256, &mut got).unwrap();
+            prop_assert!(got == want, "{} dispatched", ty.name());
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+                // SAFETY: features detected just above.
+                unsafe { cpu::x86::quantize_gguf(ty, &x, &mut got) }.unwrap();
+                prop_assert!(got == want, "{} avx2", ty.name());
+            }
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx512f") {
+                // SAFETY: feature detected just above.
+                unsafe { cpu::x86_512::quantize_gguf(ty, &x, &mut got) }.unwrap();
+                prop_assert!(got == want, "{} avx512", ty.name());
+            }
+        }
+    }
+}

@@ -8,6 +8,7 @@
 //! machine (tests and benchmarks compare them).
 
 pub mod bits;
+mod kquants;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -431,8 +432,10 @@ pub fn quantize_int4_groups<T: Element>(
 }
 
 /// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
-/// over rayon's threads. Each block is the reference's own computation (no SIMD yet), so the
-/// bytes equal the single-threaded reference's.
+/// over rayon's threads. The k-quants (Q4_K, Q5_K, Q6_K) search all sub-blocks of a
+/// super-block at once in vector lanes (`kquants`), each lane in the reference's operation
+/// order; the other types run the reference's own code per block (no SIMD yet). Either way the bytes equal
+/// the single-threaded reference's.
 pub fn quantize_gguf(
     ty: ops::gguf::GgufType,
     x: &[f32],
@@ -445,5 +448,15 @@ pub fn quantize_gguf(
     let blocks = (CHUNK / 4 / block).max(1);
     x.par_chunks(blocks * block)
         .zip(out.par_chunks_mut(blocks * ty.block_bytes()))
-        .try_for_each(|(x, o)| ops::gguf::quantize(ty, x, x.len(), o))
+        .try_for_each(|(x, o)| {
+            match isa() {
+                // SAFETY: `isa()` returned Avx512 only after detecting AVX-512F, AVX2 and F16C.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { x86_512::quantize_gguf(ty, x, o) },
+                // SAFETY: `isa()` returned Avx2 only after detecting AVX2 and F16C.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { x86::quantize_gguf(ty, x, o) },
+                _ => portable::quantize_gguf(ty, x, o),
+            }
+        })
 }

@@ -94,3 +94,13 @@ pub(crate) fn int4_pair_tail<T: Element>(
         &mut out[start..],
     );
 }
+
+/// Whole GGUF blocks of `ty` from `x` into `out`: the k-quants by the lane searches of
+/// `cpu::kquants` (built without target features), the other types by the reference.
+pub fn quantize_gguf(
+    ty: crate::ops::gguf::GgufType,
+    x: &[f32],
+    out: &mut [u8],
+) -> Result<(), crate::KernelError> {
+    super::kquants::quantize_blocks::<super::kquants::Portable>(ty, x, out)
+}

@@ -539,3 +539,17 @@ pub unsafe fn mxfp4<T: Element>(w: &[T], packed: &mut [u8], scales: &mut [u8]) {
         }
     }
 }
+
+/// The k-quant searches of `cpu::kquants` (Q4_K, Q5_K, Q6_K) compiled for AVX2, eight
+/// sub-blocks a vector; whole blocks of `ty` from `x` into `out`.
+///
+/// # Safety
+/// AVX2 and F16C must be available.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn quantize_gguf(
+    ty: crate::ops::gguf::GgufType,
+    x: &[f32],
+    out: &mut [u8],
+) -> Result<(), crate::KernelError> {
+    super::kquants::quantize_blocks::<super::kquants::Avx2>(ty, x, out)
+}

@@ -403,8 +403,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 fn qk_asym(x: &[f32], o: &mut [u8], nmax: i32) {
     let mut l = [0u8; 256];
     let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
-    let (mut max_scale, mut max_min) = (0f32, 0f32);
-    let (rmin, nstep) = if nmax == 15 { (-1.0, 20) } else { (-0.5, 15) };
+    let (rmin, nstep) = qk_asym_grid(nmax);
     for j in 0..8 {
         let xs = &x[32 * j..32 * j + 32];
         let sum_x2 = xs.iter().fold(0f32, |s, v| s + v * v);
@@ -413,7 +412,7 @@ fn qk_asym(x: &[f32], o: &mut [u8], nmax: i32) {
         for (w, v) in weights.iter_mut().zip(xs) {
             *w = av_x + v.abs();
         }
-        let (s, m) = make_qkx2_quants(
+        (scales[j], mins[j]) = make_qkx2_quants(
             nmax,
             xs,
             &weights,
@@ -422,13 +421,33 @@ fn qk_asym(x: &[f32], o: &mut [u8], nmax: i32) {
             0.1,
             nstep,
         );
-        scales[j] = s;
-        mins[j] = m;
-        if s > max_scale {
-            max_scale = s;
+    }
+    qk_asym_finish(x, o, nmax, &scales, &mins, &mut l);
+}
+
+/// Q4_K's and Q5_K's search grid: `(rmin, nstep)` of `make_qkx2_quants` (`rdelta` is 0.1).
+pub(crate) fn qk_asym_grid(nmax: i32) -> (f32, i32) {
+    if nmax == 15 { (-1.0, 20) } else { (-0.5, 15) }
+}
+
+/// The rest of Q4_K / Q5_K once each sub-block's scale and minimum are found (`l` holds the
+/// search's codes): 6-bit scales against the block's `d` and `dmin`, the codes recomputed
+/// from them, packed. Shared by the reference and the SIMD search (`cpu::kquants`).
+pub(crate) fn qk_asym_finish(
+    x: &[f32],
+    o: &mut [u8],
+    nmax: i32,
+    scales: &[f32; 8],
+    mins: &[f32; 8],
+    l: &mut [u8; 256],
+) {
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..8 {
+        if scales[j] > max_scale {
+            max_scale = scales[j];
         }
-        if m > max_min {
-            max_min = m;
+        if mins[j] > max_min {
+            max_min = mins[j];
         }
     }
     let inv_scale = if max_scale > 0.0 {
@@ -544,10 +563,18 @@ fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
 fn q6_k(x: &[f32], o: &mut [u8]) {
     let mut l = [0i8; 256];
     let mut scales = [0f32; 16];
-    let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
     for ib in 0..16 {
-        let s = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
-        scales[ib] = s;
+        scales[ib] = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
+    }
+    q6_k_finish(x, o, &scales, &mut l);
+}
+
+/// The rest of Q6_K once each sub-block's scale is found (`l` holds the search's codes): 8-bit
+/// scales against the block's `d`, the codes recomputed, packed. Shared by the reference and
+/// the SIMD search (`cpu::kquants`).
+pub(crate) fn q6_k_finish(x: &[f32], o: &mut [u8], scales: &[f32; 16], l: &mut [i8; 256]) {
+    let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
+    for &s in scales {
         if s.abs() > max_abs_scale {
             max_abs_scale = s.abs();
             max_scale = s;

@@ -6,7 +6,7 @@
 use crate::gguf::Value;
 use serde_json::{Map, Value as Json};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// llama.cpp's token types.
 const NORMAL: i32 = 1;
@@ -31,6 +31,81 @@ fn read_json(path: &Path) -> Result<Map<String, Json>, String> {
         Ok(Json::Object(m)) => Ok(m),
         Ok(_) => Err(format!("{}: not a JSON object", path.display())),
         Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// The keys of a `llama` (SentencePiece-style) vocabulary: model, `default` pre-tokenizer,
+/// tokens, scores, token types.
+fn llama_vocab(tokens: Vec<String>, scores: Vec<f32>, types: Vec<i32>) -> Vec<(String, Value)> {
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("llama".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            Value::Array(scores.into_iter().map(Value::F32).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
+    ]
+}
+
+/// `model.vocab` of a BPE tokenizer.json: id → token.
+fn bpe_vocab(bpe: &Map<String, Json>, tok_path: &Path) -> Result<BTreeMap<usize, String>, String> {
+    let mut by_id = BTreeMap::new();
+    for (t, id) in bpe
+        .get("vocab")
+        .and_then(Json::as_object)
+        .ok_or_else(|| format!("{}: model.vocab is not an object", tok_path.display()))?
+    {
+        let id = id.as_u64().ok_or_else(|| {
+            format!(
+                "{}: vocab entry `{t}` has no integer id",
+                tok_path.display()
+            )
+        })?;
+        by_id.insert(id as usize, t.clone());
+    }
+    Ok(by_id)
+}
+
+/// tokenizer.json's `added_tokens`: id → (content, special).
+fn added_tokens(
+    tok: &Map<String, Json>,
+    tok_path: &Path,
+) -> Result<BTreeMap<usize, (String, bool)>, String> {
+    let mut added = BTreeMap::new();
+    for a in tok
+        .get("added_tokens")
+        .and_then(Json::as_array)
+        .map_or(&[][..], Vec::as_slice)
+    {
+        let (Some(id), Some(content)) = (
+            a.get("id").and_then(Json::as_u64),
+            a.get("content").and_then(Json::as_str),
+        ) else {
+            return Err(format!(
+                "{}: an added token lacks `id` or `content`",
+                tok_path.display()
+            ));
+        };
+        let special = a.get("special").and_then(Json::as_bool).unwrap_or(false);
+        added.insert(id as usize, (content.to_string(), special));
+    }
+    Ok(added)
+}
+
+/// A JSON object file of the model folder, or an empty object when the file is absent.
+fn read_json_if_present(path: &Path) -> Result<Map<String, Json>, String> {
+    if path.is_file() {
+        read_json(path)
+    } else {
+        Ok(Map::new())
     }
 }
 
@@ -60,12 +135,6 @@ pub fn read(model: &Path, vocab_size: usize, sentencepiece_first: bool) -> Resul
     }
     let tok_path = model.join("tokenizer.json");
     let tok = read_json(&tok_path)?;
-    let cfg_path = model.join("tokenizer_config.json");
-    let cfg = if cfg_path.is_file() {
-        read_json(&cfg_path)?
-    } else {
-        Map::new()
-    };
     let bpe = tok
         .get("model")
         .and_then(Json::as_object)
@@ -80,47 +149,28 @@ pub fn read(model: &Path, vocab_size: usize, sentencepiece_first: bool) -> Resul
         ));
     }
     if bpe.get("byte_fallback").and_then(Json::as_bool) == Some(true) {
+        // The converter's `LlamaHfVocab`: a byte-fallback BPE with a `Sequence` decoder.
+        let sequence_decoder = tok
+            .get("decoder")
+            .and_then(|d| d.get("type"))
+            .and_then(Json::as_str)
+            == Some("Sequence");
+        if sentencepiece_first && sequence_decoder {
+            return read_llama_hf(model, &tok_path, &tok, bpe, vocab_size);
+        }
         return Err(format!(
-            "{}: a BPE with `byte_fallback` is a SentencePiece vocabulary (Llama 2, Mistral), \
-             which llama.cpp stores as `llama` with scores: give the model's \
-             `tokenizer.model` (the GGUF writer reads SentencePiece from it, for the llama \
-             architecture)",
+            "{}: a BPE with `byte_fallback` is a SentencePiece-style vocabulary (Llama 2, \
+             Mistral), which llama.cpp stores as `llama`: kiln embeds it for the llama \
+             architecture, from `tokenizer.model` or from a tokenizer.json whose decoder is a \
+             `Sequence` (llama.cpp's converter does the same)",
             tok_path.display()
         ));
     }
-    let mut by_id: BTreeMap<usize, String> = BTreeMap::new();
-    for (t, id) in bpe
-        .get("vocab")
-        .and_then(Json::as_object)
-        .ok_or_else(|| format!("{}: model.vocab is not an object", tok_path.display()))?
-    {
-        let id = id.as_u64().ok_or_else(|| {
-            format!(
-                "{}: vocab entry `{t}` has no integer id",
-                tok_path.display()
-            )
-        })?;
-        by_id.insert(id as usize, t.clone());
-    }
+    let mut by_id = bpe_vocab(bpe, &tok_path)?;
     // Added tokens: id → (content, special).
-    let mut added: BTreeMap<usize, (String, bool)> = BTreeMap::new();
-    for a in tok
-        .get("added_tokens")
-        .and_then(Json::as_array)
-        .map_or(&[][..], Vec::as_slice)
-    {
-        let (Some(id), Some(content)) = (
-            a.get("id").and_then(Json::as_u64),
-            a.get("content").and_then(Json::as_str),
-        ) else {
-            return Err(format!(
-                "{}: an added token lacks `id` or `content`",
-                tok_path.display()
-            ));
-        };
-        let special = a.get("special").and_then(Json::as_bool).unwrap_or(false);
-        by_id.insert(id as usize, content.to_string());
-        added.insert(id as usize, (content.to_string(), special));
+    let added = added_tokens(&tok, &tok_path)?;
+    for (&id, (content, _)) in &added {
+        by_id.insert(id, content.clone());
     }
     if let Some((&max, t)) = by_id.iter().next_back()
         && max >= vocab_size
@@ -153,27 +203,7 @@ pub fn read(model: &Path, vocab_size: usize, sentencepiece_first: bool) -> Resul
             }
         }
     }
-    let merges: Vec<Value> = bpe
-        .get("merges")
-        .and_then(Json::as_array)
-        .map_or(&[][..], Vec::as_slice)
-        .iter()
-        .map(|m| match m {
-            Json::String(s) => Ok(Value::String(s.clone())),
-            Json::Array(p) if p.len() == 2 => match (p[0].as_str(), p[1].as_str()) {
-                (Some(a), Some(b)) => Ok(Value::String(format!("{a} {b}"))),
-                _ => Err(()),
-            },
-            _ => Err(()),
-        })
-        .collect::<Result<_, ()>>()
-        .map_err(|()| {
-            format!(
-                "{}: a merge is neither \"a b\" nor [a, b]",
-                tok_path.display()
-            )
-        })?;
-
+    let merges = merges(model, &tok_path, bpe)?;
     let mut warnings = Vec::new();
     let pre = match pre_tokenizer(&tok_path) {
         Ok(Some(name)) => name,
@@ -202,70 +232,8 @@ pub fn read(model: &Path, vocab_size: usize, sentencepiece_first: bool) -> Resul
     // Written even when empty (a byte-level vocabulary without merges): llama.cpp refuses a
     // BPE vocabulary without the key.
     metadata.push(("tokenizer.ggml.merges".into(), Value::Array(merges)));
-    // Special tokens, by content through the token list (gguf-py's SpecialVocab).
-    let id_of = |content: &str| by_id.iter().find(|(_, t)| *t == content).map(|(&i, _)| i);
-    for (key, field) in [
-        ("bos", "bos_token"),
-        ("eos", "eos_token"),
-        ("unknown", "unk_token"),
-        ("seperator", "sep_token"),
-        ("padding", "pad_token"),
-    ] {
-        if let Some(content) = cfg.get(field).and_then(token_content) {
-            match id_of(content) {
-                Some(id) => metadata.push((
-                    format!("tokenizer.ggml.{key}_token_id"),
-                    Value::U32(id as u32),
-                )),
-                None => warnings.push(format!(
-                    "{}: `{field}` `{content}` is no token of tokenizer.json; not embedded",
-                    cfg_path.display()
-                )),
-            }
-        }
-    }
-    let (add_bos, add_eos) = template_adds(&tok, &cfg);
-    for (key, v) in [("add_bos_token", add_bos), ("add_eos_token", add_eos)] {
-        if let Some(v) = cfg.get(key).and_then(Json::as_bool).or(v) {
-            metadata.push((format!("tokenizer.ggml.{key}"), Value::Bool(v)));
-        }
-    }
-    let template = match cfg.get("chat_template") {
-        Some(Json::String(s)) => Some(s.clone()),
-        _ => std::fs::read_to_string(model.join("chat_template.jinja")).ok(),
-    };
-    if let Some(t) = template {
-        metadata.push(("tokenizer.chat_template".into(), Value::String(t)));
-    }
+    metadata.extend(special_vocab(model, Some(&tok), vocab_size, &mut warnings)?);
     Ok(Vocab { metadata, warnings })
-}
-
-/// Whether the post-processor's single-sequence template adds BOS / EOS (gguf-py reads
-/// `TemplateProcessing` this way when tokenizer_config.json does not say).
-fn template_adds(tok: &Map<String, Json>, cfg: &Map<String, Json>) -> (Option<bool>, Option<bool>) {
-    let Some(single) = tok
-        .get("post_processor")
-        .filter(|p| p.get("type").and_then(Json::as_str) == Some("TemplateProcessing"))
-        .and_then(|p| p.get("single"))
-        .and_then(Json::as_array)
-    else {
-        return (None, None);
-    };
-    let special = |i: usize| {
-        single
-            .get(i)
-            .and_then(|s| s.get("SpecialToken"))
-            .and_then(|s| s.get("id"))
-            .and_then(Json::as_str)
-    };
-    let bos = cfg.get("bos_token").and_then(token_content);
-    let eos = cfg.get("eos_token").and_then(token_content);
-    let first = special(0);
-    let last = single.len().checked_sub(1).and_then(special);
-    (
-        Some(first.is_some() && first == bos),
-        Some(single.len() > 1 && last.is_some() && last == eos),
-    )
 }
 
 /// llama.cpp's name for the tokenizer's pre-tokenizer: the SHA-256 of the Python repr of the
@@ -443,11 +411,7 @@ fn read_sentencepiece(model: &Path, vocab_size: usize) -> Result<Vocab, String> 
         }
     }
     let cfg_path = model.join("tokenizer_config.json");
-    let cfg = if cfg_path.is_file() {
-        read_json(&cfg_path)?
-    } else {
-        Map::new()
-    };
+    let cfg = read_json_if_present(&cfg_path)?;
     if let Some(decoder) = cfg.get("added_tokens_decoder").and_then(Json::as_object) {
         for (id, data) in decoder {
             let (Ok(id), Some(content)) = (
@@ -483,98 +447,566 @@ fn read_sentencepiece(model: &Path, vocab_size: usize) -> Result<Vocab, String> 
     } else {
         None
     };
-    let mut metadata = vec![
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("llama".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".to_string(),
-            Value::String("default".into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".to_string(),
-            Value::Array(tokens.into_iter().map(Value::String).collect()),
-        ),
-        (
-            "tokenizer.ggml.scores".to_string(),
-            Value::Array(scores.into_iter().map(Value::F32).collect()),
-        ),
-        (
-            "tokenizer.ggml.token_type".to_string(),
-            Value::Array(types.into_iter().map(Value::I32).collect()),
-        ),
-    ];
-    metadata.extend(special_vocab(model, tok.as_ref(), &cfg, vocab_size)?);
+    let mut metadata = llama_vocab(tokens, scores, types);
+    metadata.extend(special_vocab(
+        model,
+        tok.as_ref(),
+        vocab_size,
+        &mut warnings,
+    )?);
     Ok(Vocab { metadata, warnings })
 }
 
-/// gguf-py's `SpecialVocab` (without merges): each special token's id — its content
-/// (tokenizer_config.json's `<typ>_token`) among tokenizer.json's added tokens, else
-/// config.json's `<typ>_token_id` — `add_<typ>_token` flags (the post-processor's template,
-/// then tokenizer_config.json) and the chat template.
+/// `tokenizer.ggml.merges` as gguf-py's `SpecialVocab(load_merges=True)` reads them: the
+/// model's merges (`"a b"` strings, or `[a, b]` pairs whose spaces become U+0120), else
+/// `merges.txt`.
+fn merges(model: &Path, tok_path: &Path, bpe: &Map<String, Json>) -> Result<Vec<Value>, String> {
+    let bad = || {
+        format!(
+            "{}: a merge is neither \"a b\" nor [a, b]",
+            tok_path.display()
+        )
+    };
+    let list = bpe.get("merges").and_then(Json::as_array);
+    if let Some(list) = list.filter(|l| !l.is_empty()) {
+        return list
+            .iter()
+            .map(|m| match m {
+                Json::String(s) => Ok(Value::String(s.clone())),
+                Json::Array(p) if p.len() == 2 => match (p[0].as_str(), p[1].as_str()) {
+                    (Some(a), Some(b)) => {
+                        let enc = |s: &str| s.replace(' ', "\u{120}");
+                        Ok(Value::String(format!("{} {}", enc(a), enc(b))))
+                    }
+                    _ => Err(bad()),
+                },
+                _ => Err(bad()),
+            })
+            .collect();
+    }
+    let path = model.join("merges.txt");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(Vec::new());
+    };
+    let mut lines = text.lines().peekable();
+    if lines.peek().is_some_and(|l| l.trim().starts_with('#')) {
+        lines.next();
+    }
+    Ok(lines
+        .filter_map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            (parts.len() == 2).then(|| Value::String(format!("{} {}", parts[0], parts[1])))
+        })
+        .collect())
+}
+
+/// The converter's `_set_vocab_llama_hf` (gguf-py's `LlamaHfVocab`): a byte-fallback BPE
+/// `tokenizer.json` without `tokenizer.model`, stored as a `llama` vocabulary. Base tokens in
+/// id order (`<0xHH>` bytes, the tokenizer's special tokens as control, the rest normal),
+/// then the added tokens past the base vocabulary; every score -1000.
+fn read_llama_hf(
+    model: &Path,
+    tok_path: &Path,
+    tok: &Map<String, Json>,
+    bpe: &Map<String, Json>,
+    vocab_size: usize,
+) -> Result<Vocab, String> {
+    let mut warnings = Vec::new();
+    let vocab = bpe_vocab(bpe, tok_path)?;
+    let base = vocab.len();
+    if vocab.keys().next_back().is_some_and(|&m| m + 1 != base) {
+        return Err(format!(
+            "{}: model.vocab's ids are not 0..{base}",
+            tok_path.display()
+        ));
+    }
+    // The added tokens (`get_added_vocab`), by id: those at or past the base vocabulary are
+    // appended; the others replace the base token of their id.
+    let added: BTreeMap<usize, String> = added_tokens(tok, tok_path)?
+        .into_iter()
+        .map(|(id, (content, _))| (id, content))
+        .collect();
+    let mut by_id = vocab;
+    for (&id, content) in added.range(..base) {
+        by_id.insert(id, content.clone());
+    }
+    // The tokenizer's special tokens (`all_special_ids`): tokenizer_config.json's named ones and
+    // its additional / extra special tokens.
+    let cfg_path = model.join("tokenizer_config.json");
+    let cfg = read_json_if_present(&cfg_path)?;
+    let mut special_contents: Vec<String> = [
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+    ]
+    .iter()
+    .filter_map(|k| cfg.get(*k).and_then(token_content).map(str::to_string))
+    .collect();
+    for k in ["additional_special_tokens", "extra_special_tokens"] {
+        if let Some(list) = cfg.get(k).and_then(Json::as_array) {
+            special_contents.extend(list.iter().filter_map(token_content).map(str::to_string));
+        }
+    }
+    let id_of = |c: &str| {
+        added
+            .iter()
+            .chain(by_id.iter())
+            .find(|(_, t)| *t == c)
+            .map(|(&i, _)| i)
+    };
+    let special_ids: std::collections::BTreeSet<usize> =
+        special_contents.iter().filter_map(|c| id_of(c)).collect();
+    let is_byte = |t: &str| {
+        t.len() == 6
+            && t.starts_with("<0x")
+            && t.ends_with('>')
+            && t[3..5].bytes().all(|b| b.is_ascii_hexdigit())
+    };
+    let mut tokens = Vec::with_capacity(vocab_size);
+    let mut types = Vec::with_capacity(vocab_size);
+    for (&id, t) in &by_id {
+        tokens.push(t.clone());
+        types.push(if is_byte(t) {
+            BYTE
+        } else if special_ids.contains(&id) {
+            CONTROL
+        } else {
+            NORMAL
+        });
+    }
+    for (&id, t) in added.range(base..) {
+        if id != tokens.len() {
+            return Err(format!(
+                "{}: added token `{t}` has id {id}; the ids past the base vocabulary must \
+                 follow it without gaps (next is {})",
+                tok_path.display(),
+                tokens.len()
+            ));
+        }
+        tokens.push(t.clone());
+        types.push(if special_contents.contains(t) {
+            CONTROL
+        } else {
+            USER_DEFINED
+        });
+    }
+    if tokens.len() > vocab_size {
+        return Err(format!(
+            "{}: {} tokens, beyond config.json's vocab_size {vocab_size}",
+            tok_path.display(),
+            tokens.len()
+        ));
+    }
+    if tokens.len() < vocab_size {
+        // The converter writes only the tokenizer's tokens, and llama.cpp then refuses the
+        // file (its embedding has vocab_size rows); kiln pads as the BPE path does.
+        warnings.push(format!(
+            "{}: {} tokens for config.json's vocab_size {vocab_size}: ids {}.. are written as \
+             unused `[PADi]` tokens",
+            tok_path.display(),
+            tokens.len(),
+            tokens.len()
+        ));
+        for i in tokens.len()..vocab_size {
+            tokens.push(format!("[PAD{i}]"));
+            types.push(UNUSED);
+        }
+    }
+    let n = tokens.len();
+    let mut metadata = llama_vocab(tokens, vec![-1000.0; n], types);
+    metadata.extend(special_vocab(model, Some(tok), n, &mut warnings)?);
+    Ok(Vocab { metadata, warnings })
+}
+
+/// Python's truthiness of a JSON value (`None`, `""`, `[]`, `{}`, `0`, `false` are false).
+fn truthy(v: &Json) -> bool {
+    match v {
+        Json::Null => false,
+        Json::Bool(b) => *b,
+        Json::Number(n) => n.as_f64() != Some(0.0),
+        Json::String(s) => !s.is_empty(),
+        Json::Array(a) => !a.is_empty(),
+        Json::Object(o) => !o.is_empty(),
+    }
+}
+
+/// A template entry's special token id (`{"SpecialToken": {"id": ...}}`), as JSON.
+fn template_special(entry: Option<&Json>) -> Json {
+    entry
+        .and_then(|e| e.get("SpecialToken"))
+        .and_then(|s| s.get("id"))
+        .cloned()
+        .unwrap_or(Json::Null)
+}
+
+/// gguf-py 0.19's `SpecialVocab` (merges are read by the caller), line for line:
+/// - tokenizer.json's post-processor: `RobertaProcessing` adds BOS, EOS and SEP;
+///   `TemplateProcessing`'s single template sets `add_bos_token` / `add_eos_token` (a trailing
+///   token other than the EOS becomes the EOS, the old one the EOT), its pair template
+///   `add_sep_token`;
+/// - tokenizer_config.json (when present and not empty): the chat template (its own, else
+///   `chat_template.jinja` with `additional_chat_templates/`, else `chat_template.json`), then
+///   each `add_<typ>_token` (overriding the template's) and each `<typ>_token`'s id, looked up
+///   among tokenizer.json's added tokens;
+/// - config.json's `<typ>_token_id` (or `text_config`'s) for the types still unset.
+///
+/// Ids past `n_vocab` are skipped with a warning, a negative id is an error; of the types, only
+/// those gguf-py writes (bos, eos, unk, sep, pad, mask, eot, eom; `add_` for bos, eos, sep).
 fn special_vocab(
     model: &Path,
     tok: Option<&Map<String, Json>>,
-    cfg: &Map<String, Json>,
     n_vocab: usize,
+    warnings: &mut Vec<String>,
 ) -> Result<Vec<(String, Value)>, String> {
-    const TYPES: [(&str, &str); 7] = [
-        ("bos", "bos"),
-        ("eos", "eos"),
-        ("unk", "unknown"),
-        ("sep", "seperator"),
-        ("pad", "padding"),
-        ("cls", "cls"),
-        ("mask", "mask"),
-    ];
-    let added: Vec<(&str, u64)> = tok
+    let cfg_path = model.join("tokenizer_config.json");
+    let mut tc = read_json_if_present(&cfg_path)?;
+    let has_tc = !tc.is_empty();
+    let mut types: Vec<&str> = vec!["bos", "eos", "unk", "sep", "pad", "cls", "mask"];
+    let mut add: Vec<(&str, bool)> = Vec::new();
+    let set_add = |add: &mut Vec<(&str, bool)>, typ: &'static str, v: bool| match add
+        .iter_mut()
+        .find(|(t, _)| *t == typ)
+    {
+        Some(e) => e.1 = v,
+        None => add.push((typ, v)),
+    };
+    let added: Vec<(Json, Json)> = tok
         .and_then(|t| t.get("added_tokens"))
         .and_then(Json::as_array)
         .map_or(&[][..], Vec::as_slice)
         .iter()
-        .filter_map(|a| Some((a.get("content")?.as_str()?, a.get("id")?.as_u64()?)))
+        .map(|a| {
+            (
+                a.get("content").cloned().unwrap_or(Json::Null),
+                a.get("id").cloned().unwrap_or(Json::Null),
+            )
+        })
         .collect();
-    let config_path = model.join("config.json");
-    let config = if config_path.is_file() {
-        read_json(&config_path)?
-    } else {
-        Map::new()
+    if let Some(tok) = tok {
+        let get = |tc: &Map<String, Json>, k: &str| tc.get(k).cloned().unwrap_or(Json::Null);
+        let mut special_bos = get(&tc, "bos_token");
+        let mut special_cls = get(&tc, "cls_token");
+        let mut special_eos = get(&tc, "eos_token");
+        let mut special_sep = get(&tc, "sep_token");
+        if !truthy(&special_bos) && truthy(&special_cls) && has_tc {
+            special_bos = special_cls.clone();
+            tc.insert("bos_token".into(), special_bos.clone());
+        }
+        if !truthy(&special_eos) && truthy(&special_sep) && has_tc {
+            special_eos = special_sep.clone();
+            tc.insert("eos_token".into(), special_eos.clone());
+        }
+        let post = tok.get("post_processor").filter(|p| truthy(p));
+        let processors: Vec<&Json> = match post {
+            Some(p) => match p.get("processors").and_then(Json::as_array) {
+                Some(list) => list.iter().collect(),
+                None => vec![p],
+            },
+            None => Vec::new(),
+        };
+        for processor in processors {
+            match processor.get("type").and_then(Json::as_str) {
+                Some("RobertaProcessing") => {
+                    for typ in ["bos", "eos", "sep"] {
+                        set_add(&mut add, typ, true);
+                    }
+                    let first = |key: &str, default: &Json| match processor.get(key) {
+                        Some(Json::Array(a)) => a.first().cloned().unwrap_or(Json::Null),
+                        Some(_) => Json::Null,
+                        None => default.clone(),
+                    };
+                    if !truthy(&special_cls) && has_tc {
+                        special_cls = first("cls", &special_bos);
+                        tc.insert("cls_token".into(), special_cls.clone());
+                    }
+                    if !truthy(&special_sep) && has_tc {
+                        special_sep = first("sep", &special_eos);
+                        tc.insert("sep_token".into(), special_sep.clone());
+                    }
+                }
+                Some("TemplateProcessing") => {
+                    let list = |k: &str| {
+                        processor
+                            .get(k)
+                            .and_then(Json::as_array)
+                            .cloned()
+                            .unwrap_or_default()
+                    };
+                    let (single, pair) = (list("single"), list("pair"));
+                    let (mut special_first, mut special_last) = (Json::Null, Json::Null);
+                    if single.len() > 1 {
+                        special_first = template_special(single.first());
+                        if truthy(&special_first) {
+                            if !has_tc {
+                                special_bos = special_first.clone();
+                            }
+                            let known =
+                                special_first == special_bos || special_first == special_cls;
+                            set_add(&mut add, "bos", known);
+                            if !known {
+                                warnings.push(format!(
+                                    "tokenizer.json: unknown leading special token {special_first} \
+                                     in TemplateProcessing<single>"
+                                ));
+                            }
+                        }
+                        special_last = template_special(single.last());
+                        if truthy(&special_last) {
+                            if !has_tc {
+                                special_eos = special_last.clone();
+                            } else if special_last != special_eos {
+                                if !types.contains(&"eot") {
+                                    types.push("eot");
+                                    tc.insert("eot_token".into(), special_eos.clone());
+                                } else if !types.contains(&"eom") {
+                                    types.push("eom");
+                                    tc.insert("eom_token".into(), special_eos.clone());
+                                }
+                                special_eos = special_last.clone();
+                                tc.insert("eos_token".into(), special_eos.clone());
+                            }
+                            set_add(&mut add, "eos", special_last == special_eos);
+                        }
+                    }
+                    if !pair.is_empty() {
+                        let start = usize::from(
+                            truthy(&special_first)
+                                && template_special(pair.first()) == special_first,
+                        );
+                        let stop = if truthy(&special_last)
+                            && template_special(pair.last()) == special_last
+                        {
+                            pair.len() - 1
+                        } else {
+                            pair.len()
+                        };
+                        let inner = pair.get(start..stop.max(start)).unwrap_or(&[]);
+                        let seq = |e: Option<&Json>| {
+                            e.and_then(|e| e.get("Sequence"))
+                                .and_then(|s| s.get("id"))
+                                .and_then(Json::as_str)
+                                .map(str::to_string)
+                        };
+                        if inner.len() > 2
+                            && seq(inner.first()).as_deref() == Some("A")
+                            && seq(inner.last()).as_deref() == Some("B")
+                        {
+                            let middle = &inner[1..inner.len() - 1];
+                            let mut add_sep = false;
+                            let entry = template_special(middle.first());
+                            if truthy(&entry)
+                                && (entry == special_sep || entry == special_eos)
+                                && !truthy(&special_last)
+                            {
+                                add_sep = true;
+                            }
+                            if middle.len() == 2 {
+                                let entry = template_special(middle.get(1));
+                                if truthy(&entry) && (entry == special_sep || entry == special_eos)
+                                {
+                                    add_sep = true;
+                                }
+                            }
+                            set_add(&mut add, "sep", add_sep);
+                            if add_sep && !truthy(&special_sep) && has_tc {
+                                tc.insert("sep_token".into(), special_eos.clone());
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    // Each type's id, in the order found (tokenizer_config.json's, then config.json's).
+    let mut ids: Vec<(&str, u64)> = Vec::new();
+    let set_id = |ids: &mut Vec<(&str, u64)>,
+                  typ: &'static str,
+                  id: &Json,
+                  source: &Path,
+                  warnings: &mut Vec<String>|
+     -> Result<(), String> {
+        let Json::Number(n) = id else { return Ok(()) };
+        if let Some(i) = n.as_i64().filter(|i| *i < 0) {
+            return Err(format!(
+                "{}: special token `{typ}` has the negative id {i}",
+                source.display()
+            ));
+        }
+        let Some(i) = n.as_u64() else { return Ok(()) };
+        if (i as usize) >= n_vocab {
+            warnings.push(format!(
+                "{}: special token `{typ}` has id {i}, outside the {n_vocab}-token vocabulary; \
+                 not embedded",
+                source.display()
+            ));
+        } else if !ids.iter().any(|(t, _)| *t == typ) {
+            ids.push((typ, i));
+        }
+        Ok(())
     };
-    let mut out = Vec::new();
-    for (typ, key) in TYPES {
-        let from_tokenizer = cfg
-            .get(&format!("{typ}_token"))
-            .and_then(token_content)
-            .and_then(|c| added.iter().find(|(a, _)| *a == c).map(|(_, id)| *id));
-        let id = from_tokenizer.or_else(|| {
-            config
-                .get(&format!("{typ}_token_id"))
-                .and_then(Json::as_u64)
-        });
-        if let Some(id) = id.filter(|&i| (i as usize) < n_vocab) {
-            out.push((
-                format!("tokenizer.ggml.{key}_token_id"),
-                Value::U32(id as u32),
+    let mut template: Option<Json> = None;
+    if has_tc {
+        let jinja = model.join("chat_template.jinja");
+        let alt = if jinja.is_file() {
+            let text =
+                std::fs::read_to_string(&jinja).map_err(|e| format!("{}: {e}", jinja.display()))?;
+            let mut more: Vec<PathBuf> = std::fs::read_dir(model.join("additional_chat_templates"))
+                .map(|d| {
+                    d.filter_map(Result::ok)
+                        .map(|e| e.path())
+                        .filter(|p| p.extension().is_some_and(|x| x == "jinja"))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if more.is_empty() {
+                Json::String(text)
+            } else {
+                more.sort();
+                let mut list = vec![serde_json::json!({"name": "default", "template": text})];
+                for p in more {
+                    let t =
+                        std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                    let name = p.file_stem().map(|s| s.to_string_lossy().into_owned());
+                    list.push(serde_json::json!({"name": name, "template": t}));
+                }
+                Json::Array(list)
+            }
+        } else {
+            let path = model.join("chat_template.json");
+            if path.is_file() {
+                read_json(&path)?
+                    .get("chat_template")
+                    .cloned()
+                    .unwrap_or(Json::Null)
+            } else {
+                Json::Null
+            }
+        };
+        let chosen = tc.get("chat_template").cloned().unwrap_or(alt);
+        match chosen {
+            Json::Null => {}
+            t @ (Json::String(_) | Json::Array(_)) => template = Some(t),
+            _ => warnings.push(format!(
+                "{}: `chat_template` is neither a string nor a list; not embedded",
+                cfg_path.display()
+            )),
+        }
+        for &typ in &types {
+            let typ: &'static str = typ;
+            if let Some(Json::Bool(v)) = tc.get(&format!("add_{typ}_token")) {
+                set_add(&mut add, typ, *v);
+            }
+            let Some(content) = tc.get(&format!("{typ}_token")).and_then(token_content) else {
+                continue;
+            };
+            if let Some((_, id)) = added.iter().find(|(c, _)| c.as_str() == Some(content)) {
+                set_id(&mut ids, typ, id, &model.join("tokenizer.json"), warnings)?;
+            }
+        }
+    }
+    let config_path = model.join("config.json");
+    if config_path.is_file() {
+        let config = read_json(&config_path)?;
+        for &typ in &types {
+            let typ: &'static str = typ;
+            let key = format!("{typ}_token_id");
+            let id = match config.get(&key) {
+                Some(v) if !v.is_null() => v.clone(),
+                _ => config
+                    .get("text_config")
+                    .and_then(|t| t.get(&key))
+                    .cloned()
+                    .unwrap_or(Json::Null),
+            };
+            set_id(&mut ids, typ, &id, &config_path, warnings)?;
+        }
+    }
+    for &typ in &types {
+        if let Some(content) = tc.get(&format!("{typ}_token")).and_then(token_content)
+            && typ != "cls"
+            && !ids.iter().any(|(t, _)| *t == typ)
+        {
+            warnings.push(format!(
+                "{}: `{typ}_token` `{content}` is no added token of tokenizer.json and \
+                 config.json has no `{typ}_token_id`; not embedded",
+                cfg_path.display()
             ));
         }
     }
-    let (bos, eos) = match tok {
-        Some(t) => template_adds(t, cfg),
-        None => (None, None),
-    };
-    for (typ, from_template) in [("bos", bos), ("eos", eos)] {
-        let key = format!("add_{typ}_token");
-        if let Some(v) = from_template.or_else(|| cfg.get(&key).and_then(Json::as_bool)) {
-            out.push((format!("tokenizer.ggml.{key}"), Value::Bool(v)));
+    let mut out = Vec::new();
+    for (typ, id) in ids {
+        let key = match typ {
+            "bos" => "bos",
+            "eos" => "eos",
+            "unk" => "unknown",
+            "sep" => "seperator",
+            "pad" => "padding",
+            "mask" => "mask",
+            "eot" => "eot",
+            "eom" => "eom",
+            // gguf-py has no writer for the CLS id.
+            _ => continue,
+        };
+        out.push((
+            format!("tokenizer.ggml.{key}_token_id"),
+            Value::U32(id as u32),
+        ));
+    }
+    for (typ, v) in add {
+        if matches!(typ, "bos" | "eos" | "sep") {
+            out.push((format!("tokenizer.ggml.add_{typ}_token"), Value::Bool(v)));
         }
     }
-    let template = match cfg.get("chat_template") {
-        Some(Json::String(s)) => Some(s.clone()),
-        _ => std::fs::read_to_string(model.join("chat_template.jinja")).ok(),
-    };
-    if let Some(t) = template {
-        out.push(("tokenizer.chat_template".into(), Value::String(t)));
+    match template {
+        Some(Json::String(t)) => out.push(("tokenizer.chat_template".into(), Value::String(t))),
+        Some(Json::Array(choices)) => {
+            // gguf-py writes the names from a Python set (no fixed order); kiln sorts them.
+            let mut default = None;
+            let mut named = Vec::new();
+            for c in &choices {
+                let name: String = c
+                    .get("name")
+                    .and_then(Json::as_str)
+                    .unwrap_or("")
+                    .chars()
+                    .map(|ch| if ch.is_ascii_alphanumeric() { ch } else { '_' })
+                    .collect();
+                let Some(t) = c.get("template").and_then(Json::as_str) else {
+                    continue;
+                };
+                if name.is_empty() {
+                    continue;
+                }
+                if name == "default" {
+                    default = Some(t.to_string());
+                } else {
+                    named.push((name, t.to_string()));
+                }
+            }
+            named.sort();
+            named.dedup_by(|a, b| a.0 == b.0);
+            for (name, t) in &named {
+                out.push((
+                    format!("tokenizer.chat_template.{name}"),
+                    Value::String(t.clone()),
+                ));
+            }
+            if !named.is_empty() {
+                out.push((
+                    "tokenizer.chat_templates".into(),
+                    Value::Array(named.into_iter().map(|(n, _)| Value::String(n)).collect()),
+                ));
+            }
+            if let Some(t) = default {
+                out.push(("tokenizer.chat_template".into(), Value::String(t)));
+            }
+        }
+        _ => {}
     }
     Ok(out)
 }

@@ -1,0 +1,497 @@
+//! llama.cpp's k-quant scale searches (Q4_K, Q5_K, Q6_K) over eight sub-blocks at once: the
+//! searches that cost nearly all of a k-quant's time (Q4_K tries 21 candidate scales per
+//! 32-element sub-block, each a pass with a weighted least-squares fit).
+//!
+//! The data is transposed: `x[i]` holds element `i` of eight sub-blocks, one per lane, so the
+//! sub-blocks advance together through their elements. Each lane performs, for its sub-block,
+//! exactly the f32 operations of the reference (`ops::gguf::make_qkx2_quants` /
+//! `make_qx_quants`) in the same order — sums accumulate element by element, never
+//! reassociated, no fused multiply-add — and the reference's branches become per-lane selects.
+//! The bytes are therefore the reference's (`tests/simd_equals_reference.rs`; inputs holding
+//! NaN excepted, whose payloads IEEE 754 lets an addition pick either way).
+//!
+//! The searches are written once over [`Lanes`], eight f32 lanes: [`Portable`] (an array, any
+//! CPU) and, on x86-64, `Avx2` (one `__m256`). Everything down to the lane operations is
+//! `#[inline(always)]`, so inside the AVX2 `target_feature` entry point (`x86::quantize_gguf`)
+//! the whole search compiles to vector instructions.
+
+// Index loops rather than iterator adapters: an adapter's `fold` left un-inlined is a function
+// of its own, compiled without the AVX2 entry point's target features.
+#![allow(clippy::needless_range_loop)]
+
+use crate::error::KernelError;
+use crate::ops::gguf::{GgufType, check_layout, q6_k_finish, qk_asym_finish, qk_asym_grid};
+
+/// Eight f32 lanes and the operations the searches use, each lane-wise and IEEE-exact as the
+/// scalar operator. A mask is a vector whose true lanes are all ones.
+pub(crate) trait Lanes: Copy {
+    fn splat(v: f32) -> Self;
+    fn load(a: &[f32; 8]) -> Self;
+    fn store(self, a: &mut [f32; 8]);
+    fn add(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn div(self, o: Self) -> Self;
+    fn neg(self) -> Self;
+    fn abs(self) -> Self;
+    fn sqrt(self) -> Self;
+    /// `self < o` (false where either is NaN).
+    fn lt(self, o: Self) -> Self;
+    /// `self == o` (false where either is NaN).
+    fn eq(self, o: Self) -> Self;
+    /// `self != o` (true where either is NaN).
+    fn ne(self, o: Self) -> Self;
+    fn and(self, o: Self) -> Self;
+    /// Per lane: `a` where `self` is true, else `b`.
+    fn select(self, a: Self, b: Self) -> Self;
+    /// ggml's `nearest_int` clamped to `lo..=hi`, as f32.
+    fn code(self, lo: i32, hi: i32) -> Self;
+}
+
+/// [`Lanes`] as an array: any CPU.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable([f32; 8]);
+
+impl Portable {
+    #[inline(always)]
+    fn zip(self, o: Self, f: impl Fn(f32, f32) -> f32) -> Self {
+        let mut r = [0f32; 8];
+        for k in 0..8 {
+            r[k] = f(self.0[k], o.0[k]);
+        }
+        Portable(r)
+    }
+
+    #[inline(always)]
+    fn mask(self, o: Self, f: impl Fn(f32, f32) -> bool) -> Self {
+        self.zip(o, |a, b| f32::from_bits(if f(a, b) { u32::MAX } else { 0 }))
+    }
+}
+
+impl Lanes for Portable {
+    #[inline(always)]
+    fn splat(v: f32) -> Self {
+        Portable([v; 8])
+    }
+    #[inline(always)]
+    fn load(a: &[f32; 8]) -> Self {
+        Portable(*a)
+    }
+    #[inline(always)]
+    fn store(self, a: &mut [f32; 8]) {
+        *a = self.0;
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self.zip(o, |a, b| a + b)
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        self.zip(o, |a, b| a - b)
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        self.zip(o, |a, b| a * b)
+    }
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        self.zip(o, |a, b| a / b)
+    }
+    #[inline(always)]
+    fn neg(self) -> Self {
+        self.zip(self, |a, _| -a)
+    }
+    #[inline(always)]
+    fn abs(self) -> Self {
+        self.zip(self, |a, _| a.abs())
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        self.zip(self, |a, _| a.sqrt())
+    }
+    #[inline(always)]
+    fn lt(self, o: Self) -> Self {
+        self.mask(o, |a, b| a < b)
+    }
+    #[inline(always)]
+    fn eq(self, o: Self) -> Self {
+        self.mask(o, |a, b| a == b)
+    }
+    #[inline(always)]
+    fn ne(self, o: Self) -> Self {
+        self.mask(o, |a, b| a != b)
+    }
+    #[inline(always)]
+    fn and(self, o: Self) -> Self {
+        self.zip(o, |a, b| f32::from_bits(a.to_bits() & b.to_bits()))
+    }
+    #[inline(always)]
+    fn select(self, a: Self, b: Self) -> Self {
+        let mut r = [0f32; 8];
+        for k in 0..8 {
+            r[k] = if self.0[k].to_bits() != 0 {
+                a.0[k]
+            } else {
+                b.0[k]
+            };
+        }
+        Portable(r)
+    }
+    #[inline(always)]
+    fn code(self, lo: i32, hi: i32) -> Self {
+        self.zip(self, |a, _| {
+            crate::ops::gguf::nearest_int(a).max(lo).min(hi) as f32
+        })
+    }
+}
+
+/// [`Lanes`] as one AVX2 register. Its methods may only run where AVX2 is available: they are
+/// reached only through `x86::quantize_gguf` and `x86_512::quantize_gguf`, whose callers
+/// detected it.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2(std::arch::x86_64::__m256);
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Avx2, Lanes};
+    use std::arch::x86_64::*;
+
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        fn splat(v: f32) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_set1_ps(v) })
+        }
+        #[inline(always)]
+        fn load(a: &[f32; 8]) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`); eight f32 behind the reference.
+            Avx2(unsafe { _mm256_loadu_ps(a.as_ptr()) })
+        }
+        #[inline(always)]
+        fn store(self, a: &mut [f32; 8]) {
+            // SAFETY: AVX2 is available (see `Avx2`); eight f32 behind the reference.
+            unsafe { _mm256_storeu_ps(a.as_mut_ptr(), self.0) }
+        }
+        #[inline(always)]
+        fn add(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_add_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn sub(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_sub_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn mul(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_mul_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn div(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_div_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn neg(self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_xor_ps(self.0, _mm256_set1_ps(-0.0)) })
+        }
+        #[inline(always)]
+        fn abs(self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe {
+                _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_castps_si256(self.0),
+                    _mm256_set1_epi32(0x7fff_ffff),
+                ))
+            })
+        }
+        #[inline(always)]
+        fn sqrt(self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_sqrt_ps(self.0) })
+        }
+        #[inline(always)]
+        fn lt(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_cmp_ps::<_CMP_LT_OQ>(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn eq(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_cmp_ps::<_CMP_EQ_OQ>(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn ne(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_cmp_ps::<_CMP_NEQ_UQ>(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn and(self, o: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_and_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn select(self, a: Self, b: Self) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe { _mm256_blendv_ps(b.0, a.0, self.0) })
+        }
+        #[inline(always)]
+        fn code(self, lo: i32, hi: i32) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            Avx2(unsafe {
+                let v = _mm256_castps_si256(_mm256_add_ps(self.0, _mm256_set1_ps(12_582_912.0)));
+                let q = _mm256_sub_epi32(
+                    _mm256_and_si256(v, _mm256_set1_epi32(0x007f_ffff)),
+                    _mm256_set1_epi32(0x0040_0000),
+                );
+                let q = _mm256_min_epi32(
+                    _mm256_max_epi32(q, _mm256_set1_epi32(lo)),
+                    _mm256_set1_epi32(hi),
+                );
+                _mm256_cvtepi32_ps(q)
+            })
+        }
+    }
+}
+
+/// Quantizes whole blocks of `ty` from `x` into `out` ([`GgufType::bytes_for`] bytes): the
+/// k-quants by the lane searches on `V`, the other types by the reference's own code. Inlined
+/// into the caller so that it compiles for the caller's target features.
+#[inline(always)]
+pub(crate) fn quantize_blocks<V: Lanes>(
+    ty: GgufType,
+    x: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    check_layout(ty, x.len(), x.len().max(ty.block_elems()), out.len())?;
+    if !matches!(ty, GgufType::Q4K | GgufType::Q5K | GgufType::Q6K) {
+        return crate::ops::gguf::quantize(ty, x, x.len().max(ty.block_elems()), out);
+    }
+    // Plain index loops (not iterator adapters): a generic helper left un-inlined is a
+    // function of its own, compiled without the caller's target features.
+    let bytes = ty.block_bytes();
+    for b in 0..x.len() / 256 {
+        let (x, o) = (
+            &x[256 * b..256 * b + 256],
+            &mut out[bytes * b..bytes * b + bytes],
+        );
+        match ty {
+            GgufType::Q4K => qk_asym::<V, 15>(x, o),
+            GgufType::Q5K => qk_asym::<V, 31>(x, o),
+            _ => q6_k::<V>(x, o),
+        }
+    }
+    Ok(())
+}
+
+/// Eight sub-blocks of `E` elements starting at `x[start]`, `E` apart, transposed to lanes.
+#[inline(always)]
+fn transpose<const E: usize>(x: &[f32], start: usize) -> [[f32; 8]; E] {
+    let mut t = [[0f32; 8]; E];
+    for k in 0..8 {
+        for i in 0..E {
+            t[i][k] = x[start + E * k + i];
+        }
+    }
+    t
+}
+
+/// Q4_K / Q5_K: the eight 32-element sub-blocks of one super-block, one per lane.
+#[inline(always)]
+fn qk_asym<V: Lanes, const NMAX: i32>(x: &[f32], o: &mut [u8]) {
+    let xt = transpose::<32>(x, 0);
+    let xs: [V; 32] = lanes(&xt);
+    let mut sum_x2 = V::splat(0.0);
+    for v in xs {
+        sum_x2 = sum_x2.add(v.mul(v));
+    }
+    let av_x = sum_x2.div(V::splat(32.0)).sqrt();
+    let mut w = xs;
+    for i in 0..32 {
+        w[i] = av_x.add(xs[i].abs());
+    }
+    let (rmin, nstep) = qk_asym_grid(NMAX);
+    let (scales, mins, codes) = make_qkx2_quants::<V, NMAX>(&xs, &w, rmin, 0.1, nstep);
+    let mut l = [0u8; 256];
+    for i in 0..32 {
+        let mut c = [0f32; 8];
+        codes[i].store(&mut c);
+        for k in 0..8 {
+            l[32 * k + i] = c[k] as u8;
+        }
+    }
+    let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
+    scales.store(&mut s);
+    mins.store(&mut m);
+    qk_asym_finish(x, o, NMAX, &s, &m, &mut l);
+}
+
+#[inline(always)]
+fn lanes<V: Lanes, const E: usize>(t: &[[f32; 8]; E]) -> [V; E] {
+    let mut v = [V::splat(0.0); E];
+    for i in 0..E {
+        v[i] = V::load(&t[i]);
+    }
+    v
+}
+
+/// `make_qkx2_quants` on eight sub-blocks: each lane's scale, `-min` and codes (as f32).
+#[inline(always)]
+fn make_qkx2_quants<V: Lanes, const NMAX: i32>(
+    x: &[V; 32],
+    weights: &[V; 32],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+) -> (V, V, [V; 32]) {
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = weights[0];
+    let mut sum_x = sum_w.mul(x[0]);
+    for i in 1..32 {
+        min = x[i].lt(min).select(x[i], min);
+        max = max.lt(x[i]).select(x[i], max);
+        sum_w = sum_w.add(weights[i]);
+        sum_x = sum_x.add(weights[i].mul(x[i]));
+    }
+    let zero = V::splat(0.0);
+    min = zero.lt(min).select(zero, min);
+    // Lanes whose sub-block is constant return early in the reference; here they run along
+    // (on infinite scales) and are set at the end.
+    let flat = max.eq(min);
+    let flat_min = min;
+    let nmax_f = V::splat(NMAX as f32);
+    let iscale = nmax_f.div(max.sub(min));
+    let mut scale = V::splat(1.0).div(iscale);
+    let mut best_error = zero;
+    let mut l = [zero; 32];
+    for i in 0..32 {
+        l[i] = iscale.mul(x[i].sub(min)).code(0, NMAX);
+        let diff = scale.mul(l[i]).add(min).sub(x[i]);
+        best_error = best_error.add(weights[i].mul(diff.mul(diff)));
+    }
+    let mut laux = [zero; 32];
+    for is in 0..=nstep {
+        // `min` moves with each better candidate, as in the reference.
+        let iscale = V::splat(rmin + rdelta * is as f32 + NMAX as f32).div(max.sub(min));
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
+        for i in 0..32 {
+            let q = iscale.mul(x[i].sub(min)).code(0, NMAX);
+            laux[i] = q;
+            let wq = weights[i].mul(q);
+            sum_l = sum_l.add(wq);
+            sum_l2 = sum_l2.add(wq.mul(q));
+            sum_xl = sum_xl.add(wq.mul(x[i]));
+        }
+        let det = sum_w.mul(sum_l2).sub(sum_l.mul(sum_l));
+        let mut this_scale = sum_w.mul(sum_xl).sub(sum_x.mul(sum_l)).div(det);
+        let mut this_min = sum_l2.mul(sum_x).sub(sum_l.mul(sum_xl)).div(det);
+        let positive = zero.lt(this_min);
+        this_scale = positive.select(sum_xl.div(sum_l2), this_scale);
+        this_min = positive.select(zero, this_min);
+        let mut cur_error = zero;
+        for i in 0..32 {
+            let diff = this_scale.mul(laux[i]).add(this_min).sub(x[i]);
+            cur_error = cur_error.add(weights[i].mul(diff.mul(diff)));
+        }
+        // The reference takes a candidate when `det > 0` and its error is lower.
+        let better = zero.lt(det).and(cur_error.lt(best_error));
+        for i in 0..32 {
+            l[i] = better.select(laux[i], l[i]);
+        }
+        best_error = better.select(cur_error, best_error);
+        scale = better.select(this_scale, scale);
+        min = better.select(this_min, min);
+    }
+    for c in l.iter_mut() {
+        *c = flat.select(zero, *c);
+    }
+    scale = flat.select(zero, scale);
+    min = flat.select(flat_min, min);
+    (scale, min.neg(), l)
+}
+
+/// Q6_K: the sixteen 16-element sub-blocks of one super-block, eight lanes at a time.
+#[inline(always)]
+fn q6_k<V: Lanes>(x: &[f32], o: &mut [u8]) {
+    let mut l = [0i8; 256];
+    let mut scales = [0f32; 16];
+    for half in 0..2 {
+        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
+        let (scale, codes) = make_qx_quants::<V, 32>(&xs);
+        let mut s = [0f32; 8];
+        scale.store(&mut s);
+        scales[8 * half..8 * half + 8].copy_from_slice(&s);
+        for i in 0..16 {
+            let mut c = [0f32; 8];
+            codes[i].store(&mut c);
+            for k in 0..8 {
+                l[128 * half + 16 * k + i] = c[k] as i8;
+            }
+        }
+    }
+    q6_k_finish(x, o, &scales, &mut l);
+}
+
+/// `make_qx_quants` (`rmse_type` 1, weights `x²`) on eight sub-blocks: each lane's scale and
+/// codes (offset by `NMAX`, as f32).
+#[inline(always)]
+fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16]) -> (V, [V; 16]) {
+    let zero = V::splat(0.0);
+    // The value of largest magnitude, the first one on ties.
+    let (mut max, mut amax) = (zero, zero);
+    for v in x {
+        let a = v.abs();
+        let larger = amax.lt(a);
+        amax = larger.select(a, amax);
+        max = larger.select(*v, max);
+    }
+    let tiny = amax.lt(V::splat(1e-15));
+    let mut w = [zero; 16];
+    for i in 0..16 {
+        w[i] = x[i].mul(x[i]);
+    }
+    let mut l = [zero; 16];
+    let (sumlx, suml2) = qx_sums::<V, NMAX>(x, &w, V::splat(-(NMAX as f32)).div(max), &mut l);
+    let mut scale = suml2.ne(zero).select(sumlx.div(suml2), zero);
+    let mut best = scale.mul(sumlx);
+    let mut laux = [zero; 16];
+    for is in -9..=9 {
+        if is == 0 {
+            continue;
+        }
+        let iscale = V::splat(-(NMAX as f32 + 0.1 * is as f32)).div(max);
+        let (sumlx, suml2) = qx_sums::<V, NMAX>(x, &w, iscale, &mut laux);
+        let better = zero.lt(suml2).and(best.mul(suml2).lt(sumlx.mul(sumlx)));
+        for i in 0..16 {
+            l[i] = better.select(laux[i], l[i]);
+        }
+        scale = better.select(sumlx.div(suml2), scale);
+        best = better.select(scale.mul(sumlx), best);
+    }
+    for c in l.iter_mut() {
+        *c = tiny.select(zero, *c);
+    }
+    (tiny.select(zero, scale), l)
+}
+
+/// `make_qx_quants`'s codes for `iscale` (offset by `NMAX`, into `codes`) and their sums
+/// `(Σ w·x·q, Σ w·q²)`.
+#[inline(always)]
+fn qx_sums<V: Lanes, const NMAX: i32>(
+    x: &[V; 16],
+    w: &[V; 16],
+    iscale: V,
+    codes: &mut [V; 16],
+) -> (V, V) {
+    let (mut sumlx, mut suml2) = (V::splat(0.0), V::splat(0.0));
+    for i in 0..16 {
+        let q = iscale.mul(x[i]).code(-NMAX, NMAX - 1);
+        codes[i] = q.add(V::splat(NMAX as f32));
+        sumlx = sumlx.add(w[i].mul(x[i]).mul(q));
+        suml2 = suml2.add(w[i].mul(q).mul(q));
+    }
+    (sumlx, suml2)
+}
