@@ -39,8 +39,13 @@ fn unavailable(reason: impl Into<String>) -> KernelError {
 /// Whether NVRTC can be loaded (`libnvrtc.so`; the PyPI wheel `nvidia-cuda-nvrtc-cu12` ships
 /// one — put its folder on `LD_LIBRARY_PATH`).
 pub fn nvrtc_available() -> Result<(), KernelError> {
+    #[cfg(not(feature = "cuda-linked"))]
     // SAFETY: only probes whether the shared library can be opened.
-    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    // Linked at build time: the loader found it, or the process would not have started.
+    #[cfg(feature = "cuda-linked")]
+    let present = true;
+    if present {
         Ok(())
     } else {
         Err(unavailable(
@@ -51,8 +56,13 @@ pub fn nvrtc_available() -> Result<(), KernelError> {
 
 /// Whether the CUDA driver can be loaded.
 pub fn driver_available() -> Result<(), KernelError> {
+    #[cfg(not(feature = "cuda-linked"))]
     // SAFETY: only probes whether the shared library can be opened.
-    if unsafe { cudarc::driver::sys::is_culib_present() } {
+    let present = unsafe { cudarc::driver::sys::is_culib_present() };
+    // Linked at build time, as above.
+    #[cfg(feature = "cuda-linked")]
+    let present = true;
+    if present {
         Ok(())
     } else {
         Err(unavailable(
