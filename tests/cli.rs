@@ -919,3 +919,52 @@ fn compressed_tensors_exports_verify_and_eval_from_the_cli() {
         "{text}"
     );
 }
+
+#[test]
+fn a_tensor_shape_config_json_contradicts_is_refused() {
+    // The tiny Llama with one `gate_proj.weight` whose header lists its dimensions swapped:
+    // the same bytes, so only config.json can tell. The export names the tensor, the shape
+    // config.json implies and the one found, exits 1, and writes nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let src =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny/model");
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    let file = model.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let name = "model.layers.1.mlp.gate_proj.weight";
+    let shape = header[name]["shape"].as_array_mut().unwrap();
+    shape.reverse();
+    let found = format!("[{}, {}]", shape[0], shape[1]);
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(n.max(text.len()).next_multiple_of(8), b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(&text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(&file, out).unwrap();
+    let target = dir.path().join("out");
+    let run = kiln(&[
+        "export",
+        "--model",
+        model.to_str().unwrap(),
+        "--format",
+        "int8-wo",
+        "--out",
+        target.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8(run.stderr).unwrap();
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "tensor `{name}`: shape {found}, but config.json implies [256, 128]"
+        )),
+        "{stderr}"
+    );
+    assert!(!target.exists(), "nothing is written");
+}

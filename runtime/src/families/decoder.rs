@@ -301,15 +301,154 @@ fn root_name(config: &serde_json::Value, default: &str) -> String {
 }
 
 impl DecoderFamily {
-    /// Builds the module tree of a checkpoint of this family.
+    /// Builds the module tree of a checkpoint of this family, after checking each tensor's shape
+    /// against what `config.json` implies ([`Self::check_shapes`]).
     pub fn module_tree(
         &self,
         config: &serde_json::Value,
         tensors: &[TensorInfo],
     ) -> Result<ModuleTree, ArchitectureError> {
+        self.check_shapes(config, tensors)?;
         let root = root_name(config, &format!("{}ForCausalLM", self.prefix));
         build(tensors, |path, m| self.classify(&root, path, m))
     }
+
+    /// Every tensor whose shape `config.json` determines has that shape: embeddings and head
+    /// `[vocab, hidden]`, norms `[hidden]` (Qwen3's q/k norms `[head_dim]`), q `[heads ·
+    /// head_dim, hidden]`, k / v `[kv_heads · head_dim, hidden]`, o `[hidden, heads ·
+    /// head_dim]` (biases their first dimension), dense MLPs `[intermediate, hidden]` /
+    /// `[hidden, intermediate]`, per-expert MLPs the same with the expert intermediate size,
+    /// routers `[experts, hidden]`, and no layer at or past `num_hidden_layers`. A field
+    /// `config.json` lacks leaves the shapes that need it unchecked; GPT-OSS's and transformers
+    /// 5's fused 3-D experts are checked by their own exporters. A mismatch is an error naming
+    /// the tensor, the shape expected and the one found — a header whose dimensions were
+    /// rearranged (the same bytes) included.
+    pub fn check_shapes(
+        &self,
+        config: &serde_json::Value,
+        tensors: &[TensorInfo],
+    ) -> Result<(), ArchitectureError> {
+        let field =
+            |name: &str| -> Result<Option<usize>, ArchitectureError> {
+                match config.get(name) {
+                    None | Some(serde_json::Value::Null) => Ok(None),
+                    Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                        ArchitectureError::Config {
+                            field: name.into(),
+                            message: format!("expected a non-negative integer, found {v}"),
+                        }
+                    }),
+                }
+            };
+        let hidden = field("hidden_size")?;
+        let heads = field("num_attention_heads")?;
+        let kv_heads = field("num_key_value_heads")?.or(heads);
+        let head_dim = match field("head_dim")? {
+            Some(d) => Some(d),
+            None => match (hidden, heads) {
+                (Some(h), Some(n)) if n > 0 => Some(h / n),
+                _ => None,
+            },
+        };
+        let vocab = field("vocab_size")?;
+        let inter = field("intermediate_size")?;
+        let expert_inter = field("moe_intermediate_size")?.or(inter);
+        let experts = match field("num_local_experts")? {
+            Some(n) => Some(n),
+            None => field("num_experts")?,
+        };
+        let layers = field("num_hidden_layers")?;
+        let mul = |a: Option<usize>, b: Option<usize>| Some(a? * b?);
+        let (q, kv) = (mul(heads, head_dim), mul(kv_heads, head_dim));
+        for t in tensors {
+            let segs: Vec<&str> = t.name.split('.').collect();
+            if let (["model", "layers", n, ..], Some(layers)) = (segs.as_slice(), layers)
+                && n.parse::<usize>().is_ok_and(|n| n >= layers)
+            {
+                return Err(ArchitectureError::Tensor {
+                    tensor: t.name.clone(),
+                    message: format!(
+                        "layer {n} of a model whose config.json has num_hidden_layers {layers}"
+                    ),
+                });
+            }
+            let expected: Option<Vec<Option<usize>>> = match segs.as_slice() {
+                ["model", "embed_tokens", "weight"] | ["lm_head", "weight"] => {
+                    Some(vec![vocab, hidden])
+                }
+                ["model", "norm", "weight"]
+                | [.., "input_layernorm" | "post_attention_layernorm", "weight"] => {
+                    Some(vec![hidden])
+                }
+                [.., "self_attn", "q_norm" | "k_norm", "weight"] => Some(vec![head_dim]),
+                [.., "self_attn", "q_proj", "weight"] => Some(vec![q, hidden]),
+                [.., "self_attn", "k_proj" | "v_proj", "weight"] => Some(vec![kv, hidden]),
+                [.., "self_attn", "o_proj", "weight"] => Some(vec![hidden, q]),
+                [.., "self_attn", "q_proj", "bias"] => Some(vec![q]),
+                [.., "self_attn", "k_proj" | "v_proj", "bias"] => Some(vec![kv]),
+                [.., "self_attn", "o_proj", "bias"] => Some(vec![hidden]),
+                [
+                    ..,
+                    "experts",
+                    e,
+                    "gate_proj" | "up_proj" | "w1" | "w3",
+                    "weight",
+                ] if e.parse::<usize>().is_ok() => Some(vec![expert_inter, hidden]),
+                [.., "experts", e, "down_proj" | "w2", "weight"] if e.parse::<usize>().is_ok() => {
+                    Some(vec![hidden, expert_inter])
+                }
+                [.., "mlp", "gate_proj" | "up_proj", "weight"] => Some(vec![inter, hidden]),
+                [.., "mlp", "down_proj", "weight"] => Some(vec![hidden, inter]),
+                [.., "mlp" | "block_sparse_moe", "gate", "weight"]
+                    if self.moe != MoeLayout::Dense =>
+                {
+                    Some(vec![experts, hidden])
+                }
+                _ => None,
+            };
+            // Nothing config.json says about it: the tree's own checks (ranks) apply.
+            let Some(expected) = expected.filter(|e| e.iter().any(Option::is_some)) else {
+                continue;
+            };
+            let fits = expected.len() == t.shape.len()
+                && expected
+                    .iter()
+                    .zip(&t.shape)
+                    .all(|(e, &f)| e.is_none_or(|e| e == f));
+            if !fits {
+                let shown: Vec<String> = expected
+                    .iter()
+                    .map(|e| e.map_or("?".into(), |e| e.to_string()))
+                    .collect();
+                return Err(ArchitectureError::Tensor {
+                    tensor: t.name.clone(),
+                    message: format!(
+                        "shape {:?}, but config.json implies [{}] (hidden_size {}, \
+                         intermediate_size {}, heads {} / kv {} × head_dim {}, vocab_size {}{})",
+                        t.shape,
+                        shown.join(", "),
+                        show(hidden),
+                        show(if segs.contains(&"experts") {
+                            expert_inter
+                        } else {
+                            inter
+                        }),
+                        show(heads),
+                        show(kv_heads),
+                        show(head_dim),
+                        show(vocab),
+                        experts.map_or(String::new(), |e| format!(", experts {e}")),
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A config value for a message: the number, or `?` where config.json does not say.
+fn show(v: Option<usize>) -> String {
+    v.map_or("?".into(), |v| v.to_string())
 }
 
 macro_rules! families {

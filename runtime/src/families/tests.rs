@@ -318,3 +318,151 @@ fn wrong_shapes_are_named_errors() {
         "{err}"
     );
 }
+
+/// The tiny dense model's `config.json`: hidden 8, heads 2 × head_dim 4 (q 8), 1 KV head (k/v
+/// 4), intermediate 16, vocab 32.
+fn dense_config(layers: usize) -> serde_json::Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 32,
+        "num_hidden_layers": layers,
+    })
+}
+
+fn build_with(
+    arch: &str,
+    config: &serde_json::Value,
+    v: &[TensorInfo],
+) -> Result<ModuleTree, String> {
+    let registry = ArchitectureRegistry::try_global().unwrap();
+    let ArchitectureMatch::Named(e) = registry.resolve(arch).unwrap() else {
+        panic!("{arch} is a named architecture")
+    };
+    (e.construct)()
+        .module_tree(config, v)
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn shapes_are_checked_against_config_json() {
+    let good = dense_model(2, true);
+    for arch in ["LlamaForCausalLM", "Qwen3ForCausalLM"] {
+        build_with(arch, &dense_config(2), &good).unwrap();
+    }
+    // Each row: the tensor, its wrong shape, the error's expected shape.
+    let cases: [(&str, &[usize], &str); 9] = [
+        // The same bytes, dimensions swapped in the header.
+        ("model.layers.0.mlp.gate_proj.weight", &[8, 16], "[16, 8]"),
+        ("model.layers.1.mlp.down_proj.weight", &[16, 8], "[8, 16]"),
+        ("model.layers.0.self_attn.k_proj.weight", &[8, 8], "[4, 8]"),
+        ("model.layers.0.self_attn.q_proj.weight", &[4, 8], "[8, 8]"),
+        ("model.layers.1.self_attn.o_proj.weight", &[8, 4], "[8, 8]"),
+        ("model.layers.0.self_attn.q_norm.weight", &[8], "[4]"),
+        ("model.embed_tokens.weight", &[31, 8], "[32, 8]"),
+        ("lm_head.weight", &[32, 8, 1], "[32, 8]"),
+        ("model.layers.0.input_layernorm.weight", &[16], "[8]"),
+    ];
+    for (name, shape, expected) in cases {
+        let v: Vec<TensorInfo> = good
+            .iter()
+            .map(|x| {
+                if x.name == name {
+                    t(name, shape)
+                } else {
+                    x.clone()
+                }
+            })
+            .collect();
+        let err = build_with("Qwen3ForCausalLM", &dense_config(2), &v).unwrap_err();
+        assert!(
+            err.starts_with(&format!(
+                "tensor `{name}`: shape {shape:?}, but config.json implies {expected}"
+            )),
+            "{name}: {err}"
+        );
+        assert!(err.contains("hidden_size 8"), "{err}");
+    }
+    // A layer past num_hidden_layers.
+    let err = build_with("LlamaForCausalLM", &dense_config(1), &dense_model(2, false)).unwrap_err();
+    assert!(
+        err.starts_with("tensor `model.layers.1.") && err.contains("num_hidden_layers 1"),
+        "{err}"
+    );
+    // A field of the wrong type is named.
+    let mut bad = dense_config(2);
+    bad["hidden_size"] = json!("8");
+    let err = build_with("LlamaForCausalLM", &bad, &good).unwrap_err();
+    assert_eq!(
+        err,
+        "config.json field `hidden_size`: expected a non-negative integer, found \"8\""
+    );
+    // A field config.json lacks leaves the dimensions it gives unchecked (the others still are).
+    let mut partial = dense_config(2);
+    partial.as_object_mut().unwrap().remove("intermediate_size");
+    let resized: Vec<TensorInfo> = good
+        .iter()
+        .map(|x| match x.name.rsplit('.').nth(1) {
+            Some("gate_proj" | "up_proj") => t(&x.name, &[20, 8]),
+            Some("down_proj") => t(&x.name, &[8, 20]),
+            _ => x.clone(),
+        })
+        .collect();
+    build_with("LlamaForCausalLM", &partial, &resized).unwrap();
+    let err = build_with("LlamaForCausalLM", &dense_config(2), &resized).unwrap_err();
+    assert!(err.contains("implies [16, 8]"), "{err}");
+}
+
+#[test]
+fn expert_and_router_shapes_are_checked() {
+    // Qwen3-MoE: experts use moe_intermediate_size, the router [num_experts, hidden].
+    let config = json!({
+        "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "intermediate_size": 16, "moe_intermediate_size": 6, "num_experts": 4, "vocab_size": 32,
+        "num_hidden_layers": 1,
+    });
+    let mut v = dense_model(0, true);
+    v.extend(dense_layer("model.layers", 0, true));
+    v.retain(|x| !x.name.contains(".mlp."));
+    v.push(t("model.layers.0.mlp.gate.weight", &[4, 8]));
+    for e in 0..4 {
+        v.push(t(
+            &format!("model.layers.0.mlp.experts.{e}.gate_proj.weight"),
+            &[6, 8],
+        ));
+        v.push(t(
+            &format!("model.layers.0.mlp.experts.{e}.up_proj.weight"),
+            &[6, 8],
+        ));
+        v.push(t(
+            &format!("model.layers.0.mlp.experts.{e}.down_proj.weight"),
+            &[8, 6],
+        ));
+    }
+    build_with("Qwen3MoeForCausalLM", &config, &v).unwrap();
+    for (name, shape, expected) in [
+        (
+            "model.layers.0.mlp.experts.2.down_proj.weight",
+            [6usize, 8],
+            "[8, 6]",
+        ),
+        ("model.layers.0.mlp.gate.weight", [3, 8], "[4, 8]"),
+    ] {
+        let w: Vec<TensorInfo> = v
+            .iter()
+            .map(|x| {
+                if x.name == name {
+                    t(name, &shape)
+                } else {
+                    x.clone()
+                }
+            })
+            .collect();
+        let err = build_with("Qwen3MoeForCausalLM", &config, &w).unwrap_err();
+        assert!(
+            err.starts_with(&format!(
+                "tensor `{name}`: shape {shape:?}, but config.json implies {expected}"
+            )),
+            "{err}"
+        );
+    }
+}
