@@ -2,6 +2,8 @@
 
 use std::process::Command;
 
+mod common;
+
 fn kiln(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args)
@@ -967,4 +969,67 @@ fn a_tensor_shape_config_json_contradicts_is_refused() {
         "{stderr}"
     );
     assert!(!target.exists(), "nothing is written");
+}
+
+#[test]
+fn every_writer_writes_the_same_bytes_whatever_the_thread_count() {
+    // The tiny Llama through each writer, on one thread, on three, and again on the default
+    // pool: every file of the three outputs byte for byte the same (the GGUF writer's MoE
+    // layouts: tests/gguf_export.rs).
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::family("llama-tiny", dir.path());
+    let files = |out: &std::path::Path| {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(out)
+            .unwrap()
+            .map(|f| {
+                let f = f.unwrap().path();
+                let name = f.file_name().unwrap().to_string_lossy().into_owned();
+                (name, std::fs::read(&f).unwrap())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    for (writer, format) in [
+        ("modelopt", "w4a16-nvfp4"),
+        ("modelopt", "int8-wo"),
+        ("compressed-tensors", "w4a16-asym"),
+        ("compressed-tensors", "nvfp4a16"),
+        ("gguf", "q4-k-m"),
+        ("mlx", "q4"),
+        ("mlx", "mxfp4"),
+    ] {
+        let mut runs = Vec::new();
+        for threads in ["1", "3", ""] {
+            let out = dir.path().join(format!("{writer}-{format}-{}", runs.len()));
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+            cmd.args(["export", "--model"])
+                .arg(&model)
+                .args(["--output-format", writer, "--format", format, "--out"])
+                .arg(&out);
+            if threads.is_empty() {
+                cmd.env_remove("RAYON_NUM_THREADS");
+            } else {
+                cmd.env("RAYON_NUM_THREADS", threads);
+            }
+            let run = cmd.output().unwrap();
+            assert!(
+                run.status.success(),
+                "{writer} {format}: {}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            runs.push(files(&out));
+        }
+        assert!(!runs[0].is_empty());
+        for (i, r) in runs.iter().enumerate().skip(1) {
+            assert_eq!(
+                r.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+                runs[0].iter().map(|(n, _)| n).collect::<Vec<_>>(),
+                "{writer} {format}: run {i}'s files"
+            );
+            for ((name, a), (_, b)) in r.iter().zip(&runs[0]) {
+                assert!(a == b, "{writer} {format}: `{name}` differs in run {i}");
+            }
+        }
+    }
 }
