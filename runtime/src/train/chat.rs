@@ -13,6 +13,10 @@ use std::path::{Path, PathBuf};
 const OPEN: char = '\u{F8F0}';
 const CLOSE: char = '\u{F8F1}';
 
+/// The most minijinja instructions one rendering may run: a conversation of thousands of
+/// messages through the largest templates shipped with models needs well under a tenth.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
 /// A model's chat template.
 #[derive(Clone)]
 pub struct ChatTemplate {
@@ -167,6 +171,10 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // A template comes with a model from anywhere: one rendering may run at most
+        // `TEMPLATE_FUEL` instructions (nested loops over `range(100000)` would otherwise run
+        // for hours); minijinja bounds ranges, repeated strings and recursion itself.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, minijinja::Error> {
@@ -306,6 +314,44 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn template(dir: &Path, t: &str) -> ChatTemplate {
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::json!({ "chat_template": t }).to_string(),
+        )
+        .unwrap();
+        ChatTemplate::from_model_dir(dir).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_runaway_template_is_stopped() {
+        // Two nested loops of 99999: ten billion steps without a bound. The rendering stops
+        // with an error within the fuel; the fuel is per rendering, so an ordinary template
+        // renders any number of times.
+        let dir = tempfile::tempdir().unwrap();
+        let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let runaway = template(
+            dir.path(),
+            "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}",
+        );
+        let started = std::time::Instant::now();
+        let err = runaway.render(&messages, false).unwrap_err();
+        assert!(err.contains("fuel"), "{err}");
+        assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+        let ordinary = template(
+            dir.path(),
+            "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}",
+        );
+        let long: Vec<_> = (0..2000)
+            .map(|i| serde_json::json!({"role": "user", "content": format!("turn {i}")}))
+            .collect();
+        for _ in 0..50 {
+            ordinary
+                .render(&serde_json::Value::Array(long.clone()), false)
+                .unwrap();
+        }
+    }
 
     /// Dates checked against Python's `date.fromordinal(...).strftime`.
     #[test]
