@@ -12,7 +12,7 @@
 //!
 //! The searches are written once over [`Lanes`], eight f32 lanes: [`Portable`] (an array, any
 //! CPU) and, on x86-64, `Avx2` (one `__m256`). Everything down to the lane operations is
-//! `#[inline(always)]`, so inside the AVX2 `target_feature` entry point (`x86::quantize_gguf`)
+//! `#[inline(always)]`, so inside the AVX2 `target_feature` entry point (`x86::quantize_gguf`, which AVX-512 machines run too)
 //! the whole search compiles to vector instructions.
 
 // Index loops rather than iterator adapters: an adapter's `fold` left un-inlined is a function
@@ -146,7 +146,7 @@ impl Lanes for Portable {
 }
 
 /// [`Lanes`] as one AVX2 register. Its methods may only run where AVX2 is available: they are
-/// reached only through `x86::quantize_gguf` and `x86_512::quantize_gguf`, whose callers
+/// reached only through `x86::quantize_gguf`, whose callers
 /// detected it.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]

@@ -450,12 +450,10 @@ pub fn quantize_gguf(
         .zip(out.par_chunks_mut(blocks * ty.block_bytes()))
         .try_for_each(|(x, o)| {
             match isa() {
-                // SAFETY: `isa()` returned Avx512 only after detecting AVX-512F, AVX2 and F16C.
+                // SAFETY: `isa()` returned Avx512 or Avx2 only after detecting AVX2 and F16C
+                // (the k-quant lanes are eight wide: AVX-512 runs the AVX2 search).
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => unsafe { x86_512::quantize_gguf(ty, x, o) },
-                // SAFETY: `isa()` returned Avx2 only after detecting AVX2 and F16C.
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { x86::quantize_gguf(ty, x, o) },
+                Isa::Avx512 | Isa::Avx2 => unsafe { x86::quantize_gguf(ty, x, o) },
                 _ => portable::quantize_gguf(ty, x, o),
             }
         })

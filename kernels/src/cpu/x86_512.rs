@@ -383,17 +383,3 @@ pub unsafe fn mxfp4<T: Element>(w: &[T], packed: &mut [u8], scales: &mut [u8]) {
         }
     }
 }
-
-/// The k-quant searches of `cpu::kquants` compiled for AVX-512F (Q6_K's sixteen sub-blocks
-/// fill one vector); whole blocks of `ty` from `x` into `out`.
-///
-/// # Safety
-/// AVX-512F, AVX2 and F16C must be available.
-#[target_feature(enable = "avx512f,avx2,f16c")]
-pub unsafe fn quantize_gguf(
-    ty: crate::ops::gguf::GgufType,
-    x: &[f32],
-    out: &mut [u8],
-) -> Result<(), crate::KernelError> {
-    super::kquants::quantize_blocks::<super::kquants::Avx2>(ty, x, out)
-}
