@@ -5,8 +5,10 @@ reader, from the repository's own test data where it has some. Deterministic.
     python3 fuzz/seeds.py
 """
 import json
+import random
 import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,4 +75,59 @@ write("chat_template", "generation", json.dumps({
     "chat_template": "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
                      "{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}<|{{ m.role }}|>"
                      "{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"}))
+for d in sorted((ROOT / "examples/data").glob("*.jsonl")):
+    write("train_jsonl", d.stem, "\n".join(d.read_text().splitlines()[:3]) + "\n")
+write("train_jsonl", "prompt_completion", json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+write("train_jsonl", "text", json.dumps({"text": "hello"}) + "\n")
+write("train_toml", "sft", 'learning_rate = 1e-5\nmax_steps = 3\nlora_r = 8\nlora_target_modules = ["q_proj", "v_proj"]\n')
+write("train_toml", "grpo", 'num_generations = 4\ntemperature = 0.7\nreward_funcs = ["format"]\nscale_rewards = "group"\nbeta = 0.04\n')
+write("train_toml", "schedule", 'lr_scheduler_type = "cosine"\nwarmup_steps = 2\nnum_train_epochs = 1.5\nseed = 7\n')
+adapter_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+adapter_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+write("peft_config", "peft", json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                         "target_modules": ["q_proj"], "bias": "none"}))
+write("peft_config", "mlx_lm", json.dumps({"fine_tune_type": "lora", "num_layers": 1,
+                                           "lora_parameters": {"rank": 2, "scale": 2.0, "dropout": 0.0,
+                                                               "keys": ["self_attn.q_proj"]}}))
+write("peft_weights", "rank2", safetensors({
+    adapter_a: ("F32", [2, 4], f32(*[i * 0.125 - 1.0 for i in range(8)])),
+    adapter_b: ("F32", [4, 2], f32(*[i * 0.125 for i in range(8)]))}))
+write("peft_weights", "bf16", safetensors({
+    adapter_a: ("BF16", [2, 4], b"\x80\x3f" * 8), adapter_b: ("BF16", [4, 2], b"\x00\x00" * 8)}))
+# The compressed-tensors and MLX readers' targets start from real exports of a one-layer Llama
+# (fuzz/fixtures/{tiny,ct,mlx}, written by kiln's own writers; the readers' consumers check
+# those writers elsewhere): the fuzzed config.json beside the real weights, and the reverse.
+FIX = ROOT / "fuzz/fixtures"
+shutil.rmtree(FIX, ignore_errors=True)
+rng = random.Random(7)
+h, inter, vocab = 128, 128, 32
+
+
+def bf16(n):
+    return b"".join(struct.pack("<f", rng.uniform(-0.1, 0.1))[2:] for _ in range(n))
+
+
+shapes = {"model.embed_tokens.weight": [vocab, h], "model.norm.weight": [h], "lm_head.weight": [vocab, h]}
+for n, shape in [("input_layernorm", [h]), ("post_attention_layernorm", [h]),
+                 ("self_attn.q_proj", [h, h]), ("self_attn.k_proj", [64, h]),
+                 ("self_attn.v_proj", [64, h]), ("self_attn.o_proj", [h, h]),
+                 ("mlp.gate_proj", [inter, h]), ("mlp.up_proj", [inter, h]),
+                 ("mlp.down_proj", [h, inter])]:
+    shapes[f"model.layers.0.{n}.weight"] = shape
+(FIX / "tiny").mkdir(parents=True)
+(FIX / "tiny/model.safetensors").write_bytes(safetensors(
+    {k: ("BF16", v, bf16(v[0] * (v[1] if len(v) > 1 else 1))) for k, v in shapes.items()}))
+(FIX / "tiny/config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+    "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}))
+kiln = ROOT / "target/debug/kiln"
+for out, writer, fmt in [("ct", "compressed-tensors", "w4a16"), ("mlx", "mlx", "q4")]:
+    subprocess.run([kiln, "export", "--model", FIX / "tiny", "--output-format", writer,
+                    "--format", fmt, "--out", FIX / out], check=True, stdout=subprocess.DEVNULL)
+    (FIX / out / "generation_config.json").unlink(missing_ok=True)
+    write(f"{out}_config", out, (FIX / out / "config.json").read_text())
+    write(f"{out}_weights", out, (FIX / out / "model.safetensors").read_bytes())
+shutil.rmtree(FIX / "tiny")
 print({p.name: len(list(p.iterdir())) for p in sorted(OUT.iterdir())})

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// The targets, by name.
-pub const TARGETS: [Target; 7] = [
+pub const TARGETS: [Target; 15] = [
     ("safetensors", safetensors),
     ("safetensors_index", safetensors_index),
     ("config_json", config_json),
@@ -23,6 +23,14 @@ pub const TARGETS: [Target; 7] = [
     ("calib_jsonl", calib_jsonl),
     ("act_amax", act_amax),
     ("chat_template", chat_template),
+    ("train_jsonl", train_jsonl),
+    ("train_toml", train_toml),
+    ("peft_config", peft_config),
+    ("peft_weights", peft_weights),
+    ("ct_config", ct_config),
+    ("ct_weights", ct_weights),
+    ("mlx_config", mlx_config),
+    ("mlx_weights", mlx_weights),
 ];
 
 /// Removes the scratch folders of this process.
@@ -144,4 +152,129 @@ pub fn chat_template(data: &[u8]) {
     ]);
     let _ = t.render(&messages, false);
     let _ = t.render_with(&messages, true, true);
+}
+
+/// Training data (`kiln train --data`): JSONL in any task's format, read as each task reads it.
+pub fn train_jsonl(data: &[u8]) {
+    use kiln_runtime::train::data::{DataFormat, Dataset};
+    let d = dir("train_jsonl");
+    let path = d.join("train.jsonl");
+    std::fs::write(&path, data).unwrap();
+    for accepted in [
+        &[
+            DataFormat::Text,
+            DataFormat::PromptCompletion,
+            DataFormat::Messages,
+        ][..],
+        &[DataFormat::Preference],
+        &[DataFormat::Unpaired],
+        &[DataFormat::Prompt, DataFormat::Messages],
+    ] {
+        let _ = Dataset::read(&path, accepted);
+    }
+}
+
+/// A `kiln train --config` file: TOML, every key a TRL field, applied over each task's
+/// defaults as the CLI applies it.
+pub fn train_toml(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    for task in ["sft", "dpo", "kto", "grpo"] {
+        let mut c = kiln_runtime::TrainConfig::new(task, "candle", "model", "out");
+        kiln_runtime::train::fields::defaults_for(&mut c);
+        let _ = kiln::cli::apply_toml(&mut c, text, std::path::Path::new("train.toml"));
+    }
+}
+
+/// The modules of the adapter targets: one Linear, 4 → 4.
+fn adapter_modules() -> Vec<(String, usize, usize)> {
+    vec![("model.layers.0.self_attn.q_proj".to_string(), 4, 4)]
+}
+
+/// A valid rank-2 PEFT `adapter_model.safetensors` for [`adapter_modules`].
+pub fn tiny_adapter_weights() -> Vec<u8> {
+    let a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+    let b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+    let header = format!(
+        r#"{{"{a}":{{"dtype":"F32","shape":[2,4],"data_offsets":[0,32]}},"{b}":{{"dtype":"F32","shape":[4,2],"data_offsets":[32,64]}}}}"#
+    );
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend((0..16u32).flat_map(|i| (i as f32 * 0.125 - 1.0).to_le_bytes()));
+    v
+}
+
+/// A valid `adapter_config.json` for [`tiny_adapter_weights`].
+pub const ADAPTER_CONFIG: &str =
+    r#"{"peft_type":"LORA","r":2,"lora_alpha":4,"target_modules":["q_proj"],"bias":"none"}"#;
+
+fn load_adapter(d: &std::path::Path) {
+    let cpu = kiln_runtime::model::candle::Device::Cpu;
+    let _ = kiln_runtime::model::lora::Adapters::load_any_for(d, &adapter_modules(), &cpu);
+    let _ = kiln_runtime::model::lora::Adapters::load_mlx_lm_for(d, &adapter_modules(), &cpu);
+}
+
+/// `--init-adapter DIR`: its `adapter_config.json` (PEFT's, or mlx-lm's), beside valid
+/// weights.
+pub fn peft_config(data: &[u8]) {
+    let d = dir("peft_config");
+    std::fs::write(d.join("adapter_model.safetensors"), tiny_adapter_weights()).unwrap();
+    std::fs::write(d.join("adapters.safetensors"), tiny_adapter_weights()).unwrap();
+    std::fs::write(d.join("adapter_config.json"), data).unwrap();
+    load_adapter(&d);
+}
+
+/// `--init-adapter DIR`: its `adapter_model.safetensors`, beside a valid config.
+pub fn peft_weights(data: &[u8]) {
+    let d = dir("peft_weights");
+    std::fs::write(d.join("adapter_config.json"), ADAPTER_CONFIG).unwrap();
+    std::fs::write(d.join("adapter_model.safetensors"), data).unwrap();
+    load_adapter(&d);
+}
+
+/// A compressed-tensors export and an mlx-lm one of a one-layer Llama (fuzz/fixtures, written
+/// by `python3 fuzz/seeds.py` through kiln's writers): the companions of the quantized
+/// readers' targets.
+pub const CT_CONFIG: &[u8] = include_bytes!("fixtures/ct/config.json");
+/// See [`CT_CONFIG`].
+pub const CT_WEIGHTS: &[u8] = include_bytes!("fixtures/ct/model.safetensors");
+/// See [`CT_CONFIG`].
+pub const MLX_CONFIG: &[u8] = include_bytes!("fixtures/mlx/config.json");
+/// See [`CT_CONFIG`].
+pub const MLX_WEIGHTS: &[u8] = include_bytes!("fixtures/mlx/model.safetensors");
+
+/// Decodes a quantized export as `kiln eval` / `kiln verify` load it (the layout detected from
+/// its files, every weight decoded).
+fn load_quantized(target: &str, config: &[u8], weights: &[u8]) {
+    let d = dir(target);
+    std::fs::write(d.join("config.json"), config).unwrap();
+    std::fs::write(d.join("model.safetensors"), weights).unwrap();
+    let Ok(ck) = kiln_runtime::checkpoint::Checkpoint::open(&d) else {
+        return;
+    };
+    let cpu = kiln_runtime::model::candle::Device::Cpu;
+    let f32 = kiln_runtime::model::candle::DType::F32;
+    let _ = kiln_runtime::model::load::load_for_execution(&ck, f32, &cpu, true);
+}
+
+/// A compressed-tensors export's `config.json` (its `quantization_config`), beside its weights.
+pub fn ct_config(data: &[u8]) {
+    load_quantized("ct_config", data, CT_WEIGHTS);
+}
+
+/// A compressed-tensors export's weights (packed, scales, zero points, shapes), beside its
+/// config.
+pub fn ct_weights(data: &[u8]) {
+    load_quantized("ct_weights", CT_CONFIG, data);
+}
+
+/// An mlx-lm export's `config.json` (its `quantization`), beside its weights.
+pub fn mlx_config(data: &[u8]) {
+    load_quantized("mlx_config", data, MLX_WEIGHTS);
+}
+
+/// An mlx-lm export's weights (packed, scales, biases), beside its config.
+pub fn mlx_weights(data: &[u8]) {
+    load_quantized("mlx_weights", MLX_CONFIG, data);
 }

@@ -139,7 +139,7 @@ fn export_errors_are_clear_and_nonzero() {
         ),
         (
             vec!["export", "--calib", "missing.jsonl"],
-            "--calib missing.jsonl",
+            "--calib: missing.jsonl: No such file or directory",
         ),
     ];
     for (args, want) in cases {

@@ -154,3 +154,60 @@ fn readers_survive_mutated_inputs() {
         );
     }
 }
+
+#[test]
+fn the_seeds_and_companions_are_valid_inputs() {
+    // Mutations of valid inputs reach past the first checks: the adapter targets' fixed
+    // companions load, every TOML seed applies for some task, every training-data seed reads.
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(
+        d.path().join("adapter_config.json"),
+        targets::ADAPTER_CONFIG,
+    )
+    .unwrap();
+    std::fs::write(
+        d.path().join("adapter_model.safetensors"),
+        targets::tiny_adapter_weights(),
+    )
+    .unwrap();
+    let modules = vec![("model.layers.0.self_attn.q_proj".to_string(), 4, 4)];
+    let cpu = kiln_runtime::model::candle::Device::Cpu;
+    kiln_runtime::model::lora::Adapters::load_peft_for(d.path(), &modules, &cpu).unwrap();
+    // The quantized exports the CT / MLX targets start from decode.
+    for (config, weights) in [
+        (targets::CT_CONFIG, targets::CT_WEIGHTS),
+        (targets::MLX_CONFIG, targets::MLX_WEIGHTS),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("config.json"), config).unwrap();
+        std::fs::write(d.path().join("model.safetensors"), weights).unwrap();
+        let ck = kiln_runtime::checkpoint::Checkpoint::open(d.path()).unwrap();
+        let f32 = kiln_runtime::model::candle::DType::F32;
+        let (w, _) = kiln_runtime::model::load::load_for_execution(&ck, f32, &cpu, true).unwrap();
+        w.get("model.layers.0.mlp.down_proj.weight").unwrap();
+    }
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    for f in std::fs::read_dir(corpus.join("train_toml")).unwrap() {
+        let f = f.unwrap().path();
+        let text = std::fs::read_to_string(&f).unwrap();
+        let applies = ["sft", "grpo"].iter().any(|task| {
+            let mut c = kiln_runtime::TrainConfig::new(task, "candle", "m", "o");
+            kiln_runtime::train::fields::defaults_for(&mut c);
+            kiln::cli::apply_toml(&mut c, &text, &f).is_ok()
+        });
+        assert!(applies, "{}", f.display());
+    }
+    use kiln_runtime::train::data::{DataFormat, Dataset};
+    let all = [
+        DataFormat::Text,
+        DataFormat::PromptCompletion,
+        DataFormat::Messages,
+        DataFormat::Preference,
+        DataFormat::Unpaired,
+        DataFormat::Prompt,
+    ];
+    for f in std::fs::read_dir(corpus.join("train_jsonl")).unwrap() {
+        let f = f.unwrap().path();
+        Dataset::read(&f, &all).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+    }
+}

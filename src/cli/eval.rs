@@ -47,7 +47,7 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
         args.seq_len,
         tokenizer.as_ref(),
     )
-    .with_context(|| format!("--data {}", args.data.display()))?;
+    .context("--data")?;
     let device = args.device.device()?;
     let model = match gguf_file(&args.model) {
         // A GGUF file: its config from the metadata; llama.cpp runs the activations unquantized.

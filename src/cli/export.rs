@@ -215,8 +215,8 @@ fn calibrate(
         awq_clip: args.awq_clip,
         ..CalibrationOptions::new(calib)
     };
-    let calibration = Calibration::prepare(model, &args.recipe.recipe()?, options)
-        .with_context(|| format!("--calib {}", calib.display()))?;
+    let calibration =
+        Calibration::prepare(model, &args.recipe.recipe()?, options).context("--calib")?;
     writeln!(
         err,
         "calibrating on {} samples ({} tokens) from {}",

@@ -10,6 +10,8 @@ mod table;
 mod train;
 mod verify;
 
+pub use train::apply_toml;
+
 use clap::{Parser, Subcommand};
 use std::io::Write;
 use std::process::ExitCode;

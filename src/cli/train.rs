@@ -165,18 +165,16 @@ impl Args for FieldArgs {
     }
 }
 
-/// The TOML file's keys as JSON values, each checked against the known fields.
-fn read_toml(path: &Path) -> Result<Vec<(String, Value)>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+/// Applies a `--config` file's text (`path` names it in errors): every key a known field, by
+/// TRL's names, its value checked as the flag's would be.
+pub fn apply_toml(config: &mut TrainConfig, text: &str, path: &Path) -> Result<()> {
     let table: toml::Table =
-        toml::from_str(&text).with_context(|| format!("{}: not valid TOML", path.display()))?;
-    let mut out = Vec::new();
+        toml::from_str(text).with_context(|| format!("{}: not valid TOML", path.display()))?;
     for (k, v) in table {
         let v = serde_json::to_value(&v).context("TOML value")?;
-        out.push((k, v));
+        fields::apply(config, &k, &v).with_context(|| format!("{}", path.display()))?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The run's configuration: TRL's defaults for the task, then the TOML file, then the flags.
@@ -191,9 +189,9 @@ fn build_config(
     c.device = args.device.clone();
     fields::defaults_for(&mut c);
     if let Some(path) = &args.config {
-        for (k, v) in read_toml(path)? {
-            fields::apply(&mut c, &k, &v).with_context(|| format!("{}", path.display()))?;
-        }
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        apply_toml(&mut c, &text, path)?;
     }
     for (name, text) in &args.fields.given {
         let f = fields::field(name).expect("flags come from FIELDS");

@@ -93,8 +93,7 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
     }
     if let (Some(data), false) = (&args.data, failed) {
         let tokenizer = model_tokenizer(&args.reference)?;
-        let samples = read_samples_with(data, None, None, tokenizer.as_ref())
-            .with_context(|| format!("--data {}", data.display()))?;
+        let samples = read_samples_with(data, None, None, tokenizer.as_ref()).context("--data")?;
         let device = args.device.device()?;
         let (a, b) = (
             ppl(&args.reference, &samples, &device)?,

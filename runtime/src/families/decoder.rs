@@ -442,6 +442,101 @@ impl DecoderFamily {
                 });
             }
         }
+        if let Some(layers) = layers {
+            Self::check_complete(tensors, layers, experts)?;
+        }
+        Ok(())
+    }
+
+    /// Every tensor the layers config.json counts must have: the embedding and final norm;
+    /// in each layer its norms, the four attention projections and an MLP whose projections
+    /// are all there (every expert's, for experts stored one by one). A checkpoint missing one
+    /// would otherwise export without it.
+    fn check_complete(
+        tensors: &[TensorInfo],
+        layers: usize,
+        experts: Option<usize>,
+    ) -> Result<(), ArchitectureError> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let names: BTreeSet<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+        let missing = |tensor: String, why: String| ArchitectureError::Tensor {
+            tensor,
+            message: format!("missing from the checkpoint ({why})"),
+        };
+        for n in ["model.embed_tokens.weight", "model.norm.weight"] {
+            if !names.contains(n) {
+                return Err(missing(n.into(), "every decoder has it".into()));
+            }
+        }
+        let why = format!("config.json has num_hidden_layers {layers}");
+        for i in 0..layers {
+            let l = format!("model.layers.{i}");
+            for part in [
+                "input_layernorm",
+                "post_attention_layernorm",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+            ] {
+                let n = format!("{l}.{part}.weight");
+                if !names.contains(n.as_str()) {
+                    return Err(missing(n, why.clone()));
+                }
+            }
+            let dense =
+                ["gate_proj", "up_proj", "down_proj"].map(|p| format!("{l}.mlp.{p}.weight"));
+            if dense.iter().any(|n| names.contains(n.as_str())) {
+                if let Some(n) = dense.iter().find(|n| !names.contains(n.as_str())) {
+                    return Err(missing(
+                        n.clone(),
+                        "its MLP's other projections are there".into(),
+                    ));
+                }
+                continue;
+            }
+            let (mlp, moe) = (format!("{l}.mlp."), format!("{l}.block_sparse_moe."));
+            let in_layer: Vec<&str> = names
+                .range(l.as_str()..)
+                .take_while(|n| n.starts_with(&l))
+                .filter(|n| n.starts_with(&mlp) || n.starts_with(&moe))
+                .copied()
+                .collect();
+            if in_layer.is_empty() {
+                return Err(missing(
+                    format!("{l}.mlp.gate_proj.weight"),
+                    format!("layer {i} has no MLP or experts"),
+                ));
+            }
+            // Experts one by one: `<block>.experts.<e>.<proj>.weight`.
+            let mut by_expert: BTreeMap<(&str, usize), BTreeSet<&str>> = BTreeMap::new();
+            for n in &in_layer {
+                let segs: Vec<&str> = n.split('.').collect();
+                if let [.., "experts", e, proj, "weight"] = segs.as_slice()
+                    && let Ok(e) = e.parse::<usize>()
+                {
+                    let block = &n[..n.find(".experts.").unwrap_or(0)];
+                    by_expert.entry((block, e)).or_default().insert(proj);
+                }
+            }
+            let projections: BTreeSet<&str> = by_expert.values().flatten().copied().collect();
+            let blocks: BTreeSet<&str> = by_expert.keys().map(|(b, _)| *b).collect();
+            for block in blocks {
+                let count = experts
+                    .unwrap_or_else(|| by_expert.keys().filter(|(b, _)| *b == block).count());
+                for e in 0..count {
+                    for proj in &projections {
+                        let have = by_expert.get(&(block, e)).is_some_and(|p| p.contains(proj));
+                        if !have {
+                            return Err(missing(
+                                format!("{block}.experts.{e}.{proj}.weight"),
+                                format!("config.json has {count} experts"),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -24,7 +24,7 @@ pub fn model_tokenizer(dir: &Path) -> Result<Option<tokenizers::Tokenizer>, Mode
     }
     tokenizers::Tokenizer::from_file(&path)
         .map(Some)
-        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))
+        .map_err(|e| ModelError::file(&path, e))
 }
 
 /// [`read_samples`], tokenizing `{"text"}` samples with `tokenizer`.
@@ -34,10 +34,8 @@ pub fn read_samples_with(
     seq_len: Option<usize>,
     tokenizer: Option<&tokenizers::Tokenizer>,
 ) -> Result<Vec<Vec<u32>>, ModelError> {
-    let bad =
-        |line: usize, m: &str| ModelError::Config(format!("{}: line {line}: {m}", path.display()));
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+    let bad = |line: usize, m: &str| ModelError::file(path, format!("line {line}: {m}"));
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::file(path, e))?;
     let mut samples = Vec::new();
     for (i, line) in text
         .lines()
@@ -86,10 +84,7 @@ pub fn read_samples_with(
         samples.push(ids);
     }
     if samples.is_empty() {
-        return Err(ModelError::Config(format!(
-            "{}: no calibration samples",
-            path.display()
-        )));
+        return Err(ModelError::file(path, "no calibration samples"));
     }
     Ok(samples)
 }

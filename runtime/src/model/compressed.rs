@@ -189,12 +189,21 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
         };
         let cols = 2 * half;
         let g = w.group_size.unwrap_or(16);
+        if g == 0 || cols % g != 0 {
+            return Err(bad(format!(
+                "{cols} columns do not split into groups of {g} (the config's group_size)"
+            )));
+        }
         let mut scales = Vec::new();
         checkpoint.read(&scale_name, &mut scales)?;
-        let global = floats(checkpoint, &format!("{module}.weight_global_scale"))?
+        let global_name = format!("{module}.weight_global_scale");
+        let global = floats(checkpoint, &global_name)?
             .first()
             .copied()
-            .unwrap_or(1.0);
+            .ok_or_else(|| ModelError::Tensor {
+                tensor: global_name,
+                message: "empty".into(),
+            })?;
         if scales.len() != rows * cols / g {
             return Err(bad(format!(
                 "`{scale_name}` has {} values, {rows}×{cols} in groups of {g} needs {}",
@@ -217,7 +226,14 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
         let [rows, cols] = shape[..] else {
             return Err(bad(format!("weight_shape {shape:?} is not 2-D")));
         };
-        let (rows, cols) = (rows as usize, cols as usize);
+        let (Ok(rows), Ok(cols)) = (usize::try_from(rows), usize::try_from(cols)) else {
+            return Err(bad(format!(
+                "weight_shape {shape:?} has a negative dimension"
+            )));
+        };
+        if raw.len() % 4 != 0 {
+            return Err(bad(format!("{} bytes are not int32 words", raw.len())));
+        }
         let words: Vec<i32> = bytemuck::pod_collect_to_vec(&raw);
         let q = quant::unpack_int32(&words, rows, cols, w.num_bits).map_err(&bad)?;
         (rows, cols, q.into_iter().map(f32::from).collect())
@@ -240,6 +256,11 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
         ("block", Some([r, c])) => (r, c),
         (s, _) => return Err(bad(format!("weights strategy `{s}` cannot be decoded"))),
     };
+    if br == 0 || bc == 0 {
+        return Err(bad(format!(
+            "blocks of {br}×{bc} (the config's group_size / block_structure)"
+        )));
+    }
     let (gr, gc) = (rows.div_ceil(br), cols.div_ceil(bc));
     if scales.len() != gr * gc || scale_meta.shape.iter().product::<usize>() != gr * gc {
         return Err(bad(format!(
@@ -259,6 +280,12 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
                     checkpoint.read(&zname, &mut b)?;
                     b.into_iter().map(|x| x as i8).collect()
                 };
+                if zp.len() != gr * gc {
+                    return Err(ModelError::Tensor {
+                        tensor: zname,
+                        message: format!("{} values for {gr}×{gc} blocks", zp.len()),
+                    });
+                }
                 Some(zp)
             }
             None if !w.symmetric => {

@@ -29,7 +29,7 @@ pub fn gguf_file(path: &Path) -> Option<PathBuf> {
 const ROPE_FREQS: &str = "rope_freqs.weight";
 
 fn err(path: &Path, what: String) -> ModelError {
-    ModelError::Config(format!("{}: {what}", path.display()))
+    ModelError::file(path, what)
 }
 
 /// A GGUF file opened for reading back, with the Hugging Face config its metadata gives.

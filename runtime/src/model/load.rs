@@ -229,10 +229,8 @@ fn quant_config(checkpoint: &Checkpoint) -> Result<Option<Value>, ModelError> {
             .get("quantization_config")
             .cloned());
     }
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
-    let doc: Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::file(&path, e))?;
+    let doc: Value = serde_json::from_str(&text).map_err(|e| ModelError::file(&path, e))?;
     Ok(doc.get("quantization").cloned())
 }
 
@@ -422,6 +420,14 @@ pub fn load_for_execution(
     }
     let (quantized, algo, per_layer) = formats(checkpoint)?;
     if !quantized {
+        // The family's own checks, as an export makes them: every tensor config.json implies
+        // is there with its shape (a model of no registered family goes on to the loader's
+        // checks).
+        if let Err(e @ crate::ExportError::ModuleTree { .. }) =
+            crate::export::run::module_tree(checkpoint)
+        {
+            return Err(ModelError::Architecture(e.to_string()));
+        }
         return Ok((
             Weights::load(checkpoint, dtype, device)?,
             ActQuant::default(),

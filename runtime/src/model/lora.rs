@@ -235,7 +235,7 @@ fn read_pairs(
     device: &candle_core::Device,
     split: impl Fn(&str) -> Result<(String, usize), String>,
 ) -> Result<BTreeMap<String, (Var, Var)>, ModelError> {
-    let st_err = |m: String| ModelError::Config(format!("{}: {m}", path.display()));
+    let st_err = |m: String| ModelError::file(path, m);
     let bytes = std::fs::read(path).map_err(|e| st_err(e.to_string()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
     let shapes: BTreeMap<&str, (usize, usize)> = modules
@@ -318,8 +318,7 @@ fn write_f32(
             })
         })
         .collect::<Result<_, _>>()?;
-    safetensors::serialize_to_file(views, metadata, path)
-        .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))
+    safetensors::serialize_to_file(views, metadata, path).map_err(|e| ModelError::file(path, e))
 }
 
 impl Adapters {
@@ -497,7 +496,7 @@ impl Adapters {
             &tensors,
             Some(metadata),
         )?;
-        let io = |path: &Path, e: String| ModelError::Config(format!("{}: {e}", path.display()));
+        let io = |path: &Path, e: String| ModelError::file(path, e);
         let s = &self.spec;
         let config = json!({
             "alpha_pattern": {},
@@ -567,7 +566,7 @@ impl Adapters {
             }
         }
         write_f32(&dir.join("adapters.safetensors"), &tensors, None)?;
-        let io = |path: &Path, e: String| ModelError::Config(format!("{}: {e}", path.display()));
+        let io = |path: &Path, e: String| ModelError::file(path, e);
         let s = &self.spec;
         let config = json!({
             "fine_tune_type": "lora",
@@ -611,7 +610,7 @@ impl Adapters {
         device: &candle_core::Device,
     ) -> Result<Self, ModelError> {
         let cfg_path = dir.join("adapter_config.json");
-        let err = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
+        let err = |m: String| ModelError::file(&cfg_path, m);
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
         let cfg: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
         if cfg
@@ -685,7 +684,7 @@ impl Adapters {
         device: &candle_core::Device,
     ) -> Result<Self, ModelError> {
         let cfg_path = dir.join("adapter_config.json");
-        let err = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
+        let err = |m: String| ModelError::file(&cfg_path, m);
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
         let cfg: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
         if cfg.get("peft_type").and_then(Value::as_str) != Some("LORA") {

@@ -37,6 +37,19 @@ pub enum ModelError {
     /// `config.json` lacks or contradicts what the forward pass needs.
     #[error("config.json: {0}")]
     Config(String),
+    /// A file other than `config.json` (calibration data, an adapter, a tokenizer file) is
+    /// missing, unreadable or malformed.
+    #[error("{}: {message}", path.display())]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// The checkpoint is not what its family and `config.json` imply (a tensor missing, or of
+    /// another shape): the message names the folder and the tensor.
+    #[error("{0}")]
+    Architecture(String),
     /// A tensor the forward pass needs is missing or malformed.
     #[error("tensor `{tensor}`: {message}")]
     Tensor {
@@ -54,6 +67,16 @@ pub enum ModelError {
     /// The requested device cannot be used.
     #[error("device {0}")]
     Device(String),
+}
+
+impl ModelError {
+    /// [`ModelError::File`] for `path`.
+    pub fn file(path: &std::path::Path, message: impl std::fmt::Display) -> Self {
+        ModelError::File {
+            path: path.to_path_buf(),
+            message: message.to_string(),
+        }
+    }
 }
 
 /// The candle device named `name`: `cpu`, `cuda` / `cuda:N`, or `metal` / `metal:N`. A GPU kiln

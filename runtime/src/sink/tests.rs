@@ -202,3 +202,157 @@ fn a_header_larger_than_its_room_still_gives_a_valid_shard() {
     );
     assert_eq!(st.len(), 200);
 }
+
+/// Renames that fail at the `fail_at`-th call (from 1), over a filesystem with or without an
+/// atomic exchange.
+struct Faulty {
+    fail_at: usize,
+    calls: std::cell::Cell<usize>,
+    exchange: bool,
+}
+
+impl Faulty {
+    fn tick(&self) -> std::io::Result<()> {
+        let n = self.calls.get() + 1;
+        self.calls.set(n);
+        if n == self.fail_at {
+            return Err(std::io::Error::other("injected rename failure"));
+        }
+        Ok(())
+    }
+}
+
+impl DirOps for Faulty {
+    fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        self.tick()?;
+        fs::rename(from, to)
+    }
+
+    fn exchange(&self, a: &Path, b: &Path) -> std::io::Result<bool> {
+        if !self.exchange {
+            return Ok(false);
+        }
+        self.tick()?;
+        RealFs.exchange(a, b)
+    }
+}
+
+/// The target's files and contents, or `None` when it is missing.
+fn snapshot(dir: &Path) -> Option<Vec<(String, Vec<u8>)>> {
+    let mut v: Vec<_> = fs::read_dir(dir)
+        .ok()?
+        .map(|e| {
+            let p = e.unwrap().path();
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    Some(v)
+}
+
+#[test]
+fn a_failing_rename_leaves_the_old_target_or_the_new_one() {
+    // Every rename of the commit fails in turn, with and without an atomic exchange, over an
+    // existing target and over none: the target is then the complete old folder (or absent
+    // when there was none), a retry succeeds, and no temporary folder is left behind.
+    for exchange in [true, false] {
+        for had_target in [true, false] {
+            for fail_at in 1..=3 {
+                let dir = tempfile::tempdir().unwrap();
+                let target = dir.path().join("out");
+                if had_target {
+                    fs::create_dir(&target).unwrap();
+                    fs::write(target.join("model.safetensors"), b"old weights").unwrap();
+                    fs::write(target.join("config.json"), b"old config").unwrap();
+                }
+                let before = snapshot(&target);
+                let write = || {
+                    let out = OutputDir::create(&target, true).unwrap();
+                    fs::write(out.path().join("model.safetensors"), b"new weights").unwrap();
+                    out
+                };
+                let ops = Faulty {
+                    fail_at,
+                    calls: Default::default(),
+                    exchange,
+                };
+                let result = write().commit_with(&ops);
+                let case = format!("exchange {exchange}, target {had_target}, fail at {fail_at}");
+                let new = Some(vec![("model.safetensors".into(), b"new weights".to_vec())]);
+                match result {
+                    Err(e) => {
+                        assert!(e.to_string().contains("injected rename failure"), "{case}");
+                        assert_eq!(snapshot(&target), before, "{case}");
+                        let again = write().commit_with(&RealFs);
+                        assert!(again.is_ok(), "{case}: {again:?}");
+                    }
+                    // Fewer renames than `fail_at` were needed.
+                    Ok(_) => assert!(ops.calls.get() < fail_at, "{case}"),
+                }
+                assert_eq!(snapshot(&target), new, "{case}");
+                let left: Vec<_> = fs::read_dir(dir.path())
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name())
+                    .collect();
+                assert_eq!(left, ["out"], "{case}");
+            }
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_replaced_target_is_swapped_in_one_step() {
+    // On Linux the old and new folders trade places atomically (renameat2 RENAME_EXCHANGE):
+    // a file opened in the old folder before the commit is unaffected, and no `.old` name is
+    // ever used.
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("out");
+    fs::create_dir(&target).unwrap();
+    fs::write(target.join("a"), b"old").unwrap();
+    let out = OutputDir::create(&target, true).unwrap();
+    fs::write(out.path().join("a"), b"new").unwrap();
+    let ops = Faulty {
+        fail_at: 0,
+        calls: Default::default(),
+        exchange: true,
+    };
+    out.commit_with(&ops).unwrap();
+    assert_eq!(ops.calls.get(), 1, "one exchange, no renames");
+    assert_eq!(fs::read(target.join("a")).unwrap(), b"new");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn what_a_killed_run_left_is_cleared_and_a_stranded_old_target_restored() {
+    // Process ids above Linux's pid_max (2^22) are never running.
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("out");
+    let dead = dir.path().join(".out.kiln-partial-999999991");
+    let stranded = dir.path().join(".out.kiln-partial-999999992.old");
+    let live = dir
+        .path()
+        .join(format!(".out.kiln-partial-{}", std::process::id()));
+    let other = dir.path().join(".other.kiln-partial-999999993");
+    for d in [&dead, &stranded, &live, &other] {
+        fs::create_dir(d).unwrap();
+    }
+    fs::write(stranded.join("model.safetensors"), b"old weights").unwrap();
+    sweep_stale(dir.path(), "out", &target).unwrap();
+    assert_eq!(
+        snapshot(&target),
+        Some(vec![("model.safetensors".into(), b"old weights".to_vec())]),
+        "the old target is back"
+    );
+    assert!(!dead.exists() && !stranded.exists());
+    assert!(live.exists(), "this process's own folder is not touched");
+    assert!(other.exists(), "another target's folders are not touched");
+    // With the target restored, a run without --force is refused, as before the killed one.
+    assert!(matches!(
+        OutputDir::create(&target, false),
+        Err(SinkError::Exists { .. })
+    ));
+}

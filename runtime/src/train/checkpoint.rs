@@ -9,6 +9,7 @@
 
 use super::TrainError;
 use super::config_err;
+use super::output::sink_err;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -106,25 +107,37 @@ pub fn save(
     std::fs::create_dir_all(root).map_err(io(root))?;
     let dir = root.join(format!("checkpoint-{step}"));
     let tmp = root.join(format!(".checkpoint-{step}.partial"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    // What a save interrupted earlier (a killed run) left: one run writes to a root at a time.
+    for e in std::fs::read_dir(root).map_err(io(root))?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".checkpoint-") && name.ends_with(".partial") {
+            std::fs::remove_dir_all(e.path()).map_err(io(&e.path()))?;
+        }
     }
     std::fs::create_dir(&tmp).map_err(io(&tmp))?;
-    output(&tmp)?;
-    write_tensors(&tmp.join("trainable.safetensors"), trainable)?;
-    write_tensors(&tmp.join("optimizer.safetensors"), moments)?;
-    state["global_step"] = step.into();
-    state["kiln"] = env!("CARGO_PKG_VERSION").into();
-    let path = tmp.join("trainer_state.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&state).expect("JSON") + "\n",
-    )
-    .map_err(io(&path))?;
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+    let written = (|| {
+        output(&tmp)?;
+        write_tensors(&tmp.join("trainable.safetensors"), trainable)?;
+        write_tensors(&tmp.join("optimizer.safetensors"), moments)?;
+        state["global_step"] = step.into();
+        state["kiln"] = env!("CARGO_PKG_VERSION").into();
+        let path = tmp.join("trainer_state.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&state).expect("JSON") + "\n",
+        )
+        .map_err(io(&path))?;
+        // Complete on the disk before it takes the checkpoint's name; a checkpoint of the same
+        // step is replaced in one exchange (crate::sink::install), never deleted first.
+        crate::sink::sync_files(&tmp).map_err(sink_err)?;
+        crate::sink::install(&tmp, &dir, &crate::sink::RealFs).map_err(sink_err)?;
+        Ok(())
+    })();
+    if let Err(e) = written {
+        // A failed save (a full disk) leaves the checkpoints as they were.
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
     if let Some(limit) = limit {
         rotate(root, limit)?;
     }
@@ -150,8 +163,12 @@ pub fn rotate(root: &Path, limit: usize) -> Result<Vec<PathBuf>, TrainError> {
     found.sort();
     let excess = found.len().saturating_sub(limit);
     let mut removed = Vec::with_capacity(excess);
-    for (_, path) in found.into_iter().take(excess) {
-        std::fs::remove_dir_all(&path).map_err(io(&path))?;
+    for (step, path) in found.into_iter().take(excess) {
+        // Renamed out of sight first: a run killed while deleting leaves no half checkpoint
+        // under a checkpoint's name (the next save clears the `.partial` folder).
+        let doomed = root.join(format!(".checkpoint-{step}.removed.partial"));
+        std::fs::rename(&path, &doomed).map_err(io(&path))?;
+        std::fs::remove_dir_all(&doomed).map_err(io(&doomed))?;
         removed.push(path);
     }
     Ok(removed)

@@ -5,10 +5,13 @@ use super::TrainError;
 use crate::sink::{OutputDir, ShardWriter};
 use std::path::{Path, PathBuf};
 
-fn sink_err(e: impl std::fmt::Display) -> TrainError {
-    TrainError::Config {
-        field: "output".into(),
-        message: e.to_string(),
+pub(crate) fn sink_err(e: crate::sink::SinkError) -> TrainError {
+    match e {
+        crate::sink::SinkError::Io { path, source } => TrainError::Io { path, source },
+        e => TrainError::Config {
+            field: "output".into(),
+            message: e.to_string(),
+        },
     }
 }
 
@@ -68,18 +71,39 @@ pub fn save_into(
     write: impl FnOnce(&Path) -> Result<(), TrainError>,
 ) -> Result<PathBuf, TrainError> {
     let out = OutputDir::create(target, true).map_err(sink_err)?;
+    // The checkpoints are linked into the new folder, not moved: until the commit swaps the
+    // folders, `target` keeps all of them (a run killed here loses nothing). Checkpoint files
+    // are never rewritten in place, so sharing them is safe.
     if let Ok(entries) = std::fs::read_dir(target) {
         for e in entries.flatten() {
             let name = e.file_name();
             if name.to_string_lossy().starts_with("checkpoint-") && e.path().is_dir() {
-                let dest = out.path().join(&name);
-                std::fs::rename(e.path(), &dest)
-                    .map_err(|source| TrainError::Io { path: dest, source })?;
+                link_tree(&e.path(), &out.path().join(&name))?;
             }
         }
     }
     write(out.path())?;
     out.commit().map_err(sink_err)
+}
+
+/// Recreates the folder `src` at `dest` with hard links to its files (copies where the
+/// filesystem has no hard links).
+fn link_tree(src: &Path, dest: &Path) -> Result<(), TrainError> {
+    let err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TrainError::Io { path, source }
+    };
+    std::fs::create_dir(dest).map_err(err(dest))?;
+    for e in std::fs::read_dir(src).map_err(err(src))? {
+        let e = e.map_err(err(src))?;
+        let (from, to) = (e.path(), dest.join(e.file_name()));
+        if e.file_type().map_err(err(&from))?.is_dir() {
+            link_tree(&from, &to)?;
+        } else if std::fs::hard_link(&from, &to).is_err() {
+            std::fs::copy(&from, &to).map_err(err(&to))?;
+        }
+    }
+    Ok(())
 }
 
 /// `dir/merged`, made (`--merge`: the adapter merged into a full checkpoint).

@@ -191,13 +191,19 @@ pub fn unpack_int32(
     if !(1..=8).contains(&bits) {
         return Err(format!("{bits}-bit integers cannot be unpacked (1 to 8)"));
     }
-    let per_row = (cols * bits).div_ceil(32);
-    if words.len() != rows * per_row {
+    let needed = cols
+        .checked_mul(bits)
+        .map(|b| b.div_ceil(32))
+        .and_then(|per_row| Some((per_row, rows.checked_mul(per_row)?)));
+    let Some((per_row, total)) = needed.filter(|&(_, total)| total == words.len()) else {
         return Err(format!(
-            "{} int32 words do not hold {rows}×{cols} {bits}-bit values ({} needed)",
-            words.len(),
-            rows * per_row
+            "{} int32 words do not hold {rows}×{cols} {bits}-bit values",
+            words.len()
         ));
+    };
+    debug_assert_eq!(total, words.len());
+    if per_row == 0 {
+        return Ok(Vec::new());
     }
     let offset = 1i16 << (bits - 1);
     let mask = (1u64 << bits) - 1;
@@ -221,8 +227,11 @@ pub fn unpack_int32_columns(
     cols: usize,
     bits: usize,
 ) -> Result<Vec<i8>, String> {
-    let per_col = (rows * bits).div_ceil(32);
-    if words.len() != per_col * cols {
+    if !(1..=8).contains(&bits) {
+        return Err(format!("{bits}-bit integers cannot be unpacked (1 to 8)"));
+    }
+    let per_col = rows.saturating_mul(bits).div_ceil(32);
+    if per_col.checked_mul(cols) != Some(words.len()) {
         return Err(format!(
             "{} int32 words do not hold {rows}×{cols} {bits}-bit values packed by column",
             words.len()
@@ -258,6 +267,21 @@ mod tests {
         assert_eq!(pack_int32_columns(&q, 8, 1, 4), w);
         assert_eq!(unpack_int32(&w, 1, 8, 4).unwrap(), q);
         assert_eq!(unpack_int32_columns(&w, 8, 1, 4).unwrap(), q);
+    }
+
+    #[test]
+    fn hostile_shapes_are_errors_not_overflows() {
+        // A `weight_shape` read from a file (found by the ct_weights fuzz target): sizes whose
+        // products overflow, and empty rows, are refused or give nothing — never a panic.
+        let w = [0i32; 4];
+        for (rows, cols) in [(1, usize::MAX / 2), (usize::MAX / 2, 8), (4, 0), (0, 8)] {
+            for bits in [4, 8] {
+                let _ = unpack_int32(&w, rows, cols, bits);
+                let _ = unpack_int32_columns(&w, rows, cols, bits);
+            }
+        }
+        assert!(unpack_int32(&w, 1, usize::MAX / 2, 4).is_err());
+        assert_eq!(unpack_int32(&[], 4, 0, 4).unwrap(), Vec::<i8>::new());
     }
 
     #[test]
