@@ -60,6 +60,17 @@ fn edit_config(m: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 
 const GATE: &str = "model.layers.1.mlp.gate_proj.weight";
 
+/// `kiln train` for one sft step, replacing its output.
+const TRAIN: [&str; 7] = [
+    "train",
+    "--task",
+    "sft",
+    "--max-steps",
+    "1",
+    "--quiet",
+    "--force",
+];
+
 /// The malformed models: name, and how the good copy is broken.
 type Breaks = Box<dyn Fn(&Path)>;
 
@@ -171,16 +182,7 @@ fn model_commands(
         (
             "train",
             [
-                v(&[
-                    "train",
-                    "--task",
-                    "sft",
-                    "--max-steps",
-                    "1",
-                    "--quiet",
-                    "--force",
-                    "--model",
-                ]),
+                v(&[&TRAIN[..], &["--model"]].concat()),
                 vec![s(m), "--out".into(), s(out)],
             ]
             .concat(),
@@ -391,26 +393,8 @@ fn file_command(
         "export --calib" => vec!["export", "--format", "fp8", "--force", "--calib"],
         "export --act-amax" => vec!["export", "--format", "fp8", "--force", "--act-amax"],
         "eval --data" => vec!["eval", "--model", good_export.to_str().unwrap(), "--data"],
-        "train --data" => vec![
-            "train",
-            "--task",
-            "sft",
-            "--max-steps",
-            "1",
-            "--quiet",
-            "--force",
-            "--data",
-        ],
-        "train --config" => vec![
-            "train",
-            "--task",
-            "sft",
-            "--max-steps",
-            "1",
-            "--quiet",
-            "--force",
-            "--config",
-        ],
+        "train --data" => [&TRAIN[..], &["--data"]].concat(),
+        "train --config" => [&TRAIN[..], &["--config"]].concat(),
         "train --init-adapter" | "generate --adapter" => {
             // The adapter folder holds the malformed config beside valid-looking weights.
             let adapter = file.parent().unwrap().join("adapter");
@@ -423,17 +407,7 @@ fn file_command(
                 "--adapter"
             };
             let mut v: Vec<String> = if command.starts_with("train") {
-                [
-                    "train",
-                    "--task",
-                    "sft",
-                    "--max-steps",
-                    "1",
-                    "--quiet",
-                    "--force",
-                ]
-                .map(String::from)
-                .to_vec()
+                TRAIN.map(String::from).to_vec()
             } else {
                 ["generate", "--max-new-tokens", "2", "--prompt", "hi"]
                     .map(String::from)

@@ -149,6 +149,22 @@ fn points(n: usize, seed: u64) -> Vec<f64> {
         .collect()
 }
 
+/// The old state the faults are injected over: an FP8 export of `model` (its `amax.json`).
+fn export_fp8(model: &Path, to: &Path) {
+    let amax = model.join("amax.json");
+    ok(&[
+        "export",
+        "--model",
+        s(model),
+        "--format",
+        "fp8",
+        "--act-amax",
+        s(&amax),
+        "--out",
+        s(to),
+    ]);
+}
+
 fn demo_model(dir: &Path) -> PathBuf {
     let model = dir.join("model");
     ok(&["demo-model", "--out", s(&model)]);
@@ -175,17 +191,7 @@ fn an_export_killed_anywhere_leaves_the_old_output_or_the_new_one() {
         dir.path().join("new"),
         dir.path().join("out"),
     );
-    ok(&[
-        "export",
-        "--model",
-        s(&model),
-        "--format",
-        "fp8",
-        "--act-amax",
-        s(&amax),
-        "--out",
-        s(&old),
-    ]);
+    export_fp8(&model, &old);
     let old_files = files(&old);
     for (name, scales, n) in [
         ("act-amax", ["--act-amax", s(&amax)], 6),
@@ -247,17 +253,7 @@ fn a_full_disk_fails_the_export_by_name_and_leaves_the_old_output() {
     let input = files(&model);
     let amax = model.join("amax.json");
     let (old, out) = (dir.path().join("old"), dir.path().join("out"));
-    ok(&[
-        "export",
-        "--model",
-        s(&model),
-        "--format",
-        "fp8",
-        "--act-amax",
-        s(&amax),
-        "--out",
-        s(&old),
-    ]);
+    export_fp8(&model, &old);
     let old_files = files(&old);
     for kib in [0, 1, 64, 4096, 12000] {
         reset(&out, Some(&old));
