@@ -126,8 +126,18 @@ fn export_memory_does_not_grow_with_the_number_of_layers() {
         ("int8-wo", vec![]),
         ("fp8", vec![Path::new("--calib"), calib.as_path()]),
     ] {
-        let a = peak_kib(&dir.path().join("small"), &dir.path().join("a"), format, &args);
-        let b = peak_kib(&dir.path().join("large"), &dir.path().join("b"), format, &args);
+        let a = peak_kib(
+            &dir.path().join("small"),
+            &dir.path().join("a"),
+            format,
+            &args,
+        );
+        let b = peak_kib(
+            &dir.path().join("large"),
+            &dir.path().join("b"),
+            format,
+            &args,
+        );
         eprintln!(
             "{format}: peak RSS {a} KiB with 2 layers ({} KiB of weights), {b} KiB with 16 ({} KiB)",
             small / 1024,
