@@ -87,8 +87,10 @@ fn peak_kib(model: &Path, out: &Path, format: &str, args: &[&Path]) -> u64 {
     let mut peak = 0;
     while child.try_wait().unwrap().is_none() {
         // The high-water mark only grows: the last reading before the exit is the peak, but for
-        // the process's last few milliseconds.
+        // the process's last few milliseconds. Readings before the exec (the child still sharing
+        // or copying this test's memory) are skipped by the process name.
         if let Ok(text) = std::fs::read_to_string(&status)
+            && text.lines().any(|l| l == "Name:\tkiln")
             && let Some(kib) = text
                 .lines()
                 .find_map(|l| l.strip_prefix("VmHWM:"))
