@@ -1033,3 +1033,89 @@ fn every_writer_writes_the_same_bytes_whatever_the_thread_count() {
         }
     }
 }
+
+/// The README's first command does what its comment says: `kiln export` with no arguments
+/// quantizes the demo model to the format the README names, in the layout it names.
+#[test]
+fn the_readmes_first_command_reports_the_format_the_readme_names() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let line = readme
+        .lines()
+        .find(|l| l.starts_with("cargo run") && l.contains("-- export"))
+        .expect("the README's export command");
+    let comment = line.split('#').nth(1).expect("its comment").to_lowercase();
+    let o = kiln(&[
+        "export",
+        "--out",
+        &tempfile::tempdir()
+            .unwrap()
+            .path()
+            .join("o")
+            .display()
+            .to_string(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let reported = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("exported ")
+                .and_then(|r| r.split(" as ").nth(1))
+        })
+        .and_then(|r| r.split(" to ").next())
+        .expect("the format reported")
+        .to_string();
+    // The ModelOpt writer reports its format alone; other writers as `writer format`.
+    assert!(
+        comment.contains(&format!("to {reported},")) && comment.contains("modelopt"),
+        "the README says `{comment}`, kiln exported `{reported}`"
+    );
+    assert!(text.contains("engines: loads in vLLM"), "{text}");
+}
+
+/// `kiln export --help` names every registered writer and each one's default format.
+#[test]
+fn export_help_lists_the_registrys_writers_and_defaults() {
+    let o = kiln(&["export", "--help"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    for w in ["modelopt", "compressed-tensors", "gguf", "mlx"] {
+        assert!(text.contains(w), "{w}: {text}");
+    }
+    for d in [
+        "modelopt fp8",
+        "compressed-tensors fp8-dynamic",
+        "gguf q4-k-m",
+        "mlx q4",
+    ] {
+        assert!(text.contains(d), "{d}: {text}");
+    }
+    assert!(!text.contains("ModelOpt-format checkpoint"), "{text}");
+}
+
+/// scripts/mlx/setup.sh looks for the libclang bindgen loads, not any `libclang*` file: on the
+/// machine image's layout (libclang-cpp14 and LLVM's libraries only) it installs libclang-dev,
+/// and with a `libclang-N.so.M` present it does not.
+#[test]
+fn mlx_setup_installs_libclang_when_only_libclang_cpp_is_there() {
+    let root = tempfile::tempdir().unwrap();
+    let lib = root.path().join("usr/lib/llvm-14/lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    for f in ["libclang-cpp.so.14", "libLLVM-14.so", "libLLVM.so"] {
+        std::fs::write(lib.join(f), b"").unwrap();
+    }
+    let needs = || {
+        let o = Command::new("bash")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/mlx/setup.sh"))
+            .arg("--needs")
+            .env("MLX_SETUP_ROOT_FS", root.path())
+            .env_remove("LIBCLANG_PATH")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    assert!(needs().lines().any(|l| l == "libclang-dev"), "{}", needs());
+    std::fs::write(lib.join("libclang-14.so.1"), b"").unwrap();
+    assert!(!needs().lines().any(|l| l == "libclang-dev"), "{}", needs());
+}

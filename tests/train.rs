@@ -136,9 +136,15 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             "lr_scheduler_type" => c.hyper.lr_scheduler_type = v.as_str().unwrap().into(),
             "warmup_steps" => c.hyper.warmup_steps = v.as_u64().unwrap(),
             "weight_decay" => c.hyper.weight_decay = v.as_f64().unwrap(),
-            "loss_type" => {
-                let v = v.as_array().map(|a| a[0].clone()).unwrap_or(v.clone());
-                c.task_options.insert("loss_type".into(), v);
+            // DPO's loss_type is a list in TRL (kiln takes a name or a list).
+            "loss_type"
+            | "loss_weights"
+            | "f_divergence_type"
+            | "f_alpha_divergence_coef"
+            | "ld_alpha"
+            | "use_weighting"
+            | "discopop_tau" => {
+                c.task_options.insert(k.clone(), v.clone());
             }
             "eval_data" => c.eval_data = Some(here().join(v.as_str().unwrap())),
             "eval_steps" => c.hyper.eval_steps = Some(v.as_u64().unwrap()),
@@ -181,7 +187,8 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
         }
     }
     if run["adapter"].as_bool().unwrap() {
-        c.init_adapter = Some(here().join("tiny/init-adapter"));
+        let dir = run["adapter_dir"].as_str().unwrap_or("tiny/init-adapter");
+        c.init_adapter = Some(here().join(dir));
     }
     c
 }
@@ -380,6 +387,61 @@ fn dpo_ipo_matches_trl() {
 #[test]
 fn dpo_hinge_with_precomputed_reference_log_probs_matches_trl() {
     check("dpo-hinge-precompute");
+}
+
+/// TRL 0.29.1's other DPO loss types, each from the same weights and data.
+#[test]
+fn dpo_loss_types_match_trl() {
+    for name in [
+        "dpo-robust",
+        "dpo-exo-pair",
+        "dpo-nca-pair",
+        "dpo-bco-pair",
+        "dpo-sppo-hard",
+        "dpo-aot",
+        "dpo-aot-unpaired",
+        "dpo-apo-zero",
+        "dpo-apo-down",
+        "dpo-discopop",
+        "dpo-sft",
+    ] {
+        check(name);
+    }
+}
+
+/// A list of loss types with `loss_weights` (RPO's sigmoid + sft), on an adapter.
+#[test]
+fn dpo_weighted_loss_mixture_matches_trl() {
+    check("dpo-mix-weights");
+}
+
+/// `f_divergence_type` forward KL, Jensen–Shannon (with hinge) and α-divergence.
+#[test]
+fn dpo_f_divergences_match_trl() {
+    for name in ["dpo-forward-kl", "dpo-js", "dpo-alpha-div"] {
+        check(name);
+    }
+}
+
+/// LD-DPO's `ld_alpha` and WPO's `use_weighting` (over a sigmoid + ipo mixture).
+#[test]
+fn dpo_ld_alpha_and_wpo_weighting_match_trl() {
+    for name in ["dpo-ld-alpha", "dpo-wpo"] {
+        check(name);
+    }
+}
+
+/// An adapter with `lora_dropout` 0.1: TRL's DPO disables dropout by default
+/// (`disable_dropout=True`), so kiln's must too.
+#[test]
+fn dpo_disables_adapter_dropout_as_trl_does() {
+    check("dpo-lora-dropout");
+}
+
+/// SFT's `loss_type = "dft"` (TRL's DFT loss) with gradient accumulation.
+#[test]
+fn sft_dft_loss_matches_trl() {
+    check("sft-dft");
 }
 
 #[test]
@@ -656,6 +718,9 @@ fn evaluation_runs_without_lora_dropout() {
         c.hyper.max_steps = Some(2);
         c.hyper.eval_steps = Some(1);
         c.hyper.per_device_train_batch_size = 2;
+        // TRL's DPO turns dropout off by default (disable_dropout); here it stays on in training.
+        c.task_options
+            .insert("disable_dropout".into(), false.into());
         let entry = kiln_runtime::resolve_trainer(&c).unwrap();
         let mut trainer = entry.construct(&c).unwrap();
         let mut seen = Collect::default();

@@ -23,15 +23,42 @@ if [ "$(uname -s)" != Linux ] || [ "$(uname -m)" != x86_64 ]; then
   exit 1
 fi
 
-need=()
-command -v cmake >/dev/null || need+=(cmake)
-[ -e /usr/include/fmt/format.h ] || need+=(libfmt-dev)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+# What bindgen loads (clang-sys): libclang.so, libclang-N.so, libclang.so.N or libclang-N.so.N, in
+# LIBCLANG_PATH or the usual folders. libclang-cpp (the C++ library, which the machine image
+# ships as libclang-cpp14) is not it, and neither are the LLVM libraries beside it. ROOT_FS (for
+# the self-test) is where the folders are looked for.
+ROOT_FS=${MLX_SETUP_ROOT_FS:-}
+has_libclang() {
+  local dir f
+  for dir in ${LIBCLANG_PATH:-} "$ROOT_FS"/usr/lib/llvm-*/lib "$ROOT_FS"/usr/lib/x86_64-linux-gnu \
+    "$ROOT_FS"/usr/lib "$ROOT_FS"/usr/local/lib; do
+    for f in "$dir"/libclang.so "$dir"/libclang.so.* "$dir"/libclang-[0-9]*.so "$dir"/libclang-[0-9]*.so.*; do
+      [ -e "$f" ] && return 0
+    done
+  done
+  return 1
+}
+needed_packages() {
+  command -v cmake >/dev/null && [ -z "$ROOT_FS" ] || echo cmake
+  [ -e "$ROOT_FS/usr/include/fmt/format.h" ] || echo libfmt-dev
+  has_libclang || echo libclang-dev
+}
+# `setup.sh --needs`: print the packages it would install, and stop (CI's self-test).
+if [ "${1:-}" = --needs ]; then
+  needed_packages
+  exit 0
+fi
+
+mapfile -t need < <(needed_packages)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq "${need[@]}"
+  if ! has_libclang; then
+    echo "scripts/mlx/setup.sh: libclang-dev is installed but no libclang.so is where bindgen looks; set LIBCLANG_PATH" >&2
+    exit 1
+  fi
 fi
 
 mkdir -p "$OUT"

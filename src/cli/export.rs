@@ -39,12 +39,11 @@ pub struct RecipeArgs {
     /// random Llama-family demo model and uses it.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The output layout, one registered writer: `modelopt` (vLLM, SGLang, TensorRT-LLM),
-    /// `gguf` (llama.cpp, Ollama); `kiln registry` lists them with their formats.
+    /// The output layout, one registered writer (the help lists them from the registry).
     #[arg(long, value_name = "WRITER", default_value = "modelopt")]
     output_format: String,
-    /// The quantization format, one of the writer's: modelopt's nvfp4 (its default), fp8,
-    /// int4-awq, …; gguf's q4-k-m (its default), q5-k-m, q6-k, q8-0, q4-0, …, f16, bf16.
+    /// The quantization format, one of the writer's (the help lists the defaults from the
+    /// registry).
     #[arg(long)]
     format: Option<String>,
     /// Leave modules matching this glob unquantized (repeatable).
@@ -282,14 +281,14 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     }
     let output = args.recipe.output()?;
     let recipe = args.recipe.recipe()?;
+    let probe = WriterRegistry::try_global()
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .get(&output.writer)?
+        .make(&output.format)?;
     // Whether the writer stores scales from activation statistics (ModelOpt's always may).
-    let statistics = args.recipe.is_modelopt()
-        || recipe.kv_cache.is_some()
-        || WriterRegistry::try_global()
-            .map_err(|e| anyhow::anyhow!("{e}"))?
-            .get(&output.writer)?
-            .make(&output.format)?
-            .uses_statistics();
+    let statistics =
+        args.recipe.is_modelopt() || recipe.kv_cache.is_some() || probe.uses_statistics();
+    let engines = probe.engines();
     if !statistics && (args.act_amax.is_some() || args.calib.is_some()) {
         bail!(
             "--act-amax and --calib give activation statistics, which the {} writer's `{}` \
@@ -356,6 +355,11 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         writeln!(err, "warning: {w}")?;
     }
     print_report(&summary, &output, out)?;
+    writeln!(
+        out,
+        "engines: {}",
+        kiln_runtime::export::engines::Line(&engines)
+    )?;
     Ok(0)
 }
 

@@ -12,7 +12,7 @@ mod verify;
 
 pub use train::apply_toml;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -32,7 +32,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Quantize a model into a ModelOpt-format checkpoint (vLLM, SGLang, TensorRT-LLM).
+    /// Quantize a model into a deployable checkpoint in a registered output format (`kiln
+    /// registry writers`).
     Export(export::ExportArgs),
     /// Show which exporter takes each module of a model, and why.
     Explain(export::ExplainArgs),
@@ -49,6 +50,48 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// List the registered exporters, trainers, architectures and rewards in registry order.
     Registry(registry::RegistryArgs),
+}
+
+/// `kiln export` / `kiln explain`'s help, from the writers registry: what `--output-format`
+/// and `--format` take and their defaults (an invalid registry keeps the static text; every
+/// command then reports it).
+fn with_registry_help(cmd: clap::Command) -> clap::Command {
+    let Ok(writers) = kiln_runtime::WriterRegistry::try_global() else {
+        return cmd;
+    };
+    let entries = writers.entries();
+    let names: Vec<String> = entries.iter().map(|e| e.name.to_string()).collect();
+    let defaults: Vec<String> = entries
+        .iter()
+        .map(|e| format!("{} {}", e.name, e.default_format().unwrap_or("(none)")))
+        .collect();
+    let writer_help = format!(
+        "The output layout, one registered writer: {} (default: modelopt). `kiln registry \
+         writers` lists each one's formats and the engines that load them",
+        names.join(", ")
+    );
+    let format_help = format!(
+        "The quantization format, one of the writer's; without it, the writer's first: {}. \
+         `kiln registry writers` lists them all",
+        defaults.join(", ")
+    );
+    // `--output-format`'s default is modelopt; its default format is the registry's first.
+    let first = writers
+        .get("modelopt")
+        .ok()
+        .and_then(|e| e.default_format())
+        .map(|f| format!("modelopt {f}"))
+        .unwrap_or_default();
+    let about = format!(
+        "Quantize a model into a deployable checkpoint: {} (--output-format; by default {first})",
+        names.join(", ")
+    );
+    let set = |c: clap::Command| {
+        c.mut_arg("output_format", |a| a.help(writer_help.clone()))
+            .mut_arg("format", |a| a.help(format_help.clone()))
+    };
+    cmd.mut_subcommand("export", |c| set(c).about(about.clone()))
+        .mut_subcommand("explain", set)
 }
 
 /// Parses `std::env::args` and runs; the process's exit code.
@@ -68,7 +111,10 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
+    let parsed = with_registry_help(Cli::command())
+        .try_get_matches_from(args)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(cli) => cli,
         Err(e) => {
             let code = e.exit_code();

@@ -120,7 +120,10 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
                 o.insert("name".into(), json!(e.name));
                 let formats: Vec<Value> = (e.formats)()
                     .into_iter()
-                    .map(|(f, d)| json!({"format": f, "description": d}))
+                    .map(|(f, d)| {
+                        let engines = engines_of(e, f);
+                        json!({"format": f, "description": d, "engines": engines_json(&engines)})
+                    })
                     .collect();
                 o.insert("formats".into(), Value::Array(formats));
                 Value::Object(o)
@@ -150,6 +153,7 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
     }
     if let Some(r) = writers {
         sections.push(writers_table(r));
+        sections.push(formats_table(r));
     }
     write!(out, "{}", sections.join("\n"))?;
     Ok(0)
@@ -358,6 +362,44 @@ fn rewards_table(r: &RewardRegistry) -> String {
         rows.len(),
         table::render(&["#", "reward", "function", "source"], &rows),
         empty_note("reward", rows.len())
+    )
+}
+
+/// What the writer says of its format's engines (nothing when it cannot be made).
+fn engines_of(
+    e: &kiln_runtime::WriterEntry,
+    format: &str,
+) -> Vec<kiln_runtime::export::engines::EngineSupport> {
+    e.make(format).map(|w| w.engines()).unwrap_or_default()
+}
+
+fn engines_json(engines: &[kiln_runtime::export::engines::EngineSupport]) -> Value {
+    use kiln_runtime::export::engines::Support;
+    let items = engines.iter().map(|s| match s.support {
+        Support::Loads => json!({"engine": s.engine, "loads": true}),
+        Support::Refuses { instead } => {
+            json!({"engine": s.engine, "loads": false, "instead": instead})
+        }
+        Support::Unsure => json!({"engine": s.engine, "loads": null}),
+    });
+    Value::Array(items.collect())
+}
+
+/// Each writer's formats with the engines that load them (docs/FORMATS.md §10).
+fn formats_table(r: &WriterRegistry) -> String {
+    let mut rows = Vec::new();
+    for e in r.entries() {
+        for (f, _) in (e.formats)() {
+            rows.push(vec![
+                e.name.to_string(),
+                f.to_string(),
+                kiln_runtime::export::engines::Line(&engines_of(e, f)).to_string(),
+            ]);
+        }
+    }
+    format!(
+        "formats and the engines that load them (docs/FORMATS.md §10)\n{}",
+        table::render(&["writer", "format", "engines"], &rows)
     )
 }
 

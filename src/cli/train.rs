@@ -150,6 +150,7 @@ impl Args for FieldArgs {
                 Kind::Text => "NAME",
                 Kind::List => "A,B",
                 Kind::Numbers => "X,Y",
+                Kind::Names => "NAME[,NAME]",
             };
             cmd = cmd.arg(
                 clap::Arg::new(f.name)
@@ -214,6 +215,21 @@ fn build_config(
         bail!(
             "--adapter-format mlx-lm needs LoRA (with --lora-r 0 the output is a full checkpoint)"
         );
+    }
+    // A --config file's output_dir is the output folder unless --out names one.
+    if let (None, Some(dir)) = (&args.out, &c.output_dir) {
+        let resumes_inside = args.resume.as_ref().is_some_and(|r| r.starts_with(dir));
+        if dir.exists() && !args.force && !resumes_inside {
+            bail!(
+                "{} (output_dir of {}) exists; pass --force to replace it (or --resume a checkpoint in it)",
+                dir.display(),
+                args.config
+                    .as_deref()
+                    .unwrap_or(Path::new("--config"))
+                    .display()
+            );
+        }
+        c.output = dir.clone();
     }
     c.eval_data = args.eval_data.clone();
     if c.eval_data.is_some() != c.hyper.eval_steps.is_some() {

@@ -280,10 +280,29 @@ def run(task, model_dir, data, adapter=None, **overrides):
     return (rec.logs, rec.eval_logs) if eval_file else rec.logs, None
 
 
+def dropout_adapter(adapter):
+    """The shared adapter with lora_dropout 0.1: TRL's disable_dropout (on for DPO) must turn
+    it off, so the run is deterministic and kiln's default must do the same."""
+    out = os.path.join(TINY, "init-adapter-dropout")
+    shutil.copytree(adapter, out, dirs_exist_ok=True)
+    cfg_path = os.path.join(out, "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["lora_dropout"] = 0.1
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out
+
+
 def main():
-    model_dir = build_model()
-    adapter = build_adapter(model_dir)
-    write_data()
+    only = sys.argv[1:]
+    if only and os.path.isdir(os.path.join(TINY, "model")):
+        # Some runs again: the same tiny model, adapter and data as the whole file's.
+        model_dir, adapter = os.path.join(TINY, "model"), os.path.join(TINY, "init-adapter")
+    else:
+        model_dir = build_model()
+        adapter = build_adapter(model_dir)
+        write_data()
+    dropout = dropout_adapter(adapter)
     d = lambda n: os.path.join(DATA, n)
     runs = {
         "sft-full": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2)),
@@ -295,6 +314,36 @@ def main():
         "dpo-ipo": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["ipo"], beta=0.5)),
         "dpo-hinge-precompute": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["hinge"],
                                                                    precompute_ref_log_probs=True)),
+        # TRL 0.29.1's other DPO loss types, its f-divergences, LD-DPO, WPO and loss mixtures.
+        "dpo-robust": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["robust"],
+                                                         label_smoothing=0.1)),
+        "dpo-exo-pair": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["exo_pair"],
+                                                           label_smoothing=1e-3)),
+        "dpo-nca-pair": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["nca_pair"])),
+        "dpo-bco-pair": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["bco_pair"])),
+        "dpo-sppo-hard": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["sppo_hard"], beta=0.5)),
+        "dpo-aot": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["aot"], label_smoothing=0.1,
+                                                      per_device_train_batch_size=4)),
+        "dpo-aot-unpaired": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["aot_unpaired"],
+                                                               per_device_train_batch_size=4)),
+        "dpo-apo-zero": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["apo_zero"])),
+        "dpo-apo-down": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["apo_down"])),
+        "dpo-discopop": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["discopop"],
+                                                           discopop_tau=0.1)),
+        "dpo-sft": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["sft"])),
+        "dpo-mix-weights": ("dpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2, loss_type=["sigmoid", "sft"],
+                                                                 loss_weights=[0.8, 0.2])),
+        "dpo-forward-kl": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, f_divergence_type="forward_kl")),
+        "dpo-js": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, f_divergence_type="js_divergence",
+                                                     loss_type=["hinge"])),
+        "dpo-alpha-div": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, f_divergence_type="alpha_divergence",
+                                                            f_alpha_divergence_coef=0.3)),
+        "dpo-ld-alpha": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, ld_alpha=0.5)),
+        "dpo-wpo": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, use_weighting=True,
+                                                      loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.1])),
+        "dpo-lora-dropout": ("dpo", d("dpo.jsonl"), dropout, dict(learning_rate=1e-2)),
+        "sft-dft": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, loss_type="dft",
+                                                       gradient_accumulation_steps=2)),
         "orpo-full": ("orpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3)),
         "orpo-lora": ("orpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2, gradient_accumulation_steps=2)),
         "simpo-full": ("simpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, beta=2.0, simpo_gamma=1.0)),
@@ -345,7 +394,6 @@ def main():
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",
             max_steps=4)),
     }
-    only = sys.argv[1:]
     out = {}
     if only and os.path.exists(os.path.join(HERE, "reference.json")):
         out = json.load(open(os.path.join(HERE, "reference.json")))
@@ -357,6 +405,7 @@ def main():
         if isinstance(logs, tuple):
             logs, eval_logs = logs
         out[name] = {"task": task, "data": os.path.relpath(data, HERE), "adapter": ad is not None,
+                     "adapter_dir": os.path.relpath(ad, HERE) if ad else None,
                      "settings": {k: os.path.relpath(v, HERE) if k == "eval_data" else v for k, v in over.items()},
                      "logs": logs}
         if eval_logs is not None:

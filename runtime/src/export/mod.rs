@@ -7,6 +7,7 @@
 
 pub mod act_amax;
 mod context;
+pub mod engines;
 mod error;
 pub mod experts;
 pub mod exporter;

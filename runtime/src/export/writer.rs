@@ -266,6 +266,12 @@ pub trait OutputWriter: Send + Sync {
         Vec::new()
     }
 
+    /// Which inference engines load what this writer writes in its format, and the format
+    /// each refusing engine takes instead (`super::engines`); empty: not stated.
+    fn engines(&self) -> Vec<super::engines::EngineSupport> {
+        Vec::new()
+    }
+
     /// Whether this is ModelOpt's writer, whose arithmetic runs in the export context.
     #[doc(hidden)]
     fn is_modelopt(&self) -> bool {
@@ -286,7 +292,7 @@ pub trait WriterType: OutputWriter + Sized + 'static {
 /// ModelOpt's layout (docs/FORMATS.md §2–4): the default writer.
 #[crate::writer(name = "modelopt", crate = crate)]
 #[derive(Debug, Default)]
-pub struct ModelOptWriter;
+pub struct ModelOptWriter(Option<super::recipe::Format>);
 
 impl ModelOptWriter {
     fn inside() -> ExportError {
@@ -313,6 +319,11 @@ impl OutputWriter for ModelOptWriter {
     fn is_modelopt(&self) -> bool {
         true
     }
+    fn engines(&self) -> Vec<super::engines::EngineSupport> {
+        self.0
+            .map(|f| super::engines::modelopt(f.cli_name()))
+            .unwrap_or_default()
+    }
 }
 
 impl WriterType for ModelOptWriter {
@@ -326,7 +337,7 @@ impl WriterType for ModelOptWriter {
     fn new(format: &str) -> Result<Self, ExportError> {
         format
             .parse::<super::recipe::Format>()
-            .map(|_| ModelOptWriter)
+            .map(|f| ModelOptWriter(Some(f)))
             .map_err(|what| ExportError::Writer {
                 writer: "modelopt".into(),
                 what,

@@ -21,6 +21,8 @@ pub enum Kind {
     List,
     /// A list of numbers (comma-separated on the command line).
     Numbers,
+    /// A name or a list of names (comma-separated on the command line).
+    Names,
 }
 
 /// One setting.
@@ -38,7 +40,10 @@ pub struct Field {
 
 const SFT: &[&str] = &["sft"];
 const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo"];
-const LOSS: &[&str] = &["dpo", "simpo", "kto", "grpo"];
+const LOSS: &[&str] = &["sft", "dpo", "simpo", "kto", "grpo"];
+const DPO: &[&str] = &["dpo"];
+const SMOOTH: &[&str] = &["dpo", "simpo"];
+const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo"];
 const REF: &[&str] = &["dpo", "kto"];
 const KTO: &[&str] = &["kto"];
 const GRPO: &[&str] = &["grpo"];
@@ -305,9 +310,57 @@ pub const FIELDS: &[Field] = &[
     ),
     f(
         "loss_type",
-        Kind::Text,
+        Kind::Names,
         LOSS,
-        "dpo: sigmoid, hinge or ipo [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]; kto: kto or apo_zero_unpaired [kto]; grpo: dapo, grpo, bnpo or dr_grpo [dapo]",
+        "sft: nll or dft [nll]; dpo: one or a list of sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft [sigmoid]; simpo: simpo, sigmoid, hinge or ipo (CPO) [simpo]; kto: kto or apo_zero_unpaired [kto]; grpo: dapo, grpo, bnpo or dr_grpo [dapo]",
+    ),
+    f(
+        "loss_weights",
+        Kind::Numbers,
+        DPO,
+        "One weight per loss_type; the loss is their weighted sum [1 each]",
+    ),
+    f(
+        "f_divergence_type",
+        Kind::Text,
+        DPO,
+        "reverse_kl, forward_kl, js_divergence or alpha_divergence [reverse_kl]",
+    ),
+    f(
+        "f_alpha_divergence_coef",
+        Kind::Float,
+        DPO,
+        "alpha of alpha_divergence [0.5]",
+    ),
+    f(
+        "ld_alpha",
+        Kind::Float,
+        DPO,
+        "LD-DPO: weight of the longer completion's tokens past the shorter's length [off]",
+    ),
+    f(
+        "use_weighting",
+        Kind::Bool,
+        DPO,
+        "WPO: weight each pair by its completions' probabilities [false]",
+    ),
+    f(
+        "discopop_tau",
+        Kind::Float,
+        DPO,
+        "DiscoPOP's temperature [0.05]",
+    ),
+    f(
+        "precompute_ref_batch_size",
+        Kind::Int,
+        DPO,
+        "Batch size of the reference pass with precompute_ref_log_probs [per_device_train_batch_size]",
+    ),
+    f(
+        "disable_dropout",
+        Kind::Bool,
+        DROPOUT,
+        "No dropout in the policy, LoRA's included [true; grpo: false]",
     ),
     f(
         "desirable_weight",
@@ -342,7 +395,7 @@ pub const FIELDS: &[Field] = &[
     f(
         "label_smoothing",
         Kind::Float,
-        SIMPO,
+        SMOOTH,
         "Label smoothing of the sigmoid losses [0]",
     ),
 ];
@@ -414,7 +467,8 @@ pub fn parse_flag(field: &Field, text: &str) -> Result<Value, TrainError> {
         ),
         Kind::Bool => Value::Bool(text.parse::<bool>().map_err(|_| err("true or false"))?),
         Kind::Text => Value::String(text.to_string()),
-        Kind::List => Value::Array(
+        Kind::Names if !text.contains(',') => Value::String(text.trim().to_string()),
+        Kind::List | Kind::Names => Value::Array(
             text.split(',')
                 .map(|s| Value::String(s.trim().to_string()))
                 .collect(),
@@ -434,6 +488,37 @@ pub fn parse_flag(field: &Field, text: &str) -> Result<Value, TrainError> {
 
 /// Applies `value` to the field `name` of `config` (whose `task` is set).
 pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), TrainError> {
+    let task = config.task.clone();
+    let known = field(name).filter(|f| f.tasks.is_empty() || f.tasks.contains(&task.as_str()));
+    match (name, task.as_str()) {
+        // transformers' output folder: the run's, unless the command line names one.
+        ("output_dir", _) => {
+            if let Some(dir) = value.as_str() {
+                config.output_dir = Some(dir.into());
+                return Ok(());
+            }
+            if value.is_null() {
+                return Ok(());
+            }
+            return Err(bad(name, format!("expected a folder, found {value}")));
+        }
+        // GRPO's sampler shuffles the prompts (TRL's RepeatSampler) unless this is false.
+        ("shuffle_dataset", "grpo") => {
+            let on = value
+                .as_bool()
+                .ok_or_else(|| bad(name, format!("expected true or false, found {value}")))?;
+            config.hyper.train_sampling_strategy = if on { "random" } else { "sequential" }.into();
+            return Ok(());
+        }
+        _ => {}
+    }
+    if known.is_none() {
+        // A field of TRL's configuration class for this task that kiln does not implement:
+        // taken where kiln does what TRL does, refused by name otherwise.
+        if let Some(record) = super::trl_fields::trl_field(&task, name) {
+            return super::trl_fields::take(&task, name, value, record);
+        }
+    }
     let Some(fld) = field(name) else {
         let hint = nearest(name)
             .map(|n| format!("; did you mean `{n}`?"))
@@ -450,9 +535,28 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
             ),
         ));
     }
+    // TRL's `None` (a JSON dump's null): the field keeps kiln's default, which is TRL's
+    // behaviour for None (unset, off or derived).
+    if value.is_null() {
+        config.task_options.remove(name);
+        return Ok(());
+    }
+    // transformers' max_steps -1: train for num_train_epochs.
+    if name == "max_steps" && value.as_i64() == Some(-1) {
+        config.hyper.max_steps = None;
+        return Ok(());
+    }
     let want = |what: &str| bad(name, format!("expected {what}, found {value}"));
     let float = || value.as_f64().ok_or_else(|| want("a number"));
-    let int = || value.as_u64().ok_or_else(|| want("a non-negative integer"));
+    // TOML and TRL's dumps may write a whole number as a float (`logging_steps = 10.0`).
+    let whole = |v: &Value| {
+        v.as_u64().or_else(|| {
+            v.as_f64()
+                .filter(|x| *x >= 0.0 && x.fract() == 0.0 && *x < 2f64.powi(53))
+                .map(|x| x as u64)
+        })
+    };
+    let int = || whole(value).ok_or_else(|| want("a non-negative integer"));
     let text = || {
         value
             .as_str()
@@ -476,9 +580,6 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
         "max_length" => h.max_length = Some(int()? as usize).filter(|&n| n > 0),
         "lr_scheduler_type" => h.lr_scheduler_type = text()?,
         "train_sampling_strategy" => h.train_sampling_strategy = text()?,
-        "shuffle_dataset" => {
-            h.train_sampling_strategy = if boolean()? { "random" } else { "sequential" }.into()
-        }
         "seed" => h.seed = int()?,
         "logging_steps" => h.logging_steps = int()?.max(1),
         "save_steps" => h.save_steps = Some(int()?).filter(|&s| s > 0),
@@ -518,12 +619,18 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
             // A task's own field: checked by kind here, read by the trainer.
             let ok = match fld.kind {
                 Kind::Float => value.is_number(),
-                Kind::Int => value.is_u64(),
+                Kind::Int => whole(value).is_some(),
                 Kind::Bool => value.is_boolean(),
                 Kind::Text => value.is_string(),
                 Kind::List => value
                     .as_array()
                     .is_some_and(|a| a.iter().all(Value::is_string)),
+                Kind::Names => {
+                    value.is_string()
+                        || value
+                            .as_array()
+                            .is_some_and(|a| a.iter().all(Value::is_string))
+                }
                 Kind::Numbers => value
                     .as_array()
                     .is_some_and(|a| a.iter().all(Value::is_number)),
@@ -536,6 +643,7 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
                     Kind::Text => "a string",
                     Kind::List => "a list of strings",
                     Kind::Numbers => "a list of numbers",
+                    Kind::Names => "a name or a list of names",
                 }));
             }
             config.task_options.insert(name.to_string(), value.clone());
@@ -547,6 +655,94 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::trl_fields::{self, Treat};
+
+    /// Every field of TRL 0.29.1's six configuration classes (dumped from TRL by
+    /// tests/train/trl_fields.py) is implemented or has a stated decision; its TRL default and
+    /// its `to_dict()` value are taken; a value kiln cannot honour is refused naming TRL's (or
+    /// transformers') field and the reason — never "task does not take it".
+    #[test]
+    fn every_trl_field_is_implemented_or_refused_by_name() {
+        let tasks = ["sft", "dpo", "simpo", "orpo", "kto", "grpo"];
+        let mut checked = 0;
+        let mut failures = Vec::new();
+        for task in tasks {
+            let all = trl_fields::trl_fields(task);
+            assert!(
+                all.len() > 100,
+                "{task}: {} fields in trl_fields.json",
+                all.len()
+            );
+            for (name, record) in all {
+                let implemented = field(name)
+                    .is_some_and(|f| f.tasks.is_empty() || f.tasks.contains(&task))
+                    || name == "output_dir"
+                    || (name, task) == ("shuffle_dataset", "grpo");
+                let decided = trl_fields::decision(name);
+                assert!(
+                    implemented || decided.is_some(),
+                    "{task}: TRL's field `{name}` is neither implemented nor decided"
+                );
+                // The post-init value (bf16's resolved `true`, say) may be what a decision
+                // lists against on purpose.
+                let only = matches!(decided.map(|d| d.treat), Some(Treat::Only(_)));
+                for key in ["default", "to_dict"] {
+                    let v = &record[key];
+                    if name == "output_dir" || (key == "to_dict" && only && !implemented) {
+                        continue;
+                    }
+                    let mut c = TrainConfig::new(task, "candle", "m", "o");
+                    defaults_for(&mut c);
+                    if let Err(e) = apply(&mut c, name, v) {
+                        failures.push(format!("{task}: `{name}` = {v} ({key}) refused: {e}"));
+                    }
+                }
+                if !implemented && !matches!(decided.unwrap().treat, Treat::AnyValue) {
+                    // A value no field has: a string nobody uses.
+                    let odd = Value::from("kiln-test-odd-value");
+                    let mut c = TrainConfig::new(task, "candle", "m", "o");
+                    let e = apply(&mut c, name, &odd)
+                        .expect_err(&format!("{task}: `{name}` took an odd value"))
+                        .to_string();
+                    assert!(
+                        e.contains("TRL's `") || e.contains("transformers' `"),
+                        "{task}: `{name}`: {e}"
+                    );
+                    assert!(e.contains(decided.unwrap().why), "{task}: `{name}`: {e}");
+                }
+                checked += 1;
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        assert!(checked > 700, "{checked} fields checked");
+    }
+
+    /// A TRL user's SFT config: `loss_type` is SFT's own (nll, dft), not another task's.
+    #[test]
+    fn sft_takes_trls_loss_type_and_refuses_what_it_cannot_honour() {
+        let mut c = TrainConfig::new("sft", "candle", "m", "o");
+        apply(&mut c, "loss_type", &Value::from("dft")).unwrap();
+        assert_eq!(
+            c.option::<String>("loss_type").unwrap().as_deref(),
+            Some("dft")
+        );
+        let e = apply(&mut c, "packing", &Value::from(true)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config field `packing`: TRL's `SFTConfig.packing` = true: packing is not built yet; \
+             kiln pads each batch to its longest sequence; kiln takes only TRL's default, false"
+        );
+        let e = apply(&mut c, "bf16", &Value::from(true)).unwrap_err();
+        assert!(e.to_string().contains("kiln trains in f32"), "{e}");
+        // TRL's max_steps -1 and None values leave kiln's defaults.
+        apply(&mut c, "max_steps", &Value::from(-1)).unwrap();
+        assert_eq!(c.hyper.max_steps, None);
+        apply(&mut c, "logging_steps", &Value::from(10.0)).unwrap();
+        assert_eq!(c.hyper.logging_steps, 10);
+        // A field TRL does not have for SFT is still another task's.
+        let e = apply(&mut c, "beta", &Value::from(0.1)).unwrap_err();
+        assert!(e.to_string().contains("does not take it"), "{e}");
+    }
 
     #[test]
     fn fields_land_where_trainers_read_them_and_mistakes_are_named() {

@@ -39,7 +39,21 @@ pub fn sft<O: TensorOps>(
     ops.affine(&nll, -1.0 / num_items.max(1.0), 0.0)
 }
 
-/// DPO's loss variants (TRL `DPOConfig.loss_type`).
+/// SFT's DFT loss (TRL's `dft_loss`, `SFTConfig.loss_type="dft"`): each masked token's NLL
+/// weighted by its own probability, outside the graph —
+/// `−Σ stopgrad(p) · log p / num_items`, over the same token count as [`sft`].
+pub fn sft_dft<O: TensorOps>(
+    ops: &O,
+    inputs: &TokenInputs<O::T>,
+    num_items: f64,
+) -> Result<O::T, O::Error> {
+    let p = ops.exp(&ops.detach(&inputs.logps))?;
+    let weighted = ops.mul(&ops.mul(&p, &inputs.logps)?, &inputs.mask)?;
+    ops.affine(&ops.sum_all(&weighted)?, -1.0 / num_items.max(1.0), 0.0)
+}
+
+/// DPO's loss variants (TRL `DPOConfig.loss_type`, `DPOTrainer._compute_loss`); `Δ` is the
+/// chosen minus the rejected score (the log-ratios under `f_divergence_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DpoLoss {
     /// `−log σ(β·Δ)` (the paper's loss; TRL's default).
@@ -48,20 +62,140 @@ pub enum DpoLoss {
     Hinge,
     /// `(Δ̄ − 1/(2β))²` with per-token averaged log-ratios (IPO, as TRL normalises it).
     Ipo,
+    /// EXO-pref: `σ(βΔ)(log σ(βΔ) − log(1−ε)) + σ(−βΔ)(log σ(−βΔ) − log ε)`, ε = label_smoothing.
+    ExoPair,
+    /// NCA: `−log σ(βc) − ½ log σ(−βc) − ½ log σ(−βr)` over the scores `c`, `r`.
+    NcaPair,
+    /// Robust DPO: `(−(1−ε) log σ(βΔ) + ε log σ(−βΔ)) / (1 − 2ε)`.
+    Robust,
+    /// BCO on pairs: `−log σ(βc) − log σ(−βr)`.
+    BcoPair,
+    /// SPPO (hard probabilities): `(c − 1/(2β))² + (r + 1/(2β))²`.
+    SppoHard,
+    /// AOT: the sorted policy log-ratios `π_c − π_r` against the sorted reference ones.
+    Aot,
+    /// AOT unpaired: the sorted chosen log-ratios against the sorted rejected ones.
+    AotUnpaired,
+    /// APO-zero: `1 − σ(β·chosen log-ratio) + σ(β·rejected log-ratio)`.
+    ApoZero,
+    /// APO-down: `σ(β·chosen log-ratio) + 1 − σ(βΔ)`.
+    ApoDown,
+    /// DiscoPOP: `−log σ(βΔ)(1 − m) + e^{−βΔ} m`, `m = σ(βΔ / τ)`.
+    Discopop,
+    /// The chosen completions' mean token cross-entropy (RPO's NLL term as a loss of its own).
+    Sft,
 }
 
 impl DpoLoss {
-    /// Every accepted name.
-    pub const NAMES: &'static [&'static str] = &["sigmoid", "hinge", "ipo"];
+    /// Every accepted name, TRL's spelling.
+    pub const NAMES: &'static [&'static str] = &[
+        "sigmoid",
+        "hinge",
+        "ipo",
+        "exo_pair",
+        "nca_pair",
+        "robust",
+        "bco_pair",
+        "sppo_hard",
+        "aot",
+        "aot_unpaired",
+        "apo_zero",
+        "apo_down",
+        "discopop",
+        "sft",
+    ];
 
     /// The variant named `name` (TRL's spelling).
     pub fn parse(name: &str) -> Option<Self> {
+        use DpoLoss::*;
+        let all = [
+            Sigmoid,
+            Hinge,
+            Ipo,
+            ExoPair,
+            NcaPair,
+            Robust,
+            BcoPair,
+            SppoHard,
+            Aot,
+            AotUnpaired,
+            ApoZero,
+            ApoDown,
+            Discopop,
+            Sft,
+        ];
+        Self::NAMES.iter().position(|n| *n == name).map(|i| all[i])
+    }
+}
+
+/// DPO's `f_divergence_type`: how a log-ratio `x` becomes a score.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FDivergence {
+    /// `x` (standard DPO; TRL's default).
+    ReverseKl,
+    /// `−e^{−x}`.
+    ForwardKl,
+    /// `log σ(x)`.
+    JsDivergence,
+    /// `e^{min((α−1)x, 80)} / (α − 1)`; `x` itself when α is 1.
+    Alpha(f64),
+}
+
+impl FDivergence {
+    /// The divergence named `name` (`alpha_divergence` with its coefficient).
+    pub fn parse(name: &str, alpha: f64) -> Option<Self> {
         Some(match name {
-            "sigmoid" => DpoLoss::Sigmoid,
-            "hinge" => DpoLoss::Hinge,
-            "ipo" => DpoLoss::Ipo,
+            "reverse_kl" => FDivergence::ReverseKl,
+            "forward_kl" => FDivergence::ForwardKl,
+            "js_divergence" => FDivergence::JsDivergence,
+            "alpha_divergence" => FDivergence::Alpha(alpha),
             _ => return None,
         })
+    }
+}
+
+/// DPO's settings (TRL's `DPOConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DpoSettings {
+    /// `loss_type` with `loss_weights`: the loss is `Σ wᵢ · mean(lossᵢ)`.
+    pub losses: Vec<(DpoLoss, f64)>,
+    /// `beta` (0.1).
+    pub beta: f64,
+    /// `label_smoothing` (0): robust, exo_pair, aot.
+    pub label_smoothing: f64,
+    /// `f_divergence_type` (reverse_kl).
+    pub divergence: FDivergence,
+    /// `discopop_tau` (0.05).
+    pub discopop_tau: f64,
+}
+
+impl DpoSettings {
+    /// One loss variant with weight 1 and TRL's other defaults.
+    pub fn single(kind: DpoLoss, beta: f64) -> Self {
+        DpoSettings {
+            losses: vec![(kind, 1.0)],
+            beta,
+            label_smoothing: 0.0,
+            divergence: FDivergence::ReverseKl,
+            discopop_tau: 0.05,
+        }
+    }
+}
+
+/// What some DPO variants need beyond the summed log-probabilities.
+pub struct DpoExtras<T> {
+    /// The chosen completions' mean token cross-entropy (the `sft` variant).
+    pub chosen_nll: Option<T>,
+    /// WPO's per-pair weights (`use_weighting`): each pair's loss is multiplied by it.
+    pub pair_weights: Option<Vec<f64>>,
+}
+
+impl<T> Default for DpoExtras<T> {
+    fn default() -> Self {
+        DpoExtras {
+            chosen_nll: None,
+            pair_weights: None,
+        }
     }
 }
 
@@ -83,36 +217,211 @@ pub struct PreferenceLogps<T> {
     pub rejected_len: Vec<f64>,
 }
 
-/// DPO (TRL's `DPOTrainer._compute_loss`, `f_divergence_type="reverse_kl"`): the mean over
-/// pairs of the chosen loss variant of `Δ = (π_c − ref_c) − (π_r − ref_r)`. Metrics (means
-/// over the pairs): `rewards/chosen` `β(π_c − ref_c)`, `rewards/rejected`,
-/// `rewards/accuracies` (chosen reward > rejected reward), `rewards/margins`,
-/// `logps/chosen`, `logps/rejected`.
+/// DPO with one loss variant and TRL's other defaults ([`dpo_with`]).
 pub fn dpo<O: TensorOps>(
     ops: &O,
     kind: DpoLoss,
     beta: f64,
     p: &PreferenceLogps<O::T>,
 ) -> Result<LossOutput<O::T>, O::Error> {
+    dpo_with(
+        ops,
+        &DpoSettings::single(kind, beta),
+        p,
+        &DpoExtras::default(),
+    )
+}
+
+/// `σ(a)` as `exp(log σ(a))`.
+fn sigmoid<O: TensorOps>(ops: &O, a: &O::T) -> Result<O::T, O::Error> {
+    ops.exp(&ops.log_sigmoid(a)?)
+}
+
+/// The values of `a` (`[n]`) in ascending order, keeping the graph: each element taken by
+/// position from the order of its detached values (torch's sort; ties keep their order).
+fn sorted<O: TensorOps>(ops: &O, a: &O::T) -> Result<Vec<O::T>, O::Error> {
+    let v = ops.to_f64(&ops.detach(a))?;
+    let mut order: Vec<usize> = (0..v.len()).collect();
+    order.sort_by(|&i, &j| v[i].total_cmp(&v[j]));
+    order.into_iter().map(|i| ops.narrow(a, 0, i, 1)).collect()
+}
+
+/// The mean over pairs of `f(Δᵢ)` for AOT's sorted differences `Δᵢ = aᵢ − bᵢ`, each `[1]`.
+fn aot_mean<O: TensorOps>(
+    ops: &O,
+    a: &[O::T],
+    b: &[O::T],
+    beta: f64,
+    eps: f64,
+    weights: Option<&[f64]>,
+) -> Result<O::T, O::Error> {
+    let mut total: Option<O::T> = None;
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let z = ops.affine(&ops.sub(x, y)?, beta, 0.0)?;
+        let pos = ops.affine(&ops.log_sigmoid(&z)?, -(1.0 - eps), 0.0)?;
+        let neg = ops.affine(&ops.log_sigmoid(&ops.affine(&z, -1.0, 0.0)?)?, -eps, 0.0)?;
+        let mut term = ops.add(&pos, &neg)?;
+        if let Some(w) = weights {
+            term = ops.affine(&term, w[i], 0.0)?;
+        }
+        total = Some(match total {
+            Some(t) => ops.add(&t, &term)?,
+            None => term,
+        });
+    }
+    let n = a.len().max(1) as f64;
+    match total {
+        Some(t) => ops.affine(&ops.sum_all(&t)?, 1.0 / n, 0.0),
+        None => ops.tensor(&[0.0], &[]),
+    }
+}
+
+/// DPO (TRL's `DPOTrainer._compute_loss`): `Σ wᵢ · mean over pairs of lossᵢ`, each variant of
+/// the scores `c = f(π_c − ref_c)`, `r = f(π_r − ref_r)` and `Δ = c − r` (see [`DpoLoss`];
+/// `f` is the `f_divergence_type`). Metrics (means over the pairs; rewards from the plain
+/// log-ratios whatever the divergence): `rewards/chosen` `β(π_c − ref_c)`,
+/// `rewards/rejected`, `rewards/accuracies` (chosen reward > rejected reward),
+/// `rewards/margins`, `logps/chosen`, `logps/rejected`.
+pub fn dpo_with<O: TensorOps>(
+    ops: &O,
+    s: &DpoSettings,
+    p: &PreferenceLogps<O::T>,
+    extras: &DpoExtras<O::T>,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let beta = s.beta;
+    let eps = s.label_smoothing;
+    let n = p.chosen_len.len();
     let chosen_ratio = ops.sub(&p.chosen, &p.ref_chosen)?;
     let rejected_ratio = ops.sub(&p.rejected, &p.ref_rejected)?;
-    let delta = ops.sub(&chosen_ratio, &rejected_ratio)?;
-    let per_pair = match kind {
-        DpoLoss::Sigmoid => ops.affine(
-            &ops.log_sigmoid(&ops.affine(&delta, beta, 0.0)?)?,
-            -1.0,
-            0.0,
-        )?,
-        DpoLoss::Hinge => ops.relu(&ops.affine(&delta, -beta, 1.0)?)?,
-        DpoLoss::Ipo => {
-            let n = p.chosen_len.len();
-            let len = |l: &[f64]| -> Vec<f64> { l.iter().map(|&x| x.max(1.0)).collect() };
-            let c = ops.div(&chosen_ratio, &ops.tensor(&len(&p.chosen_len), &[n])?)?;
-            let r = ops.div(&rejected_ratio, &ops.tensor(&len(&p.rejected_len), &[n])?)?;
-            ops.sqr(&ops.affine(&ops.sub(&c, &r)?, 1.0, -1.0 / (2.0 * beta))?)?
+    let score = |x: &O::T| -> Result<O::T, O::Error> {
+        match s.divergence {
+            FDivergence::ReverseKl => Ok(x.clone()),
+            FDivergence::ForwardKl => ops.affine(&ops.exp(&ops.affine(x, -1.0, 0.0)?)?, -1.0, 0.0),
+            FDivergence::JsDivergence => ops.log_sigmoid(x),
+            FDivergence::Alpha(a) if (a - 1.0).abs() < 1e-6 => Ok(x.clone()),
+            FDivergence::Alpha(a) => {
+                let t = ops.clamp(&ops.affine(x, a - 1.0, 0.0)?, f64::NEG_INFINITY, 80.0)?;
+                ops.affine(&ops.exp(&t)?, 1.0 / (a - 1.0), 0.0)
+            }
         }
     };
-    let loss = ops.mean_all(&per_pair)?;
+    let c = score(&chosen_ratio)?;
+    let r = score(&rejected_ratio)?;
+    let delta = ops.sub(&c, &r)?;
+    let bd = ops.affine(&delta, beta, 0.0)?;
+    let neg = |t: &O::T| ops.affine(t, -1.0, 0.0);
+    let weights = match &extras.pair_weights {
+        Some(w) => Some(ops.tensor(w, &[n])?),
+        None => None,
+    };
+    let mut loss: Option<O::T> = None;
+    for &(kind, weight) in &s.losses {
+        let per_pair = match kind {
+            DpoLoss::Sigmoid => neg(&ops.log_sigmoid(&bd)?)?,
+            DpoLoss::Hinge => ops.relu(&ops.affine(&delta, -beta, 1.0)?)?,
+            DpoLoss::Ipo => {
+                let len = |l: &[f64]| -> Vec<f64> { l.iter().map(|&x| x.max(1.0)).collect() };
+                let ca = ops.div(&c, &ops.tensor(&len(&p.chosen_len), &[n])?)?;
+                let ra = ops.div(&r, &ops.tensor(&len(&p.rejected_len), &[n])?)?;
+                ops.sqr(&ops.affine(&ops.sub(&ca, &ra)?, 1.0, -1.0 / (2.0 * beta))?)?
+            }
+            DpoLoss::ExoPair => {
+                let log_qw = ops.log_sigmoid(&bd)?;
+                let log_ql = ops.log_sigmoid(&neg(&bd)?)?;
+                let w = ops.mul(
+                    &ops.exp(&log_qw)?,
+                    &ops.affine(&log_qw, 1.0, -(-eps).ln_1p())?,
+                )?;
+                let l = ops.mul(&ops.exp(&log_ql)?, &ops.affine(&log_ql, 1.0, -eps.ln())?)?;
+                ops.add(&w, &l)?
+            }
+            DpoLoss::NcaPair => {
+                let bc = ops.affine(&c, beta, 0.0)?;
+                let br = ops.affine(&r, beta, 0.0)?;
+                let a = neg(&ops.log_sigmoid(&bc)?)?;
+                let b = ops.affine(&ops.log_sigmoid(&neg(&bc)?)?, -0.5, 0.0)?;
+                let d = ops.affine(&ops.log_sigmoid(&neg(&br)?)?, -0.5, 0.0)?;
+                ops.add(&ops.add(&a, &b)?, &d)?
+            }
+            DpoLoss::Robust => {
+                let clean = ops.affine(&ops.log_sigmoid(&bd)?, -(1.0 - eps), 0.0)?;
+                let flipped = ops.affine(&ops.log_sigmoid(&neg(&bd)?)?, -eps, 0.0)?;
+                ops.affine(&ops.sub(&clean, &flipped)?, 1.0 / (1.0 - 2.0 * eps), 0.0)?
+            }
+            DpoLoss::BcoPair => {
+                let a = neg(&ops.log_sigmoid(&ops.affine(&c, beta, 0.0)?)?)?;
+                let b = neg(&ops.log_sigmoid(&ops.affine(&r, -beta, 0.0)?)?)?;
+                ops.add(&a, &b)?
+            }
+            DpoLoss::SppoHard => {
+                let w = ops.sqr(&ops.affine(&c, 1.0, -0.5 / beta)?)?;
+                let l = ops.sqr(&ops.affine(&r, 1.0, 0.5 / beta)?)?;
+                ops.add(&w, &l)?
+            }
+            DpoLoss::Aot | DpoLoss::AotUnpaired => {
+                let (a, b) = if kind == DpoLoss::Aot {
+                    (
+                        ops.sub(&p.chosen, &p.rejected)?,
+                        ops.sub(&p.ref_chosen, &p.ref_rejected)?,
+                    )
+                } else {
+                    (chosen_ratio.clone(), rejected_ratio.clone())
+                };
+                // Sorting pairs the i-th smallest of each: the mean is taken here, so the
+                // weights (refused with AOT, as TRL refuses them) never apply.
+                let term = aot_mean(ops, &sorted(ops, &a)?, &sorted(ops, &b)?, beta, eps, None)?;
+                let weighted = ops.affine(&term, weight, 0.0)?;
+                loss = Some(match loss {
+                    Some(l) => ops.add(&l, &weighted)?,
+                    None => weighted,
+                });
+                continue;
+            }
+            DpoLoss::ApoZero => {
+                let w = ops.affine(
+                    &sigmoid(ops, &ops.affine(&chosen_ratio, beta, 0.0)?)?,
+                    -1.0,
+                    1.0,
+                )?;
+                let l = sigmoid(ops, &ops.affine(&rejected_ratio, beta, 0.0)?)?;
+                ops.add(&w, &l)?
+            }
+            DpoLoss::ApoDown => {
+                let w = sigmoid(ops, &ops.affine(&chosen_ratio, beta, 0.0)?)?;
+                let l = ops.affine(&sigmoid(ops, &bd)?, -1.0, 1.0)?;
+                ops.add(&w, &l)?
+            }
+            DpoLoss::Discopop => {
+                let m = sigmoid(ops, &ops.affine(&bd, 1.0 / s.discopop_tau, 0.0)?)?;
+                let logistic = neg(&ops.log_sigmoid(&bd)?)?;
+                let expo = ops.exp(&neg(&bd)?)?;
+                let keep = ops.mul(&logistic, &ops.affine(&m, -1.0, 1.0)?)?;
+                ops.add(&keep, &ops.mul(&expo, &m)?)?
+            }
+            DpoLoss::Sft => {
+                let nll = extras
+                    .chosen_nll
+                    .clone()
+                    .expect("the task computes the chosen NLL for loss_type sft");
+                // TRL expands the scalar to every pair (its mean is itself unless the pairs
+                // are weighted).
+                ops.mul(&ops.tensor(&vec![1.0; n], &[n])?, &nll)?
+            }
+        };
+        let per_pair = match &weights {
+            Some(w) => ops.mul(&per_pair, w)?,
+            None => per_pair,
+        };
+        let term = ops.affine(&ops.mean_all(&per_pair)?, weight, 0.0)?;
+        loss = Some(match loss {
+            Some(l) => ops.add(&l, &term)?,
+            None => term,
+        });
+    }
+    let loss = match loss {
+        Some(l) => l,
+        None => ops.tensor(&[0.0], &[])?,
+    };
     let scaled = |t: &O::T| -> Result<Vec<f64>, O::Error> {
         Ok(ops
             .to_f64(&ops.detach(t))?

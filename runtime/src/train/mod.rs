@@ -28,6 +28,7 @@ pub mod runner;
 pub mod schedule;
 #[cfg(feature = "exec")]
 pub mod tasks;
+pub mod trl_fields;
 
 use serde::{Deserialize, Serialize};
 
@@ -99,6 +100,10 @@ pub struct TrainConfig {
     /// Task-specific settings, by TRL's names.
     #[serde(default)]
     pub task_options: serde_json::Map<String, serde_json::Value>,
+    /// transformers' `output_dir` from a `--config` file: the output folder when the command
+    /// line names none.
+    #[serde(default)]
+    pub output_dir: Option<PathBuf>,
 }
 
 fn default_backend() -> String {
@@ -132,7 +137,16 @@ impl TrainConfig {
             adapter_format: AdapterFormat::Peft,
             resume: None,
             task_options: serde_json::Map::new(),
+            output_dir: None,
         }
+    }
+
+    /// TRL's `disable_dropout`: no dropout in the policy while training, LoRA's included
+    /// (TRL sets every `nn.Dropout` to 0). TRL's default: on for dpo, orpo, simpo and kto,
+    /// off for grpo; SFT has no such field and keeps its dropout.
+    pub fn disable_dropout(&self) -> Result<bool, TrainError> {
+        let default = matches!(self.task.as_str(), "dpo" | "orpo" | "simpo" | "kto");
+        Ok(self.option::<bool>("disable_dropout")?.unwrap_or(default))
     }
 
     /// A task option, deserialized; `Ok(None)` when absent, an error naming the option when

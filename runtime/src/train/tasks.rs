@@ -10,7 +10,10 @@ use super::data::{
     DataFormat, Dataset, LmExample, PairExample, ScoredPair, TextTokenizer, UnpairedExample,
     apply_chat_template, pair_examples, scored_pairs, unpair, unpaired_examples,
 };
-use super::losses::{self, CpoLoss, CpoSettings, DpoLoss, KtoLoss, PreferenceLogps, TokenInputs};
+use super::losses::{
+    self, CpoLoss, CpoSettings, DpoExtras, DpoLoss, DpoSettings, FDivergence, KtoLoss,
+    PreferenceLogps, TokenInputs,
+};
 use super::ops::TensorOps;
 use super::runner::{OrTrain, Runner, Shifted};
 use std::collections::BTreeMap;
@@ -35,6 +38,8 @@ pub fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Datase
 pub struct SftTask {
     examples: Vec<LmExample>,
     num_items: f64,
+    /// `loss_type` dft (TRL's DFT loss) rather than nll.
+    dft: bool,
 }
 
 impl SftTask {
@@ -62,9 +67,20 @@ impl SftTask {
             assistant_only,
             config.hyper.max_length,
         )?;
+        let dft = match config.option::<String>("loss_type")?.as_deref() {
+            None | Some("nll") => false,
+            Some("dft") => true,
+            Some(other) => {
+                return Err(config_err(
+                    "loss_type",
+                    format!("`{other}` is not one of nll, dft (TRL's SFTConfig)"),
+                ));
+            }
+        };
         Ok(SftTask {
             examples,
             num_items: 0.0,
+            dft,
         })
     }
 
@@ -108,7 +124,11 @@ impl SftTask {
             mask: s.mask.clone(),
             mask_host: s.mask_host.clone(),
         };
-        let loss = losses::sft(ops, &inputs, self.num_items).tr()?;
+        let loss = if self.dft {
+            losses::sft_dft(ops, &inputs, self.num_items).tr()?
+        } else {
+            losses::sft(ops, &inputs, self.num_items).tr()?
+        };
         let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
         let mut m = BTreeMap::new();
         m.insert(
@@ -128,16 +148,99 @@ impl SftTask {
 /// against a frozen reference model `M` (or reference log-probs computed before training).
 pub struct DpoTask<M> {
     pairs: Vec<PairExample>,
-    beta: f64,
-    loss: DpoLoss,
+    settings: DpoSettings,
+    /// LD-DPO's `ld_alpha`: the weight of the longer completion's tokens past the shorter's.
+    ld_alpha: Option<f64>,
+    /// WPO's weighting (`use_weighting`).
+    use_weighting: bool,
     max_length: Option<usize>,
     reference: Option<M>,
     /// Reference log-probs computed before training (`precompute_ref_log_probs`).
     precomputed: Option<Vec<(f64, f64)>>,
 }
 
+/// DPO's settings from `config` (TRL's `DPOConfig` fields and its checks).
+pub fn dpo_settings(config: &TrainConfig) -> Result<DpoSettings, TrainError> {
+    let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
+    let names: Vec<String> = match config.task_options.get("loss_type") {
+        None => vec!["sigmoid".into()],
+        Some(serde_json::Value::String(s)) => vec![s.clone()],
+        Some(_) => config
+            .option::<Vec<String>>("loss_type")?
+            .unwrap_or_default(),
+    };
+    if names.is_empty() {
+        return Err(config_err(
+            "loss_type",
+            "an empty list: name at least one loss",
+        ));
+    }
+    let weights = config
+        .option::<Vec<f64>>("loss_weights")?
+        .unwrap_or_else(|| vec![1.0; names.len()]);
+    if weights.len() != names.len() {
+        return Err(config_err(
+            "loss_weights",
+            format!(
+                "{} weights for {} loss types (one weight per loss_type)",
+                weights.len(),
+                names.len()
+            ),
+        ));
+    }
+    let mut losses = Vec::with_capacity(names.len());
+    for (name, w) in names.iter().zip(weights) {
+        let kind = DpoLoss::parse(name).ok_or_else(|| {
+            config_err(
+                "loss_type",
+                format!("`{name}` is not one of {}", DpoLoss::NAMES.join(", ")),
+            )
+        })?;
+        losses.push((kind, w));
+    }
+    let label_smoothing = config.option::<f64>("label_smoothing")?.unwrap_or(0.0);
+    let has = |k: DpoLoss| losses.iter().any(|(l, _)| *l == k);
+    if has(DpoLoss::ExoPair) && label_smoothing <= 0.0 {
+        return Err(config_err(
+            "label_smoothing",
+            "loss_type exo_pair needs label_smoothing > 0 (the EXO paper recommends 1e-3), as TRL requires",
+        ));
+    }
+    if has(DpoLoss::Robust) && !(0.0..0.5).contains(&label_smoothing) {
+        return Err(config_err(
+            "label_smoothing",
+            format!(
+                "loss_type robust divides by 1 − 2·label_smoothing: {label_smoothing} is outside [0, 0.5)"
+            ),
+        ));
+    }
+    let name = config
+        .option::<String>("f_divergence_type")?
+        .unwrap_or_else(|| "reverse_kl".into());
+    let alpha = config
+        .option::<f64>("f_alpha_divergence_coef")?
+        .unwrap_or(0.5);
+    let divergence = FDivergence::parse(&name, alpha).ok_or_else(|| {
+        config_err(
+            "f_divergence_type",
+            format!(
+                "`{name}` is not one of reverse_kl, forward_kl, js_divergence, alpha_divergence"
+            ),
+        )
+    })?;
+    let discopop_tau = config.option::<f64>("discopop_tau")?.unwrap_or(0.05);
+    Ok(DpoSettings {
+        losses,
+        beta,
+        label_smoothing,
+        divergence,
+        discopop_tau,
+    })
+}
+
 impl<M> DpoTask<M> {
     /// The pairs of `config.train_data` and DPO's options (`beta`, `loss_type`,
+    /// `loss_weights`, `label_smoothing`, `f_divergence_type`, `ld_alpha`, `use_weighting`,
     /// `precompute_ref_log_probs`), against `reference`.
     pub fn new<R: Runner<Model = M>>(
         config: &TrainConfig,
@@ -147,20 +250,24 @@ impl<M> DpoTask<M> {
     ) -> Result<Self, TrainError> {
         let data = read_data(config, &[DataFormat::Preference])?;
         let pairs = pair_examples(&data, tok)?;
-        let beta = config.option::<f64>("beta")?.unwrap_or(0.1);
-        let loss_name = config
-            .option::<String>("loss_type")?
-            .unwrap_or_else(|| "sigmoid".into());
-        let loss = DpoLoss::parse(&loss_name).ok_or_else(|| {
-            config_err(
-                "loss_type",
-                format!("`{loss_name}` is not one of {}", DpoLoss::NAMES.join(", ")),
-            )
-        })?;
+        let settings = dpo_settings(config)?;
+        let use_weighting = config.option::<bool>("use_weighting")?.unwrap_or(false);
+        if use_weighting
+            && settings
+                .losses
+                .iter()
+                .any(|(l, _)| matches!(l, DpoLoss::Aot | DpoLoss::AotUnpaired))
+        {
+            return Err(config_err(
+                "use_weighting",
+                "WPO's weighting does not go with loss_type aot or aot_unpaired (they sort the pairs), as in TRL",
+            ));
+        }
         let mut me = DpoTask {
             pairs,
-            beta,
-            loss,
+            settings,
+            ld_alpha: config.option::<f64>("ld_alpha")?,
+            use_weighting,
             max_length: config.hyper.max_length,
             reference: Some(reference),
             precomputed: None,
@@ -169,7 +276,11 @@ impl<M> DpoTask<M> {
             .option::<bool>("precompute_ref_log_probs")?
             .unwrap_or(false)
         {
-            let bs = config.hyper.per_device_train_batch_size.max(1);
+            let bs = config
+                .option::<u64>("precompute_ref_batch_size")?
+                .map(|b| b as usize)
+                .unwrap_or(config.hyper.per_device_train_batch_size)
+                .max(1);
             let mut all = Vec::with_capacity(me.pairs.len());
             let idx: Vec<usize> = (0..me.pairs.len()).collect();
             for chunk in idx.chunks(bs) {
@@ -180,6 +291,40 @@ impl<M> DpoTask<M> {
             me.reference = None;
         }
         Ok(me)
+    }
+
+    /// The per-token weights of the summed log-probabilities: the completion mask, with
+    /// LD-DPO's `ld_alpha` on the tokens of the longer completion past the shorter one's
+    /// length (TRL's `shared_mask + ld_alpha · tail_mask`).
+    fn token_weights<O: TensorOps>(
+        &self,
+        ops: &O,
+        mask: &O::T,
+        mask_host: &[Vec<f32>],
+    ) -> Result<O::T, TrainError> {
+        let Some(alpha) = self.ld_alpha else {
+            return Ok(mask.clone());
+        };
+        let n = mask_host.len() / 2;
+        let len = |row: &[f32]| row.iter().map(|&m| f64::from(m)).sum::<f64>();
+        let width = mask_host.first().map_or(0, Vec::len);
+        let mut w = Vec::with_capacity(mask_host.len() * width);
+        for (i, row) in mask_host.iter().enumerate() {
+            let pair = i % n.max(1);
+            let shared = len(&mask_host[pair]).min(len(&mask_host[pair + n]));
+            let mut pos = 0.0;
+            for &m in row {
+                pos += f64::from(m);
+                w.push(if m == 0.0 {
+                    0.0
+                } else if pos <= shared {
+                    1.0
+                } else {
+                    alpha
+                });
+            }
+        }
+        ops.tensor(&w, &[mask_host.len(), width]).tr()
     }
 
     /// Pairs in the set.
@@ -217,7 +362,8 @@ impl<M> DpoTask<M> {
         let reference = self.reference.as_ref().expect("reference model kept");
         let ops = r.ops();
         let s = r.forward_shifted(reference, &self.sequences(indices))?;
-        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()?;
+        let weights = self.token_weights(ops, &s.mask, &s.mask_host)?;
+        let sums = ops.sum_last(&ops.mul(&s.logps, &weights).tr()?).tr()?;
         let v = ops.to_f64(&ops.detach(&sums)).tr()?;
         let n = indices.len();
         Ok((v[..n].to_vec(), v[n..].to_vec()))
@@ -234,7 +380,8 @@ impl<M> DpoTask<M> {
         let n = indices.len();
         let seqs = self.sequences(indices);
         let s = r.forward_shifted(r.policy(), &seqs)?;
-        let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()?;
+        let weights = self.token_weights(ops, &s.mask, &s.mask_host)?;
+        let sums = ops.sum_last(&ops.mul(&s.logps, &weights).tr()?).tr()?;
         let (chosen, rejected) = ops.halves(&sums).tr()?;
         let (rc, rr) = match &self.precomputed {
             Some(all) => indices.iter().map(|&i| all[i]).unzip(),
@@ -252,7 +399,19 @@ impl<M> DpoTask<M> {
             chosen_len: lens[..n].to_vec(),
             rejected_len: lens[n..].to_vec(),
         };
-        let out = losses::dpo(ops, self.loss, self.beta, &p).tr()?;
+        let extras = DpoExtras {
+            chosen_nll: if self.settings.losses.iter().any(|(l, _)| *l == DpoLoss::Sft) {
+                Some(self.chosen_nll(ops, &s)?)
+            } else {
+                None
+            },
+            pair_weights: if self.use_weighting {
+                Some(Self::wpo_weights(ops, &s)?)
+            } else {
+                None
+            },
+        };
+        let out = losses::dpo_with(ops, &self.settings, &p, &extras).tr()?;
         let mut m = out.metrics;
         let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
         m.insert(
@@ -275,6 +434,57 @@ impl<M> DpoTask<M> {
         }
         m.insert("num_tokens".into(), 0.0);
         Ok((out.loss, m, tokens))
+    }
+}
+
+impl<M> DpoTask<M> {
+    /// The chosen completions' mean token cross-entropy (TRL's `sft` loss type:
+    /// `cross_entropy` over the chosen rows' completion tokens).
+    fn chosen_nll<O: TensorOps>(
+        &self,
+        ops: &O,
+        s: &super::runner::Shifted<O::T>,
+    ) -> Result<O::T, TrainError> {
+        let (logps, _) = ops.halves(&s.logps).tr()?;
+        let (mask, _) = ops.halves(&s.mask).tr()?;
+        let n = s.mask_host.len() / 2;
+        let count: f64 = s.mask_host[..n]
+            .iter()
+            .flatten()
+            .map(|&m| f64::from(m))
+            .sum();
+        let total = ops.sum_all(&ops.mul(&logps, &mask).tr()?).tr()?;
+        ops.affine(&total, -1.0 / count.max(1.0), 0.0).tr()
+    }
+
+    /// WPO's weights (TRL's `use_weighting`): per sequence `exp(mean over completion tokens of
+    /// log p − log Σ p²)`, the pair's weight the product of its chosen and rejected ones; no
+    /// gradient. `log p − log Σ p²` is `log softmax(2·logits)[label] − log p`.
+    fn wpo_weights<O: TensorOps>(
+        ops: &O,
+        s: &super::runner::Shifted<O::T>,
+    ) -> Result<Vec<f64>, TrainError> {
+        let rows = s.mask_host.len();
+        let width = s.mask_host.first().map_or(0, Vec::len);
+        let labels = ops.ids(&s.labels, &[rows, width]).tr()?;
+        let doubled = ops
+            .token_logps(&ops.detach(&ops.affine(&s.logits, 2.0, 0.0).tr()?), &labels)
+            .tr()?;
+        let aligned = ops
+            .to_f64(&ops.sub(&doubled, &ops.detach(&s.logps)).tr()?)
+            .tr()?;
+        let per_seq: Vec<f64> = (0..rows)
+            .map(|i| {
+                let (mut sum, mut count) = (0.0, 0.0);
+                for (t, &m) in s.mask_host[i].iter().enumerate() {
+                    sum += aligned[i * width + t] * f64::from(m);
+                    count += f64::from(m);
+                }
+                (sum / count.max(1.0)).exp()
+            })
+            .collect();
+        let n = rows / 2;
+        Ok((0..n).map(|i| per_seq[i] * per_seq[i + n]).collect())
     }
 }
 

@@ -418,6 +418,10 @@ impl OutputWriter for MlxOutput {
         Ok(())
     }
 
+    fn engines(&self) -> Vec<crate::export::engines::EngineSupport> {
+        crate::export::engines::mlx(self.mode.mode_name())
+    }
+
     fn warnings(&self) -> Vec<String> {
         self.take_warnings()
     }

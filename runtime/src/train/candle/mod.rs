@@ -133,7 +133,9 @@ impl Setup {
             }
         };
         if let Some(a) = &adapters {
-            model = model.with_adapters(Some(Arc::new(a.set_training(true))));
+            // Dropout while training, unless the task disables it (TRL's disable_dropout).
+            let dropout = !config.disable_dropout()?;
+            model = model.with_adapters(Some(Arc::new(a.set_training(dropout))));
         }
         Ok(Setup {
             config: config.clone(),

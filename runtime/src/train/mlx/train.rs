@@ -83,9 +83,11 @@ impl MlxSetup {
             }
         };
         // The dropout stream seeded as the candle backend seeds it.
+        // Dropout while training, unless the task disables it (TRL's disable_dropout).
+        let dropout = !config.disable_dropout()?;
         let adapters = adapters.map(|a| {
             a.with_dropout_state(config.hyper.seed ^ 0x6472_6f70)
-                .set_training(true)
+                .set_training(dropout)
         });
         let (names, params) = match &adapters {
             Some(a) => {

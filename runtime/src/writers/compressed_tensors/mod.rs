@@ -671,6 +671,10 @@ impl OutputWriter for CompressedTensors {
         Ok(())
     }
 
+    fn engines(&self) -> Vec<crate::export::engines::EngineSupport> {
+        crate::export::engines::compressed_tensors(self.scheme.name())
+    }
+
     fn uses_statistics(&self) -> bool {
         self.scheme.static_activations()
     }

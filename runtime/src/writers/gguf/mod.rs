@@ -864,6 +864,10 @@ impl OutputWriter for GgufOutput {
         Ok(vec![FILE_NAME.to_string()])
     }
 
+    fn engines(&self) -> Vec<crate::export::engines::EngineSupport> {
+        crate::export::engines::gguf(self.ftype.cli_name())
+    }
+
     fn warnings(&self) -> Vec<String> {
         self.warnings
             .lock()
