@@ -39,7 +39,11 @@ fn cases() -> Vec<Case> {
         for e in entries {
             let dir = e.unwrap().path();
             let name = dir.file_name().unwrap().to_string_lossy().to_string();
-            let Some(scheme) = name.strip_prefix("ct-") else {
+            // ct-calib-*: the self-calibration references (`self_calibrated_*` below).
+            let Some(scheme) = name
+                .strip_prefix("ct-")
+                .filter(|s| !s.starts_with("calib-"))
+            else {
                 continue;
             };
             let (format, kv) = match scheme.strip_suffix("+kv-fp8") {
@@ -348,4 +352,136 @@ fn fused_experts_are_written_per_expert() {
             assert_eq!(g, [want], "expert {e} {p}");
         }
     }
+}
+
+/// kiln's own `--calib` for compressed-tensors against llm-compressor 0.14 calibrating on the
+/// same 8 × 32 token ids, each row its own batch of one (`tests/compat/<model>/ct-calib-*`,
+/// made by `llmcompressor_ref.py --self-calibrated`): every activation observer's amax within
+/// 1 % — dense Llama, tied Llama, and Qwen3-MoE, whose experts llm-compressor runs on every
+/// token, each with its own statistics (ModelOpt's rule, the experts sharing the maximum of
+/// their routed tokens, stays with the ModelOpt writer) — and the export itself: the same
+/// `config.json`, the same weights byte for byte, each stored input / KV scale within 2 of
+/// bfloat16's steps (the two runs' activations differ in the last bits: llm-compressor's
+/// forward runs in bf16).
+#[test]
+fn self_calibrated_scales_match_llm_compressor() {
+    use kiln_runtime::export::writer::StatisticsRules;
+    use kiln_runtime::model::for_export::{Calibration, CalibrationOptions};
+    let compat = common::root().join("tests/compat");
+    let mut checked = 0;
+    let mut past_one_percent = 0;
+    let mut failed = Vec::new();
+    let tmp = tempfile::tempdir().unwrap();
+    for model in ["llama-tiny", "llama-tied-tiny", "qwen3-moe-tiny"] {
+        let dir = compat.join(model);
+        let mut refs: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("ct-calib-")
+            })
+            .collect();
+        refs.sort();
+        assert!(!refs.is_empty(), "{model}: no ct-calib-* references");
+        for r in refs {
+            let name = r.file_name().unwrap().to_string_lossy().to_string();
+            let scheme = name.strip_prefix("ct-calib-").unwrap();
+            let (format, kv) = match scheme.strip_suffix("+kv-fp8") {
+                Some(f) => (f, true),
+                None => (scheme, false),
+            };
+            let mut recipe = Recipe::new(Format::Fp8);
+            if kv {
+                recipe.kv_cache = Some(KvCache::Fp8);
+            }
+            let calib = CalibrationOptions {
+                rules: StatisticsRules::LLM_COMPRESSOR,
+                ..CalibrationOptions::new(dir.join("calib-8x32.jsonl"))
+            };
+            let calibration = Calibration::prepare(&dir.join("model"), &recipe, calib).unwrap();
+            assert_eq!(calibration.samples().len(), 8);
+            let (act, _) = calibration.run(|_, _| {}).unwrap();
+            let want: serde_json::Map<String, Value> =
+                serde_json::from_str(&std::fs::read_to_string(r.join("amax.json")).unwrap())
+                    .unwrap();
+            for (q, v) in &want {
+                let v = v.as_f64().unwrap();
+                // llm-compressor's observers hold bf16 values of a bf16 forward: 1 %, or two
+                // bf16 steps of the value where those are wider (a step is 2⁻⁷ of the power of
+                // two below it, 0.4–0.8 %).
+                let step = 2f64.powi(v.abs().log2().floor() as i32 - 7);
+                match act.quantizer(q) {
+                    None => failed.push(format!("{model} {scheme}: kiln has no `{q}`")),
+                    Some(g) if (f64::from(g) - v).abs() > (0.01 * v.abs()).max(2.0 * step) => {
+                        failed.push(format!(
+                            "{model} {scheme}: `{q}` kiln {g} vs llm-compressor {v} ({:+.2} %)",
+                            100.0 * (f64::from(g) - v) / v
+                        ))
+                    }
+                    Some(g) => {
+                        checked += 1;
+                        if (f64::from(g) - v).abs() > 0.01 * v.abs() {
+                            past_one_percent += 1;
+                        }
+                    }
+                }
+            }
+            // The export from kiln's own statistics.
+            let out = tmp.path().join(format!("{model}-{scheme}"));
+            let mut o = options(&dir.join("model"), &out, format);
+            o.act_amax = Some(act);
+            o.recipe.kv_cache = recipe.kv_cache;
+            run(&o).unwrap_or_else(|e| panic!("{model} {scheme}: {e}"));
+            for d in differences(&out, &r.join("llmcompressor")) {
+                // Input and KV scales are compared within bf16 steps below.
+                let scale = ["input_scale", "input_global_scale", "k_scale", "v_scale"]
+                    .iter()
+                    .any(|s| d.contains(&format!("{s}`")));
+                if !scale {
+                    failed.push(format!("{model} {scheme}: {d}"));
+                }
+            }
+            let (a, b) = (
+                Checkpoint::open(&out).unwrap(),
+                Checkpoint::open(r.join("llmcompressor")).unwrap(),
+            );
+            for t in b.tensors() {
+                let n = &t.name;
+                if !["input_scale", "input_global_scale", "k_scale", "v_scale"]
+                    .iter()
+                    .any(|s| n.ends_with(s))
+                {
+                    continue;
+                }
+                let values = |c: &Checkpoint| -> Vec<f32> {
+                    let mut bytes = Vec::new();
+                    c.read(n, &mut bytes).unwrap();
+                    match t.dtype {
+                        kiln_runtime::checkpoint::Dtype::BF16 => bytes
+                            .chunks(2)
+                            .map(|h| half::bf16::from_le_bytes([h[0], h[1]]).to_f32())
+                            .collect(),
+                        kiln_runtime::checkpoint::Dtype::F32 => bytes
+                            .chunks(4)
+                            .map(|h| f32::from_le_bytes([h[0], h[1], h[2], h[3]]))
+                            .collect(),
+                        other => panic!("{n}: {other:?}"),
+                    }
+                };
+                for (g, w) in values(&a).into_iter().zip(values(&b)) {
+                    // Two steps of bf16's 8-bit significand.
+                    if (g - w).abs() > 2.0 * w.abs() / 128.0 {
+                        failed.push(format!("{model} {scheme}: `{n}` kiln {g} vs {w}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    println!("{checked} statistics within tolerance, {past_one_percent} of them past 1 %");
+    assert!(checked > 100, "{checked} statistics compared");
+    assert!(past_one_percent <= 2, "{past_one_percent} statistics past 1 %");
 }

@@ -202,9 +202,11 @@ fn calibrate(
     model: &std::path::Path,
     calib: &std::path::Path,
     args: &ExportArgs,
+    rules: kiln_runtime::export::writer::StatisticsRules,
     err: &mut dyn Write,
 ) -> Result<ActAmax> {
     let options = CalibrationOptions {
+        rules,
         samples: args.calib_size,
         seq_len: args.calib_seq_len,
         dtype: args.calib_dtype.into(),
@@ -300,7 +302,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
     let act = match (&args.act_amax, &args.calib) {
         (Some(path), _) => Some(ActAmax::read(path)?),
-        (None, Some(calib)) => Some(calibrate(&model, calib, args, err)?),
+        (None, Some(calib)) => Some(calibrate(&model, calib, args, probe.statistics_rules(), err)?),
         (None, None) if statistics => demo_act,
         (None, None) => None,
     };

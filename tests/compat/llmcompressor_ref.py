@@ -14,6 +14,7 @@ Everything it writes is small and committed:
 
     python3 -m venv .venv-llmc && .venv-llmc/bin/pip install -r tests/compat/requirements-llmc.txt
     .venv-llmc/bin/python tests/compat/llmcompressor_ref.py [MODEL ...] [SCHEME ...]   # all by default
+    .venv-llmc/bin/python tests/compat/llmcompressor_ref.py --self-calibrated [MODEL ...]  # ct-calib-*
 
 Runs on the CPU (seconds per scheme).
 """
@@ -47,6 +48,8 @@ SCHEMES = {
 MODELS = {
     "llama-tiny": list(SCHEMES),
     "qwen3-moe-tiny": ["fp8-dynamic", "fp8", "w8a8", "nvfp4a16", "nvfp4"],
+    # tie_word_embeddings: llm-compressor lists the tied lm_head in `ignore`.
+    "llama-tied-tiny": ["fp8", "nvfp4"],
 }
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
 
@@ -131,7 +134,68 @@ def export(model_name, scheme):
     print(f"{model_name}/{scheme}: {sorted(p.name for p in (dst / 'llmcompressor').iterdir())}")
 
 
+# Self-calibration references (tests/compressed_tensors.rs `self_calibrated_scales_*`): kiln runs
+# its own --calib on the same ids and its static scales must be within 1 % of these.
+SELF_CALIBRATED = {
+    "llama-tiny": ["fp8", "nvfp4", "fp8+kv-fp8"],
+    "llama-tied-tiny": ["fp8", "nvfp4"],
+    "qwen3-moe-tiny": ["fp8", "nvfp4"],
+}
+
+
+def calib_ids(model_name):
+    """8 rows of 32 token ids, seeded: tests/compat/<model>/calib-8x32.jsonl."""
+    import random
+
+    vocab = json.loads((HERE / model_name / "model" / "config.json").read_text())["vocab_size"]
+    rnd = random.Random(7)
+    rows = [[rnd.randrange(vocab) for _ in range(32)] for _ in range(8)]
+    path = HERE / model_name / "calib-8x32.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    return Dataset.from_list([{"input_ids": r, "attention_mask": [1] * len(r)} for r in rows])
+
+
+def self_calibrated(model_name, scheme):
+    """llm-compressor calibrating on calib-8x32.jsonl itself, each row its own batch of one
+    (`oneshot(batch_size=1)`, its default), saved to ct-calib-<scheme>/llmcompressor."""
+    preset, _, kv = SCHEMES[scheme]
+    src = HERE / model_name / "model"
+    dst = HERE / model_name / f"ct-calib-{scheme}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    kwargs = {}
+    if kv:
+        kwargs["kv_cache_scheme"] = {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+        }
+    recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=IGNORE, **kwargs)
+    if dst.exists():
+        shutil.rmtree(dst)
+    ds = calib_ids(model_name)
+    SEEN.clear()
+    record_observers(model)
+    # The sequential pipeline (llm-compressor's default) drops Qwen3-MoE's causal mask: its
+    # decoder layers get attention_mask=None and run eager attention, so every token attends
+    # to the whole row (o_proj's observed amax is half the causal forward's; transformers'
+    # own forward with a zero 4-D mask gives llm-compressor's figure). kiln calibrates with
+    # the causal attention the model is served with, so the MoE reference comes from the
+    # basic pipeline, which keeps the mask; the dense models use the default.
+    pipeline = "basic" if model_name.startswith("qwen3-moe") else "independent"
+    oneshot(model=model, recipe=recipe, output_dir=str(dst / "llmcompressor"), dataset=ds,
+            tokenizer=tokenizer(model.config.vocab_size), num_calibration_samples=len(ds),
+            shuffle_calibration_samples=False, batch_size=1, pipeline=pipeline)
+    (dst / "amax.json").write_text(json.dumps(amax_json(), indent=1, sort_keys=True) + "\n")
+    for junk in ("recipe.yaml", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (dst / "llmcompressor" / junk).unlink(missing_ok=True)
+    print(f"{model_name}/calib-{scheme}: {sorted(p.name for p in (dst / 'llmcompressor').iterdir())}")
+
+
 def main(argv):
+    if argv and argv[0] == "--self-calibrated":
+        models = [a for a in argv[1:] if a in SELF_CALIBRATED] or list(SELF_CALIBRATED)
+        for m in models:
+            for s in SELF_CALIBRATED[m]:
+                self_calibrated(m, s)
+        return
     models = [a for a in argv if a in MODELS] or list(MODELS)
     schemes = [a for a in argv if a in SCHEMES]
     for m in models:

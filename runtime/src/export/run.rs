@@ -165,7 +165,7 @@ pub fn module_tree(checkpoint: &Checkpoint) -> Result<(ModuleTree, String, bool)
 
 /// Whether the model ties `lm_head` to the input embeddings: `tie_word_embeddings` is set,
 /// or absent while the checkpoint has no `lm_head.weight` (transformers' default ties).
-fn ties_lm_head(checkpoint: &Checkpoint) -> bool {
+pub(crate) fn ties_lm_head(checkpoint: &Checkpoint) -> bool {
     match checkpoint
         .config()
         .raw()

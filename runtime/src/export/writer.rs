@@ -266,6 +266,12 @@ pub trait OutputWriter: Send + Sync {
         Vec::new()
     }
 
+    /// How `--calib` gathers statistics for this writer (its tool's observers; ModelOpt's by
+    /// default).
+    fn statistics_rules(&self) -> StatisticsRules {
+        StatisticsRules::default()
+    }
+
     /// Which inference engines load what this writer writes in its format, and the format
     /// each refusing engine takes instead (`super::engines`); empty: not stated.
     fn engines(&self) -> Vec<super::engines::EngineSupport> {
@@ -277,6 +283,39 @@ pub trait OutputWriter: Send + Sync {
     fn is_modelopt(&self) -> bool {
         false
     }
+}
+
+/// How `--calib` gathers MoE experts' input statistics for a writer's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeCalibration {
+    /// ModelOpt's: each expert sees the tokens routed to it, and the experts of a block then
+    /// share their largest input amax (`layer_sync_moe_local_experts_amax`).
+    #[default]
+    RoutedShared,
+    /// llm-compressor's: every expert runs on every token (the routed ones alone give the
+    /// output), and each keeps its own statistics.
+    AllTokensPerExpert,
+}
+
+/// How `--calib` gathers statistics for a writer's output: its tool's observers.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StatisticsRules {
+    /// MoE experts.
+    pub moe: MoeCalibration,
+    /// Keys' and values' statistic: `None`, the largest |value| over every sample (ModelOpt);
+    /// `Some(c)`, a moving average of each sample's minimum and maximum with constant `c`
+    /// (llm-compressor's `minmax` observer, its default for the KV cache), kept in the
+    /// checkpoint's dtype as llm-compressor keeps it.
+    pub kv_moving_average: Option<f32>,
+}
+
+impl StatisticsRules {
+    /// llm-compressor 0.14's: every expert on every token, each its own statistics; the KV
+    /// cache's `minmax` observer (moving average, constant 0.01); inputs' `static_minmax`.
+    pub const LLM_COMPRESSOR: StatisticsRules = StatisticsRules {
+        moe: MoeCalibration::AllTokensPerExpert,
+        kv_moving_average: Some(0.01),
+    };
 }
 
 /// A writer type the `#[writer]` attribute registers: its formats and its constructor.

@@ -111,7 +111,9 @@ pub fn calibrate(
         model.forward_observed(&ids, &mut calib)?;
         progress(i + 1);
     }
-    calib.sync_experts(model.weights().vars().keys().map(String::as_str));
+    if calib.syncs_experts() {
+        calib.sync_experts(model.weights().vars().keys().map(String::as_str));
+    }
     Ok(calib)
 }
 
@@ -136,7 +138,9 @@ pub trait LayerCalibration: Observer {
 
 impl LayerCalibration for MaxCalibrator {
     fn finish(&mut self, checkpoint: &crate::checkpoint::Checkpoint) {
-        self.sync_experts(checkpoint.tensors().map(|t| t.name.as_str()));
+        if self.syncs_experts() {
+            self.sync_experts(checkpoint.tensors().map(|t| t.name.as_str()));
+        }
     }
 }
 

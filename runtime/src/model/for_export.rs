@@ -36,6 +36,8 @@ pub struct CalibrationOptions {
     pub awq_alpha_step: f64,
     /// int4-awq: AWQ's clipping search after the scale search (ModelOpt's `awq_full`).
     pub awq_clip: bool,
+    /// How statistics are gathered: the output writer's rules (ModelOpt's by default).
+    pub rules: crate::export::writer::StatisticsRules,
 }
 
 impl CalibrationOptions {
@@ -50,6 +52,10 @@ impl CalibrationOptions {
             sq_alpha: 1.0,
             awq_alpha_step: 0.1,
             awq_clip: false,
+            rules: crate::export::writer::StatisticsRules {
+                moe: crate::export::writer::MoeCalibration::RoutedShared,
+                kv_moving_average: None,
+            },
         }
     }
 }
@@ -140,10 +146,16 @@ impl Calibration {
     ) -> Result<(ActAmax, CalibrationReport), ModelError> {
         let (recipe, o) = (&self.recipe, &self.options);
         let smoothquant = recipe.format == Format::Int8Sq;
+        // A moving average is kept in the checkpoint's dtype, as llm-compressor keeps it.
+        let bf16 = self
+            .checkpoint
+            .tensors()
+            .any(|t| t.dtype == crate::checkpoint::Dtype::BF16);
+        let calibrator = MaxCalibrator::for_rules(o.rules, bf16);
         let calibrator = if smoothquant {
-            MaxCalibrator::default().with_channels()
+            calibrator.with_channels()
         } else {
-            MaxCalibrator::default()
+            calibrator
         };
         let amax = calibrate_by_layer(
             &self.checkpoint,

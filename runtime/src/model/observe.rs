@@ -45,6 +45,13 @@ impl Observer for NoObserver {
 pub struct MaxCalibrator {
     amax: BTreeMap<String, f32>,
     all_experts: bool,
+    /// Whether the experts of a block share their largest input amax at the end (ModelOpt).
+    sync: bool,
+    /// Keys and values: a moving average of each sample's (min, max) with this constant,
+    /// rounded to bf16 after each step when the flag is set (llm-compressor's `minmax`).
+    kv_average: Option<(f32, bool)>,
+    /// The moving averages' state, by quantizer name.
+    kv_state: BTreeMap<String, (f32, f32)>,
     /// Per-input-channel amax of every Linear input, when asked for (SmoothQuant).
     channels: Option<BTreeMap<String, Vec<f32>>>,
 }
@@ -76,8 +83,58 @@ impl MaxCalibrator {
         MaxCalibrator {
             amax: BTreeMap::new(),
             all_experts,
+            sync: true,
+            kv_average: None,
+            kv_state: BTreeMap::new(),
             channels: None,
         }
+    }
+
+    /// The calibrator `rules` ask for: ModelOpt's (routed tokens, the experts sharing their
+    /// maximum; the KV cache's largest |value|) or llm-compressor's (every expert on every
+    /// token, each its own statistics; the KV cache's moving average, kept in bf16 when
+    /// `bf16`, the checkpoint's dtype).
+    pub fn for_rules(rules: crate::export::writer::StatisticsRules, bf16: bool) -> Self {
+        use crate::export::writer::MoeCalibration;
+        let base = match rules.moe {
+            MoeCalibration::RoutedShared => MaxCalibrator::new(false),
+            MoeCalibration::AllTokensPerExpert => MaxCalibrator {
+                sync: false,
+                ..MaxCalibrator::new(true)
+            },
+        };
+        MaxCalibrator {
+            kv_average: rules.kv_moving_average.map(|c| (c, bf16)),
+            ..base
+        }
+    }
+
+    /// One sample's keys or values under llm-compressor's `minmax` observer: the first sets
+    /// (min, max), each later one moves them by `c` of the way (torch's `lerp`), and the
+    /// statistic is the larger magnitude of the two.
+    fn kv_observe(&mut self, key: String, x: &Tensor, c: f32, bf16: bool) -> Result<(), ModelError> {
+        let v: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let round = |a: f32| if bf16 { half::bf16::from_f32(a).to_f32() } else { a };
+        let lo = round(v.iter().copied().fold(f32::INFINITY, f32::min));
+        let hi = round(v.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+        // torch.lerp: start + w·(end − start) for w < 0.5, in f32, then the tensor's dtype.
+        let lerp = |s: f32, e: f32| round(s + c * (e - s));
+        let state = self
+            .kv_state
+            .entry(key.clone())
+            .and_modify(|(a, b)| {
+                *a = lerp(*a, lo);
+                *b = lerp(*b, hi);
+            })
+            .or_insert((lo, hi));
+        let amax = state.0.abs().max(state.1.abs());
+        self.amax.insert(key, amax);
+        Ok(())
+    }
+
+    /// Whether the experts share their largest amax at the end ([`Self::sync_experts`]).
+    pub fn syncs_experts(&self) -> bool {
+        self.sync
     }
 
     /// Also records every Linear input's amax per input channel (SmoothQuant's statistics).
@@ -196,6 +253,10 @@ impl Observer for MaxCalibrator {
         Ok(())
     }
     fn key_value(&mut self, attention: &str, k: &Tensor, v: &Tensor) -> Result<(), ModelError> {
+        if let Some((c, bf16)) = self.kv_average {
+            self.kv_observe(format!("{attention}.k_bmm_quantizer"), k, c, bf16)?;
+            return self.kv_observe(format!("{attention}.v_bmm_quantizer"), v, c, bf16);
+        }
         self.record(format!("{attention}.k_bmm_quantizer"), tensor_amax(k)?);
         self.record(format!("{attention}.v_bmm_quantizer"), tensor_amax(v)?);
         Ok(())

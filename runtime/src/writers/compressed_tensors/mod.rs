@@ -656,19 +656,32 @@ impl OutputWriter for CompressedTensors {
                 });
             }
         };
+        let mut linears: Vec<String> = start
+            .tree
+            .walk()
+            .filter(|m| m.class_chain().is::<Linear>())
+            .map(|m| m.path().to_string())
+            .collect();
+        // A tied `lm_head` has no tensor on disk but is a Linear in the model llm-compressor
+        // loads: it lists it in `ignore` (as ModelOpt lists it in `exclude_modules`).
+        if crate::export::run::ties_lm_head(start.checkpoint) && start.tree.find("lm_head").is_none()
+        {
+            linears.push("lm_head".into());
+        }
         self.state = Some(State {
             checkpoint: start.checkpoint.clone(),
             recipe: start.recipe.clone(),
-            linears: start
-                .tree
-                .walk()
-                .filter(|m| m.class_chain().is::<Linear>())
-                .map(|m| m.path().to_string())
-                .collect(),
+            linears,
             kv,
         });
         self.shards = Some(super::shards(start, 5));
         Ok(())
+    }
+
+    fn statistics_rules(&self) -> crate::export::writer::StatisticsRules {
+        // llm-compressor 0.14 calibrates every expert on every token (its MoE calibration
+        // modules), each expert's observers its own, and the KV cache with `minmax`.
+        crate::export::writer::StatisticsRules::LLM_COMPRESSOR
     }
 
     fn engines(&self) -> Vec<crate::export::engines::EngineSupport> {
