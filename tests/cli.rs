@@ -1119,3 +1119,85 @@ fn mlx_setup_installs_libclang_when_only_libclang_cpp_is_there() {
     std::fs::write(lib.join("libclang-14.so.1"), b"").unwrap();
     assert!(!needs().lines().any(|l| l == "libclang-dev"), "{}", needs());
 }
+
+/// A model whose widths (192, 320) are not whole blocks of 128: int4-awq with --calib is
+/// refused before calibration starts, in one error naming every module, the --exclude that
+/// leaves them out and the formats that take them; the fix it names then works.
+#[test]
+fn an_export_the_format_cannot_take_is_refused_before_calibration() {
+    use kiln_runtime::demo::{DemoConfig, write_demo_model};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    write_demo_model(
+        &model,
+        DemoConfig {
+            hidden: 192,
+            intermediate: 320,
+            layers: 2,
+            heads: 3,
+            kv_heads: 1,
+            vocab: 256,
+        },
+    )
+    .unwrap();
+    let calib = dir.path().join("calib.jsonl");
+    std::fs::write(&calib, "{\"input_ids\": [1, 2, 3, 4, 5, 6]}\n").unwrap();
+    let out = dir.path().join("out");
+    let (m, c, o) = (
+        model.display().to_string(),
+        calib.display().to_string(),
+        out.display().to_string(),
+    );
+    let r = kiln(&[
+        "export", "--model", &m, "--format", "int4-awq", "--calib", &c, "--out", &o,
+    ]);
+    assert_eq!(r.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert!(!e.contains("calibrating"), "calibrated first: {e}");
+    assert!(
+        e.contains("modelopt int4-awq cannot quantize 14 module(s)"),
+        "{e}"
+    );
+    assert!(
+        e.contains("320 input features are not whole blocks of 128"),
+        "{e}"
+    );
+    assert!(
+        e.contains("--exclude 'model.layers.*.mlp.down_proj'"),
+        "{e}"
+    );
+    assert!(e.contains("choose a format that takes them: fp8,"), "{e}");
+    assert!(!out.exists());
+    // compressed-tensors w4a16 names every module too, not the first.
+    let r = kiln(&[
+        "export",
+        "--model",
+        &m,
+        "--output-format",
+        "compressed-tensors",
+        "--format",
+        "w4a16",
+        "--exclude",
+        "model.layers.*.self_attn.*",
+        "--out",
+        &o,
+    ]);
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert!(e.contains("cannot quantize 6 module(s)"), "{e}");
+    assert!(e.contains("`model.layers.1.mlp.down_proj`"), "{e}");
+    // The fix it names: leave the projections unquantized.
+    let mut args = vec![
+        "export",
+        "--model",
+        &m,
+        "--output-format",
+        "compressed-tensors",
+    ];
+    args.extend(["--format", "w4a16", "--out", &o]);
+    for g in ["model.layers.*.self_attn.*", "model.layers.*.mlp.*"] {
+        args.extend(["--exclude", g]);
+    }
+    let r = kiln(&args);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}

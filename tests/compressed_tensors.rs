@@ -483,5 +483,8 @@ fn self_calibrated_scales_match_llm_compressor() {
     assert!(failed.is_empty(), "{}", failed.join("\n"));
     println!("{checked} statistics within tolerance, {past_one_percent} of them past 1 %");
     assert!(checked > 100, "{checked} statistics compared");
-    assert!(past_one_percent <= 2, "{past_one_percent} statistics past 1 %");
+    assert!(
+        past_one_percent <= 2,
+        "{past_one_percent} statistics past 1 %"
+    );
 }

@@ -300,9 +300,24 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         );
     }
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
+    if args.calib.is_some() {
+        // The whole plan against the format before calibration spends any time (the export
+        // checks it again).
+        let check = ExportOptions {
+            output: Some(output.clone()),
+            ..ExportOptions::new(&model, "", recipe.clone())
+        };
+        kiln_runtime::export::preflight::preflight(&check)?;
+    }
     let act = match (&args.act_amax, &args.calib) {
         (Some(path), _) => Some(ActAmax::read(path)?),
-        (None, Some(calib)) => Some(calibrate(&model, calib, args, probe.statistics_rules(), err)?),
+        (None, Some(calib)) => Some(calibrate(
+            &model,
+            calib,
+            args,
+            probe.statistics_rules(),
+            err,
+        )?),
         (None, None) if statistics => demo_act,
         (None, None) => None,
     };

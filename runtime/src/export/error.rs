@@ -204,6 +204,29 @@ pub enum ExportError {
         /// What the writer can write instead.
         supported: Vec<String>,
     },
+    /// The plan checked before the export: modules the format cannot take.
+    #[error(
+        "{format} cannot quantize {modules} module(s): {}. Leave them unquantized with {}{}",
+        problems.join("; "),
+        exclude.iter().map(|g| format!("--exclude '{g}'")).collect::<Vec<_>>().join(" "),
+        if fits.is_empty() {
+            String::new()
+        } else {
+            format!(", or choose a format that takes them: {}", fits.join(", "))
+        }
+    )]
+    Plan {
+        /// `writer format`.
+        format: String,
+        /// How many modules.
+        modules: usize,
+        /// The modules sharing each reason, and the reason.
+        problems: Vec<String>,
+        /// `--exclude` globs that leave them unquantized.
+        exclude: Vec<String>,
+        /// The writer's formats that take every one of them.
+        fits: Vec<String>,
+    },
     /// A writer refused a tensor or a file, naming it.
     #[error("{writer} writer: {what}")]
     Writer {

@@ -16,6 +16,7 @@ pub mod format;
 pub mod groups;
 pub mod linear;
 pub mod moe;
+pub mod preflight;
 pub mod quantize;
 pub mod recipe;
 mod report;

@@ -286,6 +286,8 @@ fn smoothing(
 
 /// Runs one export.
 pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
+    // Every quantized module against the format, before any work.
+    super::preflight::preflight(options)?;
     if let Some(o) = &options.output {
         let registry =
             WriterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;

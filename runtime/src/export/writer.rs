@@ -266,6 +266,14 @@ pub trait OutputWriter: Send + Sync {
         Vec::new()
     }
 
+    /// What the format cannot express of a Linear whose weight has `shape` (`[out, in]`):
+    /// `None` when it can, else the reason (`192 input features are not whole groups of
+    /// 128`). Checked for every quantized Linear before an export starts.
+    fn check_linear(&self, shape: &[usize]) -> Option<String> {
+        let _ = shape;
+        None
+    }
+
     /// How `--calib` gathers statistics for this writer (its tool's observers; ModelOpt's by
     /// default).
     fn statistics_rules(&self) -> StatisticsRules {
@@ -357,6 +365,13 @@ impl OutputWriter for ModelOptWriter {
     }
     fn is_modelopt(&self) -> bool {
         true
+    }
+    fn check_linear(&self, shape: &[usize]) -> Option<String> {
+        let format = self.0?;
+        let block = format.group_size()? as usize;
+        let cols = *shape.last()?;
+        (!cols.is_multiple_of(block))
+            .then(|| format!("{cols} input features are not whole blocks of {block}"))
     }
     fn engines(&self) -> Vec<super::engines::EngineSupport> {
         self.0

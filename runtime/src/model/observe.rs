@@ -112,9 +112,21 @@ impl MaxCalibrator {
     /// One sample's keys or values under llm-compressor's `minmax` observer: the first sets
     /// (min, max), each later one moves them by `c` of the way (torch's `lerp`), and the
     /// statistic is the larger magnitude of the two.
-    fn kv_observe(&mut self, key: String, x: &Tensor, c: f32, bf16: bool) -> Result<(), ModelError> {
+    fn kv_observe(
+        &mut self,
+        key: String,
+        x: &Tensor,
+        c: f32,
+        bf16: bool,
+    ) -> Result<(), ModelError> {
         let v: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let round = |a: f32| if bf16 { half::bf16::from_f32(a).to_f32() } else { a };
+        let round = |a: f32| {
+            if bf16 {
+                half::bf16::from_f32(a).to_f32()
+            } else {
+                a
+            }
+        };
         let lo = round(v.iter().copied().fold(f32::INFINITY, f32::min));
         let hi = round(v.iter().copied().fold(f32::NEG_INFINITY, f32::max));
         // torch.lerp: start + w·(end − start) for w < 0.5, in f32, then the tensor's dtype.

@@ -664,7 +664,8 @@ impl OutputWriter for CompressedTensors {
             .collect();
         // A tied `lm_head` has no tensor on disk but is a Linear in the model llm-compressor
         // loads: it lists it in `ignore` (as ModelOpt lists it in `exclude_modules`).
-        if crate::export::run::ties_lm_head(start.checkpoint) && start.tree.find("lm_head").is_none()
+        if crate::export::run::ties_lm_head(start.checkpoint)
+            && start.tree.find("lm_head").is_none()
         {
             linears.push("lm_head".into());
         }
@@ -676,6 +677,13 @@ impl OutputWriter for CompressedTensors {
         });
         self.shards = Some(super::shards(start, 5));
         Ok(())
+    }
+
+    fn check_linear(&self, shape: &[usize]) -> Option<String> {
+        let cols = *shape.last()?;
+        let group = self.scheme.group();
+        (!cols.is_multiple_of(group))
+            .then(|| format!("{cols} input features are not whole groups of {group}"))
     }
 
     fn statistics_rules(&self) -> crate::export::writer::StatisticsRules {
