@@ -389,10 +389,10 @@ fn verify_compressed(r: &Checkpoint, q: &Checkpoint) -> Result<VerifyReport, Mod
             problems.push(format!(
                 "`{m}` is in quantization_config.ignore, but it is quantized"
             ));
-        } else if !m.starts_with("re:")
-            && !known.contains_key(format!("{m}.weight").as_str())
+        } else if !(m.starts_with("re:")
+            || known.contains_key(format!("{m}.weight").as_str())
             // A tied lm_head is a module of the loaded model without a tensor of its own.
-            && !(m == "lm_head" && ties_embeddings(r))
+            || (m == "lm_head" && ties_embeddings(r)))
         {
             problems.push(format!(
                 "quantization_config.ignore names `{m}`, which the model does not have"
