@@ -781,6 +781,36 @@ fn mlx_dpo_matches_trl() {
     }
 }
 
+/// TRL's other DPO loss types, weighted mixtures, f-divergences, LD-DPO, WPO, dropout turned
+/// off, and SFT's DFT loss on MLX: the same task code as candle, TRL's figures.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_dpo_loss_types_and_sft_dft_match_trl() {
+    for name in [
+        "dpo-robust",
+        "dpo-exo-pair",
+        "dpo-nca-pair",
+        "dpo-bco-pair",
+        "dpo-sppo-hard",
+        "dpo-aot",
+        "dpo-aot-unpaired",
+        "dpo-apo-zero",
+        "dpo-apo-down",
+        "dpo-discopop",
+        "dpo-sft",
+        "dpo-mix-weights",
+        "dpo-forward-kl",
+        "dpo-js",
+        "dpo-alpha-div",
+        "dpo-ld-alpha",
+        "dpo-wpo",
+        "dpo-lora-dropout",
+        "sft-dft",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
 /// ORPO, SimPO / CPO and KTO on MLX as TRL trains them (the same runs as candle's).
 #[cfg(feature = "mlx")]
 #[test]

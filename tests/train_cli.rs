@@ -688,3 +688,60 @@ fn a_seeded_run_reproduces_its_figures_exactly_whatever_the_thread_count() {
         );
     }
 }
+
+/// A TRL user's config: every field TRL's own config class declares, at the value
+/// `Config().to_dict()` gives (dumped from TRL into runtime/src/train/trl_fields.json), as a
+/// `--config` file, trains — but `bf16 = true` (TRL's resolved default on a CPU with bf16),
+/// which kiln refuses by name since it trains in f32.
+#[test]
+fn a_config_dumped_from_trl_trains() {
+    let fields: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("runtime/src/train/trl_fields.json")).unwrap(),
+    )
+    .unwrap();
+    for (task, file) in [
+        ("sft", "sft.jsonl"),
+        ("dpo", "dpo.jsonl"),
+        ("simpo", "dpo.jsonl"),
+        ("orpo", "dpo.jsonl"),
+        ("kto", "kto.jsonl"),
+    ] {
+        let mut table = toml::Table::new();
+        for (name, record) in fields[task]["fields"].as_object().unwrap() {
+            let v = &record["to_dict"];
+            if record["trl"] != true || v.is_null() || name == "bf16" {
+                continue;
+            }
+            table.insert(name.clone(), toml::Value::try_from(v).unwrap());
+        }
+        assert!(table.len() > 8, "{task}: {} fields", table.len());
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("trl.toml");
+        std::fs::write(&cfg, toml::to_string(&table).unwrap()).unwrap();
+        // TRL logs every 10 steps; the flag overrides the file for the three steps here.
+        let args = ["--config", cfg.to_str().unwrap(), "--logging-steps", "1"];
+        let (m, _, _d) = train(task, file, &args);
+        assert_eq!(m.len(), 3, "{task}: {m:?}");
+        // With TRL's resolved bf16 = true: refused, naming TRL's field.
+        table.insert("bf16".into(), toml::Value::Boolean(true));
+        std::fs::write(&cfg, toml::to_string(&table).unwrap()).unwrap();
+        let o = kiln(&[
+            "train",
+            "--task",
+            task,
+            "--model",
+            &tiny(),
+            "--data",
+            &data(file),
+            "--config",
+            cfg.to_str().unwrap(),
+            "--quiet",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{task}");
+        let err = String::from_utf8(o.stderr).unwrap();
+        assert!(
+            err.contains("TRL's `") && err.contains(".bf16` = true: kiln trains in f32"),
+            "{task}: {err}"
+        );
+    }
+}
