@@ -389,59 +389,51 @@ fn dpo_hinge_with_precomputed_reference_log_probs_matches_trl() {
     check("dpo-hinge-precompute");
 }
 
+/// TRL 0.29.1's DPO loss types beyond sigmoid, hinge and ipo (reference runs).
+const DPO_LOSS_TYPES: [&str; 11] = [
+    "dpo-robust",
+    "dpo-exo-pair",
+    "dpo-nca-pair",
+    "dpo-bco-pair",
+    "dpo-sppo-hard",
+    "dpo-aot",
+    "dpo-aot-unpaired",
+    "dpo-apo-zero",
+    "dpo-apo-down",
+    "dpo-discopop",
+    "dpo-sft",
+];
+
+/// The other DPO settings and SFT's DFT loss (reference runs).
+const DPO_SETTINGS_AND_DFT: [&str; 8] = [
+    "dpo-mix-weights",
+    "dpo-forward-kl",
+    "dpo-js",
+    "dpo-alpha-div",
+    "dpo-ld-alpha",
+    "dpo-wpo",
+    "dpo-lora-dropout",
+    "sft-dft",
+];
+
 /// TRL 0.29.1's other DPO loss types, each from the same weights and data.
 #[test]
 fn dpo_loss_types_match_trl() {
-    for name in [
-        "dpo-robust",
-        "dpo-exo-pair",
-        "dpo-nca-pair",
-        "dpo-bco-pair",
-        "dpo-sppo-hard",
-        "dpo-aot",
-        "dpo-aot-unpaired",
-        "dpo-apo-zero",
-        "dpo-apo-down",
-        "dpo-discopop",
-        "dpo-sft",
-    ] {
+    for name in DPO_LOSS_TYPES {
         check(name);
     }
 }
 
-/// A list of loss types with `loss_weights` (RPO's sigmoid + sft), on an adapter.
+/// A list of loss types with `loss_weights` (RPO's sigmoid + sft, on an adapter);
+/// `f_divergence_type` forward KL, Jensen–Shannon (with hinge) and α-divergence; LD-DPO's
+/// `ld_alpha`; WPO's `use_weighting` (over sigmoid + ipo); an adapter with `lora_dropout` 0.1,
+/// which TRL's DPO turns off (`disable_dropout=True`) and kiln must too; SFT's
+/// `loss_type = "dft"` with gradient accumulation.
 #[test]
-fn dpo_weighted_loss_mixture_matches_trl() {
-    check("dpo-mix-weights");
-}
-
-/// `f_divergence_type` forward KL, Jensen–Shannon (with hinge) and α-divergence.
-#[test]
-fn dpo_f_divergences_match_trl() {
-    for name in ["dpo-forward-kl", "dpo-js", "dpo-alpha-div"] {
+fn dpo_settings_and_sft_dft_match_trl() {
+    for name in DPO_SETTINGS_AND_DFT {
         check(name);
     }
-}
-
-/// LD-DPO's `ld_alpha` and WPO's `use_weighting` (over a sigmoid + ipo mixture).
-#[test]
-fn dpo_ld_alpha_and_wpo_weighting_match_trl() {
-    for name in ["dpo-ld-alpha", "dpo-wpo"] {
-        check(name);
-    }
-}
-
-/// An adapter with `lora_dropout` 0.1: TRL's DPO disables dropout by default
-/// (`disable_dropout=True`), so kiln's must too.
-#[test]
-fn dpo_disables_adapter_dropout_as_trl_does() {
-    check("dpo-lora-dropout");
-}
-
-/// SFT's `loss_type = "dft"` (TRL's DFT loss) with gradient accumulation.
-#[test]
-fn sft_dft_loss_matches_trl() {
-    check("sft-dft");
 }
 
 #[test]
@@ -786,27 +778,7 @@ fn mlx_dpo_matches_trl() {
 #[cfg(feature = "mlx")]
 #[test]
 fn mlx_dpo_loss_types_and_sft_dft_match_trl() {
-    for name in [
-        "dpo-robust",
-        "dpo-exo-pair",
-        "dpo-nca-pair",
-        "dpo-bco-pair",
-        "dpo-sppo-hard",
-        "dpo-aot",
-        "dpo-aot-unpaired",
-        "dpo-apo-zero",
-        "dpo-apo-down",
-        "dpo-discopop",
-        "dpo-sft",
-        "dpo-mix-weights",
-        "dpo-forward-kl",
-        "dpo-js",
-        "dpo-alpha-div",
-        "dpo-ld-alpha",
-        "dpo-wpo",
-        "dpo-lora-dropout",
-        "sft-dft",
-    ] {
+    for name in DPO_LOSS_TYPES.iter().chain(&DPO_SETTINGS_AND_DFT) {
         check_on(name, "mlx");
     }
 }

@@ -102,6 +102,16 @@ def calibration(model_dir):
     )
 
 
+def make_recipe(preset, kv):
+    """llm-compressor's round-to-nearest recipe for `preset`, with an FP8 KV cache if `kv`."""
+    kwargs = {}
+    if kv:
+        kwargs["kv_cache_scheme"] = {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+        }
+    return QuantizationModifier(targets="Linear", scheme=preset, ignore=IGNORE, **kwargs)
+
+
 def export(model_name, scheme):
     preset, calibrated, kv = SCHEMES[scheme]
     src = HERE / model_name / "model"
@@ -109,12 +119,7 @@ def export(model_name, scheme):
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     SEEN.clear()
     record_observers(model)
-    kwargs = {}
-    if kv:
-        kwargs["kv_cache_scheme"] = {
-            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
-        }
-    recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=IGNORE, **kwargs)
+    recipe = make_recipe(preset, kv)
     if dst.exists():
         shutil.rmtree(dst)
     args = dict(model=model, recipe=recipe, output_dir=str(dst / "llmcompressor"))
@@ -162,12 +167,7 @@ def self_calibrated(model_name, scheme):
     src = HERE / model_name / "model"
     dst = HERE / model_name / f"ct-calib-{scheme}"
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    kwargs = {}
-    if kv:
-        kwargs["kv_cache_scheme"] = {
-            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
-        }
-    recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=IGNORE, **kwargs)
+    recipe = make_recipe(preset, kv)
     if dst.exists():
         shutil.rmtree(dst)
     ds = calib_ids(model_name)

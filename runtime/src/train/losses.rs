@@ -87,44 +87,32 @@ pub enum DpoLoss {
 }
 
 impl DpoLoss {
-    /// Every accepted name, TRL's spelling.
-    pub const NAMES: &'static [&'static str] = &[
-        "sigmoid",
-        "hinge",
-        "ipo",
-        "exo_pair",
-        "nca_pair",
-        "robust",
-        "bco_pair",
-        "sppo_hard",
-        "aot",
-        "aot_unpaired",
-        "apo_zero",
-        "apo_down",
-        "discopop",
-        "sft",
+    /// Every variant by TRL's name.
+    pub const ALL: [(&'static str, DpoLoss); 14] = [
+        ("sigmoid", DpoLoss::Sigmoid),
+        ("hinge", DpoLoss::Hinge),
+        ("ipo", DpoLoss::Ipo),
+        ("exo_pair", DpoLoss::ExoPair),
+        ("nca_pair", DpoLoss::NcaPair),
+        ("robust", DpoLoss::Robust),
+        ("bco_pair", DpoLoss::BcoPair),
+        ("sppo_hard", DpoLoss::SppoHard),
+        ("aot", DpoLoss::Aot),
+        ("aot_unpaired", DpoLoss::AotUnpaired),
+        ("apo_zero", DpoLoss::ApoZero),
+        ("apo_down", DpoLoss::ApoDown),
+        ("discopop", DpoLoss::Discopop),
+        ("sft", DpoLoss::Sft),
     ];
+
+    /// Every accepted name, comma-separated (for errors).
+    pub fn names() -> String {
+        Self::ALL.map(|(n, _)| n).join(", ")
+    }
 
     /// The variant named `name` (TRL's spelling).
     pub fn parse(name: &str) -> Option<Self> {
-        use DpoLoss::*;
-        let all = [
-            Sigmoid,
-            Hinge,
-            Ipo,
-            ExoPair,
-            NcaPair,
-            Robust,
-            BcoPair,
-            SppoHard,
-            Aot,
-            AotUnpaired,
-            ApoZero,
-            ApoDown,
-            Discopop,
-            Sft,
-        ];
-        Self::NAMES.iter().position(|n| *n == name).map(|i| all[i])
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|(_, l)| *l)
     }
 }
 

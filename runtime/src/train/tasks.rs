@@ -193,7 +193,7 @@ pub fn dpo_settings(config: &TrainConfig) -> Result<DpoSettings, TrainError> {
         let kind = DpoLoss::parse(name).ok_or_else(|| {
             config_err(
                 "loss_type",
-                format!("`{name}` is not one of {}", DpoLoss::NAMES.join(", ")),
+                format!("`{name}` is not one of {}", DpoLoss::names()),
             )
         })?;
         losses.push((kind, w));
