@@ -21,6 +21,7 @@ pub mod demo;
 pub mod export;
 pub mod families;
 pub mod gguf;
+pub mod glob;
 #[cfg(feature = "exec")]
 pub mod model;
 pub mod module_tree;

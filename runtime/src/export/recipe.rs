@@ -35,27 +35,9 @@ impl std::str::FromStr for KvCache {
     }
 }
 
-/// Shell-style glob: `*` any run, `?` one character (module paths have no `/`).
+/// Whether module `name` matches the glob `pattern` ([`crate::glob::matches`]).
 pub fn glob_match(pattern: &str, name: &str) -> bool {
-    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
-    let (mut pi, mut ni, mut star, mut mark) = (0, 0, None, 0);
-    while ni < n.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
-            pi += 1;
-            ni += 1;
-        } else if pi < p.len() && p[pi] == '*' {
-            star = Some(pi);
-            mark = ni;
-            pi += 1;
-        } else if let Some(s) = star {
-            pi = s + 1;
-            mark += 1;
-            ni = mark;
-        } else {
-            return false;
-        }
-    }
-    p[pi..].iter().all(|&c| c == '*')
+    crate::glob::matches(pattern, name)
 }
 
 /// The modules ModelOpt leaves unquantized by default: `lm_head` and MoE routers.

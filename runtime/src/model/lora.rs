@@ -43,30 +43,13 @@ impl LoraSpec {
         self.target_modules.iter().any(|t| {
             if t == "all-linear" {
                 module != "lm_head"
-            } else if t.contains('*') {
-                glob(t, module)
+            } else if crate::glob::is_pattern(t) {
+                crate::glob::matches(t, module)
             } else {
                 module == t || module.ends_with(&format!(".{t}"))
             }
         })
     }
-}
-
-/// `*` matches any run of characters (dots included).
-fn glob(pattern: &str, text: &str) -> bool {
-    let parts: Vec<&str> = pattern.split('*').collect();
-    let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if !text.starts_with(first) || text.len() < first.len() + last.len() || !text.ends_with(last) {
-        return false;
-    }
-    let mut rest = &text[first.len()..text.len() - last.len()];
-    for mid in &parts[1..parts.len() - 1] {
-        match rest.find(mid) {
-            Some(i) => rest = &rest[i + mid.len()..],
-            None => return false,
-        }
-    }
-    true
 }
 
 /// The dropout masks' generator: one SplitMix64 stream shared by every adapter of a model,
@@ -819,11 +802,20 @@ mod tests {
         assert_eq!(all.scale(), 4.0);
     }
 
+    /// Target globs mean what `--exclude` globs mean (one matcher): `?` and classes too.
     #[test]
-    fn glob_star_spans_dots() {
-        assert!(glob("a.*.c", "a.b.x.c"));
-        assert!(glob("*", "anything"));
-        assert!(!glob("a.*.c", "a.c"));
-        assert!(glob("*.q_*", "m.l.q_proj"));
+    fn target_globs_read_as_exclude_globs() {
+        let spec = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            rslora: false,
+            target_modules: vec!["*.[qv]_proj".into(), "model.layers.?.mlp.down_proj".into()],
+        };
+        assert!(spec.targets("model.layers.0.self_attn.q_proj"));
+        assert!(spec.targets("model.layers.0.self_attn.v_proj"));
+        assert!(!spec.targets("model.layers.0.self_attn.k_proj"));
+        assert!(spec.targets("model.layers.3.mlp.down_proj"));
+        assert!(!spec.targets("model.layers.13.mlp.down_proj"));
     }
 }
