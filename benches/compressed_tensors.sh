@@ -29,7 +29,7 @@ m = transformers.AutoModelForCausalLM.from_pretrained('$W/model', dtype=torch.bf
 oneshot(model=m, recipe=QuantizationModifier(targets='Linear', scheme='$s', ignore=['lm_head']),
         output_dir='$W/l-$s')"
 done
-# The two agree tensor by tensor (tests/compressed_tensors.rs requires it on the tiny models).
+# The two agree tensor by tensor (tests/it/compressed_tensors.rs requires it on the tiny models).
 for f in fp8-dynamic:FP8_DYNAMIC w4a16:W4A16 nvfp4a16:NVFP4A16; do
   "$LLMC_PY" -c "
 from safetensors import safe_open

@@ -11,7 +11,7 @@ use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, 
 use kiln::{
     Class, ClassChain, ExporterRegistry, ModuleClass, ModuleExporter, ModuleRef, ModuleTree,
 };
-use kiln_runtime::registry::exporters::{ExporterEntry, Key, Predicate};
+use kiln_runtime::export::registry::{ExporterEntry, Key, Predicate};
 use kiln_runtime::registry::{EntryMeta, RegistryBuilder, Tier};
 use seq_macro::seq;
 use std::borrow::Cow;

@@ -1,6 +1,6 @@
 //! kiln's readers of outside data, each as a function of the bytes of one file: shared by the
 //! libFuzzer targets (`fuzz/fuzz_targets/`, `cargo +nightly fuzz run NAME`) and the stable
-//! smoke test (`tests/fuzz_smoke.rs`, in CI). A reader may refuse any input with an error; it
+//! smoke test (`tests/it/fuzz_smoke.rs`, in CI). A reader may refuse any input with an error; it
 //! must not panic, hang, or allocate what the input's lengths claim before checking them.
 //!
 //! Each target writes its input where the reader looks for it (a folder per process and
@@ -114,7 +114,7 @@ pub fn gguf(data: &[u8]) {
     let d = dir("gguf");
     let path = d.join("model.gguf");
     std::fs::write(&path, data).unwrap();
-    if let Ok(g) = kiln_runtime::gguf::GgufFile::open(&path) {
+    if let Ok(g) = kiln_runtime::formats::gguf::container::GgufFile::open(&path) {
         for t in &g.tensors {
             let _ = g.read(t);
         }
@@ -126,8 +126,8 @@ pub fn calib_jsonl(data: &[u8]) {
     let d = dir("calib_jsonl");
     let path = d.join("calib.jsonl");
     std::fs::write(&path, data).unwrap();
-    let _ = kiln_runtime::model::calib::read_samples(&path, None, None);
-    let _ = kiln_runtime::model::calib::read_samples(&path, Some(3), Some(5));
+    let _ = kiln_runtime::calibrate::max::read_samples(&path, None, None);
+    let _ = kiln_runtime::calibrate::max::read_samples(&path, Some(3), Some(5));
 }
 
 /// An activation-statistics file (`--act-amax`).
@@ -250,12 +250,9 @@ fn load_quantized(target: &str, config: &[u8], weights: &[u8]) {
     let d = dir(target);
     std::fs::write(d.join("config.json"), config).unwrap();
     std::fs::write(d.join("model.safetensors"), weights).unwrap();
-    let Ok(ck) = kiln_runtime::checkpoint::Checkpoint::open(&d) else {
-        return;
-    };
     let cpu = kiln_runtime::model::candle::Device::Cpu;
     let f32 = kiln_runtime::model::candle::DType::F32;
-    let _ = kiln_runtime::model::load::load_for_execution(&ck, f32, &cpu, true);
+    let _ = kiln_runtime::formats::load(&d, f32, &cpu, true);
 }
 
 /// A compressed-tensors export's `config.json` (its `quantization_config`), beside its weights.

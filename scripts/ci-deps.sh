@@ -3,13 +3,13 @@
 # - the rustfmt and clippy components;
 # - NVRTC from PyPI (`nvidia-cuda-nvrtc-cu12`, no GPU needed), so CI compiles every CUDA kernel
 #   to PTX. Prints the folder holding libnvrtc on its last line;
-# - llama.cpp's Python package gguf (gguf-py), numpy and sentencepiece, pinned: tests/gguf.rs
-#   and tests/gguf_export.rs have them read the GGUF files kiln writes (sentencepiece reads the
+# - llama.cpp's Python package gguf (gguf-py), numpy and sentencepiece, pinned: tests/it/gguf.rs
+#   and tests/it/gguf_export.rs have them read the GGUF files kiln writes (sentencepiece reads the
 #   SentencePiece fixture's pieces independently of kiln);
-# - MLX on the CPU and mlx-lm, pinned: tests/mlx_export.rs compares kiln's MLX exports with
+# - MLX on the CPU and mlx-lm, pinned: tests/it/mlx_export.rs compares kiln's MLX exports with
 #   `mlx_lm.convert` and runs them in mlx-lm;
 # - torch, transformers and compressed-tensors, pinned (tests/compressed_tensors/requirements.txt),
-#   in their own venv target/ct-venv: tests/compressed_tensors.rs has transformers load kiln's
+#   in their own venv target/ct-venv: tests/it/compressed_tensors.rs has transformers load kiln's
 #   compressed-tensors exports.
 set -euo pipefail
 need=()

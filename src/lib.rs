@@ -61,6 +61,7 @@ pub mod export {
     pub use kiln_runtime::export::format::{Format, TensorLayout};
     pub use kiln_runtime::export::recipe::{KvCache, Recipe};
     pub use kiln_runtime::export::run::{ExportOptions, ExportSummary, run};
+    pub use kiln_runtime::export::stats::ErrorStats;
     pub use kiln_runtime::export::{
         ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome, ProgressFn,
         full_name, is_moe, plan, quantize_linear, quantize_module, quantize_weight, walk,
@@ -69,6 +70,33 @@ pub mod export {
     pub mod writer {
         pub use kiln_runtime::export::writer::*;
     }
+}
+
+/// Output formats' read side: what a plugin writer's reader implements, and the registry
+/// dispatch `kiln eval` and `kiln verify` go through.
+pub mod formats {
+    #[cfg(feature = "exec")]
+    pub use kiln_runtime::formats::{
+        Detected, Loaded, check, detect, load, load_model, load_weights, verify,
+    };
+    pub use kiln_runtime::formats::{FormatReader, folder_config};
+}
+
+/// The input checkpoint: memory-mapped safetensors and `config.json`.
+pub mod checkpoint {
+    pub use kiln_runtime::checkpoint::*;
+}
+
+/// Where an export's output goes: the temporary folder and the safetensors shards.
+pub mod sink {
+    pub use kiln_runtime::sink::*;
+}
+
+/// Running a model (candle): the decoder, its weights, evaluation and verification — what a
+/// format's reader returns and checks.
+#[cfg(feature = "exec")]
+pub mod model {
+    pub use kiln_runtime::model::*;
 }
 
 /// Training: the trainer interface and what a trainer reports.

@@ -338,7 +338,7 @@ fn routing_messages_are_exact() {
             .unwrap()
             .meta
             .path,
-        "kiln_runtime::train::candle::CandleSft"
+        "kiln_runtime::train::candle::sft::Trainer"
     );
     assert_eq!(
         kiln::resolve_trainer(&cfg("count", "candle"))

@@ -13,6 +13,7 @@ pub enum Kind {
     Architecture,
     Reward,
     Writer,
+    Reader,
 }
 
 impl Kind {
@@ -23,6 +24,7 @@ impl Kind {
             Kind::Architecture => "ArchitectureEntry",
             Kind::Reward => "RewardEntry",
             Kind::Writer => "WriterEntry",
+            Kind::Reader => "ReaderEntry",
         }
     }
 
@@ -33,6 +35,7 @@ impl Kind {
             Kind::Architecture => "ARCHITECTURES",
             Kind::Reward => "REWARDS",
             Kind::Writer => "WRITERS",
+            Kind::Reader => "READERS",
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `#[writer(name = "...")]`: one entry in the output-writer registry.
+//! `#[writer(name = "...", reader = R)]`: one entry in the output-writer registry, and with
+//! `reader` one in the format-reader registry under the same name and identity.
 
 use crate::args::{ArgList, Common};
 use crate::emit::{self, Kind};
@@ -6,7 +7,7 @@ use crate::item;
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned};
 
-const ALLOWED: &[&str] = &["name", "priority", "replaces", "crate"];
+const ALLOWED: &[&str] = &["name", "reader", "priority", "replaces", "crate"];
 
 /// `[a-z][a-z0-9_-]*`: the form of `--output-format` names (`compressed-tensors`).
 fn is_format_name(s: &str) -> bool {
@@ -35,6 +36,7 @@ pub fn expand(args: TokenStream, input: TokenStream) -> syn::Result<TokenStream>
             ),
         ));
     }
+    let reader = args.take_path("reader")?;
     args.finish()?;
     let krate = &common.krate;
     let ident = &target.ident;
@@ -53,5 +55,19 @@ pub fn expand(args: TokenStream, input: TokenStream) -> syn::Result<TokenStream>
             construct: #construct,
         }
     };
-    Ok(emit::register(krate, Kind::Writer, entry))
+    let writer = emit::register(krate, Kind::Writer, entry);
+    let Some(reader) = reader else {
+        return Ok(writer);
+    };
+    // The reader shares the writer's identity, so `replaces` on a writer replaces its reader.
+    let construct = quote_spanned!(syn::spanned::Spanned::span(&reader)=> #krate::__private::boxed_reader::<#reader>);
+    let entry = quote! {
+        #krate::__private::ReaderEntry {
+            meta: #meta,
+            name: #krate::__private::Cow::Borrowed(#name),
+            construct: #construct,
+        }
+    };
+    let reader = emit::register(krate, Kind::Reader, entry);
+    Ok(quote! { #writer #reader })
 }

@@ -86,25 +86,13 @@ impl DemoConfig {
     }
 }
 
-/// SplitMix64: a tiny, well-known generator — the demo needs determinism, not quality.
-struct Rng(u64);
+/// The demo's generator (determinism, not quality).
+struct Rng(crate::rng::SplitMix64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
     /// A normal sample (Box–Muller).
     fn normal(&mut self) -> f32 {
-        let (u, v) = (self.unit().max(f64::MIN_POSITIVE), self.unit());
+        let (u, v) = (self.0.uniform().max(f64::MIN_POSITIVE), self.0.uniform());
         ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
     }
 }
@@ -118,7 +106,9 @@ fn bf16_bytes(n: usize, std: f32, seed: u64) -> Vec<u8> {
     out.par_chunks_mut(CHUNK * 2)
         .enumerate()
         .for_each(|(c, bytes)| {
-            let mut rng = Rng(seed ^ (c as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            let mut rng = Rng(crate::rng::SplitMix64(
+                seed ^ (c as u64).wrapping_mul(0xD1B5_4A32_D192_ED03),
+            ));
             for pair in bytes.chunks_exact_mut(2) {
                 pair.copy_from_slice(&half::bf16::from_f32(rng.normal() * std).to_le_bytes());
             }
@@ -128,6 +118,8 @@ fn bf16_bytes(n: usize, std: f32, seed: u64) -> Vec<u8> {
 
 /// Writes the demo checkpoint into `dir` (config.json, model.safetensors, generation_config.json)
 /// and returns activation statistics for every Linear input, keyed as ModelOpt names them.
+///
+/// Long on purpose: the demo checkpoint written tensor by tensor in Hugging Face's order.
 pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError> {
     let head_dim = c.hidden / c.heads;
     let config = json!({
@@ -159,18 +151,19 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
         "{\n  \"bos_token_id\": 1,\n  \"eos_token_id\": 2\n}\n".into(),
     )?;
 
-    let mut seeds = Rng(0x6b69_6c6e); // "kiln"
-    let mut amax_rng = Rng(0x616d_6178); // "amax"
+    let mut seeds = crate::rng::SplitMix64(0x6b69_6c6e); // "kiln"
+    let mut amax_rng = crate::rng::SplitMix64(0x616d_6178); // "amax"
     let mut w = ShardWriter::new(dir, 5_000_000_000);
     let mut amax = Vec::new();
     // AWQ / SmoothQuant scales, one per input channel, in [0.5, 2): what a scale search would
     // hand the AWQ and SmoothQuant formats.
-    let mut pqs_rng = Rng(0x7071_7321); // "pqs!"
+    let mut pqs_rng = crate::rng::SplitMix64(0x7071_7321); // "pqs!"
     let mut pqs = Vec::new();
     let ones: Vec<u8> = (0..c.hidden)
         .flat_map(|_| half::bf16::ONE.to_le_bytes())
         .collect();
-    let random = |seeds: &mut Rng, n: usize| bf16_bytes(n, 0.02, seeds.next());
+    let random =
+        |seeds: &mut crate::rng::SplitMix64, n: usize| bf16_bytes(n, 0.02, seeds.next_u64());
     w.write(
         "model.embed_tokens.weight",
         Dtype::BF16,
@@ -197,12 +190,12 @@ pub fn write_demo_model(dir: &Path, c: DemoConfig) -> Result<ActAmax, SinkError>
             )?;
             amax.push((
                 format!("{p}.{name}.input_quantizer"),
-                1.0 + 4.0 * amax_rng.unit() as f32,
+                1.0 + 4.0 * amax_rng.uniform() as f32,
             ));
             pqs.push((
                 format!("{p}.{name}"),
                 (0..inp)
-                    .map(|_| half::bf16::from_f64(0.5 + 1.5 * pqs_rng.unit()).to_f32())
+                    .map(|_| half::bf16::from_f64(0.5 + 1.5 * pqs_rng.uniform()).to_f32())
                     .collect::<Vec<f32>>(),
             ));
         }

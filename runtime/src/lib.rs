@@ -5,7 +5,7 @@
 //! (re-exported by the `kiln` facade) and sorted once, on first use:
 //!
 //! ```
-//! use kiln_runtime::registry::exporters::ExporterRegistry;
+//! use kiln_runtime::export::registry::ExporterRegistry;
 //!
 //! let exporters = ExporterRegistry::try_global().expect("valid registry");
 //! for e in exporters.entries() {
@@ -15,46 +15,63 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "exec")]
+pub mod adapters;
 pub mod architecture;
+#[cfg(feature = "exec")]
+pub mod calibrate;
 pub mod checkpoint;
 pub mod demo;
 pub mod export;
 pub mod families;
-pub mod gguf;
+pub mod formats;
+
 pub mod glob;
 #[cfg(feature = "exec")]
 pub mod model;
 pub mod module_tree;
 pub mod registry;
+pub mod rng;
 pub mod sink;
 pub mod train;
-pub mod writers;
 
+pub use architecture::registry::{ArchitectureEntry, ArchitectureRegistry};
 pub use architecture::{Architecture, ArchitectureError};
+pub use export::registry::{ExporterEntry, ExporterRegistry, Key, Match, Matcher, Predicate};
+pub use export::writers::{WriterEntry, WriterRegistry};
 pub use export::{ExportContext, ExportError, ExportReport, ModuleExporter, ModuleOutcome};
+pub use formats::registry::{ReaderEntry, ReaderRegistry};
 pub use kiln_macros::{architecture, exporter, reward, trainer, writer};
 pub use module_tree::{
     Class, ClassChain, Embedding, Linear, Module, ModuleClass, ModuleRef, ModuleTree, TensorInfo,
 };
-pub use registry::architectures::{ArchitectureEntry, ArchitectureRegistry};
-pub use registry::exporters::{ExporterEntry, ExporterRegistry, Key, Match, Matcher, Predicate};
-pub use registry::rewards::{RewardEntry, RewardInput, RewardRegistry};
-pub use registry::trainers::{RouteError, TrainerEntry, TrainerRegistry, resolve_trainer};
-pub use registry::writers::{WriterEntry, WriterRegistry};
 pub use registry::{RegistryBuilder, RegistryError, SourceLocation, Tier};
+pub use train::registry::{RouteError, TrainerEntry, TrainerRegistry, resolve_trainer};
+pub use train::reward_registry::{RewardEntry, RewardInput, RewardRegistry};
 pub use train::{TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
 
 /// What the macros' generated code names. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::registry::architectures::ArchitectureEntry;
     #[cfg(not(feature = "inventory"))]
-    pub use crate::registry::collect::{ARCHITECTURES, EXPORTERS, REWARDS, TRAINERS, WRITERS};
-    pub use crate::registry::exporters::{ExporterEntry, Key, Predicate, PredicateFn};
-    pub use crate::registry::rewards::{RewardEntry, RewardFn};
-    pub use crate::registry::trainers::TrainerEntry;
-    pub use crate::registry::writers::WriterEntry;
+    pub use crate::architecture::registry::ARCHITECTURES;
+    pub use crate::architecture::registry::ArchitectureEntry;
+    #[cfg(not(feature = "inventory"))]
+    pub use crate::export::registry::EXPORTERS;
+    pub use crate::export::registry::{ExporterEntry, Key, Predicate, PredicateFn};
+    #[cfg(not(feature = "inventory"))]
+    pub use crate::export::writers::WRITERS;
+    pub use crate::export::writers::WriterEntry;
+    #[cfg(not(feature = "inventory"))]
+    pub use crate::formats::registry::READERS;
+    pub use crate::formats::registry::ReaderEntry;
     pub use crate::registry::{EntryMeta, Replaces, SourceLocation, Tier};
+    #[cfg(not(feature = "inventory"))]
+    pub use crate::train::registry::TRAINERS;
+    pub use crate::train::registry::TrainerEntry;
+    #[cfg(not(feature = "inventory"))]
+    pub use crate::train::reward_registry::REWARDS;
+    pub use crate::train::reward_registry::{RewardEntry, RewardFn};
     #[cfg(feature = "inventory")]
     pub use inventory;
     pub use linkme;
@@ -86,6 +103,12 @@ pub mod __private {
     pub fn writer_formats<T: crate::export::writer::WriterType>()
     -> Vec<(&'static str, std::string::String)> {
         T::formats()
+    }
+
+    /// Constructs and boxes a format reader named in `#[writer(reader = ...)]`.
+    pub fn boxed_reader<T: crate::formats::FormatReader + Default + 'static>()
+    -> std::boxed::Box<dyn crate::formats::FormatReader> {
+        std::boxed::Box::new(T::default())
     }
 
     /// The `TypeId` of a writer type named in `replaces`.

@@ -6,7 +6,7 @@ path of the GGUF writer's vocabulary code:
                  no table, so the converter's lookup is made to answer `default`, as kiln writes)
   sentencepiece  tests/gguf/sentencepiece (tokenizer.model: `_set_vocab_sentencepiece`)
   llama-hf       tests/gguf/llama-hf (byte-fallback BPE tokenizer.json: `_set_vocab_llama_hf`)
-each beside the weights of tests/compat/llama-tiny. tests/gguf_export.rs exports the same
+each beside the weights of tests/compat/llama-tiny. tests/it/gguf_export.rs exports the same
 folders with kiln and compares.
 
     python scripts/gguf/converter_tokenizer_keys.py KILN LLAMA_CPP_DIR

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Extracts llama.cpp's BPE pre-tokenizer table into runtime/src/writers/gguf_pre.json.
+"""Extracts llama.cpp's BPE pre-tokenizer table into runtime/src/formats/gguf_pre.json.
 
 llama.cpp's converter names a BPE tokenizer's pre-tokenizer (`tokenizer.ggml.pre`) by the
 SHA-256 of `str(tokenizer.encode(chktxt))` — the Python list repr of the token ids of one fixed
@@ -7,7 +7,7 @@ text — looked up in a table of known hashes. kiln's GGUF writer does the same;
 takes the text and the table from the pinned llama.cpp (vendored in llama-cpp-python 0.3.36,
 the version kiln's GGUF checks use) so they are data kiln reads, not code it copies.
 
-Usage: python3 scripts/gguf/pre_hashes.py LLAMA_CPP_DIR > runtime/src/writers/gguf_pre.json
+Usage: python3 scripts/gguf/pre_hashes.py LLAMA_CPP_DIR > runtime/src/formats/gguf_pre.json
 """
 import ast
 import json

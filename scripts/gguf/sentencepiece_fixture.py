@@ -2,7 +2,7 @@
 """Writes tests/gguf/sentencepiece/: a tiny SentencePiece tokenizer.model (BPE, 212 pieces
 under the compat models' vocabulary of 256: unknown, control, user-defined and normal pieces)
 and a tokenizer_config.json with added tokens inside and past the pieces, for
-tests/gguf_export.rs. Deterministic (fixed corpus and seed).
+tests/it/gguf_export.rs. Deterministic (fixed corpus and seed).
 
     python3 -m pip install sentencepiece==0.2.3
     python3 scripts/gguf/sentencepiece_fixture.py

@@ -4,19 +4,16 @@
 use super::args::DeviceArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_runtime::checkpoint::Checkpoint;
-use kiln_runtime::model::calib::{model_tokenizer, read_samples_with};
+use kiln_runtime::calibrate::max::{model_tokenizer, read_samples_with};
+use kiln_runtime::model::candle;
 use kiln_runtime::model::eval::perplexity;
-use kiln_runtime::model::gguf_layout::gguf_file;
-use kiln_runtime::model::{DecoderModel, candle};
 use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// The model: a Hugging Face checkpoint folder, or a quantized export — ModelOpt's or
-    /// compressed-tensors' layout, mlx-lm's, or a GGUF file kiln wrote (the folder or the
-    /// `.gguf` file).
+    /// The model: a Hugging Face checkpoint folder, or an export in any registered writer's
+    /// format (its folder or file; `kiln registry writers` lists the formats kiln reads).
     #[arg(long)]
     model: PathBuf,
     /// Evaluation data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` per line.
@@ -39,6 +36,20 @@ pub struct EvalArgs {
     json: bool,
 }
 
+/// The model at `path` in f32, read by the reader of whichever registered format it is in (a
+/// plain checkpoint when none recognises it; its folder's own errors come unwrapped).
+pub(super) fn open_model(
+    path: &std::path::Path,
+    device: &candle::Device,
+    activations: bool,
+) -> Result<kiln_runtime::model::DecoderModel> {
+    if kiln_runtime::formats::detect(path)?.is_none() {
+        kiln_runtime::checkpoint::Checkpoint::open(path)?;
+    }
+    kiln_runtime::formats::load_model(path, candle::DType::F32, device, activations)
+        .with_context(|| format!("loading {}", path.display()))
+}
+
 pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
     let tokenizer = model_tokenizer(&args.model)?;
     let samples = read_samples_with(
@@ -49,17 +60,7 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
     )
     .context("--data")?;
     let device = args.device.device()?;
-    let model = match gguf_file(&args.model) {
-        // A GGUF file: its config from the metadata; llama.cpp runs the activations unquantized.
-        Some(g) => DecoderModel::load_gguf(&g, candle::DType::F32, &device),
-        None => DecoderModel::load_with(
-            &Checkpoint::open(&args.model)?,
-            candle::DType::F32,
-            &device,
-            !args.weights_only,
-        ),
-    }
-    .with_context(|| format!("loading {}", args.model.display()))?;
+    let model = open_model(&args.model, &device, !args.weights_only)?;
     let act = model.activation_quant();
     let quantized_activations = act.inputs.values().filter(|q| q.quant.is_some()).count();
     let p = perplexity(&model, &samples)?;

@@ -3,13 +3,14 @@
 use super::args::{CalibDtype, DemoSize, DeviceArgs, KvCacheArg};
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use kiln_runtime::calibrate::{Calibration, CalibrationOptions};
 use kiln_runtime::checkpoint::Checkpoint;
 use kiln_runtime::demo::{DemoConfig, write_demo_model};
 use kiln_runtime::export::act_amax::ActAmax;
 use kiln_runtime::export::recipe::{Format, Recipe};
 use kiln_runtime::export::run::{ExportOptions, ExportSummary, OutputFormat, module_tree, run};
+use kiln_runtime::export::writer::Encoding;
 use kiln_runtime::export::{ModuleOutcome, plan};
-use kiln_runtime::model::for_export::{Calibration, CalibrationOptions};
 use kiln_runtime::{ExporterRegistry, Linear, WriterRegistry};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -32,6 +33,9 @@ pub(super) fn cancel_flag() -> Arc<std::sync::atomic::AtomicBool> {
     .clone()
 }
 
+/// The `--output-format` used when none is given.
+pub(super) const DEFAULT_WRITER: &str = "modelopt";
+
 /// What both commands take to choose the model and the recipe.
 #[derive(Debug, Args)]
 pub struct RecipeArgs {
@@ -40,7 +44,7 @@ pub struct RecipeArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// The output layout, one registered writer (the help lists them from the registry).
-    #[arg(long, value_name = "WRITER", default_value = "modelopt")]
+    #[arg(long, value_name = "WRITER", default_value = DEFAULT_WRITER)]
     output_format: String,
     /// The quantization format, one of the writer's (the help lists the defaults from the
     /// registry).
@@ -75,21 +79,28 @@ impl RecipeArgs {
         })
     }
 
-    /// Whether the writer is ModelOpt's (the recipe's format is then a ModelOpt format).
-    fn is_modelopt(&self) -> bool {
-        self.output_format == "modelopt"
+    /// Whether the output is the default writer's (reports and the demo's folder then name
+    /// the format alone).
+    fn is_default_writer(&self) -> bool {
+        self.output_format == DEFAULT_WRITER
+    }
+
+    /// The export's writer, made for its format.
+    fn writer(&self) -> Result<Box<dyn kiln_runtime::export::writer::OutputWriter>> {
+        let output = self.output()?;
+        Ok(WriterRegistry::try_global()
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .get(&output.writer)?
+            .make(&output.format)?)
     }
 
     fn recipe(&self) -> Result<Recipe> {
-        // Another writer carries its own format (`ExportOptions::output`); the recipe's
-        // ModelOpt format is then not used.
-        let format = if self.is_modelopt() {
-            self.output()?
-                .format
-                .parse::<Format>()
-                .map_err(|e| anyhow::anyhow!("--format: {e}"))?
-        } else {
-            Format::Nvfp4
+        // A writer without an encoder of its own takes what the exporters compute in its
+        // format; one with an encoder carries its own format (`ExportOptions::output`), and
+        // the recipe's is then not used.
+        let format = match self.writer()?.encoding() {
+            Encoding::Shared(format) => format,
+            Encoding::Own => Format::Nvfp4,
         };
         Ok(Recipe {
             format,
@@ -283,13 +294,9 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     }
     let output = args.recipe.output()?;
     let recipe = args.recipe.recipe()?;
-    let probe = WriterRegistry::try_global()
-        .map_err(|e| anyhow::anyhow!("{e}"))?
-        .get(&output.writer)?
-        .make(&output.format)?;
-    // Whether the writer stores scales from activation statistics (ModelOpt's always may).
-    let statistics =
-        args.recipe.is_modelopt() || recipe.kv_cache.is_some() || probe.uses_statistics();
+    let probe = args.recipe.writer()?;
+    // Whether the writer stores scales from activation statistics.
+    let statistics = recipe.kv_cache.is_some() || probe.uses_statistics();
     let engines = probe.engines();
     if !statistics && (args.act_amax.is_some() || args.calib.is_some()) {
         bail!(
@@ -326,7 +333,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     let (out_dir, force) = match (&args.out, &args.recipe.model) {
         (Some(o), _) => (o.clone(), args.force),
         (None, None) => (
-            std::env::temp_dir().join(if args.recipe.is_modelopt() {
+            std::env::temp_dir().join(if args.recipe.is_default_writer() {
                 format!("kiln-demo-{}", output.format)
             } else {
                 format!("kiln-demo-{}-{}", output.writer, output.format)
@@ -391,7 +398,7 @@ fn print_report(s: &ExportSummary, output: &OutputFormat, out: &mut dyn Write) -
         } else {
             "known family"
         },
-        if output.writer == "modelopt" {
+        if output.writer == DEFAULT_WRITER {
             output.format.clone()
         } else {
             format!("{} {}", output.writer, output.format)
@@ -415,10 +422,7 @@ fn print_report(s: &ExportSummary, output: &OutputFormat, out: &mut dyn Write) -
         )?;
     }
     let mut per_format: BTreeMap<String, usize> = BTreeMap::new();
-    for f in s.quantized.values() {
-        *per_format.entry(f.to_string()).or_default() += 1;
-    }
-    for t in s.written_as.values() {
+    for t in s.quantized.values() {
         *per_format.entry(t.clone()).or_default() += 1;
     }
     writeln!(
@@ -436,12 +440,7 @@ fn print_report(s: &ExportSummary, output: &OutputFormat, out: &mut dyn Write) -
             s.excluded.join(", ")
         }
     )?;
-    let errors = s
-        .errors
-        .iter()
-        .map(|(f, e)| (f.to_string(), e))
-        .chain(s.writer_errors.iter().map(|(t, e)| (t.clone(), e)));
-    for (format, e) in errors {
+    for (format, e) in &s.errors {
         writeln!(
             out,
             "{format} error vs the original weights: max |Δ| {:.3e}, mean |Δ| {:.3e} over {} weights in {} modules",
@@ -472,7 +471,7 @@ pub fn explain(args: &ExplainArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
     let output = args.recipe.output()?;
     // What a quantized Linear becomes: the ModelOpt format, or another writer's format (whose
     // own rules choose each tensor's type).
-    let target = if args.recipe.is_modelopt() {
+    let target = if args.recipe.is_default_writer() {
         recipe.format.to_string()
     } else {
         format!("{} {}", output.writer, output.format)

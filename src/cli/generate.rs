@@ -4,7 +4,6 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use kiln_runtime::checkpoint::Checkpoint;
-use kiln_runtime::model::DecoderModel;
 use kiln_runtime::model::candle::DType;
 use kiln_runtime::model::generate::{Rng, SamplingConfig, sample};
 use kiln_runtime::model::lora::Adapters;
@@ -67,9 +66,12 @@ pub fn generate_from(
     input: &mut dyn std::io::BufRead,
 ) -> Result<i32> {
     let device = kiln_runtime::model::device(&args.device)?;
-    let ck = Checkpoint::open(&args.model)
-        .with_context(|| format!("opening {}", args.model.display()))?;
-    let mut model = DecoderModel::load(&ck, DType::F32, &device)?;
+    // A plain checkpoint, or an export in any registered format (decoded by its reader).
+    if kiln_runtime::formats::detect(&args.model)?.is_none() {
+        Checkpoint::open(&args.model)
+            .with_context(|| format!("opening {}", args.model.display()))?;
+    }
+    let mut model = kiln_runtime::formats::load_model(&args.model, DType::F32, &device, true)?;
     if let Some(dir) = &args.adapter {
         let a = Adapters::load_peft(dir, &model)
             .with_context(|| format!("loading the adapter {}", dir.display()))?;

@@ -3,8 +3,8 @@
 use super::table;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use kiln_runtime::registry::trainers::BUILTIN_BACKENDS;
 use kiln_runtime::registry::{EntryMeta, RegistryError, collect};
+use kiln_runtime::train::registry::BUILTIN_BACKENDS;
 use kiln_runtime::{
     ArchitectureRegistry, ExporterRegistry, RewardRegistry, TrainerRegistry, WriterRegistry,
 };
@@ -126,6 +126,7 @@ pub fn run(args: &RegistryArgs, out: &mut dyn Write) -> Result<i32> {
                     })
                     .collect();
                 o.insert("formats".into(), Value::Array(formats));
+                o.insert("reads_back".into(), json!(reads_back(&e.name)));
                 Value::Object(o)
             });
             doc.insert("writers".into(), Value::Array(items.collect()));
@@ -403,6 +404,12 @@ fn formats_table(r: &WriterRegistry) -> String {
     )
 }
 
+/// Whether a reader is registered with the writer `name` (`kiln eval` and `kiln verify` read
+/// its output through it).
+fn reads_back(name: &str) -> bool {
+    kiln_runtime::ReaderRegistry::try_global().is_ok_and(|r| r.get(name).is_some())
+}
+
 fn writers_table(r: &WriterRegistry) -> String {
     let rows: Vec<Vec<String>> = r
         .entries()
@@ -414,15 +421,20 @@ fn writers_table(r: &WriterRegistry) -> String {
                 i.to_string(),
                 e.name.to_string(),
                 formats.join(" "),
+                if reads_back(&e.name) { "yes" } else { "no" }.to_string(),
                 e.meta.path.to_string(),
                 source(&e.meta),
             ]
         })
         .collect();
     format!(
-        "writers ({}): --output-format, and its --format names (the first is the default)\n{}{}",
+        "writers ({}): --output-format, its --format names (the first is the default), and \
+         whether kiln eval / verify read its output back\n{}{}",
         rows.len(),
-        table::render(&["#", "writer", "formats", "type", "source"], &rows),
+        table::render(
+            &["#", "writer", "formats", "reads", "type", "source"],
+            &rows
+        ),
         empty_note("writer", rows.len())
     )
 }

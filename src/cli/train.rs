@@ -338,6 +338,8 @@ impl TrainObserver for CliObserver {
     }
 }
 
+/// Long on purpose: the command's steps in order: config, routing, observers, the run and its
+/// report.
 pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32> {
     // Route first: an unknown task or backend is reported before any work.
     kiln_runtime::resolve_trainer(&TrainConfig::new(&args.task, &args.backend, "", ""))?;

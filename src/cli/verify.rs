@@ -4,11 +4,10 @@
 use super::args::DeviceArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_runtime::checkpoint::Checkpoint;
-use kiln_runtime::model::calib::{model_tokenizer, read_samples_with};
+use kiln_runtime::calibrate::max::{model_tokenizer, read_samples_with};
+use kiln_runtime::formats::verify as check;
+use kiln_runtime::model::candle;
 use kiln_runtime::model::eval::perplexity;
-use kiln_runtime::model::verify::verify as check;
-use kiln_runtime::model::{DecoderModel, candle};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -17,9 +16,9 @@ pub struct VerifyArgs {
     /// The model the export was made from.
     #[arg(long)]
     reference: PathBuf,
-    /// The quantized export: ModelOpt's layout (kiln's or ModelOpt's), compressed-tensors
-    /// (kiln's or llm-compressor's), mlx-lm's layout (kiln's or `mlx_lm.convert`'s), or a
-    /// GGUF file kiln wrote (its folder or the `.gguf` file).
+    /// The quantized export, in any registered writer's format (its folder or file; `kiln
+    /// registry writers` lists the formats kiln reads), written by kiln or by the format's
+    /// own tool.
     #[arg(long)]
     quantized: PathBuf,
     /// Evaluation data (JSONL of `{"input_ids": [...]}` or `{"text": ...}`): compare the
@@ -39,11 +38,7 @@ pub struct VerifyArgs {
 }
 
 fn ppl(dir: &Path, samples: &[Vec<u32>], device: &candle::Device) -> Result<f64> {
-    let m = match kiln_runtime::model::gguf_layout::gguf_file(dir) {
-        Some(g) => DecoderModel::load_gguf(&g, candle::DType::F32, device),
-        None => DecoderModel::load(&Checkpoint::open(dir)?, candle::DType::F32, device),
-    }
-    .with_context(|| format!("loading {}", dir.display()))?;
+    let m = super::eval::open_model(dir, device, true)?;
     Ok(perplexity(&m, samples)?.perplexity)
 }
 
@@ -54,19 +49,12 @@ pub fn verify(args: &VerifyArgs, out: &mut dyn Write) -> Result<i32> {
         writeln!(out, "FAIL {p}")?;
     }
     if !failed {
-        // ModelOpt's layout has hf_quant_config.json beside config.json; compressed-tensors
-        // has config.json's quantization_config alone.
-        let configs = match report.quant_algo.split(' ').next() {
-            Some("compressed-tensors") => "config.json's quantization_config agrees",
-            Some("mlx") => "config.json's quantization agrees",
-            Some("gguf") => "the GGUF metadata agrees with the reference's config",
-            _ => "both JSON files agree",
-        };
         writeln!(
             out,
-            "ok: {} — {} quantized Linears decode to the reference's shapes; names, dtypes and {configs}",
+            "ok: {} — {} quantized Linears decode to the reference's shapes; {}",
             report.quant_algo,
-            report.weight_errors.len()
+            report.weight_errors.len(),
+            report.agreement
         )?;
         let mut worst = report.weight_errors.clone();
         worst.sort_by(|a, b| b.1.total_cmp(&a.1));

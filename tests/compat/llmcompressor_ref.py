@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""llm-compressor reference exports for kiln's compressed-tensors writer (tests/compressed_tensors.rs).
+"""llm-compressor reference exports for kiln's compressed-tensors writer (tests/it/compressed_tensors.rs).
 
 Quantizes the committed tiny models (tests/compat/<model>/model, bf16) with llm-compressor's
 `QuantizationModifier` (round-to-nearest, no GPTQ) for each scheme kiln's compressed-tensors
@@ -139,7 +139,7 @@ def export(model_name, scheme):
     print(f"{model_name}/{scheme}: {sorted(p.name for p in (dst / 'llmcompressor').iterdir())}")
 
 
-# Self-calibration references (tests/compressed_tensors.rs `self_calibrated_scales_*`): kiln runs
+# Self-calibration references (tests/it/compressed_tensors.rs `self_calibrated_scales_*`): kiln runs
 # its own --calib on the same ids and its static scales must be within 1 % of these.
 SELF_CALIBRATED = {
     "llama-tiny": ["fp8", "nvfp4", "fp8+kv-fp8"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference logits for kiln's forward pass (runtime/src/model, tests/forward.rs).
+"""Reference logits for kiln's forward pass (runtime/src/model, tests/it/forward.rs).
 
 For each tiny model of the compatibility suite (and a copy of the Llama with llama3 RoPE
 scaling), runs transformers in float32 with eager attention on fixed token ids and writes

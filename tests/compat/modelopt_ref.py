@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ModelOpt reference exports for kiln's compatibility tests (tests/compat.rs).
+"""ModelOpt reference exports for kiln's compatibility tests (tests/it/compat.rs).
 
 Builds tiny random models (bf16, fixed seeds) — a Llama, a Qwen2 with attention biases, a
 Qwen3 with q/k norms, a Mistral, a Mixtral (per-expert w1/w2/w3), a Qwen3-MoE whose 8 experts see few calibration tokens, so

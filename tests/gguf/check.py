@@ -4,7 +4,7 @@
         reads a file kiln wrote with gguf-py's GGUFReader: every metadata key, its GGUF value
         type and value, every tensor's name, ggml type, dimensions, bytes, and its values
         decoded by gguf-py's own dequantizers, must equal EXPECTED.json (written by kiln's
-        test, tests/gguf.rs). Exit 0 and "ok" when they do.
+        test, tests/it/gguf.rs). Exit 0 and "ok" when they do.
     python3 tests/gguf/check.py write OUT.gguf
         writes the fixture kiln's reader is tested on (tests/gguf/gguf_py.gguf) with gguf-py's
         GGUFWriter.

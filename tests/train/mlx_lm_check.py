@@ -1,5 +1,5 @@
 """mlx-lm's view of an adapter kiln wrote: loads tests/train/mlx-lm/adapter (kiln's
-`--adapter-format mlx-lm` layout of tests/train/peft/adapter, see tests/train.rs) onto the tiny
+`--adapter-format mlx-lm` layout of tests/train/peft/adapter, see tests/it/train.rs) onto the tiny
 Llama with `mlx_lm.load`, runs fixed token ids on MLX's CPU device and saves the logits, which
 kiln must reproduce when it loads the same adapter.
 

@@ -1,5 +1,5 @@
 """PEFT's view of an adapter kiln wrote: loads tests/train/peft/adapter (written by
-`kiln train`, see tests/train.rs) onto the tiny Llama with `peft`, runs fixed token ids and
+`kiln train`, see tests/it/train.rs) onto the tiny Llama with `peft`, runs fixed token ids and
 saves the logits, which kiln must reproduce when it loads the same adapter.
 
     venv/bin/python tests/train/peft_check.py     # rewrites tests/train/peft/peft_logits.safetensors

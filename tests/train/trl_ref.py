@@ -1,4 +1,4 @@
-"""Per-step TRL 0.29.1 references for kiln's trainers (tests/train.rs).
+"""Per-step TRL 0.29.1 references for kiln's trainers (tests/it/train.rs).
 
 Builds a tiny random Llama (f32) with a byte-level tokenizer, an initial LoRA adapter, small
 SFT / DPO datasets, trains each with TRL on the CPU for six steps from those exact starting
@@ -195,7 +195,7 @@ def exact_match(prompts, completions, answer, **kwargs):
 
 
 def count_digits(prompts, completions, **kwargs):
-    """The `count_digits` reward tests/train.rs registers with #[reward]."""
+    """The `count_digits` reward tests/it/train.rs registers with #[reward]."""
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 

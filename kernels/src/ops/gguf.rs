@@ -616,6 +616,8 @@ pub(crate) fn q6_k_finish(x: &[f32], o: &mut [u8], scales: &[f32; 16], l: &mut [
 }
 
 /// Decodes `data` of type `ty` to f32, as ggml's `dequantize_row_*` do.
+///
+/// Long on purpose: one arm per ggml block type, each ggml's `dequantize_row_*`.
 pub fn dequantize(ty: GgufType, data: &[u8], out: &mut [f32]) -> Result<(), KernelError> {
     let n = out.len();
     if !n.is_multiple_of(ty.block_elems()) {

@@ -8,6 +8,7 @@
 //! and nothing writes to the model folder.
 
 mod config;
+pub mod floats;
 mod shard;
 
 pub use config::ModelConfig;

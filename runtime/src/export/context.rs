@@ -4,18 +4,17 @@
 use super::act_amax::ActAmax;
 use super::recipe::{Format, Recipe};
 use super::report::ExportReport;
-use super::writer::{LinearWeight, OutputWriter, Written};
+use super::writer::{Encoding, LinearWeight, OutputWriter, Written};
 use super::{ExportError, smooth, stats};
 use crate::checkpoint::Checkpoint;
 use crate::module_tree::ModuleRef;
-use crate::sink::ShardWriter;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
 /// The state of one export call. Shared by reference with every hook, so exporters may run
 /// in parallel; created per call and dropped after it. A bare context ([`ExportContext::new`])
 /// only records the walk; one made with [`ExportContext::for_export`] also reads the checkpoint
-/// and writes the output.
+/// and writes the output through the export's one writer.
 #[derive(Default)]
 pub struct ExportContext {
     pub(super) report: Mutex<ExportReport>,
@@ -30,19 +29,22 @@ pub struct ExportContext {
 /// What one module's export produced, held until it is written in module order.
 #[derive(Default)]
 struct Captured {
-    tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
     errors: Vec<(Format, stats::ErrorStats)>,
     /// Modules this module's exporter declared quantized, with their formats.
     declared: Vec<(String, Format)>,
-    /// What another writer than ModelOpt's made of the module, keyed by module or tensor.
+    /// What the writer made of the module's tensors, keyed by module or tensor, in the order
+    /// they were emitted.
     written: Vec<(String, Written)>,
 }
 
-/// Another writer than ModelOpt's, and what it reported.
-struct Foreign {
+/// The export's writer, and what it reported.
+struct Output {
+    /// Its `--output-format` name.
     name: String,
     /// Its `--format` names.
     formats: Vec<String>,
+    /// Who quantizes the selected Linears.
+    encoding: Encoding,
     /// Read-locked by the parallel encoders, write-locked by the in-order writes.
     writer: std::sync::RwLock<Box<dyn OutputWriter>>,
     /// Module or tensor → what the writer wrote for it.
@@ -51,14 +53,17 @@ struct Foreign {
     errors: Mutex<BTreeMap<String, stats::ErrorStats>>,
 }
 
-/// What another writer than ModelOpt's leaves when the walk ends.
-pub struct ForeignOutcome {
+/// What the export's writer leaves when the walk ends.
+pub struct WriterOutcome {
     /// The writer, to finish.
     pub writer: Box<dyn OutputWriter>,
-    /// Module or tensor → what the writer wrote for it.
+    /// Module or tensor → what it was written as: the writer's own type names, and for
+    /// modules the exporters declared ([`Encoding::Shared`]) their format's name.
     pub written_as: BTreeMap<String, String>,
-    /// Quantization error per written type.
+    /// Quantization error per written type or declared format.
     pub errors: BTreeMap<String, stats::ErrorStats>,
+    /// Every module declared quantized, with its format, in declaration (walk) order.
+    pub declared: Vec<(String, Format)>,
 }
 
 /// Called after each module of the walk with (modules done, modules in total, module path).
@@ -77,9 +82,8 @@ struct Job {
     checkpoint: std::sync::Arc<Checkpoint>,
     recipe: Recipe,
     act: Mutex<ActAmax>,
-    writer: Mutex<Option<ShardWriter>>,
-    /// Another writer than ModelOpt's, when the export has one.
-    foreign: Option<Foreign>,
+    /// The export's writer.
+    output: Output,
     /// Output tensors not written: aliases of tied weights (docs/FORMATS.md §4.1).
     dropped: BTreeSet<String>,
     /// AWQ / SmoothQuant smoothing, for formats with pre-quant scales.
@@ -99,11 +103,9 @@ struct Job {
 }
 
 impl Job {
-    /// Writes what another writer returned for `key` (a module or a tensor), in order.
+    /// Writes what the writer returned for `key` (a module or a tensor), in order.
     fn commit(&self, key: &str, written: Written) -> Result<(), ExportError> {
-        let Some(f) = &self.foreign else {
-            return Ok(());
-        };
+        let f = &self.output;
         let mut w = f.writer.write().unwrap_or_else(|p| p.into_inner());
         for t in written.tensors {
             *lock(&self.bytes_out) += t.data.len() as u64;
@@ -136,48 +138,25 @@ impl ExportContext {
         Self::default()
     }
 
-    /// A context for exporting `checkpoint` with `recipe` into `writer`; `dropped` names
-    /// output tensors to leave out (tied-weight aliases).
+    /// A context for exporting `checkpoint` with `recipe` through `writer` (registered as
+    /// `name`, its `--output-format`, with its `--format` names); `dropped` names output
+    /// tensors to leave out (tied-weight aliases).
     pub fn for_export(
         checkpoint: std::sync::Arc<Checkpoint>,
         recipe: Recipe,
         act: ActAmax,
-        writer: ShardWriter,
-        dropped: BTreeSet<String>,
-    ) -> Self {
-        Self::with_sink(checkpoint, recipe, act, Some(writer), None, dropped)
-    }
-
-    /// A context for exporting `checkpoint` through another writer than ModelOpt's (`name`,
-    /// its `--output-format`, with its `--format` names).
-    pub fn for_writer(
-        checkpoint: std::sync::Arc<Checkpoint>,
-        recipe: Recipe,
-        act: ActAmax,
-        name: &str,
-        formats: Vec<String>,
+        (name, formats): (&str, Vec<String>),
         writer: Box<dyn OutputWriter>,
         dropped: BTreeSet<String>,
     ) -> Self {
-        let foreign = Foreign {
+        let output = Output {
             name: name.to_string(),
             formats,
+            encoding: writer.encoding(),
             writer: std::sync::RwLock::new(writer),
             written_as: Mutex::default(),
             errors: Mutex::default(),
         };
-        Self::with_sink(checkpoint, recipe, act, None, Some(foreign), dropped)
-    }
-
-    /// An export context writing through ModelOpt's shard writer or another writer.
-    fn with_sink(
-        checkpoint: std::sync::Arc<Checkpoint>,
-        recipe: Recipe,
-        act: ActAmax,
-        shards: Option<ShardWriter>,
-        foreign: Option<Foreign>,
-        dropped: BTreeSet<String>,
-    ) -> Self {
         ExportContext {
             report: Mutex::default(),
             progress: None,
@@ -187,8 +166,7 @@ impl ExportContext {
                 checkpoint,
                 recipe,
                 act: Mutex::new(act),
-                writer: Mutex::new(shards),
-                foreign,
+                output,
                 dropped,
                 smooth: None,
                 quantized: Mutex::default(),
@@ -201,33 +179,32 @@ impl ExportContext {
         }
     }
 
-    /// The `--output-format` of the export when it is not ModelOpt's.
-    pub fn foreign_writer(&self) -> Option<&str> {
-        self.job
-            .as_ref()
-            .and_then(|j| j.foreign.as_ref())
-            .map(|f| f.name.as_str())
+    /// The `--output-format` name of the export's writer.
+    pub fn writer_name(&self) -> Result<&str, ExportError> {
+        Ok(&self.job()?.output.name)
     }
 
-    /// The `--format` names of the export's writer when it is not ModelOpt's.
+    /// The `--format` names of the export's writer.
     pub fn writer_formats(&self) -> Vec<String> {
         self.job
             .as_ref()
-            .and_then(|j| j.foreign.as_ref())
-            .map(|f| f.formats.clone())
+            .map(|j| j.output.formats.clone())
             .unwrap_or_default()
     }
 
-    /// Hands one Linear to the export's writer (not ModelOpt's): it quantizes, and what it
+    /// Who quantizes the Linears the exporters select: the writer ([`Encoding::Own`]: hand it
+    /// the values, [`crate::export::quantize_module`]), or the exporters with ModelOpt's
+    /// cross-module scale rules in the writer's format ([`Encoding::Shared`]).
+    pub fn encoding(&self) -> Result<Encoding, ExportError> {
+        Ok(self.job()?.output.encoding)
+    }
+
+    /// Hands one Linear to the export's writer ([`Encoding::Own`]): it quantizes, and what it
     /// returns is written in module order.
     pub(crate) fn write_linear(&self, weight: &LinearWeight<'_>) -> Result<(), ExportError> {
-        let job = self.job()?;
-        let Some(f) = &job.foreign else {
-            return Err(ExportError::DryRun {
-                what: "another writer than ModelOpt's",
-            });
-        };
-        let written = f
+        let written = self
+            .job()?
+            .output
             .writer
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -278,13 +255,12 @@ impl ExportContext {
             .map(|c| c.into_inner().unwrap_or_else(|p| p.into_inner()))
             .unwrap_or_default();
         if let Some(job) = &self.job {
-            check_declared(job, &captured, exporter)?;
+            if let Encoding::Shared(_) = job.output.encoding {
+                check_declared(job, &captured, exporter)?;
+            }
             for (m, f) in &captured.declared {
                 job.declare(m, *f);
             }
-        }
-        for (name, dtype, shape, data) in captured.tensors {
-            self.emit(&name, dtype, &shape, &data)?;
         }
         for (format, e) in captured.errors {
             self.record_error(format, &e)?;
@@ -385,16 +361,10 @@ impl ExportContext {
         shape: &[usize],
         data: &[u8],
     ) -> Result<(), ExportError> {
-        let job = self.job()?;
-        if job.dropped.contains(name) {
+        if self.job()?.dropped.contains(name) {
             return Ok(());
         }
-        if self.capture.is_some() || job.foreign.is_some() {
-            return self.emit_owned(name, dtype, shape, data.to_vec());
-        }
-        write_shard(&job.writer, name, dtype, shape, data)?;
-        *lock(&job.bytes_out) += data.len() as u64;
-        Ok(())
+        self.emit_owned(name, dtype, shape, data.to_vec())
     }
 
     /// [`ExportContext::emit`] of a buffer the caller gives up: a module context keeps it
@@ -410,24 +380,13 @@ impl ExportContext {
         if job.dropped.contains(name) {
             return Ok(());
         }
-        if let Some(f) = &job.foreign {
-            let written = f
-                .writer
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .tensor(name, dtype, shape, data)?;
-            return self.take_written(name, written);
-        }
-        match &self.capture {
-            Some(c) => lock(c)
-                .tensors
-                .push((name.to_string(), dtype, shape.to_vec(), data)),
-            None => {
-                write_shard(&job.writer, name, dtype, shape, &data)?;
-                *lock(&job.bytes_out) += data.len() as u64;
-            }
-        }
-        Ok(())
+        let written = job
+            .output
+            .writer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .tensor(name, dtype, shape, data)?;
+        self.take_written(name, written)
     }
 
     /// Copies input tensor `name` to the output unchanged.
@@ -663,8 +622,9 @@ impl ExportContext {
         self.job.as_ref().map_or(0, |j| *lock(&j.bytes_out))
     }
 
-    /// Takes the shard writer out to finish it (ends the export's writing).
-    pub fn finish_writer(self) -> Result<(ShardWriter, ExportReport), ExportError> {
+    /// Takes the writer out to finish it, with what it wrote (ends the export's writing).
+    pub fn finish(self) -> Result<(WriterOutcome, ExportReport), ExportError> {
+        let declared = self.declarations();
         let report = self.report.into_inner().unwrap_or_else(|p| p.into_inner());
         let job = self
             .job
@@ -672,31 +632,24 @@ impl ExportContext {
             .ok_or(ExportError::DryRun {
                 what: "an output to finish",
             })?;
-        let writer = job
-            .writer
+        let out = job.output;
+        let mut written_as = out
+            .written_as
             .into_inner()
-            .unwrap_or_else(|p| p.into_inner())
-            .ok_or(ExportError::DryRun {
-                what: "ModelOpt's shard writer",
-            })?;
-        Ok((writer, report))
-    }
-
-    /// Takes another writer than ModelOpt's out to finish it, with what it wrote.
-    pub fn finish_foreign(self) -> Result<(ForeignOutcome, ExportReport), ExportError> {
-        let report = self.report.into_inner().unwrap_or_else(|p| p.into_inner());
-        let f = self
-            .job
-            .and_then(|j| std::sync::Arc::try_unwrap(j).ok())
-            .and_then(|j| j.foreign)
-            .ok_or(ExportError::DryRun {
-                what: "another writer to finish",
-            })?;
+            .unwrap_or_else(|p| p.into_inner());
+        let mut errors = out.errors.into_inner().unwrap_or_else(|p| p.into_inner());
+        for (module, format) in &declared {
+            written_as.insert(module.clone(), format.to_string());
+        }
+        for (format, e) in job.errors.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            errors.entry(format.to_string()).or_default().merge(&e);
+        }
         Ok((
-            ForeignOutcome {
-                writer: f.writer.into_inner().unwrap_or_else(|p| p.into_inner()),
-                written_as: f.written_as.into_inner().unwrap_or_else(|p| p.into_inner()),
-                errors: f.errors.into_inner().unwrap_or_else(|p| p.into_inner()),
+            WriterOutcome {
+                writer: out.writer.into_inner().unwrap_or_else(|p| p.into_inner()),
+                written_as,
+                errors,
+                declared,
             },
             report,
         ))
@@ -724,22 +677,6 @@ impl ExportContext {
     /// Ends the call, returning its report.
     pub fn into_report(self) -> ExportReport {
         self.report.into_inner().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// Writes one tensor to ModelOpt's shard writer (absent when another writer writes).
-fn write_shard(
-    w: &Mutex<Option<ShardWriter>>,
-    name: &str,
-    dtype: safetensors::Dtype,
-    shape: &[usize],
-    data: &[u8],
-) -> Result<(), ExportError> {
-    match lock(w).as_mut() {
-        Some(shards) => Ok(shards.write(name, dtype, shape, data)?),
-        None => Err(ExportError::DryRun {
-            what: "ModelOpt's shard writer",
-        }),
     }
 }
 
@@ -785,9 +722,18 @@ fn quantized_owner(
 /// was declared (by this exporter or earlier), and each declared Linear has its format's
 /// layout.
 fn check_declared(job: &Job, captured: &Captured, exporter: &str) -> Result<(), ExportError> {
+    let tensors: Vec<(&str, safetensors::Dtype, &[usize])> = captured
+        .written
+        .iter()
+        .flat_map(|(_, w)| &w.tensors)
+        .filter_map(|t| match t.ty {
+            super::writer::EncodedType::Dtype(d) => Some((t.name.as_str(), d, t.shape.as_slice())),
+            super::writer::EncodedType::Ggml(_) => None,
+        })
+        .collect();
     let mut owners: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (name, dtype, _, _) in &captured.tensors {
-        if let Some(m) = quantized_owner(&job.checkpoint, name, *dtype) {
+    for &(name, dtype, _) in &tensors {
+        if let Some(m) = quantized_owner(&job.checkpoint, name, dtype) {
             owners
                 .entry(m)
                 .or_default()
@@ -818,12 +764,11 @@ fn check_declared(job: &Job, captured: &Captured, exporter: &str) -> Result<(), 
         let [rows, cols] = input.shape[..] else {
             continue;
         };
-        let written: BTreeMap<&str, (safetensors::Dtype, &[usize])> = captured
-            .tensors
+        let written: BTreeMap<&str, (safetensors::Dtype, &[usize])> = tensors
             .iter()
-            .filter_map(|(n, d, s, _)| {
+            .filter_map(|&(n, d, s)| {
                 let local = n.strip_prefix(module)?.strip_prefix('.')?;
-                Some((local, (*d, s.as_slice())))
+                Some((local, (d, s)))
             })
             .collect();
         if !written.contains_key("weight") && input.dtype == safetensors::Dtype::F8_E4M3 {

@@ -16,6 +16,7 @@ use super::quantize::{Quantize, f32s, scalar, write_values};
 use super::recipe::{Format, Recipe};
 use super::scales::{ScaleSource, export_scale, input_scale_of};
 use super::stats::ErrorStats;
+use super::writer::Encoding;
 use super::{ExportContext, ExportError, ModuleExporter, full_name, is_moe};
 use crate::export::act_amax::ActAmax;
 use crate::module_tree::{ModuleRef, ModuleTree};
@@ -264,7 +265,7 @@ fn slices<T: Element>(p: &Projection<'_>) -> Result<(), ExportError> {
             )?;
             continue;
         }
-        if ctx.foreign_writer().is_some() {
+        if ctx.encoding()? == Encoding::Own {
             write_values(ctx, &out, &source, slice, p.part_rows, p.cols)?;
             continue;
         }
@@ -302,9 +303,9 @@ impl ModuleExporter for BmmExperts {
         if !recipe.quantizes(name) {
             return ctx.copy_module(module);
         }
-        if let Some(writer) = ctx.foreign_writer() {
+        if ctx.encoding()? == Encoding::Own {
             return Err(ExportError::WriterCannot {
-                writer: writer.to_string(),
+                writer: ctx.writer_name()?.to_string(),
                 what: format!("the BMM experts of `{name}` (GPT-OSS / Llama4 layout)"),
                 supported: ctx.writer_formats(),
             });
@@ -377,6 +378,8 @@ impl Bmm<'_> {
     }
 }
 
+/// Long on purpose: GPT-OSS's and Llama4's BMM expert layout, both projections and their scales, as
+/// ModelOpt exports them.
 fn bmm_run<T: Element>(b: &Bmm<'_>) -> Result<(), ExportError> {
     use kiln_kernels::cpu::bits::e4m3_to_f32;
     use kiln_kernels::formats::e8m0::e8m0_to_f32;

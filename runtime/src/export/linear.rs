@@ -40,9 +40,9 @@ fn kv_cache_scale(
     module: ModuleRef<'_>,
     ctx: &ExportContext,
 ) -> Result<(), ExportError> {
-    // Another writer than ModelOpt's names and computes its own KV scales (from
+    // A writer with an encoder of its own names and computes its own KV scales (from
     // `WriterStart::statistics`).
-    if ctx.recipe()?.kv_cache.is_none() || ctx.foreign_writer().is_some() {
+    if ctx.recipe()?.kv_cache.is_none() || ctx.encoding()? == crate::export::writer::Encoding::Own {
         return Ok(());
     }
     let which = match module.local_name() {

@@ -19,6 +19,7 @@ pub mod moe;
 pub mod preflight;
 pub mod quantize;
 pub mod recipe;
+pub mod registry;
 mod report;
 pub mod run;
 pub mod scales;
@@ -26,6 +27,7 @@ pub mod smooth;
 pub mod stats;
 mod walk;
 pub mod writer;
+pub mod writers;
 
 pub use context::{ExportContext, ProgressFn, full_name};
 pub use error::ExportError;

@@ -8,8 +8,8 @@ use super::error::ExportError;
 use super::run::{ExportOptions, module_tree};
 use super::writer::OutputWriter;
 use crate::checkpoint::Checkpoint;
+use crate::export::writers::WriterRegistry;
 use crate::module_tree::Linear;
-use crate::registry::writers::WriterRegistry;
 
 /// One module the format cannot take: its path and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,24 +18,6 @@ pub struct ShapeProblem {
     pub module: String,
     /// The problem (`192 input features are not whole groups of 128`).
     pub what: String,
-}
-
-/// The writer and format `options` export to, made from the registry (ModelOpt's for the
-/// recipe's format when no output is named).
-fn writer_of(
-    options: &ExportOptions,
-) -> Result<(String, String, Box<dyn OutputWriter>), ExportError> {
-    let registry =
-        WriterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
-    let (writer, format) = match &options.output {
-        Some(o) => (o.writer.clone(), o.format.clone()),
-        None => (
-            "modelopt".to_string(),
-            options.recipe.format.cli_name().to_string(),
-        ),
-    };
-    let made = registry.get(&writer)?.make(&format)?;
-    Ok((writer, format, made))
 }
 
 /// Every Linear `options` quantize whose shape the output format cannot express.
@@ -67,7 +49,8 @@ pub fn shape_problems(
 /// error naming every Linear the format cannot take, the `--exclude` that leaves them
 /// unquantized, and the writer's formats that take every one of them.
 pub fn preflight(options: &ExportOptions) -> Result<(), ExportError> {
-    let (writer_name, format, writer) = writer_of(options)?;
+    let (output, _, writer) = super::run::writer_of(options)?;
+    let (writer_name, format) = (output.writer, output.format);
     let problems = shape_problems(options, writer.as_ref())?;
     if problems.is_empty() {
         return Ok(());

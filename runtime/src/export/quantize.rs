@@ -7,6 +7,7 @@ use super::scales::{
     reduce_amax, scalar_div,
 };
 use super::stats::ErrorStats;
+use super::writer::Encoding;
 use super::{ExportContext, ExportError, full_name};
 use crate::module_tree::ModuleRef;
 use half::{bf16, f16};
@@ -82,13 +83,14 @@ pub fn quantize_linear(
 }
 
 /// Quantizes the Linear `module` in the export's own format, whichever writer the export
-/// uses (`--output-format`): ModelOpt's ([`quantize_linear`] with the recipe's format) or
-/// another, which receives the weight's values and chooses the arithmetic. This is what
+/// uses (`--output-format`): one without an encoder of its own gets [`quantize_linear`] in
+/// its format with ModelOpt's scale rules ([`Encoding::Shared`]); one with an encoder
+/// receives the weight's values and chooses the arithmetic ([`Encoding::Own`]). This is what
 /// kiln's built-in Linear exporter calls; a plugin that quantizes a module the built-ins do
 /// not take calls it too, so its module follows the export into every format.
 pub fn quantize_module(ctx: &ExportContext, module: ModuleRef<'_>) -> Result<(), ExportError> {
-    if ctx.foreign_writer().is_none() {
-        return quantize_linear(ctx, module, ctx.recipe()?.format);
+    if let Encoding::Shared(format) = ctx.encoding()? {
+        return quantize_linear(ctx, module, format);
     }
     let name = module.path();
     for t in module.tensors().iter().filter(|t| t.name != "weight") {
@@ -130,7 +132,7 @@ fn linear_weight<'c>(
 }
 
 /// Hands `rows × cols` values of a Linear (output module `module`, read from `source`) to the
-/// export's writer when it is not ModelOpt's.
+/// export's writer, which has an encoder of its own ([`Encoding::Own`]).
 pub(crate) fn write_values<T: Element>(
     ctx: &ExportContext,
     module: &str,
@@ -165,18 +167,18 @@ fn element_dtype<T: Element>() -> Dtype {
     }
 }
 
-/// Under another writer than ModelOpt's, a ModelOpt format named explicitly by an exporter is
-/// refused by name: the writer has its own formats (`--format`), and silently writing another
-/// would misstate what the module holds.
+/// Under a writer with an encoder of its own, a ModelOpt format named explicitly by an exporter
+/// is refused by name: the writer has its own formats (`--format`), and silently writing
+/// another would misstate what the module holds.
 fn refuse_modelopt_format(
     ctx: &ExportContext,
     module: &str,
     format: Format,
 ) -> Result<(), ExportError> {
-    match ctx.foreign_writer() {
-        None => Ok(()),
-        Some(writer) => Err(ExportError::WriterCannot {
-            writer: writer.to_string(),
+    match ctx.encoding()? {
+        Encoding::Shared(_) => Ok(()),
+        Encoding::Own => Err(ExportError::WriterCannot {
+            writer: ctx.writer_name()?.to_string(),
             what: format!("ModelOpt's `{format}`, which an exporter asked for module `{module}`"),
             supported: ctx.writer_formats(),
         }),
@@ -343,6 +345,8 @@ impl Quantize<'_> {
     }
 
     /// Quantizes `w` (`rows × cols`, row-major) and writes the tensors and error statistics.
+    ///
+    /// Long on purpose: ModelOpt's scale rules, one arm per format, as its export code has them.
     pub(crate) fn run<T: Element>(&self, w: &[T]) -> Result<(), ExportError> {
         use kiln_kernels::cpu::bits::e4m3_to_f32;
         use kiln_kernels::formats::e8m0::e8m0_to_f32;

@@ -6,13 +6,14 @@ use super::act_amax::ActAmax;
 use super::files;
 use super::groups::input_group;
 use super::recipe::Recipe;
+use super::writer::{Encoding, OutputWriter};
 use super::{ExportContext, ExportError, ExportReport, ModuleOutcome, walk};
+use crate::architecture::registry::{ArchitectureMatch, ArchitectureRegistry};
 use crate::checkpoint::Checkpoint;
+use crate::export::registry::ExporterRegistry;
+use crate::export::writers::WriterRegistry;
 use crate::module_tree::{Embedding, Linear, ModuleTree, TensorInfo};
-use crate::registry::architectures::{ArchitectureMatch, ArchitectureRegistry};
-use crate::registry::exporters::ExporterRegistry;
-use crate::registry::writers::WriterRegistry;
-use crate::sink::{OutputDir, ShardWriter};
+use crate::sink::OutputDir;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -103,18 +104,15 @@ pub struct ExportSummary {
     pub modules_per_exporter: BTreeMap<Option<String>, usize>,
     /// Modules whose weights were quantized.
     pub quantized_modules: usize,
-    /// Quantization error per format (max / mean |w − dequant(w)|).
-    pub errors: BTreeMap<super::recipe::Format, super::stats::ErrorStats>,
+    /// Quantization error per written type or format (max / mean |w − dequant(w)|).
+    pub errors: BTreeMap<String, super::stats::ErrorStats>,
     /// `exclude_modules`: the unquantized modules, summarised by prefix wildcards — derived
     /// from what the exporters declared, not from the recipe.
     pub excluded: Vec<String>,
-    /// Each module declared quantized, with its format (ModelOpt's writer).
-    pub quantized: BTreeMap<String, super::recipe::Format>,
-    /// Another writer than ModelOpt's: each module or tensor it quantized, with the type it
-    /// wrote (`Q6_K`, `affine4g64`, …).
-    pub written_as: BTreeMap<String, String>,
-    /// Another writer than ModelOpt's: the quantization error per written type.
-    pub writer_errors: BTreeMap<String, super::stats::ErrorStats>,
+    /// Each module (or tensor) written quantized, with what it was written as: the format the
+    /// exporters declared (`fp8`, `nvfp4`, …) or the writer's own type (`Q6_K`,
+    /// `affine4g64`, …).
+    pub quantized: BTreeMap<String, String>,
     /// Input tensors holding NaN or ±Inf values, with their counts.
     pub nonfinite: BTreeMap<String, usize>,
     /// Everything kiln substituted or ignored, one line each (printed as warnings).
@@ -284,121 +282,149 @@ fn smoothing(
     }
 }
 
-/// Runs one export.
+/// A writer chosen for an export: its name and format, its `--format` names, the writer.
+pub(crate) type Chosen = (OutputFormat, Vec<String>, Box<dyn OutputWriter>);
+
+/// The writer `options` export through, made from the registry (ModelOpt's in the recipe's
+/// format when no output is named): its name, its `--format` names and the writer.
+pub(crate) fn writer_of(options: &ExportOptions) -> Result<Chosen, ExportError> {
+    let registry =
+        WriterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
+    let output = options.output.clone().unwrap_or_else(|| OutputFormat {
+        writer: "modelopt".into(),
+        format: options.recipe.format.cli_name().into(),
+    });
+    let entry = registry.get(&output.writer)?;
+    let writer = entry.make(&output.format)?;
+    let formats = (entry.formats)()
+        .iter()
+        .map(|(f, _)| f.to_string())
+        .collect();
+    Ok((output, formats, writer))
+}
+
+/// Runs one export: the same walk and exporters for every writer (docs/DESIGN.md §7). A writer
+/// without an encoder of its own ([`Encoding::Shared`]) gets ModelOpt's scale rules: the
+/// recipe's statistics checks and its AWQ / SmoothQuant smoothing; a writer with one refuses
+/// in `begin` what it cannot express.
 pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
     // Every quantized module against the format, before any work.
     super::preflight::preflight(options)?;
-    if let Some(o) = &options.output {
-        let registry =
-            WriterRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
-        let entry = registry.get(&o.writer)?;
-        let writer = entry.make(&o.format)?;
-        if !writer.is_modelopt() {
-            let formats = (entry.formats)()
-                .iter()
-                .map(|(f, _)| f.to_string())
-                .collect();
-            return run_foreign(options, o, formats, writer);
-        }
-        if o.format != options.recipe.format.cli_name() {
-            return Err(ExportError::Writer {
-                writer: o.writer.clone(),
-                what: format!(
-                    "--format `{}` disagrees with the recipe's `{}`",
-                    o.format, options.recipe.format
-                ),
-            });
-        }
+    let (output, formats, mut writer) = writer_of(options)?;
+    let shared = match writer.encoding() {
+        Encoding::Shared(format) => Some(format),
+        Encoding::Own => None,
+    };
+    if let Some(format) = shared
+        && format != options.recipe.format
+    {
+        return Err(ExportError::Writer {
+            writer: output.writer.clone(),
+            what: format!(
+                "--format `{}` disagrees with the recipe's `{}`",
+                output.format, options.recipe.format
+            ),
+        });
     }
     let started = Instant::now();
     let recipe = &options.recipe;
     let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
     let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
     let (act, mut warnings) = bind_statistics(options, &tree)?;
-    check_act_amax(&tree, recipe, &act)?;
-    let smoothing = smoothing(&checkpoint, &tree, recipe, &act)?;
+    if options.act_amax.is_some() && !writer.uses_statistics() && recipe.kv_cache.is_none() {
+        return Err(ExportError::WriterCannot {
+            writer: output.writer.clone(),
+            what: format!(
+                "activation statistics (--act-amax, --calib): `{}` stores no activation or \
+                 KV-cache scale",
+                output.format
+            ),
+            supported: formats,
+        });
+    }
+    let smoothing = match shared {
+        Some(_) => {
+            check_act_amax(&tree, recipe, &act)?;
+            smoothing(&checkpoint, &tree, recipe, &act)?
+        }
+        None => None,
+    };
     let dropped = tied_aliases(&checkpoint)?;
-
     let out = OutputDir::create(&options.out, options.force)?;
-    // Header room: about four output tensors per input tensor (weight and its scales), each
-    // entry its name plus ~120 bytes of JSON — so shards are written in place, not copied.
-    let header_estimate: u64 = checkpoint
-        .tensors()
-        .map(|t| 4 * (t.name.len() as u64 + 120))
-        .sum();
-    let writer = ShardWriter::new(out.path(), options.max_shard_bytes)
-        .with_header_room(header_estimate.clamp(4096, 8 << 20));
-    let ctx = ExportContext::for_export(checkpoint.clone(), recipe.clone(), act, writer, dropped)
-        .with_smoothing(smoothing);
+    writer.begin(&super::writer::WriterStart {
+        out: out.path(),
+        model: &options.model,
+        checkpoint: &checkpoint,
+        tree: &tree,
+        architecture: &architecture,
+        recipe,
+        max_shard_bytes: options.max_shard_bytes,
+        statistics: &act,
+    })?;
+    let ctx = ExportContext::for_export(
+        checkpoint.clone(),
+        recipe.clone(),
+        act,
+        (&output.writer, formats),
+        writer,
+        dropped,
+    )
+    .with_smoothing(smoothing);
     let ctx = with_hooks(ctx, options);
     let nonfinite = walk_all(options, &tree, &ctx, &mut warnings)?;
-    let quantized = ctx.quantized();
-    let ctx_declarations = ctx.declarations();
-    let errors = ctx.errors();
     let bytes_out = ctx.bytes_out();
-    let (writer, report) = ctx.finish_writer()?;
+    let (mut done, report) = ctx.finish()?;
     warnings.extend(report.warnings.iter().map(|(m, w)| format!("`{m}`: {w}")));
-    let written = writer.finish()?;
-
-    // Modules recorded for exclude_modules: every Linear and Embedding, and routers with a
-    // weight (GPT-OSS's `GptOssTopKRouter`) — ModelOpt gives each a quantizer; the unquantized
-    // ones are summarised by prefix wildcards.
-    let mut recorded = quantizable_modules(&tree);
-    // A tied `lm_head` has no tensor on disk, but it is a module in memory with a quantizer:
-    // ModelOpt lists it (docs/FORMATS.md §4.1).
-    if ties_lm_head(&checkpoint) && tree.find("lm_head").is_none() {
-        recorded.insert("lm_head".into());
-    }
-    // Modules a plugin declared that are not Linears / Embeddings are recorded too.
-    recorded.extend(quantized.keys().cloned());
-    let quantized_names: BTreeSet<String> = quantized.keys().cloned().collect();
-    let unquantized: BTreeSet<String> = recorded.difference(&quantized_names).cloned().collect();
-    let excluded = files::exclude_summary(&unquantized, &quantized_names);
-    let hf = files::hf_quant_config(&ctx_declarations, &excluded, recipe.kv_cache);
-    write_json(&out.path().join("hf_quant_config.json"), &hf, 4)?;
-    let mut config = checkpoint.config().raw().clone();
-    config.insert(
-        "quantization_config".into(),
-        files::quantization_config(&hf),
-    );
-    write_json(&out.path().join("config.json"), &Value::Object(config), 2)?;
-    let mut copied = Vec::new();
-    for name in files::COPIED_FILES {
-        let src = options.model.join(name);
-        if src.is_file() {
-            let dest = out.path().join(name);
-            std::fs::copy(&src, &dest)
-                .map_err(|source| crate::sink::SinkError::Io { path: dest, source })?;
-            copied.push(name.to_string());
-        }
-    }
+    let files = done.writer.finish(&super::writer::WriterEnd {
+        out: out.path(),
+        model: &options.model,
+        checkpoint: &checkpoint,
+        written: &done.written_as,
+        declared: &done.declared,
+        tree: &tree,
+        recipe,
+    })?;
+    warnings.extend(done.writer.warnings());
     let out_path = out.commit()?;
-
-    let mut files_written = written.files.clone();
-    if written.files.len() > 1 {
-        files_written.push("model.safetensors.index.json".into());
-    }
-    files_written.extend(["config.json".into(), "hf_quant_config.json".into()]);
-    files_written.extend(copied);
+    let written: BTreeSet<String> = done.written_as.keys().cloned().collect();
+    let excluded = unquantized_summary(&checkpoint, &tree, &written);
     Ok(ExportSummary {
         out: out_path,
         architecture,
         generic_fallback,
         modules_per_exporter: count_per_exporter(&tree, &report),
         report,
-        quantized_modules: quantized.len(),
-        quantized,
-        written_as: BTreeMap::new(),
-        writer_errors: BTreeMap::new(),
+        quantized_modules: done.written_as.len(),
+        quantized: done.written_as,
+        errors: done.errors,
         nonfinite,
         warnings,
-        errors,
         excluded,
         bytes_in: checkpoint.data_bytes(),
         bytes_out,
-        files: files_written,
+        files,
         elapsed: started.elapsed(),
     })
+}
+
+/// What an export left unquantized, as ModelOpt's `exclude_modules` summarises it: every
+/// module ModelOpt gives a quantizer (Linears, Embeddings, routers with a weight, a tied
+/// `lm_head`, which has no tensor on disk but is a module in memory, and modules a plugin
+/// declared) that was not written quantized, by prefix wildcards (docs/FORMATS.md §4.1).
+/// Copied tensors a writer quantized itself (`model.embed_tokens` as GGUF's `Q4_K`) count as
+/// quantized.
+pub(crate) fn unquantized_summary(
+    checkpoint: &Checkpoint,
+    tree: &ModuleTree,
+    quantized: &BTreeSet<String>,
+) -> Vec<String> {
+    let mut recorded = quantizable_modules(tree);
+    if ties_lm_head(checkpoint) && tree.find("lm_head").is_none() {
+        recorded.insert("lm_head".into());
+    }
+    recorded.extend(quantized.iter().cloned());
+    let unquantized: BTreeSet<String> = recorded.difference(quantized).cloned().collect();
+    files::exclude_summary(&unquantized, quantized)
 }
 
 /// Writes `value` as JSON with `indent` spaces, as transformers and ModelOpt do.
@@ -423,7 +449,7 @@ pub(crate) fn write_json(path: &Path, value: &Value, indent: usize) -> Result<()
 
 /// Every Linear and Embedding, and routers with a weight (GPT-OSS's `GptOssTopKRouter`): the
 /// modules ModelOpt gives a quantizer, whose unquantized ones the report and the configs list.
-fn quantizable_modules(tree: &ModuleTree) -> BTreeSet<String> {
+pub(crate) fn quantizable_modules(tree: &ModuleTree) -> BTreeSet<String> {
     tree.walk()
         .filter(|m| {
             m.class_chain().is::<Linear>()
@@ -448,94 +474,6 @@ fn count_per_exporter(tree: &ModuleTree, report: &ExportReport) -> BTreeMap<Opti
         *per.entry(key).or_insert(0) += 1;
     }
     per
-}
-
-/// One export through another writer than ModelOpt's: the same walk and exporters, the
-/// writer's arithmetic, names and files (docs/DESIGN.md §7). The recipe's ModelOpt format and
-/// its statistics checks do not apply; the writer's `begin` refuses what it cannot express.
-fn run_foreign(
-    options: &ExportOptions,
-    output: &OutputFormat,
-    formats: Vec<String>,
-    mut writer: Box<dyn super::writer::OutputWriter>,
-) -> Result<ExportSummary, ExportError> {
-    let started = Instant::now();
-    let recipe = &options.recipe;
-    let checkpoint = Arc::new(Checkpoint::open(&options.model)?);
-    let (tree, architecture, generic_fallback) = module_tree(&checkpoint)?;
-    let (act, mut warnings) = bind_statistics(options, &tree)?;
-    if options.act_amax.is_some() && !writer.uses_statistics() && recipe.kv_cache.is_none() {
-        return Err(ExportError::WriterCannot {
-            writer: output.writer.clone(),
-            what: format!(
-                "activation statistics (--act-amax, --calib): `{}` stores no activation or \
-                 KV-cache scale",
-                output.format
-            ),
-            supported: formats,
-        });
-    }
-    let dropped = tied_aliases(&checkpoint)?;
-    let out = OutputDir::create(&options.out, options.force)?;
-    writer.begin(&super::writer::WriterStart {
-        out: out.path(),
-        model: &options.model,
-        checkpoint: &checkpoint,
-        tree: &tree,
-        architecture: &architecture,
-        recipe,
-        max_shard_bytes: options.max_shard_bytes,
-        statistics: &act,
-    })?;
-    let ctx = ExportContext::for_writer(
-        checkpoint.clone(),
-        recipe.clone(),
-        act,
-        &output.writer,
-        formats,
-        writer,
-        dropped,
-    );
-    let ctx = with_hooks(ctx, options);
-    let nonfinite = walk_all(options, &tree, &ctx, &mut warnings)?;
-    let bytes_out = ctx.bytes_out();
-    let (mut done, report) = ctx.finish_foreign()?;
-    warnings.extend(report.warnings.iter().map(|(m, w)| format!("`{m}`: {w}")));
-    let files = done.writer.finish(&super::writer::WriterEnd {
-        out: out.path(),
-        model: &options.model,
-        checkpoint: &checkpoint,
-        written: &done.written_as,
-    })?;
-    warnings.extend(done.writer.warnings());
-    let out_path = out.commit()?;
-    // What the writer left unquantized, as the report lists it for ModelOpt: the Linears and
-    // Embeddings it did not quantize (copied ones it quantized itself count as quantized).
-    let written: BTreeSet<String> = done.written_as.keys().cloned().collect();
-    let left: BTreeSet<String> = quantizable_modules(&tree)
-        .difference(&written)
-        .cloned()
-        .collect();
-    let excluded = files::exclude_summary(&left, &written);
-    Ok(ExportSummary {
-        out: out_path,
-        architecture,
-        generic_fallback,
-        modules_per_exporter: count_per_exporter(&tree, &report),
-        report,
-        quantized_modules: done.written_as.len(),
-        quantized: BTreeMap::new(),
-        written_as: done.written_as,
-        writer_errors: done.errors,
-        nonfinite,
-        warnings,
-        errors: BTreeMap::new(),
-        excluded,
-        bytes_in: checkpoint.data_bytes(),
-        bytes_out,
-        files,
-        elapsed: started.elapsed(),
-    })
 }
 
 /// The export's activation statistics bound to the tree, and the warning for keys that name

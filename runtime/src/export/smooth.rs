@@ -3,7 +3,7 @@
 //! produces that input — ModelOpt's arithmetic, step for step.
 //!
 //! The per-input-channel scales `p` come from calibration: `kiln export --calib` searches
-//! them (AWQ, `model::awq`) or computes them (SmoothQuant), or `--act-amax` gives them
+//! them (AWQ, `calibrate::awq`) or computes them (SmoothQuant), or `--act-amax` gives them
 //! (`<linear>.input_quantizer._pre_quant_scale`). For a Linear
 //! with weight `W`:
 //! 1. smooth: `W₁ = round(W · (1/p))` per input channel, in f32 (`1/p` in f32, `p` as given:
@@ -106,6 +106,10 @@ impl SmoothPlan {
     /// The plan for `recipe` over `tree`, with the scales in `act`; `None` for formats without
     /// pre-quant scales. Every quantized Linear needs a scale of its input width; MoE experts
     /// are refused (ModelOpt averages scales across experts; not implemented).
+    ///
+    /// Long on purpose: the checks on the given scales, then ModelOpt's steps in its order
+    /// (each Linear's own scale, the NVFP4-AWQ pre-quant fusion, the mean over experts, the
+    /// shared-input groups and their norms).
     pub fn build<T: Element>(
         tree: &ModuleTree,
         recipe: &Recipe,

@@ -65,7 +65,7 @@ fn nvfp4_writes_modelopt_tensors_with_shared_group_scales() {
         "7 Linears per layer; lm_head excluded"
     );
     assert_eq!(summary.excluded, ["lm_head", "model.embed_tokens"]);
-    let e = summary.errors[&Format::Nvfp4];
+    let e = summary.errors["nvfp4"];
     assert_eq!(
         (e.modules, e.count),
         (14, 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128))
@@ -471,9 +471,9 @@ fn fp8_block_scales_cover_partial_tiles_and_single_tile_groups_share_one() {
 // ---- what exporters declare is what the configs say ----
 
 use super::{ExportContext, ExportError, ModuleExporter, quantize_linear};
+use crate::export::registry::{ExporterEntry, ExporterRegistry, Predicate};
 use crate::module_tree::ModuleRef;
 use crate::registry::RegistryBuilder;
-use crate::registry::exporters::{ExporterEntry, ExporterRegistry, Predicate};
 use std::sync::Arc;
 
 fn is_lm_head(m: &ModuleRef<'_>) -> bool {
@@ -558,7 +558,7 @@ fn a_plugin_quantized_lm_head_is_not_listed_as_excluded() {
     let summary = summary.unwrap();
     let out = root.path().join("out");
     assert_eq!(summary.excluded, ["model.embed_tokens"]);
-    assert_eq!(summary.quantized["lm_head"], Format::Fp8);
+    assert_eq!(summary.quantized["lm_head"], "fp8");
     let hf = json_file(&out.join("hf_quant_config.json"));
     assert_eq!(hf["quantization"]["quant_algo"], "FP8");
     assert_eq!(

@@ -4,8 +4,8 @@
 use super::context::lock;
 use super::report::{ExportReport, ModuleOutcome};
 use super::{ExportContext, ExportError, ModuleExporter};
+use crate::export::registry::ExporterRegistry;
 use crate::module_tree::{ModuleRef, ModuleTree};
-use crate::registry::exporters::ExporterRegistry;
 use rayon::prelude::*;
 
 /// Whether a module is an MoE block, by ModelOpt's rule (`is_moe`): the class name ends in

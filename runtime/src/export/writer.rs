@@ -4,12 +4,13 @@
 //! picks the writer registered under `NAME` with `#[writer(name = "...")]`, in kiln or in a
 //! user's crate.
 //!
-//! The ModelOpt writer is the default. Its scales are shared across modules (q/k/v and
-//! gate/up share amax, experts sync theirs, AWQ smooths whole groups), so its arithmetic runs
-//! inside the export context, as it always has; every other writer receives each quantized
-//! Linear's values here, one at a time, from several threads at once ([`OutputWriter::linear`]),
-//! and every copied tensor ([`OutputWriter::tensor`]); what they return is written in module
-//! order ([`OutputWriter::write`]), so the output never depends on the thread count.
+//! Every writer is one of these, ModelOpt's (the default) included. A writer with an encoder of
+//! its own ([`Encoding::Own`]) receives each quantized Linear's values, one at a time, from
+//! several threads at once ([`OutputWriter::linear`]); a writer without one
+//! ([`Encoding::Shared`], ModelOpt's) gets ModelOpt's cross-module scale rules, computed by the
+//! exporters. Either way every output tensor passes through [`OutputWriter::tensor`], and what
+//! it returns is written in module order ([`OutputWriter::write`]), so the output never depends
+//! on the thread count.
 
 use super::ExportError;
 use super::act_amax::ActAmax;
@@ -55,6 +56,13 @@ pub struct WriterEnd<'a> {
     pub checkpoint: &'a Checkpoint,
     /// Each module or tensor the writer quantized, with what it wrote (its own type names).
     pub written: &'a BTreeMap<String, String>,
+    /// Every module the exporters declared quantized, with its format, in declaration (walk)
+    /// order: what a writer with [`Encoding::Shared`] records in its config files.
+    pub declared: &'a [(String, super::recipe::Format)],
+    /// The model's module tree.
+    pub tree: &'a ModuleTree,
+    /// The export's recipe.
+    pub recipe: &'a Recipe,
 }
 
 /// A Linear weight's values, in the checkpoint's dtype.
@@ -136,15 +144,11 @@ pub enum FloatValues {
 impl FloatValues {
     /// Decodes BF16, F16 or F32 bytes; `None` for other dtypes.
     pub fn decode(dtype: Dtype, data: &[u8]) -> Option<Self> {
-        let two = || data.chunks_exact(2).map(|c| [c[0], c[1]]);
+        use crate::checkpoint::floats::decode;
         match dtype {
-            Dtype::BF16 => Some(FloatValues::Bf16(two().map(bf16::from_le_bytes).collect())),
-            Dtype::F16 => Some(FloatValues::F16(two().map(f16::from_le_bytes).collect())),
-            Dtype::F32 => Some(FloatValues::F32(
-                data.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            )),
+            Dtype::BF16 => Some(FloatValues::Bf16(decode(data))),
+            Dtype::F16 => Some(FloatValues::F16(decode(data))),
+            Dtype::F32 => Some(FloatValues::F32(decode(data))),
             _ => None,
         }
     }
@@ -286,11 +290,26 @@ pub trait OutputWriter: Send + Sync {
         Vec::new()
     }
 
-    /// Whether this is ModelOpt's writer, whose arithmetic runs in the export context.
-    #[doc(hidden)]
-    fn is_modelopt(&self) -> bool {
-        false
+    /// Who quantizes the Linears the exporters select: the writer itself
+    /// ([`Encoding::Own`], the default), or the export context with ModelOpt's cross-module
+    /// scale rules ([`Encoding::Shared`]).
+    fn encoding(&self) -> Encoding {
+        Encoding::Own
     }
+}
+
+/// Who quantizes the Linears the exporters select for a writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// The writer has an encoder of its own: each Linear's values arrive at
+    /// [`OutputWriter::linear`], and the writer chooses the arithmetic and the scales.
+    Own,
+    /// The writer has no encoder of its own and takes what the exporters compute in this
+    /// format with ModelOpt's cross-module scale rules (q/k/v and gate/up share an amax, a
+    /// block's experts sync theirs, AWQ smooths whole groups, `--kv-cache` writes
+    /// `k_scale`/`v_scale`): the quantized tensors arrive at [`OutputWriter::tensor`] like
+    /// copied ones, and the exporters' declarations at [`WriterEnd::declared`].
+    Shared(super::recipe::Format),
 }
 
 /// How `--calib` gathers MoE experts' input statistics for a writer's output.
@@ -334,67 +353,4 @@ pub trait WriterType: OutputWriter + Sized + 'static {
 
     /// The writer for one export in `format` (one of [`WriterType::formats`]).
     fn new(format: &str) -> Result<Self, ExportError>;
-}
-
-/// ModelOpt's layout (docs/FORMATS.md §2–4): the default writer.
-#[crate::writer(name = "modelopt", crate = crate)]
-#[derive(Debug, Default)]
-pub struct ModelOptWriter(Option<super::recipe::Format>);
-
-impl ModelOptWriter {
-    fn inside() -> ExportError {
-        ExportError::Writer {
-            writer: "modelopt".into(),
-            what: "ModelOpt's writer runs inside the export context; it takes no calls".into(),
-        }
-    }
-}
-
-impl OutputWriter for ModelOptWriter {
-    fn linear(&self, _: &LinearWeight<'_>) -> Result<Written, ExportError> {
-        Err(Self::inside())
-    }
-    fn tensor(&self, _: &str, _: Dtype, _: &[usize], _: Vec<u8>) -> Result<Written, ExportError> {
-        Err(Self::inside())
-    }
-    fn write(&mut self, _: Encoded) -> Result<(), ExportError> {
-        Err(Self::inside())
-    }
-    fn finish(&mut self, _: &WriterEnd<'_>) -> Result<Vec<String>, ExportError> {
-        Err(Self::inside())
-    }
-    fn is_modelopt(&self) -> bool {
-        true
-    }
-    fn check_linear(&self, shape: &[usize]) -> Option<String> {
-        let format = self.0?;
-        let block = format.group_size()? as usize;
-        let cols = *shape.last()?;
-        (!cols.is_multiple_of(block))
-            .then(|| format!("{cols} input features are not whole blocks of {block}"))
-    }
-    fn engines(&self) -> Vec<super::engines::EngineSupport> {
-        self.0
-            .map(|f| super::engines::modelopt(f.cli_name()))
-            .unwrap_or_default()
-    }
-}
-
-impl WriterType for ModelOptWriter {
-    fn formats() -> Vec<(&'static str, String)> {
-        super::recipe::Format::ALL
-            .iter()
-            .map(|f| (f.cli_name(), format!("ModelOpt `{}`", f.quant_algo())))
-            .collect()
-    }
-
-    fn new(format: &str) -> Result<Self, ExportError> {
-        format
-            .parse::<super::recipe::Format>()
-            .map(|f| ModelOptWriter(Some(f)))
-            .map_err(|what| ExportError::Writer {
-                writer: "modelopt".into(),
-                what,
-            })
-    }
 }

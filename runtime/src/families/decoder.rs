@@ -323,6 +323,9 @@ impl DecoderFamily {
     /// 5's fused 3-D experts are checked by their own exporters. A mismatch is an error naming
     /// the tensor, the shape expected and the one found — a header whose dimensions were
     /// rearranged (the same bytes) included.
+    ///
+    /// Long on purpose: every tensor `config.json` implies, with its expected shape, in checkpoint
+    /// order.
     pub fn check_shapes(
         &self,
         config: &serde_json::Value,

@@ -2,9 +2,9 @@
 //! checks them).
 
 use crate::ArchitectureRegistry;
+use crate::architecture::registry::ArchitectureMatch;
 use crate::export::is_moe;
 use crate::module_tree::{Linear, ModuleTree, TensorInfo};
-use crate::registry::architectures::ArchitectureMatch;
 use serde_json::json;
 
 fn t(name: &str, shape: &[usize]) -> TensorInfo {

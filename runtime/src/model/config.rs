@@ -117,6 +117,9 @@ fn f64_of(raw: &Map<String, Value>, name: &str) -> Result<Option<f64>, ModelErro
 impl DecoderConfig {
     /// Reads the fields the forward pass needs; a missing or contradictory one is a named
     /// error.
+    ///
+    /// Long on purpose: every `config.json` field the decoder reads, with its default and check,
+    /// one after another.
     pub fn from_json(raw: &Map<String, Value>) -> Result<Self, ModelError> {
         let hidden = required(raw, "hidden_size")?;
         let layers = required(raw, "num_hidden_layers")?;

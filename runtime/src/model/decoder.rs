@@ -12,7 +12,7 @@
 //! returned, as transformers does.
 
 use super::observe::{NoObserver, Observer};
-use super::{DecoderConfig, ModelError, MoeRouting, Weights, act_quant, load, lora};
+use super::{DecoderConfig, ModelError, MoeRouting, Weights, act_quant, lora};
 use crate::checkpoint::Checkpoint;
 use candle_core::{D, DType, Device, Tensor};
 use std::sync::Arc;
@@ -378,49 +378,26 @@ fn rotate_half(x: &Tensor) -> Result<Tensor, ModelError> {
 }
 
 impl DecoderModel {
-    /// Builds the model of the checkpoint at `checkpoint` in `dtype` on `device`; a
-    /// quantized checkpoint runs as an engine would run it: weights decoded, activations (and
-    /// KV-cache entries) fake-quantized as its format prescribes ([`act_quant`]).
+    /// Builds the model of the plain (unquantized) checkpoint `checkpoint` in `dtype` on
+    /// `device`. A quantized export is read through its format's reader
+    /// ([`crate::formats::load_model`]), which runs it as an engine would: weights decoded,
+    /// activations (and KV-cache entries) fake-quantized as its format prescribes.
     pub fn load(
         checkpoint: &Checkpoint,
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::load_with(checkpoint, dtype, device, true)
-    }
-
-    /// [`DecoderModel::load`]; `activations: false` leaves a quantized checkpoint's
-    /// activations unquantized (its weights still decoded, `pre_quant_scale` folded in).
-    pub fn load_with(
-        checkpoint: &Checkpoint,
-        dtype: DType,
-        device: &Device,
-        activations: bool,
-    ) -> Result<Self, ModelError> {
-        let config = DecoderConfig::from_json(checkpoint.config().raw())?;
-        let (weights, act) = load::load_for_execution(checkpoint, dtype, device, activations)?;
-        Self::build(config, weights, device, act, true)
-    }
-
-    /// The model of a GGUF file kiln wrote ([`super::gguf_layout`]): its config rebuilt from
-    /// the metadata, its weights dequantized; activations unquantized, as llama.cpp runs them.
-    pub fn load_gguf(
-        path: &std::path::Path,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self, ModelError> {
-        let g = super::gguf_layout::GgufModel::open(path)?;
-        let mut config = DecoderConfig::from_json(&g.config)?;
-        if let Some(f) = &g.rope_freqs {
-            if f.len() != config.head_dim / 2 {
-                return Err(ModelError::Tensor {
-                    tensor: "rope_freqs.weight".into(),
-                    message: format!("{} factors for a head of {}", f.len(), config.head_dim),
-                });
-            }
-            config.rope_scaling = super::RopeScaling::Factors(f.clone());
+        if let Some(key) = super::quantization_marker(checkpoint) {
+            return Err(ModelError::file(
+                checkpoint.dir(),
+                format!(
+                    "a quantized export (it has `{key}`): read it through its format's reader \
+                     (kiln_runtime::formats::load_model, as `kiln eval` does)"
+                ),
+            ));
         }
-        let (weights, _) = g.weights(dtype, device)?;
+        let config = DecoderConfig::from_json(checkpoint.config().raw())?;
+        let weights = super::load_plain(checkpoint, dtype, device)?;
         Self::build(
             config,
             weights,
@@ -428,6 +405,11 @@ impl DecoderModel {
             act_quant::ActQuant::default(),
             true,
         )
+    }
+
+    /// The model a format's reader read back ([`crate::formats::FormatReader::load`]).
+    pub fn from_loaded(loaded: super::Loaded, device: &Device) -> Result<Self, ModelError> {
+        Self::build(loaded.config, loaded.weights, device, loaded.act, true)
     }
 
     /// The model of `checkpoint` with only the weights `keep` accepts loaded (plain

@@ -39,21 +39,8 @@ impl Default for SamplingConfig {
     }
 }
 
-/// A seeded stream of uniform draws (SplitMix64).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The next uniform value in `[0, 1)`.
-    pub fn uniform(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+/// The sampler's seeded stream of uniform draws.
+pub use crate::rng::SplitMix64 as Rng;
 
 /// The token chosen from `logits` (one position) after `seen` tokens.
 pub fn choose(logits: &[f32], seen: &[u32], cfg: &SamplingConfig, rng: &mut Rng) -> u32 {

@@ -4,25 +4,19 @@
 //! ([`Observer`], [`MaxCalibrator`]).
 
 pub mod act_quant;
-pub mod awq;
-pub mod calib;
-pub mod compressed;
 mod config;
 mod decoder;
 pub mod eval;
-pub mod for_export;
 pub mod generate;
-pub mod gguf_layout;
-pub mod load;
+mod loaded;
 pub mod lora;
-pub mod mlx_layout;
 mod observe;
-pub mod verify;
 
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
 pub(crate) use decoder::linear;
 pub use decoder::{DecoderModel, KvCache, LayerCache};
+pub use loaded::Loaded;
 pub use observe::{MaxCalibrator, NoObserver, Observer};
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
@@ -117,7 +111,7 @@ pub fn device(name: &str) -> Result<Device, ModelError> {
 }
 
 /// A variable of `dtype` from f32 values, without an extra copy in f32.
-fn to_var(
+pub(crate) fn to_var(
     data: Vec<f32>,
     shape: &[usize],
     dtype: DType,
@@ -165,6 +159,29 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Weights from candle variables by Hugging Face name (a format reader's decoded tensors).
+    pub fn from_vars(vars: BTreeMap<String, Var>) -> Self {
+        Weights { vars, frozen: None }
+    }
+
+    /// Weights from f32 values by Hugging Face name, each `(name, values, shape)` stored in
+    /// `dtype` on `device` (what a plugin format's reader decodes).
+    pub fn from_f32(
+        tensors: impl IntoIterator<Item = (String, Vec<f32>, Vec<usize>)>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let mut vars = BTreeMap::new();
+        for (name, data, shape) in tensors {
+            let var = to_var(data, &shape, dtype, device).map_err(|e| ModelError::Tensor {
+                tensor: name.clone(),
+                message: e.to_string(),
+            })?;
+            vars.insert(name, var);
+        }
+        Ok(Weights::from_vars(vars))
+    }
+
     /// Reads every tensor of `checkpoint` (BF16, F16 or F32) into `dtype` on `device`.
     pub fn load(
         checkpoint: &Checkpoint,
@@ -258,4 +275,69 @@ impl Weights {
     pub fn vars(&self) -> &BTreeMap<String, Var> {
         &self.vars
     }
+}
+
+/// A tensor's values as f32: floats widened; FP8 and U8 as their raw byte values (scales
+/// ModelOpt stores as codes).
+pub(crate) fn f32s(checkpoint: &Checkpoint, name: &str) -> Result<Vec<f32>, ModelError> {
+    let t = checkpoint.tensor(name).ok_or_else(|| ModelError::Tensor {
+        tensor: name.to_string(),
+        message: "missing (a quantized weight needs it)".into(),
+    })?;
+    Ok(match t.dtype {
+        Dtype::F32 => checkpoint.read_as::<f32>(name)?,
+        Dtype::BF16 => checkpoint
+            .read_as::<bf16>(name)?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        Dtype::F16 => checkpoint
+            .read_as::<f16>(name)?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        Dtype::F8_E4M3 | Dtype::U8 => {
+            let mut b = Vec::new();
+            checkpoint.read(name, &mut b)?;
+            return Ok(b.into_iter().map(|x| x as f32).collect());
+        }
+        other => {
+            return Err(ModelError::Tensor {
+                tensor: name.to_string(),
+                message: format!("a scale of dtype {other:?} is not readable"),
+            });
+        }
+    })
+}
+
+/// A plain (unquantized) checkpoint's weights, after the family's own checks, as an export
+/// makes them: every tensor config.json implies is there with its shape (a model of no
+/// registered family goes on to the loader's checks).
+pub fn load_plain(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+) -> Result<Weights, ModelError> {
+    if let Err(e @ crate::ExportError::ModuleTree { .. }) =
+        crate::export::run::module_tree(checkpoint)
+    {
+        return Err(ModelError::Architecture(e.to_string()));
+    }
+    Weights::load(checkpoint, dtype, device)
+}
+
+/// What marks `checkpoint` as a quantized export (`quantization_config`, `quantization`,
+/// `hf_quant_config.json`), if anything does.
+pub fn quantization_marker(checkpoint: &Checkpoint) -> Option<&'static str> {
+    let config = checkpoint.config().raw();
+    ["quantization_config", "quantization"]
+        .into_iter()
+        .find(|k| config.contains_key(*k))
+        .or_else(|| {
+            checkpoint
+                .dir()
+                .join("hf_quant_config.json")
+                .is_file()
+                .then_some("hf_quant_config.json")
+        })
 }

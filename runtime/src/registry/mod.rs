@@ -10,12 +10,7 @@
 //! Validation collects every problem, each with the source locations involved, into a
 //! [`RegistryError`].
 
-pub mod architectures;
 pub mod collect;
-pub mod exporters;
-pub mod rewards;
-pub mod trainers;
-pub mod writers;
 
 use std::any::TypeId;
 use std::borrow::Cow;
@@ -118,8 +113,9 @@ impl EntryMeta {
     }
 }
 
-/// A kind of registry entry; implemented by [`exporters::ExporterEntry`],
-/// [`trainers::TrainerEntry`] and [`architectures::ArchitectureEntry`].
+/// A kind of registry entry, declared beside the trait its entries construct (exporters in
+/// `export`, writers in `export` and `formats`, trainers and rewards in `train`,
+/// architectures in `architecture`); this core knows none of them.
 pub trait RegistryEntry: Clone + Send + Sync + 'static {
     /// The kind's name in messages: "exporter", "trainer", "architecture".
     const KIND: &'static str;
@@ -136,24 +132,50 @@ pub trait RegistryEntry: Clone + Send + Sync + 'static {
     fn assemble(entries: Vec<Self>) -> Result<Self::Registry, Vec<RegistryIssue>>;
 }
 
-/// Indexes `entries` by a name each must hold alone (rewards, writers): a second entry with a
-/// name already taken becomes the issue `conflict(name, first, second)`.
-pub(crate) fn index_by_name<E: RegistryEntry>(
+impl RegistryIssue {
+    /// Two entries of kind `E` that claim one name: `claim` as the message says it.
+    pub fn conflict<E: RegistryEntry>(
+        claim: String,
+        first: &EntryMeta,
+        second: &EntryMeta,
+        fix: &'static str,
+    ) -> Self {
+        RegistryIssue::NameConflict {
+            kind: E::KIND,
+            claim,
+            first: first.path.to_string(),
+            first_at: first.location,
+            second: second.path.to_string(),
+            second_at: second.location,
+            fix,
+        }
+    }
+}
+
+/// Indexes `entries` by the names each must hold alone (several per entry, as an
+/// architecture's): a name already taken becomes a [`RegistryIssue::NameConflict`] with the
+/// claim `claim(name)` and the remedy `fix`.
+pub fn index_by_name<E: RegistryEntry>(
     entries: &[E],
-    name: impl Fn(&E) -> &str,
-    conflict: impl Fn(String, &EntryMeta, &EntryMeta) -> RegistryIssue,
+    names: impl Fn(&E) -> Vec<String>,
+    claim: impl Fn(&str) -> String,
+    fix: &'static str,
 ) -> Result<std::collections::BTreeMap<String, usize>, Vec<RegistryIssue>> {
     let mut by_name: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
     let mut issues = Vec::new();
     for (i, e) in entries.iter().enumerate() {
-        match by_name.get(name(e)) {
-            Some(&first) => issues.push(conflict(
-                name(e).to_string(),
-                entries[first].meta(),
-                e.meta(),
-            )),
-            None => {
-                by_name.insert(name(e).to_string(), i);
+        for name in names(e) {
+            let name = name.as_str();
+            match by_name.get(name) {
+                Some(&first) => issues.push(RegistryIssue::conflict::<E>(
+                    claim(name),
+                    entries[first].meta(),
+                    e.meta(),
+                    fix,
+                )),
+                None => {
+                    by_name.insert(name.to_string(), i);
+                }
             }
         }
     }
@@ -161,6 +183,46 @@ pub(crate) fn index_by_name<E: RegistryEntry>(
         Ok(by_name)
     } else {
         Err(issues)
+    }
+}
+
+/// A registry whose entries each hold one name alone (writers, readers, rewards): the sorted
+/// entries and their index by name.
+#[derive(Debug, Clone)]
+pub struct Named<E> {
+    core: Registry<E>,
+    by_name: std::collections::BTreeMap<String, usize>,
+}
+
+impl<E: RegistryEntry> Named<E> {
+    /// The registry of sorted `entries`, each under `name(entry)`; two claiming one name are a
+    /// [`RegistryIssue::NameConflict`] (the message says `claim(name)` and the remedy `fix`).
+    pub fn assemble(
+        entries: Vec<E>,
+        name: impl Fn(&E) -> &str,
+        claim: impl Fn(&str) -> String,
+        fix: &'static str,
+    ) -> Result<Self, Vec<RegistryIssue>> {
+        let by_name = index_by_name(&entries, |e| vec![name(e).to_string()], claim, fix)?;
+        Ok(Named {
+            core: Registry::from_sorted(entries),
+            by_name,
+        })
+    }
+
+    /// Every entry, in registry order.
+    pub fn entries(&self) -> &[E] {
+        self.core.entries()
+    }
+
+    /// The entry named `name`.
+    pub fn get(&self, name: &str) -> Option<&E> {
+        self.by_name.get(name).map(|&i| &self.entries()[i])
+    }
+
+    /// Every name, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.by_name.keys().map(String::as_str).collect()
     }
 }
 
@@ -248,12 +310,15 @@ pub enum RegistryIssue {
         /// Where the second entry is declared.
         second_at: SourceLocation,
     },
-    /// Two trainers for one `(task, backend)`, neither replacing the other.
-    TrainerConflict {
-        /// The task name (`sft`, `dpo`, ...).
-        task: String,
-        /// The backend name (`candle`, `mlx`, ...).
-        backend: String,
+    /// Two entries claim one name (a writer's `--output-format`, a trainer's `(task,
+    /// backend)`, an architecture's `config.json` name, a reward's name), neither replacing
+    /// the other.
+    NameConflict {
+        /// The registry kind ("writer", "trainer", …).
+        kind: &'static str,
+        /// What both claim, as the message says it: `named 'gguf'`, `for task 'sft' on
+        /// backend 'candle'`.
+        claim: String,
         /// The first entry's type path.
         first: String,
         /// Where the first entry is declared.
@@ -262,45 +327,8 @@ pub enum RegistryIssue {
         second: String,
         /// Where the second entry is declared.
         second_at: SourceLocation,
-    },
-    /// Two reward functions share one name.
-    RewardConflict {
-        /// The name.
-        name: String,
-        /// The first function's path.
-        first: String,
-        /// Where it is declared.
-        first_at: SourceLocation,
-        /// The second function's path.
-        second: String,
-        /// Where it is declared.
-        second_at: SourceLocation,
-    },
-    /// Two writers share one `--output-format` name, neither replacing the other.
-    WriterConflict {
-        /// The name.
-        name: String,
-        /// The first writer's type path.
-        first: String,
-        /// Where it is declared.
-        first_at: SourceLocation,
-        /// The second writer's type path.
-        second: String,
-        /// Where it is declared.
-        second_at: SourceLocation,
-    },
-    /// Two architectures claim one `config.json` architecture name.
-    ArchitectureConflict {
-        /// The `config.json` architecture name.
-        name: String,
-        /// The first entry's type path.
-        first: String,
-        /// Where the first entry is declared.
-        first_at: SourceLocation,
-        /// The second entry's type path.
-        second: String,
-        /// Where the second entry is declared.
-        second_at: SourceLocation,
+        /// How to resolve it: "mark one `replaces = <the other>`", "rename one".
+        fix: &'static str,
     },
 }
 
@@ -343,50 +371,17 @@ impl fmt::Display for RegistryIssue {
                 f,
                 "{kind} `{target}` is replaced twice: by `{first}` ({first_at}) and by `{second}` ({second_at})"
             ),
-            RegistryIssue::TrainerConflict {
-                task,
-                backend,
+            RegistryIssue::NameConflict {
+                kind,
+                claim,
                 first,
                 first_at,
                 second,
                 second_at,
+                fix,
             } => write!(
                 f,
-                "two trainers for task '{task}' on backend '{backend}': `{first}` ({first_at}) and \
-                 `{second}` ({second_at}); mark one `replaces = <the other>`"
-            ),
-            RegistryIssue::RewardConflict {
-                name,
-                first,
-                first_at,
-                second,
-                second_at,
-            } => write!(
-                f,
-                "two reward functions named '{name}': `{first}` ({first_at}) and `{second}` \
-                 ({second_at}); rename one"
-            ),
-            RegistryIssue::WriterConflict {
-                name,
-                first,
-                first_at,
-                second,
-                second_at,
-            } => write!(
-                f,
-                "two writers named '{name}': `{first}` ({first_at}) and `{second}` \
-                 ({second_at}); mark one `replaces = <the other>`"
-            ),
-            RegistryIssue::ArchitectureConflict {
-                name,
-                first,
-                first_at,
-                second,
-                second_at,
-            } => write!(
-                f,
-                "two architectures for '{name}': `{first}` ({first_at}) and `{second}` ({second_at}); \
-                 mark one `replaces = <the other>`"
+                "two {kind}s {claim}: `{first}` ({first_at}) and `{second}` ({second_at}); {fix}"
             ),
         }
     }

@@ -1,12 +1,12 @@
 //! The registry rules, on hand-made entries (no linking involved).
 
-use super::architectures::ArchitectureEntry;
-use super::exporters::{ExporterEntry, Key, Predicate, PredicateFn};
-use super::trainers::{RouteError, TrainerEntry};
 use super::*;
+use crate::architecture::registry::ArchitectureEntry;
+use crate::export::registry::{ExporterEntry, Key, Predicate, PredicateFn};
 use crate::module_tree::{
     Class, ClassChain, Embedding, Linear, ModuleClass, ModuleRef, ModuleTree,
 };
+use crate::train::registry::{RouteError, TrainerEntry};
 use crate::{ModuleExporter, TrainConfig, TrainError, TrainObserver, TrainReport, Trainer};
 use proptest::prelude::*;
 use std::any::TypeId;
@@ -55,7 +55,7 @@ fn exporter(
     }
 }
 
-fn paths(r: &exporters::ExporterRegistry) -> Vec<&str> {
+fn paths(r: &crate::export::registry::ExporterRegistry) -> Vec<&str> {
     r.entries().iter().map(|e| e.meta.path.as_ref()).collect()
 }
 
@@ -266,13 +266,14 @@ fn two_trainers_for_one_route_conflict_unless_one_replaces_the_other() {
     .unwrap_err();
     assert_eq!(
         err.issues,
-        [RegistryIssue::TrainerConflict {
-            task: "sft".into(),
-            backend: "candle".into(),
+        [RegistryIssue::NameConflict {
+            kind: "trainer",
+            claim: "for task 'sft' on backend 'candle'".into(),
             first: "a::One".into(),
             first_at: loc(4),
             second: "b::Two".into(),
-            second_at: loc(9)
+            second_at: loc(9),
+            fix: "mark one `replaces = <the other>`",
         }]
     );
 
@@ -290,7 +291,7 @@ fn two_trainers_for_one_route_conflict_unless_one_replaces_the_other() {
     );
 }
 
-fn routes(list: &[(&str, &str)]) -> trainers::TrainerRegistry {
+fn routes(list: &[(&str, &str)]) -> crate::train::registry::TrainerRegistry {
     let entries = list
         .iter()
         .enumerate()
@@ -398,7 +399,7 @@ fn architectures_resolve_by_name_then_fallback_and_conflict_on_shared_names() {
         arch("a::Generic", &[], Tier::Fallback, 2),
     ])
     .unwrap();
-    use architectures::ArchitectureMatch::*;
+    use crate::architecture::registry::ArchitectureMatch::*;
     assert!(matches!(r.resolve("MistralForCausalLM"), Some(Named(e)) if e.meta.path == "a::Llama"));
     assert!(
         matches!(r.resolve("NewForCausalLM"), Some(Fallback(e)) if e.meta.path == "a::Generic")
@@ -410,7 +411,7 @@ fn architectures_resolve_by_name_then_fallback_and_conflict_on_shared_names() {
     ])
     .unwrap_err();
     assert!(
-        matches!(&err.issues[..], [RegistryIssue::ArchitectureConflict { name, .. }] if name == "LlamaForCausalLM")
+        matches!(&err.issues[..], [RegistryIssue::NameConflict { claim, .. }] if claim == "for 'LlamaForCausalLM'")
     );
 }
 
@@ -465,7 +466,10 @@ fn builder_validates_trainer_routes_at_build() {
     b.register(trainer("x::B", "sft", "candle", 2));
     assert!(matches!(
         &b.build().unwrap_err().issues[..],
-        [RegistryIssue::TrainerConflict { .. }]
+        [RegistryIssue::NameConflict {
+            kind: "trainer",
+            ..
+        }]
     ));
 }
 

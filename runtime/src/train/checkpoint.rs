@@ -76,11 +76,7 @@ fn read_tensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, TrainError>
         if view.dtype() != safetensors::Dtype::F32 {
             return Err(bad(format!("tensor `{name}` is not F32")));
         }
-        let data = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let data = crate::checkpoint::floats::decode::<f32>(view.data());
         out.insert(
             name,
             HostTensor {

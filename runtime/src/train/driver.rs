@@ -67,17 +67,10 @@ pub trait Stepper {
 
 /// A seeded permutation (Fisher–Yates over SplitMix64).
 pub(crate) fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut state = seed;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut rng = crate::rng::SplitMix64(seed);
     let mut p: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
-        let j = (next() % (i as u64 + 1)) as usize;
+        let j = rng.below(i as u64 + 1) as usize;
         p.swap(i, j);
     }
     p
@@ -145,6 +138,9 @@ pub fn eval_figures(
 
 /// Runs `s` to the end of the plan `config` sets (or until the observer stops it) and saves
 /// the result.
+///
+/// Long on purpose: transformers' `_inner_training_loop`, step for step (epochs, accumulation,
+/// logging, evaluation, saving, resuming), so it reads against that loop.
 pub fn drive(
     config: &TrainConfig,
     s: &mut dyn Stepper,

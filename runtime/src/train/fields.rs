@@ -487,6 +487,8 @@ pub fn parse_flag(field: &Field, text: &str) -> Result<Value, TrainError> {
 }
 
 /// Applies `value` to the field `name` of `config` (whose `task` is set).
+///
+/// Long on purpose: one arm per kind of TRL field, a table dispatch that reads as the table.
 pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), TrainError> {
     let task = config.task.clone();
     let known = field(name).filter(|f| f.tasks.is_empty() || f.tasks.contains(&task.as_str()));

@@ -270,6 +270,9 @@ fn aot_mean<O: TensorOps>(
 /// log-ratios whatever the divergence): `rewards/chosen` `β(π_c − ref_c)`,
 /// `rewards/rejected`, `rewards/accuracies` (chosen reward > rejected reward),
 /// `rewards/margins`, `logps/chosen`, `logps/rejected`.
+///
+/// Long on purpose: TRL's `dpo_loss`, every loss type an arm in TRL's order, so each arm compares
+/// with TRL's source.
 pub fn dpo_with<O: TensorOps>(
     ops: &O,
     s: &DpoSettings,

@@ -42,6 +42,10 @@ pub trait TensorOps {
     fn sqr(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `eᵃ`.
     fn exp(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
+    /// `√a`.
+    fn sqrt(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
+    /// Zeros of `a`'s shape, in f32 (optimizer moments).
+    fn zeros_like(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// `a` clamped to `[lo, hi]`.
     fn clamp(&self, a: &Self::T, lo: f64, hi: f64) -> Result<Self::T, Self::Error>;
     /// The sum over the last dimension (`[batch, tokens]` → `[batch]`).

@@ -2,7 +2,7 @@
 //! `#[reward]`): `exact_match`, `regex`, `length`. Each reads its parameters from the run's
 //! task settings.
 
-use crate::registry::rewards::RewardInput;
+use crate::train::reward_registry::RewardInput;
 use serde_json::Value;
 
 /// The answer column of an example as text (a string, or a number written out).
@@ -90,7 +90,7 @@ pub fn check_options(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::rewards::RewardRegistry;
+    use crate::train::reward_registry::RewardRegistry;
 
     fn input<'a>(
         completion: &'a str,

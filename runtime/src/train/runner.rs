@@ -1,6 +1,6 @@
 //! What a task asks of a backend: per-token log-probabilities of sequences under a model (the
 //! policy being trained, or a frozen reference), shifted for next-token prediction. The tasks
-//! (`train/tasks.rs`) are written once against [`Runner`]; candle and MLX each implement it.
+//! (`train/tasks/`) are written once against [`Runner`]; candle and MLX each implement it.
 
 use super::TrainError;
 use super::losses;
@@ -79,8 +79,21 @@ impl Padded {
     }
 }
 
+/// Sampling from the policy, as a backend does it (the sampler of `model/generate.rs` over
+/// that backend's forward pass).
+pub trait Sample {
+    /// `n` completions of `prompt` under the policy (adapters without dropout).
+    fn sample(
+        &self,
+        prompt: &[u32],
+        n: usize,
+        cfg: &crate::model::generate::SamplingConfig,
+        rng: &mut crate::model::generate::Rng,
+    ) -> Result<Vec<Vec<u32>>, TrainError>;
+}
+
 /// A backend as the tasks see it (and, for GRPO, how its policy samples).
-pub trait Runner: super::grpo::Sample {
+pub trait Runner: Sample {
     /// Its loss operations.
     type Ops: TensorOps;
     /// A model: the policy, or a frozen reference.

@@ -87,12 +87,12 @@ fn binary_that_does_not_reference_the_plugin_sees_nothing() {
     assert_eq!(
         paths(&doc, "trainers"),
         [
-            "kiln_runtime::train::candle::CandleDpo",
-            "kiln_runtime::train::candle::CandleGrpo",
-            "kiln_runtime::train::candle::CandleKto",
-            "kiln_runtime::train::candle::CandleOrpo",
-            "kiln_runtime::train::candle::CandleSft",
-            "kiln_runtime::train::candle::CandleSimpo",
+            "kiln_runtime::train::candle::dpo::Trainer",
+            "kiln_runtime::train::candle::grpo::Trainer",
+            "kiln_runtime::train::candle::kto::Trainer",
+            "kiln_runtime::train::candle::orpo::Trainer",
+            "kiln_runtime::train::candle::sft::Trainer",
+            "kiln_runtime::train::candle::simpo::Trainer",
         ]
     );
 }

@@ -1,10 +1,11 @@
 //! candle's side of the resumable checkpoints (`train/checkpoint.rs` has the format): its
 //! variables and AdamW's moments to and from the host.
 
+use super::Setup;
 use super::optim::AdamW;
-use super::{Objective, Setup};
 use crate::train::TrainError;
 use crate::train::checkpoint::{self as format, HostTensor};
+use crate::train::task::TaskInfo;
 use candle_core::{DType, Tensor};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -41,7 +42,7 @@ fn device_tensor(t: &HostTensor, setup: &Setup) -> Result<Tensor, TrainError> {
 pub fn save(
     setup: &Setup,
     adam: &AdamW,
-    objective: &dyn Objective,
+    objective: &dyn TaskInfo,
     step: u64,
     tokens: u64,
 ) -> Result<PathBuf, TrainError> {
@@ -50,14 +51,14 @@ pub fn save(
         .iter()
         .map(|(n, v)| host(n, v.as_tensor()))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut moments = Vec::with_capacity(adam.slots.len() * 2);
-    for s in &adam.slots {
+    let mut moments = Vec::with_capacity(adam.state.moments.len() * 2);
+    for s in &adam.state.moments {
         moments.push(host(&format!("m/{}", s.name), &s.m)?);
         moments.push(host(&format!("v/{}", s.name), &s.v)?);
     }
     let state = json!({
-        "task": objective.task(),
-        "optimizer_steps": adam.step,
+        "task": objective.name(),
+        "optimizer_steps": adam.state.step,
         "tokens": tokens,
         "dropout_rng": setup.model.adapters().map(|a| a.dropout_state()),
         "objective": objective.state(),
@@ -83,23 +84,23 @@ pub fn load(
     dir: &Path,
     setup: &Setup,
     adam: &mut AdamW,
-    objective: &mut dyn Objective,
+    objective: &mut dyn TaskInfo,
 ) -> Result<Resumed, TrainError> {
     let expected: Vec<(String, Vec<usize>)> = setup
         .trainable
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().dims().to_vec()))
         .collect();
-    let c = format::load(dir, objective.task(), &expected)?;
+    let c = format::load(dir, objective.name(), &expected)?;
     for (name, var) in &setup.trainable {
         let t = device_tensor(&c.trainable[name], setup)?;
         var.set(&t.to_dtype(var.dtype())?)?;
     }
-    for slot in &mut adam.slots {
+    for slot in &mut adam.state.moments {
         slot.m = device_tensor(&c.moments[&format!("m/{}", slot.name)], setup)?;
         slot.v = device_tensor(&c.moments[&format!("v/{}", slot.name)], setup)?;
     }
-    adam.step = c.optimizer_steps;
+    adam.state.step = c.optimizer_steps;
     if let (Some(a), Some(r)) = (setup.model.adapters(), c.state["dropout_rng"].as_u64()) {
         a.set_dropout_state(r);
     }

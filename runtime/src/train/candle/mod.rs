@@ -1,10 +1,11 @@
 //! The candle backend: the training loop (batching, gradient accumulation, clipping, AdamW,
-//! schedules, logging, saving) shared by every task, and the built-in trainers
-//! `#[trainer(task = "sft" | "dpo", backend = "candle")]`.
+//! schedules, logging, saving) shared by every task, and a `#[trainer(task, backend =
+//! "candle")]` for every task (`candle::sft::Trainer`, …).
 //!
-//! A task is an [`Objective`]: it turns a micro-batch of example indices into a loss through
-//! the model's per-token log-probabilities and the losses of [`crate::train::losses`]; the
-//! loop does the rest exactly as transformers' `Trainer` does it (docs/TRAINING.md §3).
+//! A task is one of [`crate::train::task`]'s, written once for every backend: it turns a
+//! micro-batch of example indices into a loss through the model's per-token log-probabilities
+//! and the losses of [`crate::train::losses`]; the loop does the rest exactly as
+//! transformers' `Trainer` does it (docs/TRAINING.md §3).
 
 pub mod checkpoint;
 pub mod ops;
@@ -14,8 +15,8 @@ use self::ops::CandleOps;
 use self::optim::{AdamW, AdamWConfig, clip_grad_norm};
 use super::config_err;
 use super::data::TextTokenizer;
-use super::losses::{self};
 use super::ops::TensorOps;
+use super::task::{Backend, Host, Task};
 use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use crate::checkpoint::Checkpoint;
 use crate::model::lora::{Adapters, LoraSpec};
@@ -243,77 +244,14 @@ impl super::runner::Runner for Setup {
     }
 }
 
-/// One task's part of a training run.
-pub trait Objective {
-    /// The task's name (`sft`, `dpo`, …).
-    fn task(&self) -> &'static str;
-    /// Examples in the training set.
-    fn examples(&self) -> usize;
-    /// Whether the loop divides each micro-batch's loss by the step's micro-batch count
-    /// (transformers does unless the loss is already normalised over the whole step).
-    fn divide_by_accumulation(&self) -> bool {
-        true
-    }
-    /// Whether examples are always taken in file order (TRL's KTO trainer ignores shuffling:
-    /// its KL pairs are built over consecutive examples).
-    fn sequential(&self) -> bool {
-        false
-    }
-    /// The logged figures of a window of micro-batches, from each figure's total and how many
-    /// micro-batches reported it (default: the mean).
-    fn window(&self, totals: &BTreeMap<String, (f64, usize)>) -> BTreeMap<String, f64> {
-        totals
-            .iter()
-            .map(|(k, (s, n))| (k.clone(), s / *n as f64))
-            .collect()
-    }
-    /// What a resumed run needs of the objective's own state (random streams, counters).
-    fn state(&self) -> serde_json::Value {
-        serde_json::Value::Null
-    }
-    /// Restores [`Objective::state`].
-    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
-        let _ = state;
-        Ok(())
-    }
-    /// Called with every micro-batch of the coming step before the first is run.
-    fn begin_step(
-        &mut self,
-        setup: &Setup,
-        micro_batches: &[Vec<usize>],
-    ) -> Result<(), TrainError> {
-        let _ = (setup, micro_batches);
-        Ok(())
-    }
-    /// Examples come in groups of this many consecutive indices that stay together when the
-    /// data is shuffled (GRPO: the completions of one prompt).
-    fn group(&self) -> usize {
-        1
-    }
-    /// Makes this objective (built from the evaluation data) the evaluation's: what differs
-    /// from training (GRPO: `num_generations_eval`, one step per generation).
-    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
-        let _ = config;
-        Ok(())
-    }
-    /// How many consecutive optimisation steps run on each step's examples (GRPO's
-    /// `num_iterations`: TRL's sampler repeats every generation batch that many times).
-    fn repeats(&self) -> usize {
-        1
-    }
-    /// The loss of one micro-batch, its figures and its token count.
-    fn micro_batch(
-        &mut self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError>;
-}
+/// A task as the candle backend runs it: any of [`super::task`]'s, on [`Setup`].
+pub type CandleTask = dyn Task<Setup>;
 
 /// Runs `objective` to the end of the plan (or until the observer stops it) and saves the
 /// result into the configured output folder.
 pub fn run(
     setup: &Setup,
-    objective: &mut dyn Objective,
+    objective: &mut CandleTask,
     observer: &mut dyn TrainObserver,
 ) -> Result<TrainReport, TrainError> {
     run_with_eval(setup, objective, None, observer)
@@ -325,7 +263,7 @@ pub fn run(
 /// named `eval_<name>`; `eval_num_tokens` is the training tokens seen so far, as TRL logs it.
 pub fn evaluate(
     setup: &Setup,
-    eval: &mut dyn Objective,
+    eval: &mut CandleTask,
     tokens: u64,
 ) -> Result<BTreeMap<String, f64>, TrainError> {
     let n = eval.examples();
@@ -345,19 +283,11 @@ pub fn evaluate(
 /// [`run`] with an evaluation set, evaluated every `eval_steps` steps.
 pub fn run_with_eval<'a>(
     setup: &'a Setup,
-    objective: &'a mut dyn Objective,
-    eval: Option<&'a mut dyn Objective>,
+    objective: &'a mut CandleTask,
+    eval: Option<&'a mut CandleTask>,
     observer: &mut dyn TrainObserver,
 ) -> Result<TrainReport, TrainError> {
-    let adam = AdamW::new(
-        AdamWConfig {
-            beta1: setup.config.hyper.adam_beta1,
-            beta2: setup.config.hyper.adam_beta2,
-            eps: setup.config.hyper.adam_epsilon,
-            weight_decay: setup.config.hyper.weight_decay,
-        },
-        setup.trainable.clone(),
-    )?;
+    let adam = AdamW::new(AdamWConfig::of(&setup.config), setup.trainable.clone())?;
     let mut stepper = CandleStepper {
         eval_setup: eval.is_some().then(|| setup.for_evaluation()),
         setup,
@@ -372,8 +302,8 @@ pub fn run_with_eval<'a>(
 /// The candle backend under the training loop (`train/driver.rs`).
 struct CandleStepper<'a> {
     setup: &'a Setup,
-    objective: &'a mut dyn Objective,
-    eval: Option<&'a mut dyn Objective>,
+    objective: &'a mut CandleTask,
+    eval: Option<&'a mut CandleTask>,
     /// The run as evaluation sees it (adapters without dropout).
     eval_setup: Option<Setup>,
     adam: AdamW,
@@ -383,7 +313,7 @@ struct CandleStepper<'a> {
 
 impl super::driver::Stepper for CandleStepper<'_> {
     fn task(&self) -> &'static str {
-        self.objective.task()
+        self.objective.name()
     }
     fn backend(&self) -> &'static str {
         BACKEND
@@ -505,231 +435,69 @@ pub(crate) fn write_full(
     super::output::write_full(&setup.config.model, dir, tensors)
 }
 
-/// A built-in trainer: `#[trainer(task, backend = "candle")]` on a struct holding the
-/// [`Setup`] and the task's [`Objective`], made by `$make(config, setup)`.
-macro_rules! candle_trainer {
-    ($(#[$doc:meta])* $name:ident, $task:literal, $objective:ty, $make:expr) => {
-        $(#[$doc])*
-        #[crate::trainer(task = $task, backend = "candle", crate = crate)]
-        pub struct $name {
-            setup: Setup,
-            objective: $objective,
-            eval: Option<$objective>,
-        }
+/// The candle backend, as the tasks see it.
+#[derive(Debug)]
+pub struct Candle;
 
-        impl crate::Trainer for $name {
-            fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-                let setup = Setup::load(config)?;
-                let make: fn(&TrainConfig, &Setup) -> Result<$objective, TrainError> = $make;
-                let objective = make(config, &setup)?;
-                // The evaluation set, prepared as the training set is.
-                let eval = match &config.eval_data {
-                    Some(path) => {
-                        let mut c = config.clone();
-                        c.train_data = Some(path.clone());
-                        let mut e = make(&c, &setup)?;
-                        Objective::for_evaluation(&mut e, &c)?;
-                        Some(e)
-                    }
-                    None => None,
-                };
-                Ok($name { setup, objective, eval })
+impl Backend for Candle {
+    type Model = DecoderModel;
+    type R<'a> = Setup;
+}
+
+impl Host<Candle> for Setup {
+    fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+    fn with_runner<T>(&self, f: impl FnOnce(&Setup) -> T) -> T {
+        f(self)
+    }
+    fn reference(&self) -> Result<DecoderModel, TrainError> {
+        Setup::reference(self)
+    }
+    fn base_reference(&self) -> Result<DecoderModel, TrainError> {
+        match &self.adapters {
+            Some(_) => Ok(self.model.with_adapters(None)),
+            None => Setup::reference(self),
+        }
+    }
+}
+
+/// `#[trainer(task, backend = "candle")]` for one task of [`super::task::TASKS`]: the
+/// [`Setup`], the task and its evaluation set ([`super::task::build_with_eval`]).
+macro_rules! candle_trainer {
+    ($module:ident, $task:literal) => {
+        #[doc = concat!("`", $task, "` on candle.")]
+        pub mod $module {
+            use super::*;
+
+            #[doc = concat!("`", $task, "` on candle.")]
+            #[crate::trainer(task = $task, backend = "candle", crate = crate)]
+            pub struct Trainer {
+                setup: Setup,
+                task: Box<CandleTask>,
+                eval: Option<Box<CandleTask>>,
             }
-            fn train(
-                &mut self,
-                observer: &mut dyn TrainObserver,
-            ) -> Result<TrainReport, TrainError> {
-                let eval = self.eval.as_mut().map(|e| e as &mut dyn Objective);
-                run_with_eval(&self.setup, &mut self.objective, eval, observer)
+
+            impl crate::Trainer for Trainer {
+                fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+                    let setup = Setup::load(config)?;
+                    let (task, eval) =
+                        super::super::task::build_with_eval::<Candle>($task, config, &setup)?;
+                    Ok(Trainer { setup, task, eval })
+                }
+                fn train(
+                    &mut self,
+                    observer: &mut dyn TrainObserver,
+                ) -> Result<TrainReport, TrainError> {
+                    let eval = self.eval.as_deref_mut();
+                    run_with_eval(&self.setup, &mut *self.task, eval, observer)
+                }
             }
         }
     };
 }
 
-// ---------------------------------------------------------------- sft
-
-/// Supervised fine-tuning (TRL's `SFTTrainer`): causal-LM cross-entropy over the label
-/// tokens, the token mean over the whole optimisation step.
-pub struct SftObjective(super::tasks::SftTask);
-
-impl SftObjective {
-    /// The examples of `config.train_data` (`text`, `prompt`+`completion` or `messages`),
-    /// tokenized as TRL does.
-    pub fn new(config: &TrainConfig, tok: &TextTokenizer) -> Result<Self, TrainError> {
-        Ok(SftObjective(super::tasks::SftTask::new(config, tok)?))
-    }
-}
-
-impl Objective for SftObjective {
-    fn task(&self) -> &'static str {
-        "sft"
-    }
-    fn examples(&self) -> usize {
-        self.0.examples()
-    }
-    fn divide_by_accumulation(&self) -> bool {
-        false
-    }
-    fn begin_step(
-        &mut self,
-        _setup: &Setup,
-        micro_batches: &[Vec<usize>],
-    ) -> Result<(), TrainError> {
-        self.0.begin_step(micro_batches);
-        Ok(())
-    }
-    fn micro_batch(
-        &mut self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        self.0.loss(setup, indices)
-    }
-}
-
-candle_trainer! {
-    /// `sft` on candle.
-    CandleSft, "sft", SftObjective, |config, setup| SftObjective::new(config, &setup.tokenizer)
-}
-
-// ---------------------------------------------------------------- dpo
-
-/// Direct preference optimisation (TRL's `DPOTrainer`).
-pub struct DpoObjective(super::tasks::DpoTask<DecoderModel>);
-
-impl DpoObjective {
-    /// The pairs of `config.train_data` and DPO's options (`beta`, `loss_type`,
-    /// `precompute_ref_log_probs`), against the frozen starting model.
-    pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        Ok(DpoObjective(super::tasks::DpoTask::new(
-            config,
-            &setup.tokenizer,
-            setup,
-            setup.reference()?,
-        )?))
-    }
-}
-
-impl Objective for DpoObjective {
-    fn task(&self) -> &'static str {
-        "dpo"
-    }
-    fn examples(&self) -> usize {
-        self.0.examples()
-    }
-    fn micro_batch(
-        &mut self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        self.0.loss(setup, indices)
-    }
-}
-
-candle_trainer! {
-    /// `dpo` on candle.
-    CandleDpo, "dpo", DpoObjective, DpoObjective::new
-}
-
-// ---------------------------------------------------------------- orpo, simpo (cpo)
-
-pub use super::tasks::ScoredLoss;
-
-/// ORPO and CPO/SimPO on candle ([`super::tasks::ScoredPairTask`]).
-pub struct ScoredPairObjective(super::tasks::ScoredPairTask);
-
-impl ScoredPairObjective {
-    /// ORPO's options: `beta` (0.1).
-    pub fn orpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        Ok(ScoredPairObjective(super::tasks::ScoredPairTask::orpo(
-            config,
-            &setup.tokenizer,
-        )?))
-    }
-
-    /// SimPO's options (TRL's `CPOConfig` defaults).
-    pub fn simpo(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        Ok(ScoredPairObjective(super::tasks::ScoredPairTask::simpo(
-            config,
-            &setup.tokenizer,
-        )?))
-    }
-}
-
-impl Objective for ScoredPairObjective {
-    fn task(&self) -> &'static str {
-        self.0.name()
-    }
-    fn examples(&self) -> usize {
-        self.0.examples()
-    }
-    fn micro_batch(
-        &mut self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        self.0.loss(setup, indices)
-    }
-}
-
-candle_trainer! {
-    /// `orpo` on candle.
-    CandleOrpo, "orpo", ScoredPairObjective, ScoredPairObjective::orpo
-}
-
-candle_trainer! {
-    /// `simpo` on candle (TRL's CPO trainer; `loss_type` simpo by default).
-    CandleSimpo, "simpo", ScoredPairObjective, ScoredPairObjective::simpo
-}
-
-// ---------------------------------------------------------------- kto
-
-/// KTO on candle ([`super::tasks::KtoTask`]).
-pub struct KtoObjective(super::tasks::KtoTask<DecoderModel>);
-
-impl KtoObjective {
-    /// KTO's options (TRL's `KTOConfig`); the reference as TRL makes it: with LoRA the base
-    /// model (adapters off), even when training continues an existing adapter.
-    pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        let reference = match &setup.adapters {
-            Some(_) => setup.model.with_adapters(None),
-            None => setup.reference()?,
-        };
-        Ok(KtoObjective(super::tasks::KtoTask::new(
-            config,
-            &setup.tokenizer,
-            setup,
-            reference,
-        )?))
-    }
-}
-
-impl Objective for KtoObjective {
-    fn task(&self) -> &'static str {
-        "kto"
-    }
-    fn examples(&self) -> usize {
-        self.0.examples()
-    }
-    fn sequential(&self) -> bool {
-        true
-    }
-    fn window(&self, totals: &BTreeMap<String, (f64, usize)>) -> BTreeMap<String, f64> {
-        losses::kto_window(totals)
-    }
-    fn micro_batch(
-        &mut self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        self.0.loss(setup, indices)
-    }
-}
-
-candle_trainer! {
-    /// `kto` on candle.
-    CandleKto, "kto", KtoObjective, KtoObjective::new
-}
+super::task::for_each_task!(candle_trainer);
 
 // ---------------------------------------------------------------- grpo
 
@@ -756,77 +524,17 @@ impl Sample for Setup {
     }
 }
 
-/// GRPO on candle ([`super::grpo::GrpoTask`]).
-pub struct GrpoObjective(super::grpo::GrpoTask<DecoderModel>);
-
-impl GrpoObjective {
-    /// GRPO's options (TRL's `GRPOConfig` defaults); completions sampled from the policy with
-    /// the KV cache.
-    pub fn new(config: &TrainConfig, setup: &Setup) -> Result<Self, TrainError> {
-        Ok(GrpoObjective(super::grpo::GrpoTask::new(
-            config,
-            &setup.tokenizer,
-            || setup.reference(),
-        )?))
-    }
-
-    /// [`GrpoObjective::new`] with completions from `source`.
-    pub fn with_source(
-        config: &TrainConfig,
-        setup: &Setup,
-        source: Box<dyn CompletionSource>,
-    ) -> Result<Self, TrainError> {
-        Ok(GrpoObjective(super::grpo::GrpoTask::with_source(
-            config,
-            &setup.tokenizer,
-            || setup.reference(),
-            source,
-        )?))
-    }
-}
-
-impl Objective for GrpoObjective {
-    fn task(&self) -> &'static str {
-        "grpo"
-    }
-    fn examples(&self) -> usize {
-        self.0.examples()
-    }
-    fn group(&self) -> usize {
-        self.0.group()
-    }
-    fn repeats(&self) -> usize {
-        self.0.repeats()
-    }
-    fn state(&self) -> serde_json::Value {
-        self.0.state()
-    }
-    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
-        self.0.restore(state)
-    }
-    fn divide_by_accumulation(&self) -> bool {
-        self.0.divide_by_accumulation()
-    }
-    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
-        self.0.for_evaluation(config)
-    }
-    fn begin_step(
-        &mut self,
-        setup: &Setup,
-        micro_batches: &[Vec<usize>],
-    ) -> Result<(), TrainError> {
-        self.0.begin_step(setup, micro_batches)
-    }
-    fn micro_batch(
-        &mut self,
-        setup: &Setup,
-        indices: &[usize],
-    ) -> Result<(Tensor, BTreeMap<String, f64>, u64), TrainError> {
-        self.0.loss(setup, indices)
-    }
-}
-
-candle_trainer! {
-    /// `grpo` on candle.
-    CandleGrpo, "grpo", GrpoObjective, GrpoObjective::new
+/// GRPO on candle with completions from `source` instead of sampling (another run's
+/// completions replayed, as the parity tests replay TRL's).
+pub fn grpo_with_source(
+    config: &TrainConfig,
+    setup: &Setup,
+    source: Box<dyn CompletionSource>,
+) -> Result<Box<CandleTask>, TrainError> {
+    Ok(Box::new(super::grpo::GrpoTask::with_source(
+        config,
+        &setup.tokenizer,
+        || setup.reference(),
+        source,
+    )?))
 }

@@ -79,6 +79,12 @@ impl TensorOps for CandleOps {
     fn exp(&self, a: &Tensor) -> candle_core::Result<Tensor> {
         a.exp()
     }
+    fn sqrt(&self, a: &Tensor) -> candle_core::Result<Tensor> {
+        a.sqrt()
+    }
+    fn zeros_like(&self, a: &Tensor) -> candle_core::Result<Tensor> {
+        a.zeros_like()?.to_dtype(candle_core::DType::F32)
+    }
     fn clamp(&self, a: &Tensor, lo: f64, hi: f64) -> candle_core::Result<Tensor> {
         a.maximum(lo)?.minimum(hi)
     }

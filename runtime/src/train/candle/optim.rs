@@ -1,127 +1,72 @@
-//! AdamW and gradient clipping as torch 2.9 computes them (`torch.optim.AdamW`, single-tensor
-//! path; `torch.nn.utils.clip_grad_norm_`), over candle variables (docs/TRAINING.md §3).
+//! The backend-neutral AdamW and clipping ([`crate::train::optim`]) over candle variables: the
+//! update computed on the tensors, then written back into each `Var`.
 
-use candle_core::{DType, Tensor, Var};
+use super::ops::CandleOps;
+pub use crate::train::optim::{AdamWConfig, decays};
+use candle_core::{DType, Device, Tensor, Var};
 
-/// AdamW's settings (transformers' `adam_beta1`, `adam_beta2`, `adam_epsilon`,
-/// `weight_decay`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWConfig {
-    /// β₁.
-    pub beta1: f64,
-    /// β₂.
-    pub beta2: f64,
-    /// ε.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
+/// The tensor operations on the device of `t` (the first parameter or gradient).
+fn ops_on(t: Option<&Tensor>) -> CandleOps {
+    CandleOps {
+        device: t.map_or(Device::Cpu, |t| t.device().clone()),
+    }
 }
 
-/// One parameter's optimizer state.
-#[derive(Debug, Clone)]
-pub struct Slot {
-    /// The parameter's name (checkpoints, weight-decay exclusions).
-    pub name: String,
-    /// The parameter.
-    pub var: Var,
-    /// First moment.
-    pub m: Tensor,
-    /// Second moment.
-    pub v: Tensor,
-    /// Whether weight decay applies (transformers excludes biases and norm weights).
-    pub decay: bool,
-}
-
-/// AdamW over a fixed list of parameters.
+/// AdamW over a run's trainable candle variables.
 #[derive(Debug, Clone)]
 pub struct AdamW {
-    /// Settings.
-    pub config: AdamWConfig,
-    /// Per-parameter state, in a fixed order.
-    pub slots: Vec<Slot>,
-    /// Updates done.
-    pub step: u64,
-}
-
-/// Whether transformers' Trainer decays a parameter: not biases, not norm weights
-/// (`get_decay_parameter_names`).
-pub fn decays(name: &str) -> bool {
-    !(name.ends_with(".bias") || name.contains("norm."))
+    /// The moments and the step count.
+    pub state: crate::train::optim::AdamW<Tensor>,
+    /// The variables, in the moments' order.
+    pub vars: Vec<Var>,
 }
 
 impl AdamW {
-    /// AdamW over `params` (name, variable), moments at zero.
+    /// Zero moments for `params`.
     pub fn new(config: AdamWConfig, params: Vec<(String, Var)>) -> candle_core::Result<Self> {
-        let slots = params
-            .into_iter()
-            .map(|(name, var)| {
-                let z = var.as_tensor().zeros_like()?.to_dtype(DType::F32)?;
-                Ok(Slot {
-                    decay: decays(&name),
-                    name,
-                    var,
-                    m: z.clone(),
-                    v: z,
-                })
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(AdamW {
+        let state = crate::train::optim::AdamW::new(
+            &ops_on(params.first().map(|(_, v)| v.as_tensor())),
             config,
-            slots,
-            step: 0,
+            params.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
+        )?;
+        Ok(AdamW {
+            state,
+            vars: params.into_iter().map(|(_, v)| v).collect(),
         })
     }
 
-    /// One update with learning rate `lr` and the gradients `grads` (one per slot, in order;
-    /// `None`: the parameter got no gradient and is left alone, as torch skips it).
+    /// One step at learning rate `lr` with `grads` (in the variables' order; `None`: no
+    /// gradient, the variable unchanged).
     pub fn update(&mut self, lr: f64, grads: &[Option<Tensor>]) -> candle_core::Result<()> {
-        self.step += 1;
-        let c = self.config;
-        let t = self.step as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
-        for (slot, g) in self.slots.iter_mut().zip(grads) {
-            let Some(g) = g else { continue };
-            let g = g.to_dtype(DType::F32)?;
-            let mut p = slot.var.as_tensor().to_dtype(DType::F32)?;
-            if slot.decay && c.weight_decay != 0.0 {
-                p = p.affine(1.0 - lr * c.weight_decay, 0.0)?;
+        let params = self
+            .vars
+            .iter()
+            .map(|v| v.as_tensor().to_dtype(DType::F32))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let grads = grads
+            .iter()
+            .map(|g| g.as_ref().map(|g| g.to_dtype(DType::F32)).transpose())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let refs: Vec<&Tensor> = params.iter().collect();
+        let new = self
+            .state
+            .update(&ops_on(params.first()), lr, &refs, &grads)?;
+        for (var, p) in self.vars.iter().zip(new) {
+            if let Some(p) = p {
+                var.set(&p.to_dtype(var.dtype())?)?;
             }
-            // exp_avg.lerp_(grad, 1 − β₁); exp_avg_sq.mul_(β₂).addcmul_(grad, grad, 1 − β₂)
-            slot.m = (&slot.m + ((&g - &slot.m)? * (1.0 - c.beta1))?)?;
-            slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let denom = ((slot.v.sqrt()? / bc2_sqrt)? + c.eps)?;
-            let p = (p - (slot.m.div(&denom)? * (lr / bc1))?)?;
-            slot.var.set(&p.to_dtype(slot.var.dtype())?)?;
         }
         Ok(())
     }
 }
 
-/// `clip_grad_norm_`: the global 2-norm of `grads` (before clipping), and every gradient
-/// scaled by `min(1, max_norm / (norm + 1e-6))` when `max_norm` is given.
+/// [`crate::train::optim::clip_grad_norm`] of candle gradients.
 pub fn clip_grad_norm(
     grads: &mut [Option<Tensor>],
     max_norm: Option<f64>,
 ) -> candle_core::Result<f64> {
-    let mut total = 0f64;
-    for g in grads.iter().flatten() {
-        let n = g
-            .to_dtype(DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .sqrt()?
-            .to_scalar::<f32>()? as f64;
-        total += n * n;
-    }
-    let norm = total.sqrt();
-    if let Some(max) = max_norm {
-        let coef = (max / (norm + 1e-6)).min(1.0);
-        for g in grads.iter_mut().flatten() {
-            *g = (&*g * coef)?;
-        }
-    }
-    Ok(norm)
+    let ops = ops_on(grads.iter().flatten().next());
+    crate::train::optim::clip_grad_norm(&ops, grads, max_norm)
 }
 
 #[cfg(test)]

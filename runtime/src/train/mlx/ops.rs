@@ -124,6 +124,12 @@ impl TensorOps for MlxOps {
     fn exp(&self, a: &Array) -> Result<Array, Exception> {
         ops::exp(a)
     }
+    fn sqrt(&self, a: &Array) -> Result<Array, Exception> {
+        ops::sqrt(a)
+    }
+    fn zeros_like(&self, a: &Array) -> Result<Array, Exception> {
+        ops::zeros_like(a)?.as_type::<f32>()
+    }
     fn clamp(&self, a: &Array, lo: f64, hi: f64) -> Result<Array, Exception> {
         let lo = tie_split_const(a, lo as f32, true)?;
         tie_split_const(&lo, hi as f32, false)

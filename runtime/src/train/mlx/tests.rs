@@ -224,7 +224,7 @@ fn compat(model: &str) -> crate::checkpoint::Checkpoint {
     crate::checkpoint::Checkpoint::open(&dir).unwrap()
 }
 
-/// The MLX decoder's logits equal the candle decoder's (which match transformers, tests/forward.rs)
+/// The MLX decoder's logits equal the candle decoder's (which match transformers, tests/it/forward.rs)
 /// for every dense family: RoPE scalings, sliding windows, q/k/v biases, q/k norms, tied
 /// embeddings; with a padded batch too.
 #[test]

@@ -15,7 +15,7 @@ use crate::train::driver::{Stepper, drive, eval_figures, evaluation};
 use crate::train::grpo::GrpoTask;
 use crate::train::ops::TensorOps;
 use crate::train::runner::{Runner, Shifted};
-use crate::train::tasks::{DpoTask, KtoTask, MicroBatch, ScoredPairTask, SftTask};
+use crate::train::task::{Backend, Host, Task};
 use crate::train::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use mlx_rs::Array;
 use mlx_rs::error::Exception;
@@ -283,76 +283,43 @@ impl Runner for MlxRunner<'_> {
     }
 }
 
-/// The tasks the MLX backend runs (the same code the candle backend runs).
-enum MlxTask {
-    Sft(SftTask),
-    Dpo(DpoTask<MlxModel>),
-    Scored(ScoredPairTask),
-    Kto(KtoTask<MlxModel>),
-    Grpo(Box<GrpoTask<MlxModel>>),
+/// A task as the MLX backend runs it: any of [`crate::train::task`]'s (the same code the candle
+/// backend runs), on [`MlxRunner`].
+type MlxTask = Box<dyn for<'a> Task<MlxRunner<'a>>>;
+
+/// What the tasks are built from on MLX: the run and its starting weights.
+struct MlxHost<'a> {
+    setup: &'a MlxSetup,
+    initial: &'a [Array],
 }
 
-impl MlxTask {
-    fn name(&self) -> &'static str {
-        match self {
-            MlxTask::Sft(_) => "sft",
-            MlxTask::Dpo(_) => "dpo",
-            MlxTask::Scored(t) => t.name(),
-            MlxTask::Kto(_) => "kto",
-            MlxTask::Grpo(_) => "grpo",
-        }
-    }
-    fn examples(&self) -> usize {
-        match self {
-            MlxTask::Sft(t) => t.examples(),
-            MlxTask::Dpo(t) => t.examples(),
-            MlxTask::Scored(t) => t.examples(),
-            MlxTask::Kto(t) => t.examples(),
-            MlxTask::Grpo(t) => t.examples(),
-        }
-    }
-    /// The logged figures of a window (KTO divides its per-side sums by their counts).
-    fn window(&self, totals: &crate::train::driver::Window) -> BTreeMap<String, f64> {
-        match self {
-            MlxTask::Kto(_) => crate::train::losses::kto_window(totals),
-            _ => totals
-                .iter()
-                .map(|(k, (s, n))| (k.clone(), s / *n as f64))
-                .collect(),
-        }
-    }
+/// The MLX backend, as the tasks see it.
+struct Mlx;
 
-    /// Whether the loop divides each micro-batch's loss by the step's micro-batch count.
-    fn divides(&self) -> bool {
-        match self {
-            MlxTask::Sft(_) => false,
-            MlxTask::Grpo(t) => t.divide_by_accumulation(),
-            _ => true,
-        }
-    }
+impl Backend for Mlx {
+    type Model = MlxModel;
+    type R<'a> = MlxRunner<'a>;
+}
 
-    /// Before a step's (or an evaluation batch's) micro-batches: SFT counts its label tokens,
-    /// GRPO generates and scores.
-    fn begin_step(
-        &mut self,
-        r: &MlxRunner<'_>,
-        micro_batches: &[Vec<usize>],
-    ) -> Result<(), TrainError> {
-        match self {
-            MlxTask::Sft(t) => t.begin_step(micro_batches),
-            MlxTask::Grpo(t) => t.begin_step(r, micro_batches)?,
-            _ => {}
-        }
-        Ok(())
+impl Host<Mlx> for MlxHost<'_> {
+    fn tokenizer(&self) -> &TextTokenizer {
+        &self.setup.tokenizer
     }
-    fn loss(&self, r: &MlxRunner<'_>, indices: &[usize]) -> Result<MicroBatch<Array>, TrainError> {
-        match self {
-            MlxTask::Sft(t) => t.loss(r, indices),
-            MlxTask::Dpo(t) => t.loss(r, indices),
-            MlxTask::Scored(t) => t.loss(r, indices),
-            MlxTask::Kto(t) => t.loss(r, indices),
-            MlxTask::Grpo(t) => t.loss(r, indices),
+    fn with_runner<T>(&self, f: impl FnOnce(&MlxRunner<'_>) -> T) -> T {
+        f(&MlxRunner {
+            setup: self.setup,
+            policy: reference(self.setup, self.initial),
+        })
+    }
+    fn reference(&self) -> Result<MlxModel, TrainError> {
+        Ok(reference(self.setup, self.initial))
+    }
+    fn base_reference(&self) -> Result<MlxModel, TrainError> {
+        let mut r = reference(self.setup, self.initial);
+        if self.setup.adapters.is_some() {
+            r.adapters.clear();
         }
+        Ok(r)
     }
 }
 
@@ -363,10 +330,7 @@ struct MlxStepper {
     eval: Option<MlxTask>,
     params: Vec<Array>,
     grads: Vec<Option<Array>>,
-    m: Vec<Array>,
-    v: Vec<Array>,
-    decay: Vec<bool>,
-    step: u64,
+    adam: crate::train::optim::AdamW<Array>,
 }
 
 impl MlxStepper {
@@ -381,7 +345,7 @@ impl MlxStepper {
         let r = self.runner(&self.params, false);
         let (loss, totals) = evaluation(eval.examples(), bs, |chunk| {
             eval.begin_step(&r, &[chunk.to_vec()])?;
-            let (l, figures, _) = eval.loss(&r, chunk)?;
+            let (l, figures, _) = eval.micro_batch(&r, chunk)?;
             Ok((f64::from(host(&l)?[0]), figures))
         })?;
         Ok(eval_figures(loss, eval.window(&totals), tokens))
@@ -405,8 +369,7 @@ impl Stepper for MlxStepper {
         self.task.name()
     }
     fn sequential(&self) -> bool {
-        // TRL's KTO trainer ignores shuffling (its KL pairs span consecutive examples).
-        matches!(self.task, MlxTask::Kto(_))
+        self.task.sequential()
     }
     fn window(&self, totals: &crate::train::driver::Window) -> BTreeMap<String, f64> {
         self.task.window(totals)
@@ -424,16 +387,10 @@ impl Stepper for MlxStepper {
             .sum()
     }
     fn group(&self) -> usize {
-        match &self.task {
-            MlxTask::Grpo(t) => t.group(),
-            _ => 1,
-        }
+        self.task.group()
     }
     fn repeats(&self) -> usize {
-        match &self.task {
-            MlxTask::Grpo(t) => t.repeats(),
-            _ => 1,
-        }
+        self.task.repeats()
     }
     fn begin_step(&mut self, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
         let (weights, adapters) = self.setup.parts(&self.params);
@@ -453,12 +410,12 @@ impl Stepper for MlxStepper {
         count: usize,
     ) -> Result<(f64, BTreeMap<String, f64>, u64), TrainError> {
         let side = std::cell::RefCell::new(None);
-        let divide = self.task.divides().then_some(count as f32);
+        let divide = self.task.divide_by_accumulation().then_some(count as f32);
         let f = |p: &[Array]| -> Result<Vec<Array>, Exception> {
             let r = self.runner(p, true);
             let (loss, figures, tokens) = self
                 .task
-                .loss(&r, indices)
+                .micro_batch(&r, indices)
                 .map_err(|e| Exception::custom(e.to_string()))?;
             let loss = match divide {
                 Some(c) => ops::divide(&loss, Array::from_f32(c))?,
@@ -484,73 +441,22 @@ impl Stepper for MlxStepper {
         Ok((loss, figures, tokens))
     }
     fn update(&mut self, lr: f64) -> Result<f64, TrainError> {
-        let h = &self.setup.config.hyper;
-        // torch's clip_grad_norm_: the global norm of the per-tensor norms.
-        let mut total = 0f64;
-        for g in self.grads.iter().flatten() {
-            let n = host(
-                &ops::sqrt(
-                    &ops::square(g)
-                        .map_err(mlx_err)?
-                        .sum(None)
-                        .map_err(mlx_err)?,
-                )
-                .map_err(mlx_err)?,
-            )?[0];
-            total += f64::from(n) * f64::from(n);
-        }
-        let norm = total.sqrt();
-        let coef = h
-            .max_grad_norm
-            .map_or(1.0, |max| (max / (norm + 1e-6)).min(1.0));
-        // torch's AdamW (single-tensor path), as the candle backend computes it.
-        self.step += 1;
-        let t = self.step as i32;
-        let bc1 = 1.0 - h.adam_beta1.powi(t);
-        let bc2_sqrt = (1.0 - h.adam_beta2.powi(t)).sqrt();
-        let s = |x: f64| Array::from_f32(x as f32);
-        let update = |p: &Array,
-                      g: &Array,
-                      m: &Array,
-                      v: &Array,
-                      decay: bool|
-         -> Result<(Array, Array, Array), Exception> {
-            let g = if h.max_grad_norm.is_some() {
-                ops::multiply(g, s(coef))?
-            } else {
-                g.clone()
-            };
-            let p = if decay && h.weight_decay != 0.0 {
-                ops::multiply(p, s(1.0 - lr * h.weight_decay))?
-            } else {
-                p.clone()
-            };
-            let m = ops::add(
-                m,
-                &ops::multiply(&ops::subtract(&g, m)?, s(1.0 - h.adam_beta1))?,
-            )?;
-            let v = ops::add(
-                &ops::multiply(v, s(h.adam_beta2))?,
-                &ops::multiply(&ops::square(&g)?, s(1.0 - h.adam_beta2))?,
-            )?;
-            let denom = ops::add(
-                &ops::divide(&ops::sqrt(&v)?, s(bc2_sqrt))?,
-                s(h.adam_epsilon),
-            )?;
-            let p = ops::subtract(&p, &ops::multiply(&ops::divide(&m, &denom)?, s(lr / bc1))?)?;
-            Ok((p, m, v))
-        };
-        for i in 0..self.params.len() {
-            let Some(g) = self.grads[i].take() else {
-                continue;
-            };
-            let (p, m, v) = update(&self.params[i], &g, &self.m[i], &self.v[i], self.decay[i])
-                .map_err(mlx_err)?;
-            mlx_rs::transforms::eval([&p, &m, &v]).map_err(mlx_err)?;
+        // torch's clip_grad_norm_ and AdamW, as every backend computes them.
+        let max = self.setup.config.hyper.max_grad_norm;
+        let norm =
+            crate::train::optim::clip_grad_norm(&MlxOps, &mut self.grads, max).map_err(mlx_err)?;
+        let params: Vec<&Array> = self.params.iter().collect();
+        let new = self
+            .adam
+            .update(&MlxOps, lr, &params, &self.grads)
+            .map_err(mlx_err)?;
+        for (i, p) in new.into_iter().enumerate() {
+            let Some(p) = p else { continue };
+            let slot = &self.adam.moments[i];
+            mlx_rs::transforms::eval([&p, &slot.m, &slot.v]).map_err(mlx_err)?;
             self.params[i] = p;
-            self.m[i] = m;
-            self.v[i] = v;
         }
+        self.grads.iter_mut().for_each(|g| *g = None);
         Ok(norm)
     }
     fn evaluate(&mut self, tokens: u64) -> Result<Option<BTreeMap<String, f64>>, TrainError> {
@@ -578,20 +484,18 @@ impl Stepper for MlxStepper {
             .map(|(n, p)| host_of(n.clone(), p))
             .collect::<Result<Vec<_>, _>>()?;
         let mut moments = Vec::with_capacity(2 * names.len());
-        for ((n, m), v) in names.iter().zip(&self.m).zip(&self.v) {
+        for (n, slot) in names.iter().zip(&self.adam.moments) {
+            let (m, v) = (&slot.m, &slot.v);
             moments.push(host_of(format!("m/{n}"), m)?);
             moments.push(host_of(format!("v/{n}"), v)?);
         }
         let state = serde_json::json!({
             "task": self.task.name(),
             "backend": BACKEND,
-            "optimizer_steps": self.step,
+            "optimizer_steps": self.adam.step,
             "tokens": tokens,
             "dropout_rng": self.setup.adapters.as_ref().map(|a| a.dropout_state()),
-            "objective": match &self.task {
-                MlxTask::Grpo(t) => t.state(),
-                _ => serde_json::Value::Null,
-            },
+            "objective": self.task.state(),
         });
         crate::train::checkpoint::save(
             &self.setup.config.output,
@@ -618,16 +522,14 @@ impl Stepper for MlxStepper {
         };
         for (i, n) in self.setup.names.iter().enumerate() {
             self.params[i] = array(&c.trainable[n]);
-            self.m[i] = array(&c.moments[&format!("m/{n}")]);
-            self.v[i] = array(&c.moments[&format!("v/{n}")]);
+            self.adam.moments[i].m = array(&c.moments[&format!("m/{n}")]);
+            self.adam.moments[i].v = array(&c.moments[&format!("v/{n}")]);
         }
-        self.step = c.optimizer_steps;
+        self.adam.step = c.optimizer_steps;
         if let (Some(a), Some(r)) = (&self.setup.adapters, c.state["dropout_rng"].as_u64()) {
             a.set_dropout_state(r);
         }
-        if let MlxTask::Grpo(t) = &mut self.task {
-            t.restore(&c.state["objective"])?;
-        }
+        self.task.restore(&c.state["objective"])?;
         Ok((c.step, c.tokens))
     }
     fn save_output(&self) -> Result<PathBuf, TrainError> {
@@ -693,26 +595,14 @@ impl MlxStepper {
     }
 }
 
-/// Builds the MLX run of `config` with the task `make` prepares (from the training data, or
-/// the evaluation data for the evaluation set).
-fn build(
-    config: &TrainConfig,
-    make: fn(&TrainConfig, &MlxSetup, &[Array]) -> Result<MlxTask, TrainError>,
-) -> Result<MlxStepper, TrainError> {
+/// Builds the MLX run of `config` for `task`, with its evaluation set.
+fn build(config: &TrainConfig, task: &str) -> Result<MlxStepper, TrainError> {
     let (setup, params) = MlxSetup::load(config)?;
-    let task = make(config, &setup, &params)?;
-    let eval = match &config.eval_data {
-        Some(path) => {
-            let mut c = config.clone();
-            c.train_data = Some(path.clone());
-            let mut e = make(&c, &setup, &params)?;
-            if let MlxTask::Grpo(t) = &mut e {
-                t.for_evaluation(&c)?;
-            }
-            Some(e)
-        }
-        None => None,
+    let host = MlxHost {
+        setup: &setup,
+        initial: &params,
     };
+    let (task, eval) = crate::train::task::build_with_eval::<Mlx>(task, config, &host)?;
     assemble(setup, params, task, eval)
 }
 
@@ -722,24 +612,19 @@ fn assemble(
     task: MlxTask,
     eval: Option<MlxTask>,
 ) -> Result<MlxStepper, TrainError> {
-    let zeros = |p: &Array| ops::zeros_like(p).map_err(mlx_err);
-    let m = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
-    let v = params.iter().map(zeros).collect::<Result<Vec<_>, _>>()?;
-    let decay = setup
-        .names
-        .iter()
-        .map(|n| crate::train::candle::optim::decays(n))
-        .collect();
+    let adam = crate::train::optim::AdamW::new(
+        &MlxOps,
+        crate::train::optim::AdamWConfig::of(&setup.config),
+        setup.names.iter().map(String::as_str).zip(&params),
+    )
+    .map_err(mlx_err)?;
     Ok(MlxStepper {
         grads: vec![None; params.len()],
         setup,
         task,
         eval,
         params,
-        m,
-        v,
-        decay,
-        step: 0,
+        adam,
     })
 }
 
@@ -749,22 +634,26 @@ pub fn grpo_with_sources(
     config: &TrainConfig,
     train: Box<dyn crate::train::grpo::CompletionSource>,
     eval: Option<Box<dyn crate::train::grpo::CompletionSource>>,
-) -> Result<MlxGrpoTrainer, TrainError> {
+) -> Result<grpo::Trainer, TrainError> {
     let (setup, params) = MlxSetup::load(config)?;
     let reference_of = || Ok(reference(&setup, &params));
-    let task = GrpoTask::with_source(config, &setup.tokenizer, reference_of, train)?;
-    let eval = match (&config.eval_data, eval) {
-        (Some(path), Some(source)) => {
-            let mut c = config.clone();
-            c.train_data = Some(path.clone());
-            let mut e = GrpoTask::with_source(&c, &setup.tokenizer, reference_of, source)?;
-            e.for_evaluation(&c)?;
-            Some(MlxTask::Grpo(Box::new(e)))
-        }
-        _ => None,
-    };
-    Ok(MlxGrpoTrainer {
-        stepper: assemble(setup, params, MlxTask::Grpo(Box::new(task)), eval)?,
+    let mut sources = [Some(train), eval].into_iter();
+    let (task, eval) = crate::train::task::with_eval(config, |c| -> Result<MlxTask, TrainError> {
+        let source = sources.next().flatten().ok_or_else(|| {
+            config_err(
+                "eval_data",
+                "replaying completions needs an evaluation source too",
+            )
+        })?;
+        Ok(Box::new(GrpoTask::with_source(
+            c,
+            &setup.tokenizer,
+            reference_of,
+            source,
+        )?))
+    })?;
+    Ok(grpo::Trainer {
+        stepper: assemble(setup, params, task, eval)?,
     })
 }
 
@@ -785,80 +674,36 @@ fn reference(setup: &MlxSetup, initial: &[Array]) -> MlxModel {
     }
 }
 
+/// `#[trainer(task, backend = "mlx")]` for one task of [`crate::train::task::TASKS`].
 macro_rules! mlx_trainer {
-    ($(#[$doc:meta])* $name:ident, $task:literal, $make:expr) => {
-        $(#[$doc])*
-        #[crate::trainer(task = $task, backend = "mlx", crate = crate)]
-        pub struct $name {
-            stepper: MlxStepper,
-        }
+    ($module:ident, $task:literal) => {
+        #[doc = concat!("`", $task, "` on MLX.")]
+        pub mod $module {
+            use super::*;
 
-        impl crate::Trainer for $name {
-            fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-                Ok($name {
-                    stepper: build(config, $make)?,
-                })
+            #[doc = concat!("`", $task, "` on MLX.")]
+            #[crate::trainer(task = $task, backend = "mlx", crate = crate)]
+            pub struct Trainer {
+                pub(super) stepper: MlxStepper,
             }
 
-            fn train(
-                &mut self,
-                observer: &mut dyn TrainObserver,
-            ) -> Result<TrainReport, TrainError> {
-                let config = self.stepper.setup.config.clone();
-                drive(&config, &mut self.stepper, observer)
+            impl crate::Trainer for Trainer {
+                fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+                    Ok(Trainer {
+                        stepper: build(config, $task)?,
+                    })
+                }
+
+                fn train(
+                    &mut self,
+                    observer: &mut dyn TrainObserver,
+                ) -> Result<TrainReport, TrainError> {
+                    let config = self.stepper.setup.config.clone();
+                    drive(&config, &mut self.stepper, observer)
+                }
             }
         }
     };
 }
 
-mlx_trainer! {
-    /// `sft` on MLX.
-    MlxSftTrainer, "sft", |config, setup, _| Ok(MlxTask::Sft(SftTask::new(config, &setup.tokenizer)?))
-}
-
-mlx_trainer! {
-    /// `dpo` on MLX.
-    MlxDpoTrainer, "dpo", |config, setup, initial| {
-        let reference = reference(setup, initial);
-        let runner = MlxRunner {
-            setup,
-            policy: reference.clone(),
-        };
-        Ok(MlxTask::Dpo(DpoTask::new(config, &setup.tokenizer, &runner, reference)?))
-    }
-}
-
-mlx_trainer! {
-    /// `orpo` on MLX.
-    MlxOrpoTrainer, "orpo", |config, setup, _| Ok(MlxTask::Scored(ScoredPairTask::orpo(config, &setup.tokenizer)?))
-}
-
-mlx_trainer! {
-    /// `simpo` (TRL's CPO trainer) on MLX.
-    MlxSimpoTrainer, "simpo", |config, setup, _| Ok(MlxTask::Scored(ScoredPairTask::simpo(config, &setup.tokenizer)?))
-}
-
-mlx_trainer! {
-    /// `kto` on MLX; the reference as TRL makes it (with LoRA the base model alone, even when
-    /// training continues an adapter; else the starting weights).
-    MlxKtoTrainer, "kto", |config, setup, initial| {
-        let mut reference = reference(setup, initial);
-        if setup.adapters.is_some() {
-            reference.adapters.clear();
-        }
-        let runner = MlxRunner {
-            setup,
-            policy: reference.clone(),
-        };
-        Ok(MlxTask::Kto(KtoTask::new(config, &setup.tokenizer, &runner, reference)?))
-    }
-}
-
-mlx_trainer! {
-    /// `grpo` on MLX: completions sampled from the policy on MLX (without a KV cache yet).
-    MlxGrpoTrainer, "grpo", |config, setup, initial| {
-        Ok(MlxTask::Grpo(Box::new(GrpoTask::new(config, &setup.tokenizer, || {
-            Ok(reference(setup, initial))
-        })?)))
-    }
-}
+crate::train::task::for_each_task!(mlx_trainer);

@@ -1,0 +1,426 @@
+//! LoRA adapters' files: PEFT's (`adapter_model.safetensors` with
+//! `base_model.model.<m>.lora_A.weight`, `…lora_B.weight`, and `adapter_config.json`) and
+//! mlx-lm's (`adapters.safetensors`, `adapter_config.json`), read and written for
+//! [`Adapters`] (docs/TRAINING.md §4).
+
+use crate::model::lora::{Adapters, LoraSpec, linear_modules};
+use crate::model::{DecoderModel, ModelError};
+use candle_core::{DType, Tensor, Var};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// The `A [r, in]`, `B [out, r]` pairs of the adapter file at `path`, by module: `split`
+/// names each tensor's module and side (0: A, 1: B) or says why it is not an adapter tensor;
+/// `transposed`: the file holds `Aᵀ [in, r]` and `Bᵀ [r, out]` (mlx-lm). Every module must be a
+/// Linear of `modules` with both halves in the right shape.
+#[allow(clippy::too_many_arguments)]
+fn read_pairs(
+    path: &Path,
+    modules: &[(String, usize, usize)],
+    r: usize,
+    (a_name, b_name): (&str, &str),
+    transposed: bool,
+    device: &candle_core::Device,
+    split: impl Fn(&str) -> Result<(String, usize), String>,
+) -> Result<BTreeMap<String, (Var, Var)>, ModelError> {
+    let st_err = |m: String| ModelError::file(path, m);
+    let bytes = std::fs::read(path).map_err(|e| st_err(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+    let shapes: BTreeMap<&str, (usize, usize)> = modules
+        .iter()
+        .map(|(m, i, o)| (m.as_str(), (*i, *o)))
+        .collect();
+    let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let (module, which) = split(&name).map_err(&st_err)?;
+        let &(inputs, outputs) = shapes.get(module.as_str()).ok_or_else(|| {
+            st_err(format!(
+                "tensor `{name}`: the model has no Linear `{module}`"
+            ))
+        })?;
+        let mut expect = if which == 0 {
+            vec![r, inputs]
+        } else {
+            vec![outputs, r]
+        };
+        if transposed {
+            expect.reverse();
+        }
+        if view.shape() != expect.as_slice() {
+            return Err(st_err(format!(
+                "tensor `{name}` has shape {:?}, expected {expect:?}",
+                view.shape()
+            )));
+        }
+        let data =
+            crate::checkpoint::floats::to_f32(view.dtype(), view.data()).ok_or_else(|| {
+                st_err(format!(
+                    "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
+                    view.dtype()
+                ))
+            })?;
+        let mut t = Tensor::from_vec(data, expect.as_slice(), device)?;
+        if transposed {
+            t = t.t()?.contiguous()?;
+        }
+        let var = Var::from_tensor(&t)?;
+        let e = halves.entry(module).or_default();
+        if which == 0 {
+            e.0 = Some(var);
+        } else {
+            e.1 = Some(var);
+        }
+    }
+    let mut pairs = BTreeMap::new();
+    for (module, (a, b)) in halves {
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(st_err(format!(
+                "`{module}` has only one of {a_name} / {b_name}"
+            )));
+        };
+        pairs.insert(module, (a, b));
+    }
+    if pairs.is_empty() {
+        return Err(st_err("holds no LoRA tensors".into()));
+    }
+    Ok(pairs)
+}
+
+/// Writes f32 `tensors` (name, shape, values) to the safetensors file `path`.
+fn write_f32(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<(), ModelError> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, v)| {
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                d.clone(),
+                bytemuck::cast_slice(v),
+            )
+            .map(|t| (n.clone(), t))
+            .map_err(|e| ModelError::Tensor {
+                tensor: n.clone(),
+                message: e.to_string(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    safetensors::serialize_to_file(views, metadata, path).map_err(|e| ModelError::file(path, e))
+}
+
+impl Adapters {
+    /// The `target_modules` PEFT needs to adapt exactly these layers: the leaf names when
+    /// they select nothing more, else the full module paths.
+    pub fn peft_target_modules(&self, all: &[(String, usize, usize)]) -> Vec<String> {
+        let leaves: BTreeSet<&str> = self
+            .layers
+            .keys()
+            .map(|m| m.rsplit('.').next().unwrap_or(m))
+            .collect();
+        let by_leaf = all
+            .iter()
+            .filter(|(m, _, _)| leaves.contains(m.rsplit('.').next().unwrap_or(m)))
+            .count();
+        if by_leaf == self.layers.len() {
+            leaves.into_iter().map(str::to_string).collect()
+        } else {
+            self.layers.keys().cloned().collect()
+        }
+    }
+
+    /// Writes PEFT's `adapter_model.safetensors` and `adapter_config.json` into `dir`.
+    pub fn save_peft(
+        &self,
+        dir: &Path,
+        model: &DecoderModel,
+        base_model: &str,
+    ) -> Result<(), ModelError> {
+        self.save_peft_for(dir, &linear_modules(model), base_model)
+    }
+
+    /// [`Adapters::save_peft`] for a model whose Linear layers are `modules`.
+    pub fn save_peft_for(
+        &self,
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        base_model: &str,
+    ) -> Result<(), ModelError> {
+        let mut tensors = Vec::new();
+        for (name, var) in self.vars() {
+            let t = var.as_tensor().to_dtype(DType::F32)?;
+            tensors.push((name, t.dims().to_vec(), t.flatten_all()?.to_vec1()?));
+        }
+        let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        write_f32(
+            &dir.join("adapter_model.safetensors"),
+            &tensors,
+            Some(metadata),
+        )?;
+        let io = |path: &Path, e: String| ModelError::file(path, e);
+        let s = &self.spec;
+        let config = json!({
+            "alpha_pattern": {},
+            "auto_mapping": null,
+            "base_model_name_or_path": base_model,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "layers_pattern": null,
+            "layers_to_transform": null,
+            "lora_alpha": s.alpha,
+            "lora_dropout": s.dropout,
+            "modules_to_save": null,
+            "peft_type": "LORA",
+            "r": s.r,
+            "rank_pattern": {},
+            "revision": null,
+            "target_modules": self.peft_target_modules(modules),
+            "task_type": "CAUSAL_LM",
+            "use_dora": false,
+            "use_rslora": s.rslora,
+        });
+        let path = dir.join("adapter_config.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&config).expect("JSON") + "\n",
+        )
+        .map_err(|e| io(&path, e.to_string()))
+    }
+
+    /// Writes mlx-lm's adapter layout into `dir`: `adapters.safetensors` (per adapted Linear
+    /// `<module>.lora_a` `[in, r]` = `Aᵀ` and `<module>.lora_b` `[r, out]` = `Bᵀ`) and
+    /// `adapter_config.json` (`fine_tune_type` lora, `num_layers`, `lora_parameters` with
+    /// `rank`, `scale` = kiln's α/r or α/√r, `dropout` and the layer-relative `keys`).
+    /// mlx-lm adapts the same keys in the last `num_layers` layers of `layers` (every layer's
+    /// `model.layers.<i>.` paths): adapters it cannot express that way are an error.
+    pub fn save_mlx_lm(&self, dir: &Path, layers: usize) -> Result<(), ModelError> {
+        let mut keys: BTreeSet<String> = BTreeSet::new();
+        let mut by_layer: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+        for m in self.layers.keys() {
+            let rest = m.strip_prefix("model.layers.").and_then(|r| {
+                let (i, key) = r.split_once('.')?;
+                Some((i.parse::<usize>().ok()?, key.to_string()))
+            });
+            let Some((i, key)) = rest else {
+                return Err(ModelError::Config(format!(
+                    "mlx-lm adapters live in decoder layers; `{m}` is not in one (use --adapter-format peft)"
+                )));
+            };
+            keys.insert(key.clone());
+            by_layer.entry(i).or_default().insert(key);
+        }
+        let first = by_layer.keys().next().copied().unwrap_or(layers);
+        let uniform = (first..layers).all(|i| by_layer.get(&i) == Some(&keys));
+        if !uniform {
+            return Err(ModelError::Config(
+                "mlx-lm adapts the same modules in the last N layers; these adapters cover another set (use --adapter-format peft)".into(),
+            ));
+        }
+        let mut tensors = Vec::new();
+        for (m, l) in &self.layers {
+            for (suffix, v) in [("lora_a", &l.a), ("lora_b", &l.b)] {
+                let t = v.as_tensor().t()?.contiguous()?.to_dtype(DType::F32)?;
+                let dims = t.dims().to_vec();
+                tensors.push((format!("{m}.{suffix}"), dims, t.flatten_all()?.to_vec1()?));
+            }
+        }
+        write_f32(&dir.join("adapters.safetensors"), &tensors, None)?;
+        let io = |path: &Path, e: String| ModelError::file(path, e);
+        let s = &self.spec;
+        let config = json!({
+            "fine_tune_type": "lora",
+            "num_layers": layers - first,
+            "lora_parameters": {
+                "rank": s.r,
+                "scale": s.scale(),
+                "dropout": s.dropout,
+                "keys": keys,
+            },
+        });
+        let path = dir.join("adapter_config.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&config).expect("JSON") + "\n",
+        )
+        .map_err(|e| io(&path, e.to_string()))
+    }
+
+    /// Reads an adapter folder in PEFT's layout or mlx-lm's (`adapters.safetensors`), for a
+    /// model whose Linear layers are `modules`.
+    pub fn load_any_for(
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
+        if dir.join("adapters.safetensors").is_file()
+            && !dir.join("adapter_model.safetensors").is_file()
+        {
+            Self::load_mlx_lm_for(dir, modules, device)
+        } else {
+            Self::load_peft_for(dir, modules, device)
+        }
+    }
+
+    /// Reads mlx-lm's adapter layout (see [`Adapters::save_mlx_lm`]): α is taken as
+    /// `scale · r`, so the adapters compute what mlx-lm computes.
+    pub fn load_mlx_lm_for(
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
+        let cfg_path = dir.join("adapter_config.json");
+        let err = |m: String| ModelError::file(&cfg_path, m);
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
+        let cfg: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+        if cfg
+            .get("fine_tune_type")
+            .and_then(Value::as_str)
+            .unwrap_or("lora")
+            != "lora"
+        {
+            return Err(err(format!(
+                "`fine_tune_type` {} is not lora",
+                cfg["fine_tune_type"]
+            )));
+        }
+        let p = cfg
+            .get("lora_parameters")
+            .ok_or_else(|| err("`lora_parameters` is missing".into()))?;
+        let r = p
+            .get("rank")
+            .and_then(Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| err("`lora_parameters.rank` must be a positive integer".into()))?
+            as usize;
+        let scale = p
+            .get("scale")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| err("`lora_parameters.scale` must be a number".into()))?;
+        let pairs = read_pairs(
+            &dir.join("adapters.safetensors"),
+            modules,
+            r,
+            ("lora_a", "lora_b"),
+            true,
+            device,
+            |name| {
+                if let Some(m) = name.strip_suffix(".lora_a") {
+                    Ok((m.to_string(), 0))
+                } else if let Some(m) = name.strip_suffix(".lora_b") {
+                    Ok((m.to_string(), 1))
+                } else {
+                    Err(format!(
+                        "tensor `{name}` is not an mlx-lm LoRA tensor (lora_a / lora_b)"
+                    ))
+                }
+            },
+        )?;
+        let spec = LoraSpec {
+            r,
+            alpha: scale * r as f64,
+            dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0),
+            rslora: false,
+            target_modules: pairs
+                .keys()
+                .map(|m| m.rsplit('.').next().unwrap_or(m).to_string())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+        };
+        Ok(Adapters::of_pairs(pairs, spec))
+    }
+
+    /// Reads a PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`) for
+    /// `model`: every tensor must name a Linear of the model with the right shape.
+    pub fn load_peft(dir: &Path, model: &DecoderModel) -> Result<Self, ModelError> {
+        Self::load_peft_for(dir, &linear_modules(model), model.device())
+    }
+
+    /// [`Adapters::load_peft`] for a model whose Linear layers are `modules`, onto `device`.
+    pub fn load_peft_for(
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        device: &candle_core::Device,
+    ) -> Result<Self, ModelError> {
+        let cfg_path = dir.join("adapter_config.json");
+        let err = |m: String| ModelError::file(&cfg_path, m);
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| err(e.to_string()))?;
+        let cfg: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+        if cfg.get("peft_type").and_then(Value::as_str) != Some("LORA") {
+            return Err(err("`peft_type` is not \"LORA\"".into()));
+        }
+        let r = cfg
+            .get("r")
+            .and_then(Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| err("`r` must be a positive integer".into()))? as usize;
+        let alpha = cfg
+            .get("lora_alpha")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| err("`lora_alpha` must be a number".into()))?;
+        for (key, ok) in [
+            ("use_dora", Value::Bool(false)),
+            ("fan_in_fan_out", Value::Bool(false)),
+        ] {
+            if cfg.get(key).is_some_and(|v| !v.is_null() && *v != ok) {
+                return Err(err(format!("`{key}` = {} is not supported", cfg[key])));
+            }
+        }
+        if cfg
+            .get("bias")
+            .and_then(Value::as_str)
+            .is_some_and(|b| b != "none")
+        {
+            return Err(err("only `bias: \"none\"` adapters are supported".into()));
+        }
+        let targets = match cfg.get("target_modules") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| err("`target_modules` must be a list of names".into()))?,
+            Some(Value::String(s)) => vec![s.clone()],
+            _ => return Err(err("`target_modules` is missing".into())),
+        };
+        let spec = LoraSpec {
+            r,
+            alpha,
+            dropout: cfg
+                .get("lora_dropout")
+                .and_then(Value::as_f64)
+                .unwrap_or(0.0),
+            rslora: cfg
+                .get("use_rslora")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            target_modules: targets,
+        };
+        let pairs = read_pairs(
+            &dir.join("adapter_model.safetensors"),
+            modules,
+            r,
+            ("lora_A", "lora_B"),
+            false,
+            device,
+            |name| {
+                let rest = name
+                    .strip_prefix("base_model.model.")
+                    .ok_or_else(|| format!("tensor `{name}` is not a PEFT LoRA tensor"))?;
+                if let Some(m) = rest.strip_suffix(".lora_A.weight") {
+                    Ok((m.to_string(), 0))
+                } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
+                    Ok((m.to_string(), 1))
+                } else {
+                    Err(format!(
+                        "tensor `{name}` is not a LoRA A/B weight (only LoRA on Linear layers is supported)"
+                    ))
+                }
+            },
+        )?;
+        Ok(Adapters::of_pairs(pairs, spec))
+    }
+}

@@ -1,0 +1,299 @@
+//! One [`Task`] per training task, implemented once against [`Runner`] and run by every backend;
+//! [`build`] makes any task for any backend that implements [`Host`], with its evaluation set
+//! prepared the same way ([`build_with_eval`]); [`for_each_task!`] is the task list the backends
+//! register their trainers from. A new task is one file (its example builder and loss) plus an
+//! arm in [`build`] and a line in [`TASKS`] / [`for_each_task!`]; a new backend implements
+//! [`Runner`], [`Backend`] and [`Host`] and registers every task with one `for_each_task!(its_macro)`.
+
+use super::data::TextTokenizer;
+use super::driver::Window;
+use super::grpo::GrpoTask;
+use super::runner::Runner;
+use super::tasks::{DpoTask, KtoTask, MicroBatch, ScoredPairTask, SftTask, TensorOf};
+use super::{TrainConfig, TrainError};
+use std::collections::BTreeMap;
+
+/// Every task, in the order `kiln registry trainers` lists them.
+pub const TASKS: [&str; 6] = ["sft", "dpo", "orpo", "simpo", "kto", "grpo"];
+
+/// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
+/// for every task in one line.
+macro_rules! for_each_task {
+    ($m:ident) => {
+        $m!(sft, "sft");
+        $m!(dpo, "dpo");
+        $m!(orpo, "orpo");
+        $m!(simpo, "simpo");
+        $m!(kto, "kto");
+        $m!(grpo, "grpo");
+    };
+}
+pub(crate) use for_each_task;
+
+/// What the training loop asks of a task, whatever the backend.
+pub trait TaskInfo: Send {
+    /// The task's name (`sft`, `dpo`, …).
+    fn name(&self) -> &'static str;
+    /// Examples in the training set.
+    fn examples(&self) -> usize;
+    /// Whether the loop divides each micro-batch's loss by the step's micro-batch count
+    /// (transformers does unless the loss is already normalised over the whole step).
+    fn divide_by_accumulation(&self) -> bool {
+        true
+    }
+    /// Whether examples are always taken in file order (TRL's KTO trainer ignores shuffling:
+    /// its KL pairs are built over consecutive examples).
+    fn sequential(&self) -> bool {
+        false
+    }
+    /// The logged figures of a window of micro-batches, from each figure's total and how many
+    /// micro-batches reported it (default: the mean).
+    fn window(&self, totals: &Window) -> BTreeMap<String, f64> {
+        mean_window(totals)
+    }
+    /// What a resumed run needs of the task's own state (random streams, counters).
+    fn state(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+    /// Restores [`TaskInfo::state`].
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        let _ = state;
+        Ok(())
+    }
+    /// Examples come in groups of this many consecutive indices that stay together when the
+    /// data is shuffled (GRPO: the completions of one prompt).
+    fn group(&self) -> usize {
+        1
+    }
+    /// Makes this task (built from the evaluation data) the evaluation's: what differs from
+    /// training (GRPO: `num_generations_eval`, one step per generation).
+    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
+        let _ = config;
+        Ok(())
+    }
+    /// How many consecutive optimisation steps run on each step's examples (GRPO's
+    /// `num_iterations`: TRL's sampler repeats every generation batch that many times).
+    fn repeats(&self) -> usize {
+        1
+    }
+}
+
+/// One task's part of a training run, on the runner `R` of some backend.
+pub trait Task<R: Runner>: TaskInfo {
+    /// Called with every micro-batch of the coming step (or evaluation batch) before the
+    /// first is run: SFT counts its label tokens, GRPO generates and scores.
+    fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        let _ = (r, micro_batches);
+        Ok(())
+    }
+    /// The loss of one micro-batch, its figures and its token count.
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError>;
+}
+
+/// Each figure's mean over the micro-batches that reported it.
+pub fn mean_window(totals: &Window) -> BTreeMap<String, f64> {
+    totals
+        .iter()
+        .map(|(k, (s, n))| (k.clone(), s / *n as f64))
+        .collect()
+}
+
+/// A training backend as the tasks see it: its model type and its runner (a marker type per
+/// backend, such as `candle::Candle`).
+pub trait Backend {
+    /// The model type its runners run.
+    type Model: Clone + Send + 'static;
+    /// Its runner, borrowing the run for one pass.
+    type R<'a>: Runner<Model = Self::Model>;
+}
+
+/// What a backend's run gives the tasks when they are built.
+pub trait Host<B: Backend> {
+    /// The tokenizer.
+    fn tokenizer(&self) -> &TextTokenizer;
+    /// Runs `f` with a runner over the starting weights (building DPO and KTO runs their
+    /// reference over the data).
+    fn with_runner<T>(&self, f: impl FnOnce(&B::R<'_>) -> T) -> T;
+    /// The frozen reference as TRL makes it (DPO, GRPO): under new LoRA adapters the base
+    /// model alone, when training continues an adapter that adapter as it started, in full
+    /// fine-tuning the starting weights.
+    fn reference(&self) -> Result<B::Model, TrainError>;
+    /// KTO's reference: with LoRA the base model alone (adapters off, even when training
+    /// continues an existing adapter), else the starting weights.
+    fn base_reference(&self) -> Result<B::Model, TrainError>;
+}
+
+/// A task as a backend holds it: runnable by any of its runners.
+pub type BoxedTask<B> = Box<dyn for<'a> Task<<B as Backend>::R<'a>>>;
+
+/// The task `task` of `config` (its training data) on the backend `host`.
+pub fn build<B: Backend>(
+    task: &str,
+    config: &TrainConfig,
+    host: &impl Host<B>,
+) -> Result<BoxedTask<B>, TrainError> {
+    let tok = host.tokenizer();
+    Ok(match task {
+        "sft" => Box::new(SftTask::new(config, tok)?),
+        "dpo" => {
+            let reference = host.reference()?;
+            Box::new(host.with_runner(|r| DpoTask::new(config, tok, r, reference))?)
+        }
+        "orpo" => Box::new(ScoredPairTask::orpo(config, tok)?),
+        "simpo" => Box::new(ScoredPairTask::simpo(config, tok)?),
+        "kto" => {
+            let reference = host.base_reference()?;
+            Box::new(host.with_runner(|r| KtoTask::new(config, tok, r, reference))?)
+        }
+        "grpo" => Box::new(GrpoTask::new(config, tok, || host.reference())?),
+        other => {
+            return Err(TrainError::Config {
+                field: "task".into(),
+                message: format!("no task `{other}` (kiln has {})", TASKS.join(", ")),
+            });
+        }
+    })
+}
+
+/// [`build`], and with `config.eval_data` the same task over the evaluation data, prepared as
+/// the training set is and then made the evaluation's ([`Task::for_evaluation`]).
+#[allow(clippy::type_complexity)]
+pub fn build_with_eval<B: Backend>(
+    task: &str,
+    config: &TrainConfig,
+    host: &impl Host<B>,
+) -> Result<(BoxedTask<B>, Option<BoxedTask<B>>), TrainError> {
+    with_eval(config, |c| build(task, c, host))
+}
+
+/// `make(config)`, and with `config.eval_data` `make` of the evaluation data, made the
+/// evaluation's: the one place an evaluation set is prepared.
+#[allow(clippy::type_complexity)]
+pub fn with_eval<T: TaskInfo + ?Sized>(
+    config: &TrainConfig,
+    mut make: impl FnMut(&TrainConfig) -> Result<Box<T>, TrainError>,
+) -> Result<(Box<T>, Option<Box<T>>), TrainError> {
+    let task = make(config)?;
+    let eval = match &config.eval_data {
+        Some(path) => {
+            let mut c = config.clone();
+            c.train_data = Some(path.clone());
+            let mut e = make(&c)?;
+            e.for_evaluation(&c)?;
+            Some(e)
+        }
+        None => None,
+    };
+    Ok((task, eval))
+}
+
+// ---------------------------------------------------------------- the tasks, once
+
+impl TaskInfo for SftTask {
+    fn name(&self) -> &'static str {
+        "sft"
+    }
+    fn examples(&self) -> usize {
+        SftTask::examples(self)
+    }
+    fn divide_by_accumulation(&self) -> bool {
+        false
+    }
+}
+
+impl<R: Runner> Task<R> for SftTask {
+    fn begin_step(&mut self, _: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        SftTask::begin_step(self, micro_batches);
+        Ok(())
+    }
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl<M: Send> TaskInfo for DpoTask<M> {
+    fn name(&self) -> &'static str {
+        "dpo"
+    }
+    fn examples(&self) -> usize {
+        DpoTask::examples(self)
+    }
+}
+
+impl<M: Send, R: Runner<Model = M>> Task<R> for DpoTask<M> {
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl TaskInfo for ScoredPairTask {
+    fn name(&self) -> &'static str {
+        ScoredPairTask::name(self)
+    }
+    fn examples(&self) -> usize {
+        ScoredPairTask::examples(self)
+    }
+}
+
+impl<R: Runner> Task<R> for ScoredPairTask {
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl<M: Send> TaskInfo for KtoTask<M> {
+    fn name(&self) -> &'static str {
+        "kto"
+    }
+    fn examples(&self) -> usize {
+        KtoTask::examples(self)
+    }
+    fn sequential(&self) -> bool {
+        true
+    }
+    fn window(&self, totals: &Window) -> BTreeMap<String, f64> {
+        super::losses::kto_window(totals)
+    }
+}
+
+impl<M: Send, R: Runner<Model = M>> Task<R> for KtoTask<M> {
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl<M: Send> TaskInfo for GrpoTask<M> {
+    fn name(&self) -> &'static str {
+        "grpo"
+    }
+    fn examples(&self) -> usize {
+        GrpoTask::examples(self)
+    }
+    fn divide_by_accumulation(&self) -> bool {
+        GrpoTask::divide_by_accumulation(self)
+    }
+    fn state(&self) -> serde_json::Value {
+        GrpoTask::state(self)
+    }
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        GrpoTask::restore(self, state)
+    }
+    fn group(&self) -> usize {
+        GrpoTask::group(self)
+    }
+    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
+        GrpoTask::for_evaluation(self, config)
+    }
+    fn repeats(&self) -> usize {
+        GrpoTask::repeats(self)
+    }
+}
+
+impl<M: Send, R: Runner<Model = M>> Task<R> for GrpoTask<M> {
+    fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        GrpoTask::begin_step(self, r, micro_batches)
+    }
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}

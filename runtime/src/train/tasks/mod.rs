@@ -1,0 +1,39 @@
+//! The tasks, written once for every backend: each prepares its examples from the data as TRL
+//! does, and computes a micro-batch's loss and figures from the log-probabilities a
+//! [`Runner`] gives (the losses themselves are `losses.rs`'s). Candle's objectives and the MLX
+//! backend both run these.
+
+use super::TrainConfig;
+use super::TrainError;
+use super::config_err;
+use super::data::{DataFormat, Dataset};
+use super::ops::TensorOps;
+use super::runner::Runner;
+use std::collections::BTreeMap;
+
+mod dpo;
+pub mod grpo;
+mod kto;
+mod scored;
+mod sft;
+
+pub use super::data::LmExample;
+pub use dpo::{DpoTask, PairExample, dpo_settings, pair_examples};
+pub use kto::{KtoTask, UnpairedExample, unpaired_examples};
+pub use scored::{ScoredLoss, ScoredPair, ScoredPairTask, scored_pairs};
+pub use sft::{SftTask, sft_examples, sft_examples_with};
+
+/// The tensor type of runner `R`.
+pub type TensorOf<R> = <<R as Runner>::Ops as TensorOps>::T;
+
+/// A micro-batch's loss, its figures and its token count.
+pub type MicroBatch<T> = (T, BTreeMap<String, f64>, u64);
+
+/// The training data of `config`, in one of the `accepted` formats.
+pub fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Dataset, TrainError> {
+    let path = config
+        .train_data
+        .as_ref()
+        .ok_or_else(|| config_err("train_data", "required (a JSONL file)"))?;
+    Dataset::read(path, accepted)
+}

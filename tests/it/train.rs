@@ -1,0 +1,1089 @@
+//! kiln's candle trainers against TRL 0.29.1: from the same tiny model, initial adapter and
+//! data, every logged step matches `tests/train/reference.json` (made by
+//! `tests/train/trl_ref.py` with TRL, transformers, peft and torch on the CPU). Step 1's loss
+//! within 1e-5 relative, all six steps within 1e-3; gradient norms, learning rates and the
+//! task's figures too.
+
+use kiln_runtime::train::{StepMetrics, TrainConfig, TrainObserver};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn here() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/train")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(here().join("reference.json")).expect("reference.json");
+    serde_json::from_str(&text).expect("JSON")
+}
+
+#[derive(Default)]
+struct Collect(
+    Vec<StepMetrics>,
+    Vec<(u64, std::collections::BTreeMap<String, f64>)>,
+);
+
+/// Completions recorded from TRL, handed out generation batch by generation batch.
+struct Replay(Vec<Vec<Vec<u32>>>, usize);
+
+impl kiln_runtime::train::candle::CompletionSource for Replay {
+    fn complete(
+        &mut self,
+        _policy: &dyn kiln_runtime::train::candle::Sample,
+        prompts: &[Vec<u32>],
+        g: usize,
+    ) -> Result<Vec<Vec<Vec<u32>>>, kiln_runtime::TrainError> {
+        let batch = &self.0[self.1];
+        self.1 += 1;
+        assert_eq!(
+            batch.len(),
+            prompts.len() * g,
+            "TRL generated for the same prompts"
+        );
+        Ok(batch.chunks(g).map(<[Vec<u32>]>::to_vec).collect())
+    }
+}
+
+/// TRL's evaluation completions, found by prompt: TRL evaluates its batches in a shuffled
+/// order, kiln in file order; each prompt's completions come in the order TRL made them.
+struct ReplayByPrompt(
+    std::collections::BTreeMap<Vec<u32>, std::collections::VecDeque<Vec<Vec<u32>>>>,
+);
+
+impl ReplayByPrompt {
+    fn new(recorded: &Value) -> Self {
+        let mut map = std::collections::BTreeMap::new();
+        for batch in recorded.as_array().expect("eval_completions") {
+            let prompts: Vec<Vec<u32>> = serde_json::from_value(batch["prompts"].clone()).unwrap();
+            let completions: Vec<Vec<u32>> =
+                serde_json::from_value(batch["completions"].clone()).unwrap();
+            let mut k = 0;
+            while k < prompts.len() {
+                let same = prompts[k..]
+                    .iter()
+                    .take_while(|p| **p == prompts[k])
+                    .count();
+                map.entry(prompts[k].clone())
+                    .or_insert_with(std::collections::VecDeque::new)
+                    .push_back(completions[k..k + same].to_vec());
+                k += same;
+            }
+        }
+        ReplayByPrompt(map)
+    }
+}
+
+impl kiln_runtime::train::candle::CompletionSource for ReplayByPrompt {
+    fn complete(
+        &mut self,
+        _policy: &dyn kiln_runtime::train::candle::Sample,
+        prompts: &[Vec<u32>],
+        g: usize,
+    ) -> Result<Vec<Vec<Vec<u32>>>, kiln_runtime::TrainError> {
+        Ok(prompts
+            .iter()
+            .map(|p| {
+                let c = self
+                    .0
+                    .get_mut(p)
+                    .and_then(|q| q.pop_front())
+                    .expect("TRL generated for this prompt");
+                assert_eq!(c.len(), g);
+                c
+            })
+            .collect())
+    }
+}
+
+/// A reward registered from outside kiln, as a user's crate would: the number of digits in
+/// the completion (the reference script defines the same function for TRL).
+#[kiln::reward(name = "count_digits")]
+fn count_digits(input: &kiln::RewardInput<'_>) -> Option<f64> {
+    Some(
+        input
+            .completion
+            .chars()
+            .filter(char::is_ascii_digit)
+            .count() as f64,
+    )
+}
+
+impl TrainObserver for Collect {
+    fn on_step(&mut self, m: &StepMetrics) {
+        self.0.push(m.clone());
+    }
+    fn on_eval(&mut self, step: u64, m: &std::collections::BTreeMap<String, f64>) {
+        self.1.push((step, m.clone()));
+    }
+}
+
+/// The kiln configuration of reference run `name`: TRL's settings, spelled as kiln takes them.
+fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
+    let task = run["task"].as_str().unwrap();
+    let mut c = TrainConfig::new(task, "candle", here().join("tiny/model"), out);
+    c.train_data = Some(here().join(run["data"].as_str().unwrap()));
+    c.hyper.max_steps = Some(6);
+    c.hyper.logging_steps = 1;
+    c.hyper.per_device_train_batch_size = 2;
+    c.hyper.train_sampling_strategy = "sequential".into();
+    c.hyper.max_length = Some(1024);
+    for (k, v) in run["settings"].as_object().unwrap() {
+        match k.as_str() {
+            "learning_rate" => c.hyper.learning_rate = v.as_f64().unwrap(),
+            "gradient_accumulation_steps" => {
+                c.hyper.gradient_accumulation_steps = v.as_u64().unwrap() as usize
+            }
+            "lr_scheduler_type" => c.hyper.lr_scheduler_type = v.as_str().unwrap().into(),
+            "warmup_steps" => c.hyper.warmup_steps = v.as_u64().unwrap(),
+            "weight_decay" => c.hyper.weight_decay = v.as_f64().unwrap(),
+            // DPO's loss_type is a list in TRL (kiln takes a name or a list).
+            "loss_type"
+            | "loss_weights"
+            | "f_divergence_type"
+            | "f_alpha_divergence_coef"
+            | "ld_alpha"
+            | "use_weighting"
+            | "discopop_tau" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
+            "eval_data" => c.eval_data = Some(here().join(v.as_str().unwrap())),
+            "eval_steps" => c.hyper.eval_steps = Some(v.as_u64().unwrap()),
+            "per_device_eval_batch_size" => {
+                c.hyper.per_device_eval_batch_size = v.as_u64().unwrap() as usize
+            }
+            "assistant_only_loss" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
+            "per_device_train_batch_size" => {
+                c.hyper.per_device_train_batch_size = v.as_u64().unwrap() as usize
+            }
+            "max_steps" => c.hyper.max_steps = Some(v.as_u64().unwrap()),
+            "num_generations"
+            | "max_completion_length"
+            | "temperature"
+            | "reward_funcs"
+            | "reward_weights"
+            | "scale_rewards"
+            | "num_iterations"
+            | "epsilon"
+            | "epsilon_high" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
+            "shuffle_dataset" => {
+                assert_eq!(v, &Value::Bool(false));
+                c.hyper.train_sampling_strategy = "sequential".into();
+            }
+            "max_length" => c.hyper.max_length = Some(v.as_u64().unwrap() as usize),
+            "beta"
+            | "precompute_ref_log_probs"
+            | "simpo_gamma"
+            | "cpo_alpha"
+            | "label_smoothing"
+            | "desirable_weight"
+            | "undesirable_weight" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
+            other => panic!("{name}: setting `{other}` is not mapped"),
+        }
+    }
+    if run["adapter"].as_bool().unwrap() {
+        let dir = run["adapter_dir"].as_str().unwrap_or("tiny/init-adapter");
+        c.init_adapter = Some(here().join(dir));
+    }
+    c
+}
+
+fn close(got: f64, want: f64, rel: f64, abs: f64) -> bool {
+    (got - want).abs() <= rel * want.abs() + abs
+}
+
+/// kiln's figure `k` equals TRL's `want`: within 1e-3 relative, with a 1e-4 floor for the
+/// figures that start at zero (log-probabilities and rewards are sums over tokens).
+fn same_figure(name: &str, step: u64, k: &str, got: Option<&f64>, want: &Value) {
+    let g = *got.unwrap_or_else(|| panic!("{name} step {step}: kiln does not log `{k}`"));
+    let v = want.as_f64().unwrap();
+    assert!(
+        close(g, v, 1e-3, 1e-4),
+        "{name} step {step}: {k} {g} vs TRL {v}"
+    );
+}
+
+fn check(name: &str) {
+    check_on(name, "candle");
+}
+
+/// [`check`] on `backend`: TRL's figures from the same starting weights and data.
+fn check_on(name: &str, backend: &str) {
+    let all = reference();
+    let run = &all[name];
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config(name, run, &out.path().join("run"));
+    cfg.backend = backend.to_string();
+    let mut seen = Collect::default();
+    #[cfg(feature = "mlx")]
+    if backend == "mlx" && run["task"] == "grpo" {
+        use kiln_runtime::Trainer;
+        let replay = Replay(
+            serde_json::from_value(run["completions"].clone()).expect("completions"),
+            0,
+        );
+        let eval = run.get("eval_completions").map(|r| {
+            Box::new(ReplayByPrompt::new(r))
+                as Box<dyn kiln_runtime::train::candle::CompletionSource>
+        });
+        let mut trainer =
+            kiln_runtime::train::mlx::train::grpo_with_sources(&cfg, Box::new(replay), eval)
+                .unwrap();
+        let report = trainer.train(&mut seen).unwrap();
+        return compare(name, run, backend, &seen, &report);
+    }
+    let report = if run["task"] == "grpo" {
+        // TRL's sampled completions, replayed: GRPO's numbers given the same completions.
+        use kiln_runtime::train::candle::{Setup, grpo_with_source, run as train_run};
+        let setup = Setup::load(&cfg).unwrap();
+        let replay = Replay(
+            serde_json::from_value(run["completions"].clone()).expect("completions"),
+            0,
+        );
+        let mut objective = grpo_with_source(&cfg, &setup, Box::new(replay)).unwrap();
+        match run.get("eval_completions") {
+            Some(recorded) => {
+                use kiln_runtime::train::candle::run_with_eval;
+                let mut c = cfg.clone();
+                c.train_data = c.eval_data.clone();
+                let source = Box::new(ReplayByPrompt::new(recorded));
+                let mut eval = grpo_with_source(&c, &setup, source).unwrap();
+                eval.for_evaluation(&c).unwrap();
+                run_with_eval(&setup, &mut *objective, Some(&mut *eval), &mut seen).unwrap()
+            }
+            None => train_run(&setup, &mut *objective, &mut seen).unwrap(),
+        }
+    } else {
+        let entry = kiln_runtime::resolve_trainer(&cfg).unwrap();
+        let mut trainer = entry.construct(&cfg).unwrap();
+        trainer.train(&mut seen).unwrap()
+    };
+    compare(name, run, backend, &seen, &report);
+}
+
+/// Every figure the run logged against TRL's (see [`check`]).
+fn compare(
+    name: &str,
+    run: &Value,
+    backend: &str,
+    seen: &Collect,
+    report: &kiln_runtime::train::TrainReport,
+) {
+    assert_eq!(report.backend, backend, "{name}: the run's backend");
+    let want = run["logs"].as_array().unwrap();
+    assert_eq!(seen.0.len(), want.len(), "{name}: logged steps");
+    for (got, want) in seen.0.iter().zip(want) {
+        let step = got.step;
+        let w = |k: &str| want[k].as_f64().unwrap_or_else(|| panic!("{name}: no {k}"));
+        let loss_tol = if step == 1 { 1e-5 } else { 1e-3 };
+        // GRPO's loss is a sum of advantages that cancel within a group: near zero, so an
+        // absolute floor (f32 rounding of that cancellation).
+        let floor = if run["task"] == "grpo" { 1e-6 } else { 0.0 };
+        assert!(
+            close(got.loss, w("loss"), loss_tol, floor),
+            "{name} step {step}: loss {} vs TRL {}",
+            got.loss,
+            w("loss")
+        );
+        assert!(
+            close(got.grad_norm.unwrap(), w("grad_norm"), 1e-3, 1e-6),
+            "{name} step {step}: grad_norm {} vs TRL {}",
+            got.grad_norm.unwrap(),
+            w("grad_norm")
+        );
+        assert!(
+            close(got.learning_rate, w("learning_rate"), 1e-9, 1e-15),
+            "{name} step {step}: learning_rate {} vs {}",
+            got.learning_rate,
+            w("learning_rate")
+        );
+        assert!(
+            close(got.epoch, w("epoch"), 1e-9, 0.0),
+            "{name} step {step}: epoch"
+        );
+        for (k, v) in want.as_object().unwrap() {
+            if matches!(
+                k.as_str(),
+                "step" | "loss" | "grad_norm" | "learning_rate" | "epoch" | "step_time"
+            ) {
+                continue;
+            }
+            same_figure(name, step, k, got.extra.get(k), v);
+        }
+        if run["task"] == "grpo" {
+            // Nor does kiln log what TRL does not (a step reusing a generation batch logs no
+            // generation figures).
+            for k in got.extra.keys() {
+                assert!(
+                    want.get(k).is_some(),
+                    "{name} step {step}: kiln logs `{k}`, TRL does not"
+                );
+            }
+        }
+    }
+    if let Some(want) = run["eval_logs"].as_array() {
+        assert_eq!(seen.1.len(), want.len(), "{name}: evaluations");
+        for ((step, got), want) in seen.1.iter().zip(want) {
+            assert_eq!(*step, want["step"].as_u64().unwrap(), "{name}");
+            for (k, v) in want.as_object().unwrap() {
+                if matches!(
+                    k.as_str(),
+                    "step"
+                        | "epoch"
+                        | "eval_runtime"
+                        | "eval_samples_per_second"
+                        | "eval_steps_per_second"
+                ) {
+                    continue;
+                }
+                same_figure(name, *step, k, got.get(k), v);
+            }
+        }
+    }
+    let out_dir = report.output.clone().unwrap();
+    if run["adapter"].as_bool().unwrap() {
+        assert!(out_dir.join("adapter_model.safetensors").is_file());
+        assert!(out_dir.join("adapter_config.json").is_file());
+    } else {
+        assert!(out_dir.join("model.safetensors").is_file());
+    }
+}
+
+#[test]
+fn sft_full_fine_tuning_with_gradient_accumulation_matches_trl() {
+    check("sft-full");
+}
+
+#[test]
+fn sft_on_text_with_cosine_warmup_and_weight_decay_matches_trl() {
+    check("sft-text");
+}
+
+#[test]
+fn sft_lora_from_a_shared_adapter_matches_trl() {
+    check("sft-lora");
+}
+
+#[test]
+fn dpo_full_fine_tuning_matches_trl() {
+    check("dpo-full");
+}
+
+#[test]
+fn dpo_continuing_an_adapter_takes_a_frozen_copy_as_reference_like_trl() {
+    check("dpo-lora");
+}
+
+#[test]
+fn dpo_ipo_matches_trl() {
+    check("dpo-ipo");
+}
+
+#[test]
+fn dpo_hinge_with_precomputed_reference_log_probs_matches_trl() {
+    check("dpo-hinge-precompute");
+}
+
+/// TRL 0.29.1's DPO loss types beyond sigmoid, hinge and ipo (reference runs).
+const DPO_LOSS_TYPES: [&str; 11] = [
+    "dpo-robust",
+    "dpo-exo-pair",
+    "dpo-nca-pair",
+    "dpo-bco-pair",
+    "dpo-sppo-hard",
+    "dpo-aot",
+    "dpo-aot-unpaired",
+    "dpo-apo-zero",
+    "dpo-apo-down",
+    "dpo-discopop",
+    "dpo-sft",
+];
+
+/// The other DPO settings and SFT's DFT loss (reference runs).
+const DPO_SETTINGS_AND_DFT: [&str; 8] = [
+    "dpo-mix-weights",
+    "dpo-forward-kl",
+    "dpo-js",
+    "dpo-alpha-div",
+    "dpo-ld-alpha",
+    "dpo-wpo",
+    "dpo-lora-dropout",
+    "sft-dft",
+];
+
+/// TRL 0.29.1's other DPO loss types, each from the same weights and data.
+#[test]
+fn dpo_loss_types_match_trl() {
+    for name in DPO_LOSS_TYPES {
+        check(name);
+    }
+}
+
+/// A list of loss types with `loss_weights` (RPO's sigmoid + sft, on an adapter);
+/// `f_divergence_type` forward KL, Jensen–Shannon (with hinge) and α-divergence; LD-DPO's
+/// `ld_alpha`; WPO's `use_weighting` (over sigmoid + ipo); an adapter with `lora_dropout` 0.1,
+/// which TRL's DPO turns off (`disable_dropout=True`) and kiln must too; SFT's
+/// `loss_type = "dft"` with gradient accumulation.
+#[test]
+fn dpo_settings_and_sft_dft_match_trl() {
+    for name in DPO_SETTINGS_AND_DFT {
+        check(name);
+    }
+}
+
+#[test]
+fn orpo_full_fine_tuning_matches_trl() {
+    check("orpo-full");
+}
+
+#[test]
+fn orpo_lora_with_gradient_accumulation_matches_trl() {
+    check("orpo-lora");
+}
+
+#[test]
+fn simpo_full_fine_tuning_matches_trls_cpo_trainer() {
+    check("simpo-full");
+}
+
+#[test]
+fn simpo_lora_matches_trl() {
+    check("simpo-lora");
+}
+
+#[test]
+fn cpo_sigmoid_with_label_smoothing_matches_trl() {
+    check("cpo-sigmoid");
+}
+
+#[test]
+fn simpo_with_truncated_completions_and_no_nll_matches_trl() {
+    check("simpo-short");
+}
+
+#[test]
+fn kto_full_fine_tuning_matches_trl() {
+    check("kto-full");
+}
+
+#[test]
+fn kto_lora_with_weights_matches_trl() {
+    check("kto-lora");
+}
+
+#[test]
+fn kto_apo_zero_with_precomputed_reference_matches_trl() {
+    check("kto-apo-precompute");
+}
+
+#[test]
+fn grpo_dapo_with_two_weighted_rewards_matches_trl_on_its_completions() {
+    check("grpo-dapo");
+}
+
+#[test]
+fn grpo_with_a_kl_to_the_reference_matches_trl() {
+    check("grpo-beta");
+}
+
+#[test]
+fn grpo_lora_bnpo_with_batch_scaled_rewards_matches_trl() {
+    check("grpo-lora");
+}
+
+#[test]
+fn dr_grpo_unscaled_matches_trl() {
+    check("grpo-dr");
+}
+
+/// The f32 tensor `name` of a safetensors file.
+fn f32_tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    let v = t
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    (t.shape().to_vec(), v)
+}
+
+/// `tests/train/peft/adapter` is what `kiln train` writes (re-trained here, tensor by tensor)
+/// and what `peft` loads (`tests/train/peft_check.py` loaded it onto the tiny Llama and saved
+/// its logits): kiln's logits with that adapter, and with it merged, are peft's.
+#[test]
+fn peft_loads_kilns_adapter_and_gives_kilns_logits() {
+    use kiln_runtime::model::candle::{DType, Device, Tensor};
+    use kiln_runtime::model::lora::Adapters;
+    let peft = here().join("peft");
+    // 1. The committed adapter is kiln's output for this run.
+    let out = tempfile::tempdir().unwrap();
+    let mut c = TrainConfig::new(
+        "sft",
+        "candle",
+        here().join("tiny/model"),
+        out.path().join("a"),
+    );
+    c.train_data = Some(here().join("data/sft.jsonl"));
+    c.hyper.max_steps = Some(3);
+    c.hyper.learning_rate = 1e-2;
+    c.hyper.per_device_train_batch_size = 4;
+    c.hyper.train_sampling_strategy = "sequential".into();
+    kiln_runtime::train::fields::defaults_for(&mut c);
+    c.hyper.learning_rate = 1e-2;
+    let l = c.lora.as_mut().unwrap();
+    (l.r, l.lora_alpha, l.lora_dropout) = (4, 8.0, 0.0);
+    l.target_modules = vec!["q_proj".into(), "v_proj".into(), "gate_proj".into()];
+    let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+    entry
+        .construct(&c)
+        .unwrap()
+        .train(&mut kiln_runtime::train::NoopObserver)
+        .unwrap();
+    let fresh = out.path().join("a/adapter_model.safetensors");
+    let committed = peft.join("adapter/adapter_model.safetensors");
+    let bytes = std::fs::read(&committed).unwrap();
+    let names: Vec<String> = safetensors::SafeTensors::deserialize(&bytes)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        names.len(),
+        2 * 3 * 2,
+        "A and B of three Linears in two layers"
+    );
+    for n in &names {
+        let (s1, a) = f32_tensor(&fresh, n);
+        let (s2, b) = f32_tensor(&committed, n);
+        assert_eq!(s1, s2, "{n}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * y.abs().max(1.0), "{n}: {x} vs {y}");
+        }
+    }
+    // 2. kiln's logits with the adapter loaded, and merged, against peft's.
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = kiln_runtime::model::DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let adapters = Adapters::load_peft(&peft.join("adapter"), &base).unwrap();
+    let with = base.with_adapters(Some(std::sync::Arc::new(adapters.clone())));
+    let bytes = std::fs::read(peft.join("peft_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids_view = st.tensor("ids").unwrap();
+    let ids: Vec<u32> = ids_view
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    let shape = ids_view.shape().to_vec();
+    let ids = Tensor::from_vec(ids, (shape[0], shape[1]), &Device::Cpu).unwrap();
+    let replaced = adapters.merged(&base).unwrap();
+    let mut w = base.weights().clone();
+    for (name, t) in replaced {
+        w.replace(&name, t).unwrap();
+    }
+    let merged = base.with_weights(w).unwrap();
+    for (model, key) in [(&with, "logits"), (&merged, "merged_logits")] {
+        let got: Vec<f32> = model
+            .forward(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let (_, want) = f32_tensor(&peft.join("peft_logits.safetensors"), key);
+        assert_eq!(got.len(), want.len());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{key}: max |kiln − peft| = {worst}");
+    }
+}
+
+#[test]
+fn sft_on_messages_with_assistant_only_loss_matches_trl() {
+    check("sft-messages");
+}
+
+#[test]
+fn sft_on_conversational_prompt_completion_matches_trl() {
+    check("sft-chat-pc");
+}
+
+#[test]
+fn dpo_on_conversational_pairs_matches_trl() {
+    check("dpo-chat");
+}
+
+/// Evaluation during GRPO: every evaluation prompt's completions generated and scored, the
+/// figures averaged over the batches (TRL's completions, replayed by prompt).
+#[test]
+fn grpo_evaluation_matches_trl() {
+    check("grpo-eval");
+}
+
+/// Two optimisation steps per generation batch: the second step's ratios move off 1 and are
+/// clipped (TRL logs clip ratios near 0.9 there), and only generating steps log the
+/// generation's figures.
+#[test]
+fn grpo_with_two_iterations_per_generation_matches_trl() {
+    check("grpo-iterations");
+}
+
+#[test]
+fn orpo_on_conversational_pairs_matches_trl() {
+    check("orpo-chat");
+}
+
+/// The prompt ends with the assistant's words: rendered to continue them, as TRL does.
+#[test]
+fn simpo_on_a_conversation_continuing_the_assistant_matches_trl() {
+    check("simpo-chat-continue");
+}
+
+#[test]
+fn kto_on_conversational_examples_matches_trl() {
+    check("kto-chat");
+}
+
+/// Preference pairs given to KTO are unpaired as TRL unpairs them: every chosen, then every
+/// rejected.
+#[test]
+fn kto_on_paired_preferences_matches_trl() {
+    check("kto-paired");
+}
+
+#[test]
+fn sft_evaluation_matches_trl() {
+    check("sft-eval");
+}
+
+#[test]
+fn dpo_evaluation_matches_trl() {
+    check("dpo-eval");
+}
+
+#[test]
+fn kto_evaluation_matches_trl() {
+    check("kto-eval");
+}
+
+/// Evaluation runs the adapters without dropout, as transformers evaluates after
+/// `model.eval()`: with the weights held still (learning rate 0), every evaluation gives the
+/// same figures, and the same as an adapter without dropout.
+#[test]
+fn evaluation_runs_without_lora_dropout() {
+    let evals = |dropout: f64| {
+        let dir = tempfile::tempdir().unwrap();
+        let adapter = dir.path().join("adapter");
+        std::fs::create_dir(&adapter).unwrap();
+        let src = here().join("tiny/init-adapter");
+        std::fs::copy(
+            src.join("adapter_model.safetensors"),
+            adapter.join("adapter_model.safetensors"),
+        )
+        .unwrap();
+        let mut cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        cfg["lora_dropout"] = dropout.into();
+        std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
+        let mut c = TrainConfig::new(
+            "dpo",
+            "candle",
+            here().join("tiny/model"),
+            dir.path().join("out"),
+        );
+        c.train_data = Some(here().join("data/dpo.jsonl"));
+        c.eval_data = Some(here().join("data/dpo-eval.jsonl"));
+        c.init_adapter = Some(adapter);
+        c.hyper.learning_rate = 0.0;
+        c.hyper.max_steps = Some(2);
+        c.hyper.eval_steps = Some(1);
+        c.hyper.per_device_train_batch_size = 2;
+        // TRL's DPO turns dropout off by default (disable_dropout); here it stays on in training.
+        c.task_options
+            .insert("disable_dropout".into(), false.into());
+        let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+        let mut trainer = entry.construct(&c).unwrap();
+        let mut seen = Collect::default();
+        trainer.train(&mut seen).unwrap();
+        // Training itself does see the dropout.
+        let train_loss = seen.0[0].loss;
+        let figures = seen
+            .1
+            .into_iter()
+            .map(|(_, mut m)| {
+                m.remove("eval_num_tokens"); // the training tokens so far
+                m
+            })
+            .collect::<Vec<_>>();
+        (figures, train_loss)
+    };
+    let (with, loss_with) = evals(0.5);
+    let (without, loss_without) = evals(0.0);
+    assert_eq!(with.len(), 2);
+    assert_eq!(with[0], with[1]);
+    assert_eq!(with, without);
+    assert_ne!(loss_with, loss_without, "dropout is on in training");
+}
+
+/// The MLX backend (feature `mlx`) trains SFT as TRL does, from the same weights and data as
+/// the candle runs: full fine-tuning with accumulation, text with a cosine schedule and weight
+/// decay, a shared LoRA adapter, chat data with assistant-only loss, evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_sft_matches_trl() {
+    for name in [
+        "sft-full",
+        "sft-text",
+        "sft-lora",
+        "sft-messages",
+        "sft-chat-pc",
+        "sft-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// DPO on MLX as TRL trains it: full fine-tuning (the reference the starting weights), a
+/// continued LoRA adapter (the reference a frozen copy of it), IPO, hinge with precomputed
+/// reference log-probs, conversational pairs, evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_dpo_matches_trl() {
+    for name in [
+        "dpo-full",
+        "dpo-lora",
+        "dpo-ipo",
+        "dpo-hinge-precompute",
+        "dpo-chat",
+        "dpo-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// TRL's other DPO loss types, weighted mixtures, f-divergences, LD-DPO, WPO, dropout turned
+/// off, and SFT's DFT loss on MLX: the same task code as candle, TRL's figures.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_dpo_loss_types_and_sft_dft_match_trl() {
+    for name in DPO_LOSS_TYPES.iter().chain(&DPO_SETTINGS_AND_DFT) {
+        check_on(name, "mlx");
+    }
+}
+
+/// ORPO, SimPO / CPO and KTO on MLX as TRL trains them (the same runs as candle's).
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_orpo_simpo_kto_match_trl() {
+    for name in [
+        "orpo-full",
+        "orpo-lora",
+        "orpo-chat",
+        "simpo-full",
+        "simpo-lora",
+        "cpo-sigmoid",
+        "simpo-short",
+        "simpo-chat-continue",
+        "kto-full",
+        "kto-lora",
+        "kto-apo-precompute",
+        "kto-chat",
+        "kto-paired",
+        "kto-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// GRPO on MLX on TRL's own completions: every loss variant, KL to the reference, LoRA,
+/// two iterations per generation (clipped ratios), evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_grpo_matches_trl() {
+    for name in [
+        "grpo-dapo",
+        "grpo-beta",
+        "grpo-lora",
+        "grpo-dr",
+        "grpo-iterations",
+        "grpo-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// MLX runs resume exactly, as candle's do: a run saved at step 2 and resumed logs step 3 as
+/// the straight run does (LoRA dropout and shuffling; full fine-tuning; GRPO mid-way through a
+/// generation batch, sampling on MLX).
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_runs_resume_exactly() {
+    type Tweak = fn(&mut TrainConfig);
+    let cases: [(&str, &str, Tweak); 3] = [
+        ("sft", "data/sft.jsonl", |c| {
+            c.lora.get_or_insert_with(Default::default).lora_dropout = 0.1;
+            c.hyper.train_sampling_strategy = "random".into();
+        }),
+        ("dpo", "data/dpo.jsonl", |c| c.lora = None),
+        ("grpo", "data/grpo.jsonl", |c| {
+            for (k, v) in [
+                ("num_generations", serde_json::json!(4)),
+                ("max_completion_length", serde_json::json!(4)),
+                ("num_iterations", serde_json::json!(3)),
+            ] {
+                c.task_options.insert(k.into(), v);
+            }
+        }),
+    ];
+    for (task, data, tweak) in cases {
+        let run = |dir: &Path, save: bool, resume: Option<PathBuf>| {
+            let mut c = TrainConfig::new(task, "mlx", here().join("tiny/model"), dir.join("out"));
+            c.train_data = Some(here().join(data));
+            c.hyper.max_steps = Some(3);
+            c.hyper.logging_steps = 1;
+            c.hyper.per_device_train_batch_size = 4;
+            c.hyper.learning_rate = 1e-3;
+            c.hyper.warmup_steps = 1;
+            tweak(&mut c);
+            if save {
+                c.hyper.save_steps = Some(2);
+            }
+            c.resume = resume;
+            let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+            let mut trainer = entry.construct(&c).unwrap();
+            let mut seen = Collect::default();
+            trainer.train(&mut seen).unwrap();
+            seen.0
+        };
+        let straight = run(tempfile::tempdir().unwrap().path(), false, None);
+        let saved = tempfile::tempdir().unwrap();
+        run(saved.path(), true, None);
+        let ck = saved.path().join("out/checkpoint-2");
+        assert!(ck.join("trainer_state.json").is_file(), "{task}");
+        let resumed = run(tempfile::tempdir().unwrap().path(), false, Some(ck));
+        assert_eq!(resumed.len(), 1, "{task}: only step 3 is left");
+        assert_eq!(
+            resumed[0], straight[2],
+            "{task}: step 3 resumed = step 3 straight"
+        );
+    }
+}
+
+/// mlx-lm's adapter layout (`--adapter-format mlx-lm`): written from a PEFT adapter and read
+/// back (as `--init-adapter` reads it), it gives the PEFT adapter's logits; adapters mlx-lm
+/// cannot express (not the same modules in every layer) are a named error.
+#[test]
+fn mlx_lm_adapters_round_trip_to_the_same_logits() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{DType, Device, Tensor};
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let modules = linear_modules(&base);
+    let peft =
+        Adapters::load_peft_for(&here().join("tiny/init-adapter"), &modules, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    peft.save_mlx_lm(dir.path(), base.config().layers).unwrap();
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["fine_tune_type"], "lora");
+    assert_eq!(cfg["num_layers"], base.config().layers);
+    assert_eq!(cfg["lora_parameters"]["rank"], 4);
+    assert_eq!(cfg["lora_parameters"]["scale"], 2.0);
+    let back = Adapters::load_any_for(dir.path(), &modules, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[3u32, 17, 42, 99, 5]], &Device::Cpu).unwrap();
+    let logits = |a: &Adapters| -> Vec<f32> {
+        base.with_adapters(Some(std::sync::Arc::new(a.clone())))
+            .forward(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (want, got) = (logits(&peft), logits(&back));
+    assert!(
+        want.iter()
+            .zip(&got)
+            .all(|(a, b)| (a - b).abs() <= 1e-6 * a.abs().max(1.0))
+    );
+    // Adapters on one layer's q_proj only: mlx-lm's "last N layers" cannot say that.
+    let spec = kiln_runtime::model::lora::LoraSpec {
+        r: 2,
+        alpha: 4.0,
+        dropout: 0.0,
+        rslora: false,
+        target_modules: vec!["model.layers.0.self_attn.q_proj".into()],
+    };
+    let one = Adapters::new_for(&modules, &spec, 1, &Device::Cpu).unwrap();
+    let err = one
+        .save_mlx_lm(dir.path(), base.config().layers)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("last N layers"), "{err}");
+}
+
+/// `mlx_lm` loads the mlx-lm layout kiln writes and computes kiln's logits:
+/// `tests/train/mlx-lm/adapter` is kiln's `--adapter-format mlx-lm` writing of
+/// `tests/train/peft/adapter` (written again here and compared byte for byte), and
+/// `tests/train/mlx_lm_check.py` loaded it onto the tiny Llama with `mlx_lm.load` and saved its
+/// logits, which kiln reproduces from the same files.
+#[test]
+fn mlx_lm_loads_kilns_adapter_and_gives_kilns_logits() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{DType, Device, Tensor};
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let modules = linear_modules(&base);
+    let peft =
+        Adapters::load_peft_for(&here().join("peft/adapter"), &modules, &Device::Cpu).unwrap();
+    let committed = here().join("mlx-lm/adapter");
+    if std::env::var_os("KILN_BLESS_MLX_LM").is_some() {
+        std::fs::create_dir_all(&committed).unwrap();
+        peft.save_mlx_lm(&committed, base.config().layers).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    peft.save_mlx_lm(dir.path(), base.config().layers).unwrap();
+    for f in ["adapters.safetensors", "adapter_config.json"] {
+        assert_eq!(
+            std::fs::read(dir.path().join(f)).unwrap(),
+            std::fs::read(committed.join(f)).unwrap(),
+            "{f}: kiln writes what mlx-lm was checked on"
+        );
+    }
+    let bytes = std::fs::read(here().join("mlx-lm/mlx_lm_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids_view = st.tensor("ids").unwrap();
+    let ids: Vec<u32> = ids_view
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    let shape = ids_view.shape().to_vec();
+    let ids = Tensor::from_vec(ids, (shape[0], shape[1]), &Device::Cpu).unwrap();
+    let adapters = Adapters::load_any_for(&committed, &modules, &Device::Cpu).unwrap();
+    let got: Vec<f32> = base
+        .with_adapters(Some(std::sync::Arc::new(adapters)))
+        .forward(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let want: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "kiln vs mlx-lm logits differ by {worst}");
+}
+
+/// A broken adapter folder is a named error, in either layout: a module with only one half, a
+/// tensor of the wrong shape, a Linear the model does not have.
+#[test]
+fn broken_adapters_are_named_errors() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{DType, Device};
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(here().join("tiny/model")).unwrap();
+    let base = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let modules = linear_modules(&base);
+    let write = |dir: &Path, file: &str, config: &str, tensors: &[(&str, Vec<usize>)]| {
+        std::fs::write(dir.join("adapter_config.json"), config).unwrap();
+        let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(n, s)| {
+                (
+                    n.to_string(),
+                    s.clone(),
+                    vec![0u8; 4 * s.iter().product::<usize>()],
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(file)).unwrap();
+    };
+    let (_, inputs, outputs) = modules
+        .iter()
+        .find(|(m, _, _)| m == "model.layers.0.self_attn.q_proj")
+        .cloned()
+        .unwrap();
+    let peft_cfg = r#"{"peft_type":"LORA","r":2,"lora_alpha":4,"target_modules":["q_proj"]}"#;
+    let mlx_cfg = r#"{"fine_tune_type":"lora","num_layers":2,"lora_parameters":{"rank":2,"scale":2.0,"dropout":0.0}}"#;
+    let q = "model.layers.0.self_attn.q_proj";
+    type Case<'a> = (&'a str, &'a str, Vec<(String, Vec<usize>)>, String);
+    let cases: Vec<Case> = vec![
+        (
+            "adapter_model.safetensors",
+            peft_cfg,
+            vec![(
+                format!("base_model.model.{q}.lora_A.weight"),
+                vec![2, inputs],
+            )],
+            format!("`{q}` has only one of lora_A / lora_B"),
+        ),
+        (
+            "adapters.safetensors",
+            mlx_cfg,
+            vec![
+                (format!("{q}.lora_a"), vec![2, inputs]),
+                (format!("{q}.lora_b"), vec![2, outputs]),
+            ],
+            format!("tensor `{q}.lora_a` has shape [2, {inputs}], expected [{inputs}, 2]"),
+        ),
+        (
+            "adapters.safetensors",
+            mlx_cfg,
+            vec![(
+                "model.layers.0.self_attn.nope.lora_a".into(),
+                vec![inputs, 2],
+            )],
+            "the model has no Linear `model.layers.0.self_attn.nope`".into(),
+        ),
+    ];
+    for (file, cfg, tensors, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let t: Vec<(&str, Vec<usize>)> = tensors
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.clone()))
+            .collect();
+        write(dir.path(), file, cfg, &t);
+        let err = Adapters::load_any_for(dir.path(), &modules, &Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&want), "{err}");
+        assert!(err.contains(file), "names the file: {err}");
+    }
+}
