@@ -236,3 +236,14 @@ pub enum ExportError {
         what: String,
     },
 }
+
+impl From<crate::families::ResolveError> for ExportError {
+    fn from(e: crate::families::ResolveError) -> Self {
+        use crate::families::ResolveError;
+        match e {
+            ResolveError::InvalidRegistry(e) => ExportError::InvalidRegistry(e),
+            ResolveError::NoArchitecture { name } => ExportError::NoArchitecture { name },
+            ResolveError::ModuleTree { dir, source } => ExportError::ModuleTree { dir, source },
+        }
+    }
+}

@@ -8,11 +8,10 @@ use super::groups::input_group;
 use super::recipe::Recipe;
 use super::writer::{Encoding, OutputWriter};
 use super::{ExportContext, ExportError, ExportReport, ModuleOutcome, walk};
-use crate::architecture::registry::{ArchitectureMatch, ArchitectureRegistry};
 use crate::checkpoint::Checkpoint;
 use crate::export::registry::ExporterRegistry;
 use crate::export::writers::WriterRegistry;
-use crate::module_tree::{Embedding, Linear, ModuleTree, TensorInfo};
+use crate::module_tree::{Embedding, Linear, ModuleTree};
 use crate::sink::OutputDir;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -127,38 +126,11 @@ pub struct ExportSummary {
     pub elapsed: Duration,
 }
 
-/// The module tree of `checkpoint`, through the architecture registry.
+/// The module tree of `checkpoint`, its architecture name and whether the generic fallback
+/// built it ([`crate::families::resolve`]).
 pub fn module_tree(checkpoint: &Checkpoint) -> Result<(ModuleTree, String, bool), ExportError> {
-    let registry =
-        ArchitectureRegistry::try_global().map_err(|e| ExportError::InvalidRegistry(e.clone()))?;
-    let config = checkpoint.config();
-    let name = config
-        .architecture()
-        .or_else(|| config.raw().get("model_type").and_then(Value::as_str))
-        .unwrap_or("")
-        .to_string();
-    let (entry, fallback) = match registry.resolve(&name) {
-        Some(ArchitectureMatch::Named(e)) => (e, false),
-        Some(ArchitectureMatch::Fallback(e)) => (e, true),
-        None => {
-            return Err(ExportError::NoArchitecture { name });
-        }
-    };
-    let tensors: Vec<TensorInfo> = checkpoint
-        .tensors()
-        .map(|t| TensorInfo {
-            name: t.name.clone(),
-            shape: t.shape.clone(),
-            dtype: format!("{:?}", t.dtype),
-        })
-        .collect();
-    let tree = (entry.construct)()
-        .module_tree(&Value::Object(config.raw().clone()), &tensors)
-        .map_err(|source| ExportError::ModuleTree {
-            dir: checkpoint.dir().to_path_buf(),
-            source,
-        })?;
-    Ok((tree, name, fallback))
+    let r = crate::families::resolve(checkpoint)?;
+    Ok((r.tree, r.architecture, r.generic_fallback))
 }
 
 /// Whether the model ties `lm_head` to the input embeddings: `tie_word_embeddings` is set,

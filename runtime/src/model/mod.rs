@@ -318,8 +318,8 @@ pub fn load_plain(
     dtype: DType,
     device: &Device,
 ) -> Result<Weights, ModelError> {
-    if let Err(e @ crate::ExportError::ModuleTree { .. }) =
-        crate::export::run::module_tree(checkpoint)
+    if let Err(e @ crate::families::ResolveError::ModuleTree { .. }) =
+        crate::families::resolve(checkpoint)
     {
         return Err(ModelError::Architecture(e.to_string()));
     }
