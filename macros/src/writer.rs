@@ -56,11 +56,14 @@ pub fn expand(args: TokenStream, input: TokenStream) -> syn::Result<TokenStream>
         }
     };
     let writer = emit::register(krate, Kind::Writer, entry);
-    let Some(reader) = reader else {
-        return Ok(writer);
+    // Every writer has a reader entry (without a reader: `None`) under its identity, so a
+    // writer that `replaces` another replaces its reader too, whether either has one.
+    let construct = match &reader {
+        Some(reader) => {
+            quote_spanned!(syn::spanned::Spanned::span(reader)=> ::core::option::Option::Some(#krate::__private::boxed_reader::<#reader>))
+        }
+        None => quote!(::core::option::Option::None),
     };
-    // The reader shares the writer's identity, so `replaces` on a writer replaces its reader.
-    let construct = quote_spanned!(syn::spanned::Spanned::span(&reader)=> #krate::__private::boxed_reader::<#reader>);
     let entry = quote! {
         #krate::__private::ReaderEntry {
             meta: #meta,

@@ -407,7 +407,8 @@ fn formats_table(r: &WriterRegistry) -> String {
 /// Whether a reader is registered with the writer `name` (`kiln eval` and `kiln verify` read
 /// its output through it).
 fn reads_back(name: &str) -> bool {
-    kiln_runtime::ReaderRegistry::try_global().is_ok_and(|r| r.get(name).is_some())
+    kiln_runtime::ReaderRegistry::try_global()
+        .is_ok_and(|r| r.get(name).is_some_and(|e| e.construct.is_some()))
 }
 
 fn writers_table(r: &WriterRegistry) -> String {

@@ -27,7 +27,7 @@ pub fn detect(path: &Path) -> Result<Option<Detected>, ModelError> {
         .entries()
         .iter()
         .filter_map(|e| {
-            let reader = (e.construct)();
+            let reader = (e.construct?)();
             let at = reader.detect(path)?;
             Some(Detected {
                 writer: e.name.to_string(),
@@ -72,7 +72,7 @@ pub fn load(
                     format!(
                         "has `{key}`, but no registered format recognises it ({}): kiln \
                          cannot decode it",
-                        readers()?.names().join(", ")
+                        readers()?.readable().join(", ")
                     ),
                 ));
             }
@@ -110,7 +110,7 @@ pub fn verify(reference: &Path, quantized: &Path) -> Result<VerifyReport, ModelE
             // Not an export: say why by the folder's own state (a missing config.json is an
             // error naming it).
             Checkpoint::open(quantized)?;
-            let readers = readers()?.names();
+            let readers = readers()?.readable();
             Ok(VerifyReport {
                 problems: vec![format!(
                     "{}: not a quantized export: no registered format recognises it ({})",

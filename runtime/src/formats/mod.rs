@@ -223,7 +223,10 @@ mod tests {
         let readers = ReaderRegistry::try_global().unwrap();
         for name in ["modelopt", "compressed-tensors", "gguf", "mlx"] {
             writers.get(name).unwrap();
-            assert!(readers.get(name).is_some(), "{name} has no reader");
+            assert!(
+                readers.get(name).is_some_and(|e| e.construct.is_some()),
+                "{name} has no reader"
+            );
         }
     }
 
