@@ -16,9 +16,26 @@ pub struct EvalArgs {
     /// format (its folder or file; `kiln registry writers` lists the formats kiln reads).
     #[arg(long)]
     model: PathBuf,
-    /// Evaluation data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` per line.
+    /// Evaluation data: JSONL, one `{"input_ids": [...]}` or `{"text": ...}` per line; with
+    /// --ctx, plain text.
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
+    /// Plain text scored as llama-perplexity scores it: the whole text tokenized, cut into
+    /// non-overlapping chunks of N tokens (each starting with BOS where the tokenizer adds
+    /// one), the second half of each chunk scored.
+    #[arg(long, value_name = "N")]
+    ctx: Option<usize>,
+    /// With --ctx: use the first N chunks only (llama-perplexity's `--chunks`).
+    #[arg(long, value_name = "N", requires = "ctx")]
+    chunks: Option<usize>,
+    /// With --ctx: compare each token's distribution with this reference model's (any format
+    /// kiln reads): KL divergence (mean, median, 99th percentile, max), top-1 agreement and
+    /// Δppl, as llama-perplexity's `--kl-divergence` reports them.
+    #[arg(long, value_name = "MODEL", requires = "ctx")]
+    kl_divergence: Option<PathBuf>,
+    /// The tokenizer.json for --ctx text (default: the model's folder's, else the reference's).
+    #[arg(long, value_name = "FILE", requires = "ctx")]
+    tokenizer: Option<PathBuf>,
     /// Samples to use (the first N lines; all by default).
     #[arg(long, value_name = "N")]
     max_samples: Option<usize>,
@@ -50,7 +67,102 @@ pub(super) fn open_model(
         .with_context(|| format!("loading {}", path.display()))
 }
 
+/// `kiln eval --ctx`: llama-perplexity's protocol on plain text.
+fn eval_text(args: &EvalArgs, ctx: usize, out: &mut dyn Write) -> Result<i32> {
+    use kiln_runtime::model::eval::{chunked, chunks};
+
+    let dir_of = |p: &std::path::Path| {
+        if p.is_dir() {
+            p.to_path_buf()
+        } else {
+            p.parent().map(PathBuf::from).unwrap_or_default()
+        }
+    };
+    let tokenizer_path = match &args.tokenizer {
+        Some(t) => t.clone(),
+        None => [Some(&args.model), args.kl_divergence.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|m| dir_of(m).join("tokenizer.json"))
+            .find(|p| p.is_file())
+            .context("--ctx needs a tokenizer: neither model's folder has tokenizer.json (--tokenizer FILE)")?,
+    };
+    let text = std::fs::read_to_string(&args.data)
+        .with_context(|| format!("--data {}", args.data.display()))?;
+    let (ids, bos) = kiln_runtime::model::eval::tokenize_text(&tokenizer_path, &text)?;
+    let mut all = chunks(&ids, ctx, bos);
+    if let Some(n) = args.chunks {
+        all.truncate(n);
+    }
+    if all.is_empty() {
+        anyhow::bail!(
+            "--data {}: {} tokens, fewer than one chunk of --ctx {ctx}",
+            args.data.display(),
+            ids.len()
+        );
+    }
+    let device = args.device.device()?;
+    let model = open_model(&args.model, &device, !args.weights_only)?;
+    let reference = args
+        .kl_divergence
+        .as_ref()
+        .map(|r| open_model(r, &device, false))
+        .transpose()?;
+    let e = chunked(&model, reference.as_ref(), &all, |_, _| {})?;
+    if args.json {
+        let mut v = serde_json::json!({
+            "model": args.model,
+            "ctx": ctx,
+            "chunks": e.chunks,
+            "scored_tokens": e.scored,
+            "perplexity": e.perplexity,
+            "perplexity_stderr": e.perplexity_stderr,
+            "seconds": e.seconds,
+        });
+        if let Some(kl) = &e.kl {
+            v["kl_divergence"] = serde_json::json!({
+                "reference": args.kl_divergence,
+                "reference_perplexity": kl.reference_perplexity,
+                "delta_perplexity": e.perplexity - kl.reference_perplexity,
+                "mean": kl.mean,
+                "median": kl.median,
+                "p99": kl.p99,
+                "max": kl.max,
+                "same_top1": kl.top1,
+            });
+        }
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+        return Ok(0);
+    }
+    writeln!(
+        out,
+        "perplexity {:.4} ± {:.4} over {} chunks of {ctx} tokens ({} scored, the second half of each); {:.1} s",
+        e.perplexity, e.perplexity_stderr, e.chunks, e.scored, e.seconds
+    )?;
+    if let Some(kl) = &e.kl {
+        writeln!(
+            out,
+            "against {}: reference perplexity {:.4}, Δppl {:+.4}; KL divergence mean {:.6}, median {:.6}, 99 % {:.6}, max {:.6}; same top token {:.3} %",
+            args.kl_divergence
+                .as_deref()
+                .unwrap_or_else(|| std::path::Path::new(""))
+                .display(),
+            kl.reference_perplexity,
+            e.perplexity - kl.reference_perplexity,
+            kl.mean,
+            kl.median,
+            kl.p99,
+            kl.max,
+            100.0 * kl.top1
+        )?;
+    }
+    Ok(0)
+}
+
 pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
+    if let Some(ctx) = args.ctx {
+        return eval_text(args, ctx, out);
+    }
     let tokenizer = model_tokenizer(&args.model)?;
     let samples = read_samples_with(
         &args.data,

@@ -59,6 +59,11 @@ pub struct RecipeArgs {
     /// Quantize the KV cache too (`fp8` or `nvfp4`).
     #[arg(long, value_name = "FORMAT")]
     kv_cache: Option<KvCacheArg>,
+    /// Weight group size where the format has groups of a size to choose (32, 64 or 128:
+    /// compressed-tensors w4a16, w4a16-asym and w8a16, mlx's affine modes); the format's
+    /// default otherwise (llm-compressor's 128 for these).
+    #[arg(long, value_name = "N")]
+    group_size: Option<usize>,
 }
 
 impl RecipeArgs {
@@ -88,10 +93,17 @@ impl RecipeArgs {
     /// The export's writer, made for its format.
     fn writer(&self) -> Result<Box<dyn kiln_runtime::export::writer::OutputWriter>> {
         let output = self.output()?;
-        Ok(WriterRegistry::try_global()
+        let mut writer = WriterRegistry::try_global()
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .get(&output.writer)?
-            .make(&output.format)?)
+            .make(&output.format)?;
+        kiln_runtime::export::writer::configure(
+            writer.as_mut(),
+            &output.writer,
+            &output.format,
+            self.group_size,
+        )?;
+        Ok(writer)
     }
 
     fn recipe(&self) -> Result<Recipe> {
@@ -107,6 +119,7 @@ impl RecipeArgs {
             exclude: self.exclude.clone(),
             include: self.include.clone(),
             kv_cache: self.kv_cache.map(Into::into),
+            group_size: self.group_size,
         })
     }
 }
@@ -145,6 +158,21 @@ pub struct ExportArgs {
     /// the Linear's output error.
     #[arg(long, requires = "calib")]
     awq_clip: bool,
+    /// How the weights are rounded: `rtn` (round to nearest, the default) or `gptq`
+    /// (llm-compressor's GPTQ on the --calib samples, layer by layer: compressed-tensors
+    /// w4a16, w4a16-asym and w8a16).
+    #[arg(long, value_enum, default_value_t = Algorithm::Rtn)]
+    algorithm: Algorithm,
+    /// GPTQ's columns per block (llm-compressor's `block_size`).
+    #[arg(long, value_name = "N", default_value_t = 128, requires = "calib")]
+    gptq_block_size: usize,
+    /// GPTQ's dampening, a fraction of the Hessian's mean diagonal (`dampening_frac`).
+    #[arg(long, value_name = "F", default_value_t = 0.01, requires = "calib")]
+    gptq_dampening: f32,
+    /// GPTQ's activation ordering: `static` (llm-compressor's default: columns by decreasing
+    /// Hessian diagonal, each with its own group's scale) or `none`.
+    #[arg(long, value_enum, default_value_t = ActOrder::Static, requires = "calib")]
+    gptq_actorder: ActOrder,
     #[command(flatten)]
     device: DeviceArgs,
     /// The dtype --calib runs the model in (ModelOpt calibrates in the checkpoint's dtype,
@@ -167,6 +195,80 @@ pub struct ExportArgs {
 pub struct ExplainArgs {
     #[command(flatten)]
     recipe: RecipeArgs,
+}
+
+/// `--algorithm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Algorithm {
+    /// Round to nearest.
+    Rtn,
+    /// GPTQ (needs --calib).
+    Gptq,
+}
+
+/// `--gptq-actorder`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ActOrder {
+    /// Columns by decreasing Hessian diagonal (llm-compressor's `static`, alias `weight`).
+    Static,
+    /// Columns in order.
+    None,
+}
+
+/// `--algorithm gptq`: GPTQ on the --calib samples, with a progress bar.
+fn gptq(
+    model: &std::path::Path,
+    calib: &std::path::Path,
+    args: &ExportArgs,
+    writer: &dyn kiln_runtime::export::writer::OutputWriter,
+    err: &mut dyn Write,
+) -> Result<Arc<dyn kiln_runtime::export::writer::ChosenCodes>> {
+    use kiln_runtime::calibrate::gptq::GptqSettings;
+    if args.gptq_block_size == 0 {
+        bail!("--gptq-block-size must be at least 1");
+    }
+    if !(args.gptq_dampening >= 0.0 && args.gptq_dampening.is_finite()) {
+        bail!("--gptq-dampening must be a finite fraction ≥ 0");
+    }
+    let options = CalibrationOptions {
+        samples: args.calib_size,
+        seq_len: args.calib_seq_len,
+        dtype: args.calib_dtype.into(),
+        device: args.device.device()?,
+        ..CalibrationOptions::new(calib)
+    };
+    let calibration =
+        Calibration::prepare(model, &args.recipe.recipe()?, options).context("--calib")?;
+    writeln!(
+        err,
+        "GPTQ on {} samples ({} tokens) from {}",
+        calibration.samples().len(),
+        calibration.tokens(),
+        calib.display()
+    )?;
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} layers quantized by GPTQ")
+            .expect("a valid template"),
+    );
+    let settings = GptqSettings {
+        block: args.gptq_block_size,
+        dampening: args.gptq_dampening,
+        actorder: args.gptq_actorder == ActOrder::Static,
+    };
+    let (codes, report) = calibration
+        .gptq(writer, settings, |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64)
+        })
+        .with_context(|| format!("GPTQ of {}", model.display()))?;
+    bar.finish_and_clear();
+    for w in &report.warnings {
+        writeln!(err, "warning: {w}")?;
+    }
+    for step in &report.steps {
+        writeln!(err, "{step} in {:.2} s", report.seconds)?;
+    }
+    Ok(codes)
 }
 
 /// `5GB` (decimal, as transformers), `10GiB` (binary), `512MB`, `1024`.
@@ -298,7 +400,29 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
     // Whether the writer stores scales from activation statistics.
     let statistics = recipe.kv_cache.is_some() || probe.uses_statistics();
     let engines = probe.engines();
-    if !statistics && (args.act_amax.is_some() || args.calib.is_some()) {
+    let gptq_run = args.algorithm == Algorithm::Gptq;
+    if gptq_run {
+        if args.calib.is_none() {
+            bail!("--algorithm gptq quantizes against calibration data: it needs --calib FILE");
+        }
+        // A probe weight whose rows fit every group size: does the format have GPTQ?
+        let probe_row = vec![0f32; 384];
+        if probe
+            .gptq_grid(
+                &kiln_runtime::export::writer::WeightValues::F32(&probe_row),
+                384,
+            )
+            .is_none()
+        {
+            bail!(
+                "--algorithm gptq: the {} writer's `{}` has no GPTQ in kiln (compressed-tensors \
+                 w4a16, w4a16-asym and w8a16 have it)",
+                output.writer,
+                output.format
+            );
+        }
+    }
+    if !statistics && !gptq_run && (args.act_amax.is_some() || args.calib.is_some()) {
         bail!(
             "--act-amax and --calib give activation statistics, which the {} writer's `{}` \
              does not use",
@@ -316,8 +440,13 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         };
         kiln_runtime::export::preflight::preflight(&check)?;
     }
+    let codes = match (&args.calib, gptq_run) {
+        (Some(calib), true) => Some(gptq(&model, calib, args, probe.as_ref(), err)?),
+        _ => None,
+    };
     let act = match (&args.act_amax, &args.calib) {
         (Some(path), _) => Some(ActAmax::read(path)?),
+        (None, Some(_)) if gptq_run && !statistics => None,
         (None, Some(calib)) => Some(calibrate(
             &model,
             calib,
@@ -362,6 +491,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         strict: args.strict,
         exporters: None,
         output: Some(output.clone()),
+        codes,
     };
     let result = run(&options);
     if matches!(result, Err(kiln_runtime::ExportError::Cancelled)) {

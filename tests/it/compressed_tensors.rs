@@ -20,12 +20,14 @@ use kiln_runtime::export::run::{ExportOptions, ExportSummary, OutputFormat, run}
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// One committed llm-compressor export: the model, kiln's `--format`, `--kv-cache fp8`.
+/// One committed llm-compressor export: the model, kiln's `--format`, `--kv-cache fp8`,
+/// `--group-size` (a `-g<N>` suffix: `ct-w4a16-g64`).
 struct Case {
     model: String,
     dir: PathBuf,
     format: String,
     kv: bool,
+    group: Option<usize>,
 }
 
 fn cases() -> Vec<Case> {
@@ -50,11 +52,16 @@ fn cases() -> Vec<Case> {
                 Some(f) => (f.to_string(), true),
                 None => (scheme.to_string(), false),
             };
+            let (format, group) = match format.rsplit_once("-g") {
+                Some((f, g)) if g.parse::<usize>().is_ok() => (f.to_string(), g.parse().ok()),
+                _ => (format, None),
+            };
             out.push(Case {
                 model: model.file_name().unwrap().to_string_lossy().to_string(),
                 dir,
                 format,
                 kv,
+                group,
             });
         }
     }
@@ -86,6 +93,7 @@ fn export_case(case: &Case, out: &Path) -> ExportSummary {
     if case.kv {
         o.recipe.kv_cache = Some(KvCache::Fp8);
     }
+    o.recipe.group_size = case.group;
     run(&o).unwrap_or_else(|e| panic!("{}: {}: {e}", case.model, case.format))
 }
 
@@ -135,8 +143,9 @@ fn differences(ours: &Path, theirs: &Path) -> Vec<String> {
 #[test]
 fn every_scheme_matches_llm_compressor_bit_for_bit() {
     let cases = cases();
-    // 9 on llama-tiny (8 schemes, FP8 with an FP8 KV cache), 5 on qwen3-moe-tiny.
-    assert!(cases.len() >= 14, "{} committed references", cases.len());
+    // 14 on llama-tiny (8 schemes, FP8 with an FP8 KV cache, W8A16 and four group sizes), 5 on
+    // qwen3-moe-tiny.
+    assert!(cases.len() >= 19, "{} committed references", cases.len());
     let tmp = tempfile::tempdir().unwrap();
     let mut failed = Vec::new();
     for case in &cases {

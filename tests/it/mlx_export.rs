@@ -186,3 +186,45 @@ fn what_mlx_cannot_express_is_a_named_error() {
     );
     assert!(!tmp.path().join("out").exists());
 }
+
+#[test]
+fn group_size_flag_is_the_named_group_format() {
+    // `--format q4 --group-size 32` writes what `--format q4-g32` writes (mlx-lm's
+    // `--q-group-size 32`); a size MLX lacks is refused, naming the sizes it has.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::family("llama-tiny", tmp.path());
+    let export = |format: &str, group: Option<usize>, out: &str| {
+        let options = ExportOptions {
+            output: Some(OutputFormat {
+                writer: "mlx".into(),
+                format: format.into(),
+            }),
+            force: true,
+            ..ExportOptions::new(
+                &model,
+                tmp.path().join(out),
+                Recipe {
+                    group_size: group,
+                    ..Recipe::new(Format::Nvfp4)
+                },
+            )
+        };
+        run(&options).map(|_| tmp.path().join(out))
+    };
+    let a = export("q4", Some(32), "flag").unwrap();
+    let b = export("q4-g32", None, "named").unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    let e = export("q4", Some(16), "bad").unwrap_err().to_string();
+    assert!(
+        e.contains("--group-size 16: q4 takes groups of 32, 64, 128"),
+        "{e}"
+    );
+    let e = export("mxfp4", Some(64), "bad").unwrap_err().to_string();
+    assert!(e.contains("mxfp4's groups are fixed"), "{e}");
+}

@@ -167,6 +167,59 @@ pub fn calibrate_by_layer<C: LayerCalibration>(
     )
 }
 
+/// A layer-by-layer run's starting point: the decoder's layer count, every sample's hidden
+/// states after the embeddings with its RoPE tables (computed once, not per layer), and the
+/// loader of stage `i` (decoder layer `i`, or the head after the last).
+pub(crate) struct Stages<'c> {
+    pub layers: usize,
+    pub hidden: Vec<(Tensor, (Tensor, Tensor))>,
+    pub load: Box<dyn Fn(usize) -> Result<DecoderModel, ModelError> + Send + Sync + 'c>,
+}
+
+/// [`Stages`] for `samples` on `checkpoint`, the model in `dtype` on `device`.
+pub(crate) fn stages<'c>(
+    checkpoint: &'c crate::checkpoint::Checkpoint,
+    dtype: candle_core::DType,
+    device: &'c candle_core::Device,
+    samples: &[Vec<u32>],
+) -> Result<Stages<'c>, ModelError> {
+    let part =
+        move |keep: &dyn Fn(&str) -> bool| DecoderModel::load_part(checkpoint, dtype, device, keep);
+    let layers = crate::model::DecoderConfig::from_json(checkpoint.config().raw())?.layers;
+    let embed = part(&|n: &str| n == "model.embed_tokens.weight")?;
+    // One sample at a time: batching samples of one length would pack each weight once per
+    // batch, but moves some statistics by an ulp (MoE routing, the GEMM's blocking), and the
+    // statistics must equal the whole-model calibration's.
+    let hidden = samples
+        .iter()
+        .map(|s| {
+            let h = embed
+                .embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?)?
+                .detach();
+            let rope = embed.rope_tables(s.len(), h.dtype())?;
+            Ok::<_, ModelError>((h, rope))
+        })
+        .collect::<Result<_, _>>()?;
+    let tied = checkpoint.tensor("lm_head.weight").is_none();
+    let load = move |stage: usize| {
+        if stage < layers {
+            let prefix = format!("model.layers.{stage}.");
+            part(&|n: &str| n.starts_with(&prefix))
+        } else {
+            part(&|n: &str| {
+                n == "model.norm.weight"
+                    || n == "lm_head.weight"
+                    || (tied && n == "model.embed_tokens.weight")
+            })
+        }
+    };
+    Ok(Stages {
+        layers,
+        hidden,
+        load: Box::new(load),
+    })
+}
+
 /// [`calibrate_by_layer`], loading the next stage on a second thread when `prefetch`.
 fn by_layer<C: LayerCalibration>(
     checkpoint: &crate::checkpoint::Checkpoint,
@@ -177,39 +230,12 @@ fn by_layer<C: LayerCalibration>(
     mut progress: impl FnMut(usize, usize),
     prefetch: bool,
 ) -> Result<C, ModelError> {
-    let part =
-        |keep: &dyn Fn(&str) -> bool| DecoderModel::load_part(checkpoint, dtype, device, keep);
-    let layers = crate::model::DecoderConfig::from_json(checkpoint.config().raw())?.layers;
-    let embed = part(&|n: &str| n == "model.embed_tokens.weight")?;
-    // Every sample's hidden states, and its RoPE tables (computed once, not per layer). One
-    // sample at a time: batching samples of one length would pack each weight once per batch,
-    // but moves some statistics by an ulp (MoE routing, the GEMM's blocking), and the
-    // statistics must equal the whole-model calibration's.
-    let mut hidden: Vec<(Tensor, (Tensor, Tensor))> = samples
-        .iter()
-        .map(|s| {
-            let h = embed
-                .embed(&Tensor::from_vec(s.clone(), (1, s.len()), device)?)?
-                .detach();
-            let rope = embed.rope_tables(s.len(), h.dtype())?;
-            Ok::<_, ModelError>((h, rope))
-        })
-        .collect::<Result<_, _>>()?;
-    drop(embed);
-    let tied = checkpoint.tensor("lm_head.weight").is_none();
-    let head_tensor = move |n: &str| {
-        n == "model.norm.weight"
-            || n == "lm_head.weight"
-            || (tied && n == "model.embed_tokens.weight")
-    };
-    let load_stage = |stage: usize| {
-        if stage < layers {
-            let prefix = format!("model.layers.{stage}.");
-            part(&|n: &str| n.starts_with(&prefix))
-        } else {
-            part(&head_tensor)
-        }
-    };
+    let Stages {
+        layers,
+        mut hidden,
+        load: load_stage,
+    } = stages(checkpoint, dtype, device, samples)?;
+    let load_stage = &load_stage;
     std::thread::scope(|scope| -> Result<(), ModelError> {
         let mut next = prefetch.then(|| scope.spawn(|| load_stage(0)));
         for stage in 0..=layers {

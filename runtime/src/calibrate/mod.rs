@@ -5,6 +5,7 @@
 //! with `clip`, its clipping search).
 
 pub mod awq;
+pub mod gptq;
 pub mod max;
 
 use self::awq::{AwqCalibrator, AwqWeight};
@@ -84,6 +85,111 @@ pub struct CalibrationReport {
 }
 
 impl Calibration {
+    /// GPTQ (`--algorithm gptq`) of every Linear the recipe quantizes, on the grid `writer`
+    /// stores it on, layer by layer: the codes GPTQ chose, for the export to store.
+    pub fn gptq(
+        &self,
+        writer: &dyn crate::export::writer::OutputWriter,
+        settings: gptq::GptqSettings,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<(std::sync::Arc<gptq::GptqCodes>, CalibrationReport), ModelError> {
+        use crate::export::writer::WeightValues;
+        use safetensors::Dtype;
+        let started = Instant::now();
+        let o = &self.options;
+        let ck = &self.checkpoint;
+        if let Some(t) = ck
+            .tensors()
+            .find(|t| t.shape.len() == 3 && t.name.contains("expert"))
+        {
+            return Err(ModelError::Config(format!(
+                "--algorithm gptq: MoE experts (`{}`) are not supported yet; dense models are",
+                t.name
+            )));
+        }
+        let recipe = self.recipe.clone();
+        let keep = move |m: &str| recipe.quantizes(m);
+        let params = |name: &str| {
+            let meta = ck.tensor(name).ok_or_else(|| ModelError::Tensor {
+                tensor: name.into(),
+                message: "missing from the checkpoint".into(),
+            })?;
+            let cols = meta.shape.get(1).copied().unwrap_or(0);
+            let none = || ModelError::Tensor {
+                tensor: name.into(),
+                message: "the output format has no GPTQ for this weight".into(),
+            };
+            let (w, grid, round): (Vec<f32>, _, fn(f32) -> f32) = match meta.dtype {
+                Dtype::BF16 => {
+                    let x = ck.read_as::<half::bf16>(name)?;
+                    let g = writer
+                        .gptq_grid(&WeightValues::Bf16(&x), cols)
+                        .ok_or_else(none)?;
+                    let r = |v| half::bf16::from_f32(v).to_f32();
+                    (x.iter().map(|v| v.to_f32()).collect(), g, r)
+                }
+                Dtype::F16 => {
+                    let x = ck.read_as::<half::f16>(name)?;
+                    let g = writer
+                        .gptq_grid(&WeightValues::F16(&x), cols)
+                        .ok_or_else(none)?;
+                    let r = |v| half::f16::from_f32(v).to_f32();
+                    (x.iter().map(|v| v.to_f32()).collect(), g, r)
+                }
+                Dtype::F32 => {
+                    let x = ck.read_as::<f32>(name)?;
+                    let g = writer
+                        .gptq_grid(&WeightValues::F32(&x), cols)
+                        .ok_or_else(none)?;
+                    (x, g, |v| v)
+                }
+                other => {
+                    return Err(ModelError::Tensor {
+                        tensor: name.into(),
+                        message: format!("dtype {other:?} cannot be quantized by GPTQ"),
+                    });
+                }
+            };
+            Ok(gptq::Prepared {
+                values: w,
+                grid: grid.0,
+                params: grid.1,
+                round,
+            })
+        };
+        let codes = gptq::run(
+            ck,
+            o.dtype,
+            &o.device,
+            &self.samples,
+            &keep,
+            &params,
+            settings,
+            progress,
+        )?;
+        let mut report = CalibrationReport {
+            quantizers: codes.modules().count(),
+            ..CalibrationReport::default()
+        };
+        report.steps.push(format!(
+            "GPTQ (block {}, dampening {}, actorder {}): {} Linears on {} tokens, loss {:.4}",
+            settings.block,
+            settings.dampening,
+            if settings.actorder { "static" } else { "none" },
+            codes.modules().count(),
+            self.tokens(),
+            codes.losses.values().sum::<f64>()
+        ));
+        for m in &codes.rtn_fallback {
+            report.warnings.push(format!(
+                "gptq: `{m}`'s Hessian could not be factorized; it is rounded to nearest \
+                 (llm-compressor's fallback)"
+            ));
+        }
+        report.seconds = started.elapsed().as_secs_f64();
+        Ok((codes, report))
+    }
+
     /// Reads and tokenizes the samples for calibrating the model at `model` for `recipe`.
     pub fn prepare(
         model: &Path,

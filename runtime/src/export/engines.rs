@@ -98,6 +98,7 @@ pub fn compressed_tensors(format: &str) -> Vec<EngineSupport> {
             no(TRTLLM, Some("compressed-tensors fp8-dynamic")),
         ],
         "w8a8" => vec![yes(VLLM), yes(SGLANG), no(TRTLLM, None)],
+        "w8a16" => vec![yes(VLLM), yes(SGLANG), no(TRTLLM, Some("modelopt int8-wo"))],
         "w4a16" | "w4a16-asym" => vec![
             yes(VLLM),
             yes(SGLANG),

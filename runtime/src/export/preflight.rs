@@ -68,7 +68,12 @@ pub fn preflight(options: &ExportOptions) -> Result<(), ExportError> {
     let fits: Vec<String> = (entry.formats)()
         .iter()
         .filter(|(f, _)| *f != format)
-        .filter_map(|(f, _)| entry.make(f).ok().map(|w| (f, w)))
+        .filter_map(|(f, _)| {
+            let mut w = entry.make(f).ok()?;
+            let size = options.recipe.group_size;
+            super::writer::configure(w.as_mut(), &writer_name, f, size).ok()?;
+            Some((f, w))
+        })
         .filter(|(_, w)| shapes.iter().all(|s| w.check_linear(s).is_none()))
         .map(|(f, _)| f.to_string())
         .collect();

@@ -61,6 +61,9 @@ pub struct Recipe {
     pub include: Vec<String>,
     /// The KV-cache format, if any (`--kv-cache`).
     pub kv_cache: Option<KvCache>,
+    /// The weight groups' size where the format lets it be chosen (`--group-size`; the
+    /// format's own default when `None`).
+    pub group_size: Option<usize>,
 }
 
 impl Recipe {
@@ -71,6 +74,7 @@ impl Recipe {
             exclude: Vec::new(),
             include: Vec::new(),
             kv_cache: None,
+            group_size: None,
         }
     }
 

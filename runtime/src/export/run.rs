@@ -45,6 +45,9 @@ pub struct ExportOptions {
     /// The writer (`--output-format`) and its format (`--format`); `None`: ModelOpt's, in
     /// the recipe's format.
     pub output: Option<OutputFormat>,
+    /// Integer codes a calibration algorithm chose (GPTQ, `--algorithm gptq`); the writer
+    /// stores them in place of its own rounding.
+    pub codes: Option<Arc<dyn super::writer::ChosenCodes>>,
 }
 
 /// A writer and one of its formats.
@@ -72,6 +75,7 @@ impl ExportOptions {
             strict: false,
             exporters: None,
             output: None,
+            codes: None,
         }
     }
 }
@@ -267,7 +271,13 @@ pub(crate) fn writer_of(options: &ExportOptions) -> Result<Chosen, ExportError> 
         format: options.recipe.format.cli_name().into(),
     });
     let entry = registry.get(&output.writer)?;
-    let writer = entry.make(&output.format)?;
+    let mut writer = entry.make(&output.format)?;
+    super::writer::configure(
+        writer.as_mut(),
+        &output.writer,
+        &output.format,
+        options.recipe.group_size,
+    )?;
     let formats = (entry.formats)()
         .iter()
         .map(|(f, _)| f.to_string())
@@ -332,6 +342,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         recipe,
         max_shard_bytes: options.max_shard_bytes,
         statistics: &act,
+        codes: options.codes.as_ref(),
     })?;
     let ctx = ExportContext::for_export(
         checkpoint.clone(),

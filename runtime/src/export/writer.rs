@@ -44,6 +44,41 @@ pub struct WriterStart<'a> {
     /// given): KV-cache amax, for a writer that stores KV scales. Each Linear's input amax
     /// also arrives with it ([`LinearWeight::input_amax`]).
     pub statistics: &'a ActAmax,
+    /// Integer codes a calibration algorithm chose for the Linears' weights (GPTQ), which
+    /// the writer stores in place of its own rounding; `None`: round to nearest.
+    pub codes: Option<&'a Arc<dyn ChosenCodes>>,
+}
+
+/// The integer grid a writer stores a Linear's weight on, for an algorithm that chooses the
+/// codes itself (GPTQ): `bits`-bit codes in `[−2^(bits−1), 2^(bits−1) − 1]`, one scale (and
+/// zero point unless symmetric) per `group` columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntGrid {
+    /// Bits per code (4 or 8).
+    pub bits: u32,
+    /// Symmetric (no zero point) or with zero points.
+    pub symmetric: bool,
+    /// Columns sharing one scale.
+    pub group: usize,
+}
+
+impl IntGrid {
+    /// The codes' range.
+    pub fn range(self) -> (f32, f32) {
+        let half = (1u32 << (self.bits - 1)) as f32;
+        (-half, half - 1.0)
+    }
+}
+
+/// Integer codes chosen before the writer runs, by Linear (GPTQ's).
+pub trait ChosenCodes: Send + Sync + std::fmt::Debug {
+    /// The algorithm (`GPTQ`), for reports and errors.
+    fn algorithm(&self) -> &str;
+    /// Whether columns were visited by activation order (`actorder`, as the config states).
+    fn actorder(&self) -> bool;
+    /// The codes of `module`'s weight, `[rows, cols]` row-major, if the algorithm chose them
+    /// (`Err`: they could not be read back).
+    fn codes(&self, module: &str) -> Option<Result<Vec<i8>, String>>;
 }
 
 /// What a writer knows when the export ends.
@@ -296,6 +331,74 @@ pub trait OutputWriter: Send + Sync {
     fn encoding(&self) -> Encoding {
         Encoding::Own
     }
+
+    /// For GPTQ: the integer grid this writer's format stores a Linear of `cols` input
+    /// features on, and the per-group `(scale, zero point)` it would give `weight` (row-major
+    /// `[rows, cols / group]`, exactly as its own rounding computes them); `None`: the format
+    /// has no GPTQ.
+    fn gptq_grid(
+        &self,
+        weight: &WeightValues<'_>,
+        cols: usize,
+    ) -> Option<(IntGrid, Vec<(f32, i8)>)> {
+        let _ = (weight, cols);
+        None
+    }
+
+    /// The group sizes `--group-size` may choose for this writer's format (empty: its groups,
+    /// if any, are fixed).
+    fn group_sizes(&self) -> &'static [usize] {
+        &[]
+    }
+
+    /// Sets the format's group size (`--group-size`), one of [`OutputWriter::group_sizes`];
+    /// called right after the writer is made, before any check. A writer whose groups are
+    /// fixed refuses any.
+    fn set_group_size(&mut self, size: usize) -> Result<(), ExportError> {
+        Err(ExportError::Writer {
+            writer: "this".into(),
+            what: format!("--group-size {size}: the format's groups are fixed"),
+        })
+    }
+}
+
+/// Applies the recipe's `--group-size` to a freshly made `writer` (named `name`, in format
+/// `format`): one of the sizes it takes, or an error naming them.
+pub fn configure(
+    writer: &mut dyn OutputWriter,
+    name: &str,
+    format: &str,
+    group_size: Option<usize>,
+) -> Result<(), ExportError> {
+    let Some(size) = group_size else {
+        return Ok(());
+    };
+    let sizes = writer.group_sizes();
+    if !sizes.contains(&size) {
+        let what = if sizes.is_empty() {
+            format!("--group-size {size}: {format}'s groups are fixed (or it has none)")
+        } else {
+            format!(
+                "--group-size {size}: {format} takes groups of {}",
+                sizes
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        return Err(ExportError::Writer {
+            writer: name.into(),
+            what,
+        });
+    }
+    writer.set_group_size(size).map_err(|e| match e {
+        ExportError::Writer { what, .. } => ExportError::Writer {
+            writer: name.into(),
+            what,
+        },
+        e => e,
+    })
 }
 
 /// Who quantizes the Linears the exporters select for a writer.

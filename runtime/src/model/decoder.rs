@@ -877,7 +877,7 @@ impl DecoderModel {
     ) -> Result<Tensor, ModelError> {
         observer.linear_input(&m.gate.name, x)?;
         observer.linear_input(&m.up.name, x)?;
-        let g = self.linear(&m.gate, x, true)?.silu()?;
+        let g = silu(&self.linear(&m.gate, x, true)?)?;
         let u = self.linear(&m.up, x, true)?;
         let gu = (g * u)?;
         observer.linear_input(&m.down.name, &gu)?;
@@ -1014,5 +1014,15 @@ impl DecoderModel {
             out = out.index_add(&rows, &ye.broadcast_mul(&we)?, 0)?;
         }
         Ok(out)
+    }
+}
+
+/// SiLU as PyTorch computes it on the CPU: a 16-bit input is widened to f32, `x / (1 +
+/// exp(−x))` evaluated there and rounded once (candle's 16-bit SiLU rounds every step, which
+/// moves ~1 % of bf16 activations by an ulp — enough to change what GPTQ and AWQ choose).
+fn silu(x: &Tensor) -> Result<Tensor, candle_core::Error> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?.silu()?.to_dtype(x.dtype()),
+        _ => x.silu(),
     }
 }

@@ -19,8 +19,8 @@ use crate::export::act_amax::ActAmax;
 use crate::export::recipe::{KvCache, Recipe};
 use crate::export::stats::ErrorStats;
 use crate::export::writer::{
-    Encoded, EncodedType, LinearWeight, OutputWriter, WeightValues, WriterEnd, WriterStart,
-    WriterType, Written,
+    ChosenCodes, Encoded, EncodedType, IntGrid, LinearWeight, OutputWriter, WeightValues,
+    WriterEnd, WriterStart, WriterType, Written,
 };
 use crate::module_tree::Linear;
 use crate::sink::ShardWriter;
@@ -48,10 +48,12 @@ pub enum Scheme {
     Fp8Block,
     /// INT8 weights per output channel, INT8 activations per token at run time.
     W8a8,
-    /// INT4 weights in groups of 128, symmetric, packed into int32.
+    /// INT4 weights in groups of 128 (or `--group-size`), symmetric, packed into int32.
     W4a16,
-    /// INT4 weights in groups of 128 with zero points.
+    /// INT4 weights in groups of 128 (or `--group-size`) with zero points.
     W4a16Asym,
+    /// INT8 weights in groups of 128 (or `--group-size`), symmetric, packed into int32.
+    W8a16,
     /// NVFP4 weights (groups of 16, FP8 group scales, an f32 global scale); 16-bit activations.
     Nvfp4a16,
     /// NVFP4 weights and activations; the activations' global scale is calibrated.
@@ -60,13 +62,14 @@ pub enum Scheme {
 
 impl Scheme {
     /// Every `--format`, the default first, with llm-compressor's preset name.
-    pub const ALL: [(&'static str, Scheme, &'static str); 8] = [
+    pub const ALL: [(&'static str, Scheme, &'static str); 9] = [
         ("fp8-dynamic", Scheme::Fp8Dynamic, "FP8_DYNAMIC"),
         ("fp8", Scheme::Fp8, "FP8"),
         ("fp8-block", Scheme::Fp8Block, "FP8_BLOCK"),
         ("w8a8", Scheme::W8a8, "W8A8"),
         ("w4a16", Scheme::W4a16, "W4A16"),
         ("w4a16-asym", Scheme::W4a16Asym, "W4A16_ASYM"),
+        ("w8a16", Scheme::W8a16, "W8A16"),
         ("nvfp4a16", Scheme::Nvfp4a16, "NVFP4A16"),
         ("nvfp4", Scheme::Nvfp4, "NVFP4"),
     ];
@@ -92,10 +95,30 @@ impl Scheme {
         matches!(self, Scheme::Fp8 | Scheme::Nvfp4)
     }
 
-    /// The columns a row must be a whole number of.
-    fn group(self) -> usize {
+    /// The integer weight-only schemes: `(bits, symmetric)`.
+    fn int_weights(self) -> Option<(u32, bool)> {
         match self {
-            Scheme::W4a16 | Scheme::W4a16Asym => 128,
+            Scheme::W4a16 => Some((4, true)),
+            Scheme::W4a16Asym => Some((4, false)),
+            Scheme::W8a16 => Some((8, true)),
+            _ => None,
+        }
+    }
+
+    /// The weight group size llm-compressor's preset uses (`None`: no groups, or fixed ones).
+    fn default_group(self) -> Option<usize> {
+        match self {
+            Scheme::W4a16 | Scheme::W4a16Asym | Scheme::W8a16 => Some(128),
+            _ => None,
+        }
+    }
+
+    /// The columns a row must be a whole number of, with `--group-size` `group`.
+    fn group(self, group: Option<usize>) -> usize {
+        match self {
+            Scheme::W4a16 | Scheme::W4a16Asym | Scheme::W8a16 => {
+                group.or(self.default_group()).unwrap_or(1)
+            }
             Scheme::Nvfp4 | Scheme::Nvfp4a16 => 16,
             _ => 1,
         }
@@ -106,14 +129,15 @@ impl Scheme {
         match self {
             Scheme::Fp8Dynamic | Scheme::Fp8 | Scheme::Fp8Block => "float-quantized",
             Scheme::W8a8 => "int-quantized",
-            Scheme::W4a16 | Scheme::W4a16Asym => "pack-quantized",
+            Scheme::W4a16 | Scheme::W4a16Asym | Scheme::W8a16 => "pack-quantized",
             Scheme::Nvfp4 | Scheme::Nvfp4a16 => "nvfp4-pack-quantized",
         }
     }
 
     /// The config group's `weights` and `input_activations`, as compressed-tensors 0.19
-    /// serializes the preset's `QuantizationArgs`.
-    fn args(self) -> (Json, Json) {
+    /// serializes the preset's `QuantizationArgs` (with `--group-size` `group`).
+    fn args(self, group: Option<usize>) -> (Json, Json) {
+        let group = group.or(self.default_group());
         // Weights: observed by min/max when quantized. Dynamic activations: no observer.
         let weights = |bits, ty, strategy| {
             args(bits, ty, strategy).with("observer", json!("memoryless_minmax"))
@@ -137,14 +161,18 @@ impl Scheme {
             ),
             Scheme::W8a8 => (weights(8, "int", "channel"), dynamic(8, "int", "token")),
             Scheme::W4a16 => (
-                weights(4, "int", "group").with("group_size", json!(128)),
+                weights(4, "int", "group").with("group_size", json!(group)),
                 Json::Null,
             ),
             Scheme::W4a16Asym => (
                 weights(4, "int", "group")
-                    .with("group_size", json!(128))
+                    .with("group_size", json!(group))
                     .with("symmetric", json!(false))
                     .with("zp_dtype", json!("torch.int8")),
+                Json::Null,
+            ),
+            Scheme::W8a16 => (
+                weights(8, "int", "group").with("group_size", json!(group)),
                 Json::Null,
             ),
             Scheme::Nvfp4a16 => (fp4("memoryless_minmax"), Json::Null),
@@ -198,6 +226,8 @@ fn kv_cache_scheme() -> Json {
 #[crate::writer(name = "compressed-tensors", reader = reader::CompressedTensorsReader, crate = crate)]
 pub struct CompressedTensors {
     scheme: Scheme,
+    /// `--group-size`, where the scheme takes one (the preset's otherwise).
+    group_size: Option<usize>,
     state: Option<State>,
     shards: Option<ShardWriter>,
     /// Each quantized weight's amax, by module (NVFP4's shared global scales).
@@ -211,6 +241,8 @@ struct State {
     linears: Vec<String>,
     /// `k_scale` / `v_scale` tensors, when the KV cache is quantized.
     kv: Vec<Encoded>,
+    /// The codes GPTQ chose (`--algorithm gptq`), stored in place of round to nearest.
+    codes: Option<Arc<dyn ChosenCodes>>,
 }
 
 fn err(what: impl Into<String>) -> ExportError {
@@ -256,6 +288,20 @@ const FUSED: [&[&str]; 4] = [
 ];
 
 impl CompressedTensors {
+    /// The integer grid of a Linear with `cols` input features (the integer schemes).
+    fn int_grid(&self, cols: usize) -> Option<IntGrid> {
+        let (bits, symmetric) = self.scheme.int_weights()?;
+        let group = match self.scheme.group(self.group_size) {
+            1 => cols,
+            g => g,
+        };
+        Some(IntGrid {
+            bits,
+            symmetric,
+            group,
+        })
+    }
+
     fn state(&self) -> Result<&State, ExportError> {
         self.state
             .as_ref()
@@ -311,13 +357,11 @@ impl CompressedTensors {
     fn encode<T: Element>(&self, w: &LinearWeight<'_>, x: &[T]) -> Result<Written, ExportError> {
         let (cols, module) = (w.cols, w.module);
         let scheme = self.scheme;
-        if !cols.is_multiple_of(scheme.group()) {
+        if let Some(why) = self.check_linear(&[w.rows, cols]) {
             return Err(ExportError::WriterCannot {
                 writer: "compressed-tensors".into(),
                 what: format!(
-                    "`{module}`: {cols} input features are not whole groups of {} ({}); \
-                     leave it unquantized with --exclude",
-                    scheme.group(),
+                    "`{module}`: {why} ({}); leave it unquantized with --exclude",
                     scheme.name()
                 ),
                 supported: formats(),
@@ -329,7 +373,35 @@ impl CompressedTensors {
             Scheme::Fp8Dynamic | Scheme::Fp8 | Scheme::Fp8Block | Scheme::W8a8 => {
                 encode_8bit(scheme, w, x, &mut decoded, &mut out)?
             }
-            Scheme::W4a16 | Scheme::W4a16Asym => encode_int4(scheme, w, x, &mut decoded, &mut out),
+            Scheme::W4a16 | Scheme::W4a16Asym | Scheme::W8a16 => {
+                let Some(grid) = self.int_grid(cols) else {
+                    return Err(err(format!(
+                        "`{module}`: {} has no integer grid",
+                        scheme.name()
+                    )));
+                };
+                let codes = match &self.state()?.codes {
+                    None => None,
+                    Some(c) => Some(
+                        c.codes(module)
+                            .ok_or_else(|| {
+                                err(format!(
+                                    "`{module}`: {} chose no codes for it (it saw no input)",
+                                    c.algorithm()
+                                ))
+                            })?
+                            .map_err(err)?,
+                    ),
+                };
+                encode_int(grid, codes, w, x, &mut decoded, &mut out)?
+            }
+            Scheme::Nvfp4 | Scheme::Nvfp4a16 if self.state()?.codes.is_some() => {
+                return Err(err(format!(
+                    "`{module}`: GPTQ for {} is not built yet (w4a16, w4a16-asym and w8a16 \
+                     have it)",
+                    scheme.name()
+                )));
+            }
             Scheme::Nvfp4 | Scheme::Nvfp4a16 => {
                 let global =
                     quant::nvfp4_global::<T>(self.shared_amax(module, w.source, quant::amax(x))?);
@@ -471,6 +543,7 @@ impl OutputWriter for CompressedTensors {
             recipe: start.recipe.clone(),
             linears,
             kv,
+            codes: start.codes.cloned(),
         });
         self.shards = Some(super::shards(start, 5));
         Ok(())
@@ -478,9 +551,54 @@ impl OutputWriter for CompressedTensors {
 
     fn check_linear(&self, shape: &[usize]) -> Option<String> {
         let cols = *shape.last()?;
-        let group = self.scheme.group();
-        (!cols.is_multiple_of(group))
-            .then(|| format!("{cols} input features are not whole groups of {group}"))
+        let group = self.scheme.group(self.group_size);
+        if cols.is_multiple_of(group) {
+            return None;
+        }
+        let fit: Vec<String> = self
+            .group_sizes()
+            .iter()
+            .filter(|&&g| cols.is_multiple_of(g))
+            .map(|g| format!("--group-size {g}"))
+            .collect();
+        let hint = match fit.len() {
+            0 => String::new(),
+            _ => format!("; {} would fit", fit.join(" or ")),
+        };
+        Some(format!(
+            "{cols} input features are not whole groups of {group}{hint}"
+        ))
+    }
+
+    fn group_sizes(&self) -> &'static [usize] {
+        match self.scheme.int_weights() {
+            Some(_) => &[32, 64, 128],
+            None => &[],
+        }
+    }
+
+    fn set_group_size(&mut self, size: usize) -> Result<(), ExportError> {
+        self.group_size = Some(size);
+        Ok(())
+    }
+
+    fn gptq_grid(
+        &self,
+        weight: &WeightValues<'_>,
+        cols: usize,
+    ) -> Option<(IntGrid, Vec<(f32, i8)>)> {
+        let grid = self.int_grid(cols)?;
+        if cols == 0 || !cols.is_multiple_of(grid.group) {
+            return None;
+        }
+        Some((
+            grid,
+            match weight {
+                WeightValues::Bf16(x) => int_params(x, grid),
+                WeightValues::F16(x) => int_params(x, grid),
+                WeightValues::F32(x) => int_params(x, grid),
+            },
+        ))
     }
 
     fn statistics_rules(&self) -> crate::export::writer::StatisticsRules {
@@ -558,7 +676,13 @@ impl OutputWriter for CompressedTensors {
 impl CompressedTensors {
     /// `config.json`'s `quantization_config`: what was written, as llm-compressor states it.
     fn quantization_config(&self, state: &State, written: &BTreeMap<String, String>) -> Json {
-        let (weights, inputs) = self.scheme.args();
+        let (mut weights, inputs) = self.scheme.args(self.group_size);
+        // GPTQ states its activation ordering, as llm-compressor's config does.
+        if let Some(c) = &state.codes
+            && c.actorder()
+        {
+            weights = weights.with("actorder", json!("static"));
+        }
         let ignore: Vec<&String> = state
             .linears
             .iter()
@@ -716,49 +840,98 @@ fn encode_8bit<T: Element>(
     Ok(())
 }
 
-/// INT4 in groups of 128, symmetric or with zero points, packed eight to an int32.
-fn encode_int4<T: Element>(
-    scheme: Scheme,
+/// The `(scale, zero point)` of every group of `grid.group` values of `x` (row-major), as
+/// `calculate_qparams` computes them from the min/max observer: symmetric `T(amax / T(range /
+/// 2))`, or [`quant::int_asym_params`].
+fn int_params<T: Element>(x: &[T], grid: IntGrid) -> Vec<(f32, i8)> {
+    let (lo, hi) = grid.range();
+    x.par_chunks(grid.group)
+        .map(|g| {
+            if grid.symmetric {
+                (
+                    quant::symmetric_scale::<T>(quant::amax(g), (hi - lo) / 2.0),
+                    0,
+                )
+            } else {
+                quant::int_asym_params(g, grid.bits)
+            }
+        })
+        .collect()
+}
+
+/// Integer weights (INT4, INT8) on `grid`, symmetric or with zero points, packed into int32:
+/// rounded to nearest, or the `codes` an algorithm chose (GPTQ) on the same scales.
+fn encode_int<T: Element>(
+    grid: IntGrid,
+    codes: Option<Vec<i8>>,
     w: &LinearWeight<'_>,
     x: &[T],
     decoded: &mut [f32],
     out: &mut Tensors,
-) {
-    let (rows, cols) = (w.rows, w.cols);
-    let groups = cols / 128;
-    let asym = scheme == Scheme::W4a16Asym;
-    let params: Vec<(f32, i8)> = x
-        .par_chunks(128)
-        .map(|g| {
-            if asym {
-                quant::int4_asym_params(g)
-            } else {
-                (quant::int4_scale::<T>(quant::amax(g)), 0)
-            }
-        })
-        .collect();
-    let mut q = vec![0i8; x.len()];
-    q.par_chunks_mut(128)
-        .zip(decoded.par_chunks_mut(128))
-        .zip(x.par_chunks(128))
+) -> Result<(), ExportError> {
+    let params = int_params(x, grid);
+    let (lo, hi) = grid.range();
+    let q = match codes {
+        Some(c) if c.len() == x.len() => c,
+        Some(c) => {
+            return Err(err(format!(
+                "`{}`: {} chosen codes for {} weights",
+                w.module,
+                c.len(),
+                x.len()
+            )));
+        }
+        None => {
+            let mut q = vec![0i8; x.len()];
+            q.par_chunks_mut(grid.group)
+                .zip(x.par_chunks(grid.group))
+                .zip(params.par_iter())
+                .for_each(|((qg, xg), &(s, zp))| {
+                    for (q, &x) in qg.iter_mut().zip(xg) {
+                        *q = if grid.symmetric {
+                            quant::int(x, s, lo, hi)
+                        } else {
+                            quant::int_asym(x, s, zp, grid.bits)
+                        };
+                    }
+                });
+            q
+        }
+    };
+    decoded
+        .par_chunks_mut(grid.group)
+        .zip(q.par_chunks(grid.group))
         .zip(params.par_iter())
-        .for_each(|(((qg, dg), xg), &(s, zp))| {
-            for i in 0..xg.len() {
-                let v = if asym {
-                    quant::int4_asym(xg[i], s, zp)
-                } else {
-                    quant::int(xg[i], s, -8.0, 7.0)
-                };
-                qg[i] = v;
-                dg[i] = (f32::from(v) - f32::from(zp)) * s;
+        .for_each(|((dg, qg), &(s, zp))| {
+            for (d, &q) in dg.iter_mut().zip(qg) {
+                *d = (f32::from(q) - f32::from(zp)) * s;
             }
         });
-    let packed = quant::pack_int32(&q, cols, 4);
+    write_int::<T>(w, grid.bits, !grid.symmetric, &q, &params, out);
+    Ok(())
+}
+
+/// The tensors of `bits`-bit codes `q` (`[rows, cols]`) with their `(scale, zero point)` per
+/// group, row-major `[rows, groups]` (one group per row: per channel), as compressed-tensors'
+/// `pack-quantized` compressor saves them: `weight_packed` (int32 words along the rows),
+/// `weight_scale [rows, groups]` in the weight's dtype, `weight_shape`, and with zero points
+/// `weight_zero_point` packed along the columns.
+fn write_int<T: Element>(
+    w: &LinearWeight<'_>,
+    bits: u32,
+    asym: bool,
+    q: &[i8],
+    params: &[(f32, i8)],
+    out: &mut Tensors,
+) {
+    let (rows, cols, bits_u) = (w.rows, w.cols, bits as usize);
+    let groups = params.len() / rows.max(1);
+    let packed = quant::pack_int32(q, cols, bits_u);
     out.push(
         w.module,
         "weight_packed",
         Dtype::I32,
-        vec![rows, (cols * 4).div_ceil(32)],
+        vec![rows, (cols * bits_u).div_ceil(32)],
         bytemuck::cast_slice(&packed).to_vec(),
     );
     let scales: Vec<f32> = params.iter().map(|p| p.0).collect();
@@ -779,12 +952,12 @@ fn encode_int4<T: Element>(
     );
     if asym {
         let zps: Vec<i8> = params.iter().map(|p| p.1).collect();
-        let packed = quant::pack_int32_columns(&zps, rows, groups, 4);
+        let packed = quant::pack_int32_columns(&zps, rows, groups, bits_u);
         out.push(
             w.module,
             "weight_zero_point",
             Dtype::I32,
-            vec![(rows * 4).div_ceil(32), groups],
+            vec![(rows * bits_u).div_ceil(32), groups],
             bytemuck::cast_slice(&packed).to_vec(),
         );
     }
@@ -870,6 +1043,7 @@ impl WriterType for CompressedTensors {
             .ok_or_else(|| err(format!("no format `{format}`")))?;
         Ok(CompressedTensors {
             scheme,
+            group_size: None,
             state: None,
             shards: None,
             amax: Mutex::default(),

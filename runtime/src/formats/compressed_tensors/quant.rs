@@ -75,31 +75,55 @@ pub fn int<T: Element>(x: T, scale: f32, lo: f32, hi: f32) -> i8 {
     r::<T>(x.to_f32() / scale).clamp(lo, hi).round_ties_even() as i8
 }
 
-/// Asymmetric INT4 group parameters (`calculate_qparams`, `symmetric=False`):
-/// `scale = T(T(max − min) / 15)` and `zp = round(clamp(T(−8 − T(min / scale)), −8, 7))`,
-/// with `min ≤ 0 ≤ max`; a zero scale becomes `eps(T)` *after* the zero point is computed.
-/// A group of zeros gives PyTorch a NaN zero point (0 / 0), whose integer cast is undefined;
-/// kiln writes 0 there, which dequantizes the group to zeros like any other zero point.
-pub fn int4_asym_params<T: Element>(x: &[T]) -> (f32, i8) {
+/// Asymmetric integer group parameters for `bits`-bit codes in `[lo, hi] = [−2^(bits−1),
+/// 2^(bits−1) − 1]` (`calculate_qparams`, `symmetric=False`): `scale = T(T(max − min) /
+/// (2^bits − 1))` and `zp = round(clamp(T(lo − T(min / scale)), lo, hi))`, with `min ≤ 0 ≤ max`;
+/// a zero scale becomes `eps(T)` *after* the zero point is computed. A group of zeros gives
+/// PyTorch a NaN zero point (0 / 0), whose integer cast is undefined; kiln writes 0 there,
+/// which dequantizes the group to zeros like any other zero point.
+pub fn int_asym_params<T: Element>(x: &[T], bits: u32) -> (f32, i8) {
     let (lo, hi) = x.iter().fold((0.0f32, 0.0f32), |(lo, hi), v| {
         let v = v.to_f32();
         (lo.min(v), hi.max(v))
     });
-    let s = r::<T>(r::<T>(hi - lo) / 15.0);
+    asym_params::<T>(lo, hi, bits)
+}
+
+/// [`int_asym_params`] from a group's `min ≤ 0 ≤ max`.
+pub fn asym_params<T: Element>(lo: f32, hi: f32, bits: u32) -> (f32, i8) {
+    let (qlo, qhi) = int_range(bits);
+    let s = r::<T>(r::<T>(hi - lo) / (qhi - qlo));
     if s == 0.0 {
         return (eps::<T>(), 0);
     }
-    let zp = r::<T>(-8.0 - r::<T>(lo / s))
-        .clamp(-8.0, 7.0)
+    let zp = r::<T>(qlo - r::<T>(lo / s))
+        .clamp(qlo, qhi)
         .round_ties_even() as i8;
     (s, zp)
 }
 
+/// Asymmetric INT4 group parameters: [`int_asym_params`] with 4 bits.
+pub fn int4_asym_params<T: Element>(x: &[T]) -> (f32, i8) {
+    int_asym_params(x, 4)
+}
+
+/// The signed range of `bits`-bit codes, `(−2^(bits−1), 2^(bits−1) − 1)`.
+pub fn int_range(bits: u32) -> (f32, f32) {
+    let half = (1u32 << (bits - 1)) as f32;
+    (-half, half - 1.0)
+}
+
+/// An asymmetric integer: `round(clamp(T(T(x / s) + zp), lo, hi))` in `bits`' range.
+pub fn int_asym<T: Element>(x: T, scale: f32, zp: i8, bits: u32) -> i8 {
+    let (lo, hi) = int_range(bits);
+    r::<T>(r::<T>(x.to_f32() / scale) + f32::from(zp))
+        .clamp(lo, hi)
+        .round_ties_even() as i8
+}
+
 /// An asymmetric INT4 value: `round(clamp(T(T(x / s) + zp), −8, 7))`.
 pub fn int4_asym<T: Element>(x: T, scale: f32, zp: i8) -> i8 {
-    r::<T>(r::<T>(x.to_f32() / scale) + f32::from(zp))
-        .clamp(-8.0, 7.0)
-        .round_ties_even() as i8
+    int_asym(x, scale, zp, 4)
 }
 
 /// NVFP4's global scale from the amax of a tensor (or of the Linears sharing it), as f32:

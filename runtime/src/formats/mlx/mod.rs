@@ -350,6 +350,22 @@ impl MlxOutput {
 }
 
 impl OutputWriter for MlxOutput {
+    fn group_sizes(&self) -> &'static [usize] {
+        match self.mode {
+            MlxMode::Affine { .. } => &[32, 64, 128],
+            MlxMode::Fp(_) => &[],
+        }
+    }
+
+    /// `--group-size` for an affine mode: `--format q4 --group-size 32` is `q4-g32`
+    /// (mlx-lm's `--q-group-size`).
+    fn set_group_size(&mut self, size: usize) -> Result<(), ExportError> {
+        if let MlxMode::Affine { group, .. } = &mut self.mode {
+            *group = size;
+        }
+        Ok(())
+    }
+
     fn begin(&mut self, start: &WriterStart<'_>) -> Result<(), ExportError> {
         if start.recipe.kv_cache.is_some() {
             return Err(ExportError::WriterCannot {

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# llama.cpp's command-line tools (llama-quantize, llama-imatrix, llama-perplexity) built from the
+# llama.cpp source that llama-cpp-python 0.3.36's PyPI sdist vendors (the registry reachable here;
+# no git clone; needs cmake: `apt-get install cmake`). Output: ${LLAMA_CPP:-.llama-cpp}/bin/. About 15 minutes on 2 cores. Not part of
+# CI; the peers' figures in BENCHMARKS.md come from these binaries.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DEST=${LLAMA_CPP:-$PWD/.llama-cpp}
+VERSION=0.3.36
+mkdir -p "$DEST/src"
+if [ ! -d "$DEST/src/llama_cpp_python-$VERSION" ]; then
+  python3 -m pip download -q --no-deps --no-binary :all: -d "$DEST/src" "llama-cpp-python==$VERSION"
+  tar -xzf "$DEST/src/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src"
+fi
+SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
+# No -march=native: the result must not depend on the building machine; AVX2/FMA as most x86.
+cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON \
+  -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+cmake --build "$DEST/build" -j "$(nproc)" --target llama-quantize llama-imatrix llama-perplexity
+mkdir -p "$DEST/bin"
+for t in llama-quantize llama-imatrix llama-perplexity; do
+  cp "$DEST/build/bin/$t" "$DEST/bin/"
+done
+echo "$DEST/bin: $(ls "$DEST/bin" | tr '\n' ' ')"
