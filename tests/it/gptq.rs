@@ -386,6 +386,30 @@ fn group_sizes_and_gptq_refuse_what_they_cannot_do() {
         ],
         "the modelopt writer's `int4-awq` has no GPTQ in kiln",
     );
+    // MoE experts: refused by name (llm-compressor calibrates every expert on every token;
+    // kiln's GPTQ does not yet).
+    let moe = common::root().join("tests/compat/mixtral-tiny/model");
+    let moe_calib = common::root().join("tests/compat/mixtral-tiny/calib.jsonl");
+    fails(
+        &[
+            "export",
+            "--model",
+            moe.to_str().unwrap(),
+            "--out",
+            o,
+            "--output-format",
+            "compressed-tensors",
+            "--format",
+            "w4a16",
+            "--group-size",
+            "32",
+            "--algorithm",
+            "gptq",
+            "--calib",
+            moe_calib.to_str().unwrap(),
+        ],
+        "are not supported yet; dense models are",
+    );
 }
 
 #[test]

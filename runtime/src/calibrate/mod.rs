@@ -98,10 +98,7 @@ impl Calibration {
         let started = Instant::now();
         let o = &self.options;
         let ck = &self.checkpoint;
-        if let Some(t) = ck
-            .tensors()
-            .find(|t| t.shape.len() == 3 && t.name.contains("expert"))
-        {
+        if let Some(t) = ck.tensors().find(|t| t.name.contains(".experts.")) {
             return Err(ModelError::Config(format!(
                 "--algorithm gptq: MoE experts (`{}`) are not supported yet; dense models are",
                 t.name
