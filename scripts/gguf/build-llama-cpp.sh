@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # llama.cpp's command-line tools (llama-quantize, llama-imatrix, llama-perplexity) built from the
 # llama.cpp source that llama-cpp-python 0.3.36's PyPI sdist vendors (the registry reachable here;
-# no git clone; needs cmake: `apt-get install cmake`). Output: ${LLAMA_CPP:-.llama-cpp}/bin/. About 15 minutes on 2 cores. Not part of
-# CI; the peers' figures in BENCHMARKS.md come from these binaries.
+# no git clone; cmake from Debian's packages, installed here when missing). Output:
+# ${LLAMA_CPP:-.llama-cpp}/bin/. About 15 minutes on 2 cores. Not part of CI; the peers'
+# figures in BENCHMARKS.md come from these binaries.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEST=${LLAMA_CPP:-$PWD/.llama-cpp}
 VERSION=0.3.36
+if ! command -v cmake >/dev/null; then
+  apt-get install -y -q cmake >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q cmake >/dev/null; }
+fi
 mkdir -p "$DEST/src"
 if [ ! -d "$DEST/src/llama_cpp_python-$VERSION" ]; then
   python3 -m pip download -q --no-deps --no-binary :all: -d "$DEST/src" "llama-cpp-python==$VERSION"

@@ -521,22 +521,9 @@ pub fn run(
             let name = format!("{module}.weight");
             let var = weight_var(&model, &name)?;
             let (rows, cols) = var.dims2()?;
-            // The quantized weight in the checkpoint's dtype, as llm-compressor stores it back
-            // into the module, for the layers after this one.
-            let wdtype = checkpoint.tensor(&name).map(|t| t.dtype);
-            let values: Vec<f32> = match wdtype {
-                Some(safetensors::Dtype::BF16) => q
-                    .values
-                    .iter()
-                    .map(|&v| half::bf16::from_f32(v).to_f32())
-                    .collect(),
-                Some(safetensors::Dtype::F16) => q
-                    .values
-                    .iter()
-                    .map(|&v| half::f16::from_f32(v).to_f32())
-                    .collect(),
-                _ => q.values.clone(),
-            };
+            // The quantized weight for the layers after this one, as llm-compressor stores it
+            // back into the module: already in the checkpoint's dtype (`Prepared::round`).
+            let values = q.values.clone();
             let t = Tensor::from_vec(values, (rows, cols), device)?.to_dtype(var.dtype())?;
             var.set(&t)?;
             std::fs::write(out.path(&module), bytemuck::cast_slice::<i8, u8>(&q.codes))
