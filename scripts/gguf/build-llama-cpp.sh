@@ -13,7 +13,16 @@ if ! command -v cmake >/dev/null; then
 fi
 mkdir -p "$DEST/src"
 if [ ! -d "$DEST/src/llama_cpp_python-$VERSION" ]; then
-  python3 -m pip download -q --no-deps --no-binary :all: -d "$DEST/src" "llama-cpp-python==$VERSION"
+  # The sdist itself, from PyPI's simple index: `pip download` of an sdist would first build its
+  # metadata, which compiles ninja and cmake from source (a quarter of an hour on 2 cores).
+  python3 - "$DEST/src" "$VERSION" <<'PY'
+import re, sys, urllib.request
+dest, version = sys.argv[1], sys.argv[2]
+name = f"llama_cpp_python-{version}.tar.gz"
+index = urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/").read().decode()
+url = re.search(r'href="(https://[^"#]*/' + re.escape(name) + ')', index).group(1)
+urllib.request.urlretrieve(url, f"{dest}/{name}")
+PY
   tar -xzf "$DEST/src/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src"
 fi
 SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"

@@ -431,6 +431,27 @@ pub fn quantize_int4_groups<T: Element>(
         })
 }
 
+/// llama.cpp's GGUF quantization with importance weights ([`ops::gguf::quantize_with`]): whole
+/// rows spread over rayon's threads (the legacy types' weights depend on the whole row), each
+/// row the reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
+/// reference's.
+pub fn quantize_gguf_with(
+    ty: ops::gguf::GgufType,
+    x: &[f32],
+    cols: usize,
+    imatrix: Option<&[f32]>,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let Some(qw) = imatrix.filter(|_| ops::gguf::weighted(ty)) else {
+        return quantize_gguf(ty, x, cols, out);
+    };
+    ops::gguf::check_layout(ty, x.len(), cols, out.len())?;
+    let rows = (CHUNK / 4 / cols.max(1)).max(1);
+    x.par_chunks(rows * cols)
+        .zip(out.par_chunks_mut(rows * ty.bytes_for(cols)))
+        .try_for_each(|(x, o)| ops::gguf::quantize_with(ty, x, cols, Some(qw), o))
+}
+
 /// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
 /// over rayon's threads. The k-quants (Q4_K, Q5_K, Q6_K) search all sub-blocks of a
 /// super-block at once in vector lanes (`kquants`), each lane in the reference's operation

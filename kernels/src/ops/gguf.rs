@@ -42,19 +42,31 @@ pub enum GgufType {
     Q6K,
     /// 32 elements: an E8M0 exponent, E2M1 codes.
     Mxfp4,
+    /// 256 elements: 16 sub-blocks of 16 with 4-bit scales and minimums, 2-bit codes.
+    Q2K,
+    /// 256 elements: 16 sub-blocks of 16 with 6-bit signed scales, 3-bit codes.
+    Q3K,
+    /// 32 elements: f16 scale, 4-bit indices into llama.cpp's non-linear grid.
+    Iq4Nl,
+    /// 256 elements: 8 sub-blocks of 32 with 6-bit scales, IQ4_NL's grid.
+    Iq4Xs,
 }
 
 impl GgufType {
     /// Every type, in `ggml_type` order.
-    pub const ALL: [GgufType; 9] = [
+    pub const ALL: [GgufType; 13] = [
         GgufType::Q4_0,
         GgufType::Q4_1,
         GgufType::Q5_0,
         GgufType::Q5_1,
         GgufType::Q8_0,
+        GgufType::Q2K,
+        GgufType::Q3K,
         GgufType::Q4K,
         GgufType::Q5K,
         GgufType::Q6K,
+        GgufType::Iq4Nl,
+        GgufType::Iq4Xs,
         GgufType::Mxfp4,
     ];
 
@@ -70,6 +82,10 @@ impl GgufType {
             GgufType::Q5K => "Q5_K",
             GgufType::Q6K => "Q6_K",
             GgufType::Mxfp4 => "MXFP4",
+            GgufType::Q2K => "Q2_K",
+            GgufType::Q3K => "Q3_K",
+            GgufType::Iq4Nl => "IQ4_NL",
+            GgufType::Iq4Xs => "IQ4_XS",
         }
     }
 
@@ -85,13 +101,22 @@ impl GgufType {
             GgufType::Q5K => 13,
             GgufType::Q6K => 14,
             GgufType::Mxfp4 => 39,
+            GgufType::Q2K => 10,
+            GgufType::Q3K => 11,
+            GgufType::Iq4Nl => 20,
+            GgufType::Iq4Xs => 23,
         }
     }
 
     /// Elements per block.
     pub fn block_elems(self) -> usize {
         match self {
-            GgufType::Q4K | GgufType::Q5K | GgufType::Q6K => 256,
+            GgufType::Q2K
+            | GgufType::Q3K
+            | GgufType::Q4K
+            | GgufType::Q5K
+            | GgufType::Q6K
+            | GgufType::Iq4Xs => 256,
             _ => 32,
         }
     }
@@ -108,6 +133,10 @@ impl GgufType {
             GgufType::Q5K => 176,
             GgufType::Q6K => 210,
             GgufType::Mxfp4 => 17,
+            GgufType::Q2K => 84,
+            GgufType::Q3K => 110,
+            GgufType::Iq4Nl => 18,
+            GgufType::Iq4Xs => 136,
         }
     }
 
@@ -180,9 +209,50 @@ pub(crate) fn check_layout(
     )
 }
 
-/// Quantizes `x` (rows of `cols`) to `ty`, writing [`GgufType::bytes_for`] bytes.
+/// Quantizes `x` (rows of `cols`) to `ty` as `llama-quantize` does without an importance
+/// matrix (`quantize_<type>(…, NULL)`), writing [`GgufType::bytes_for`] bytes.
 pub fn quantize(ty: GgufType, x: &[f32], cols: usize, out: &mut [u8]) -> Result<(), KernelError> {
+    quantize_with(ty, x, cols, None, out)
+}
+
+/// Quantizes `x` (rows of `cols`) to `ty` as `llama-quantize --imatrix` does: `imatrix` holds
+/// one importance weight per column (the mean squared input activation, as llama.cpp loads it
+/// from an imatrix file), and every row is quantized with the same weights
+/// (`quantize_<type>(…, quant_weights)`). `None` is [`quantize`]. Q8_0 and MXFP4 ignore the
+/// weights, as ggml does.
+pub fn quantize_with(
+    ty: GgufType,
+    x: &[f32],
+    cols: usize,
+    imatrix: Option<&[f32]>,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
     check_layout(ty, x.len(), cols, out.len())?;
+    let Some(qw) = imatrix.filter(|_| weighted(ty)) else {
+        quantize_blocks(ty, x, out);
+        return Ok(());
+    };
+    check_len(
+        "quantize_gguf",
+        "importance weights",
+        qw.len(),
+        cols,
+        &[cols],
+    )?;
+    let row_bytes = ty.bytes_for(cols);
+    for (row, o) in x.chunks_exact(cols).zip(out.chunks_exact_mut(row_bytes)) {
+        imatrix::quantize_row(ty, row, qw, o);
+    }
+    Ok(())
+}
+
+/// Whether ggml's quantizer of `ty` reads importance weights.
+pub fn weighted(ty: GgufType) -> bool {
+    !matches!(ty, GgufType::Q8_0 | GgufType::Mxfp4)
+}
+
+/// Whole blocks of `ty` without importance weights, each block on its own.
+pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) {
     let block = ty.block_elems();
     for (b, o) in x
         .chunks_exact(block)
@@ -194,14 +264,19 @@ pub fn quantize(ty: GgufType, x: &[f32], cols: usize, out: &mut [u8]) -> Result<
             GgufType::Q5_0 => q5_0(b, o),
             GgufType::Q5_1 => q5_1(b, o),
             GgufType::Q8_0 => q8_0(b, o),
+            GgufType::Q2K => imatrix::q2_k_ref(b, o),
+            GgufType::Q3K => imatrix::q3_k_ref(b, o),
             GgufType::Q4K => qk_asym(b, o, 15),
             GgufType::Q5K => qk_asym(b, o, 31),
             GgufType::Q6K => q6_k(b, o),
+            GgufType::Iq4Nl | GgufType::Iq4Xs => imatrix::iq4(b, o, None),
             GgufType::Mxfp4 => mxfp4(b, o),
         }
     }
-    Ok(())
 }
+
+#[path = "gguf_imatrix.rs"]
+mod imatrix;
 
 fn q4_0(x: &[f32], o: &mut [u8]) {
     let (max, _) = signed_max(x);
@@ -309,7 +384,8 @@ fn mxfp4(x: &[f32], o: &mut [u8]) {
 
 /// ggml's `make_qkx2_quants`: a scale and a minimum for `x` with codes in `0..=nmax`, the best
 /// (weighted squared error) of a grid of `nstep + 1` candidate scales around `nmax / range`.
-/// Returns `(scale, -min)` and writes the codes to `l`.
+/// Returns `(scale, -min)` and writes the codes to `l`. `use_mad`: absolute rather than squared
+/// errors (Q2_K).
 #[allow(clippy::too_many_arguments)]
 fn make_qkx2_quants(
     nmax: i32,
@@ -319,6 +395,7 @@ fn make_qkx2_quants(
     rmin: f32,
     rdelta: f32,
     nstep: i32,
+    use_mad: bool,
 ) -> (f32, f32) {
     let n = x.len();
     let (mut min, mut max) = (x[0], x[0]);
@@ -349,7 +426,7 @@ fn make_qkx2_quants(
         let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
         l[i] = q as u8;
         let diff = scale * f32::from(l[i]) + min - x[i];
-        best_error += weights[i] * (diff * diff);
+        best_error += weights[i] * if use_mad { diff.abs() } else { diff * diff };
     }
     let mut laux = [0u8; 32];
     for is in 0..=nstep {
@@ -374,7 +451,7 @@ fn make_qkx2_quants(
             let mut cur_error = 0f32;
             for i in 0..n {
                 let diff = this_scale * f32::from(laux[i]) + this_min - x[i];
-                cur_error += weights[i] * (diff * diff);
+                cur_error += weights[i] * if use_mad { diff.abs() } else { diff * diff };
             }
             if cur_error < best_error {
                 l[..n].copy_from_slice(&laux[..n]);
@@ -420,6 +497,7 @@ fn qk_asym(x: &[f32], o: &mut [u8], nmax: i32) {
             rmin,
             0.1,
             nstep,
+            false,
         );
     }
     qk_asym_finish(x, o, nmax, &scales, &mins, &mut l);
@@ -472,7 +550,16 @@ pub(crate) fn qk_asym_finish(
     o[..2].copy_from_slice(&half(max_scale / 63.0));
     o[2..4].copy_from_slice(&half(max_min / 63.0));
     o[4..16].copy_from_slice(sc);
+    qk_asym_codes(x, o, nmax, l);
+}
+
+/// Q4_K / Q5_K's codes once `d`, `dmin` and the 12 scale bytes are in `o[..16]`: each code
+/// recomputed from the stored scale and minimum (sub-blocks whose scale is zero keep `l`'s),
+/// packed.
+pub(crate) fn qk_asym_codes(x: &[f32], o: &mut [u8], nmax: i32, l: &mut [u8; 256]) {
     let (d_all, dmin_all) = (unhalf(&o[..2]), unhalf(&o[2..4]));
+    let sc: [u8; 12] = o[4..16].try_into().expect("12 scale bytes");
+    let sc = &sc;
     for j in 0..8 {
         let (s, m) = scale_min_k4(j, sc);
         let d = d_all * f32::from(s);
@@ -514,10 +601,10 @@ pub(crate) fn qk_asym_finish(
     }
 }
 
-/// ggml's `make_qx_quants` with `rmse_type` 1 and no importance weights (weights `x²`): a
-/// symmetric scale for codes in `-nmax..nmax`, the best of 19 candidates; codes (offset by
-/// `nmax`) into `l`.
-fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
+/// ggml's `make_qx_quants` with `rmse_type` 1: a symmetric scale for codes in
+/// `-nmax..nmax`, the best of 19 candidates by the weighted error; codes (offset by `nmax`) into
+/// `l`. Weights `qw`, or `x²` without them.
+fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8], qw: Option<&[f32]>) -> f32 {
     let (max, amax) = signed_max(x);
     if amax < 1e-15 {
         l.fill(0);
@@ -527,9 +614,9 @@ fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
     let code = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
     let sums = |iscale: f32| {
         let (mut sumlx, mut suml2) = (0f32, 0f32);
-        for &v in x {
+        for (i, &v) in x.iter().enumerate() {
             let q = code(iscale, v) as f32;
-            let w = v * v;
+            let w = qw.map_or(v * v, |w| w[i]);
             sumlx += w * v * q;
             suml2 += w * q * q;
         }
@@ -564,7 +651,12 @@ fn q6_k(x: &[f32], o: &mut [u8]) {
     let mut l = [0i8; 256];
     let mut scales = [0f32; 16];
     for ib in 0..16 {
-        scales[ib] = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
+        scales[ib] = make_qx_quants(
+            32,
+            &x[16 * ib..16 * ib + 16],
+            &mut l[16 * ib..16 * ib + 16],
+            None,
+        );
     }
     q6_k_finish(x, o, &scales, &mut l);
 }
@@ -707,6 +799,63 @@ pub fn dequantize(ty: GgufType, data: &[u8], out: &mut [f32]) -> Result<(), Kern
                     }
                 }
             }
+            GgufType::Q2K => {
+                let (d, min) = (unhalf(&b[80..]), unhalf(&b[82..]));
+                let (sc, qs) = (&b[..16], &b[16..80]);
+                for (n, (q, ys)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(128)).enumerate() {
+                    for j in 0..4 {
+                        for half_ in 0..2 {
+                            let s = sc[8 * n + 2 * j + half_];
+                            let (dl, ml) = (d * f32::from(s & 0xf), min * f32::from(s >> 4));
+                            for l in 0..16 {
+                                let c = (q[16 * half_ + l] >> (2 * j)) & 3;
+                                ys[32 * j + 16 * half_ + l] = dl * f32::from(c) - ml;
+                            }
+                        }
+                    }
+                }
+            }
+            GgufType::Q3K => {
+                let d_all = unhalf(&b[108..]);
+                let (hm, qs, sc) = (&b[..32], &b[32..96], &b[96..108]);
+                for (k, v) in y.iter_mut().enumerate() {
+                    // Element k: sub-block k / 16; its low bits in plane (k % 128) / 32 of
+                    // byte k / 128 · 32 + k % 32; its high bit in hmask[k % 32], bit k / 32.
+                    let j = k / 16;
+                    let low = if j < 8 { sc[j] & 0xf } else { sc[j - 8] >> 4 };
+                    let s = i32::from(low | ((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
+                    let q = i32::from((qs[k / 128 * 32 + k % 32] >> (2 * ((k % 128) / 32))) & 3);
+                    let high = if hm[k % 32] >> (k / 32) & 1 == 1 {
+                        0
+                    } else {
+                        4
+                    };
+                    *v = d_all * s as f32 * (q - high) as f32;
+                }
+            }
+            GgufType::Iq4Nl => {
+                let d = unhalf(b);
+                for j in 0..16 {
+                    y[j] = d * f32::from(imatrix::KVALUES_IQ4NL[usize::from(b[2 + j] & 0xf)]);
+                    y[j + 16] = d * f32::from(imatrix::KVALUES_IQ4NL[usize::from(b[2 + j] >> 4)]);
+                }
+            }
+            GgufType::Iq4Xs => {
+                let d = unhalf(b);
+                let scales_h = u16::from_le_bytes([b[2], b[3]]);
+                for ib in 0..8 {
+                    let ls = i32::from((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xf)
+                        | i32::from((scales_h >> (2 * ib)) & 3) << 4;
+                    let dl = d * (ls - 32) as f32;
+                    let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
+                    for j in 0..16 {
+                        y[32 * ib + j] =
+                            dl * f32::from(imatrix::KVALUES_IQ4NL[usize::from(qs[j] & 0xf)]);
+                        y[32 * ib + 16 + j] =
+                            dl * f32::from(imatrix::KVALUES_IQ4NL[usize::from(qs[j] >> 4)]);
+                    }
+                }
+            }
             GgufType::Q6K => {
                 let d = unhalf(&b[208..]);
                 let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
@@ -778,6 +927,14 @@ mod tests {
                 GgufType::Q5_1 | GgufType::Q5K => 0.005,
                 // E2M1's widest gap (8 to 12 times 2^-7 here) halved.
                 GgufType::Mxfp4 => 0.016,
+                // Four levels over a sub-block's range of 0.2: half a step is 0.2 / 6.
+                GgufType::Q2K => 0.0334,
+                // Codes -4..3 of `max / 4`: a whole step where +max lies outside.
+                GgufType::Q3K => 0.025,
+                // The non-linear grid's widest gap (89 to 113 of 127) halved, of 0.1.
+                GgufType::Iq4Nl => 0.0095,
+                // The same, plus the 6-bit sub-block scale's rounding (up to 1/64 of it).
+                GgufType::Iq4Xs => 0.0095 * (1.0 + 1.0 / 32.0),
                 _ => 0.0126,
             };
             assert!(err <= bound, "{}: {err}", ty.name());

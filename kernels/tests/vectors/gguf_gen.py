@@ -1,7 +1,9 @@
-"""llama.cpp's own reference quantizers (`quantize_row_*_ref` in ggml-quants.c, from the
-llama-cpp-python 0.3.36 source distribution on PyPI) run on random and adversarial inputs,
-written to gguf_cases.json for kernels/tests/gguf_vectors.rs, which checks kiln's
-`ops::gguf` against every output byte.
+"""llama.cpp's own quantizers (`quantize_<type>` in ggml-quants.c, what `llama-quantize` calls
+through `ggml_quantize_chunk`, from the llama-cpp-python 0.3.36 source distribution on PyPI) run
+on random and adversarial inputs, without importance weights (`quant_weights` NULL: the
+`quantize_row_*_ref` code for most types) and with them (what `llama-quantize --imatrix` runs),
+written to gguf_cases.json for kernels/tests/gguf_vectors.rs, which checks kiln's `ops::gguf`
+against every output byte.
 
     python kernels/tests/vectors/gguf_gen.py [LLAMA_CPP_DIR]
 
@@ -24,11 +26,16 @@ import numpy as np
 
 SDIST = "llama-cpp-python==0.3.36"
 OUT = pathlib.Path(__file__).with_name("gguf_cases.json")
-TYPES = {  # name → (C function suffix, block elements, block bytes)
-    "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20), "Q5_0": ("q5_0", 32, 22),
-    "Q5_1": ("q5_1", 32, 24), "Q8_0": ("q8_0", 32, 34), "Q4_K": ("q4_K", 256, 144),
-    "Q5_K": ("q5_K", 256, 176), "Q6_K": ("q6_K", 256, 210), "MXFP4": ("mxfp4", 32, 17),
+TYPES = {  # name → (C function suffix, block elements, block bytes, ggml type number)
+    "Q4_0": ("q4_0", 32, 18, 2), "Q4_1": ("q4_1", 32, 20, 3), "Q5_0": ("q5_0", 32, 22, 6),
+    "Q5_1": ("q5_1", 32, 24, 7), "Q8_0": ("q8_0", 32, 34, 8), "Q2_K": ("q2_K", 256, 84, 10),
+    "Q3_K": ("q3_K", 256, 110, 11), "Q4_K": ("q4_K", 256, 144, 12),
+    "Q5_K": ("q5_K", 256, 176, 13), "Q6_K": ("q6_K", 256, 210, 14),
+    "IQ4_NL": ("iq4_nl", 32, 18, 20), "IQ4_XS": ("iq4_xs", 256, 136, 23),
+    "MXFP4": ("mxfp4", 32, 17, 39),
 }
+# The types whose quantizer reads importance weights (ggml's Q8_0 and MXFP4 ignore them).
+WEIGHTED = [t for t in TYPES if t not in ("Q8_0", "MXFP4")]
 STUBS = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,7 +43,12 @@ STUBS = r"""
 void ggml_abort(const char * file, int line, const char * fmt, ...) {
     fprintf(stderr, "ggml_abort %s:%d %s\n", file, line, fmt); abort();
 }
-size_t ggml_row_size(int type, long long ne) { (void) type; (void) ne; abort(); }
+size_t ggml_row_size(int type, long long ne) {
+    switch (type) {
+SIZES
+    }
+    abort();
+}
 const char * ggml_type_name(int type) { (void) type; abort(); }
 size_t ggml_type_size(int type) { (void) type; abort(); }
 """
@@ -46,14 +58,23 @@ HARNESS = r"""
 #include <string.h>
 #include <stdint.h>
 %s
+static float * slurp(const char * path, long * n) {
+    FILE * f = fopen(path, "rb");
+    fseek(f, 0, SEEK_END); *n = ftell(f) / 4; fseek(f, 0, SEEK_SET);
+    float * x = malloc(*n * 4); if (fread(x, 4, *n, f) != (size_t) *n) exit(2); fclose(f);
+    return x;
+}
+/* quantize TYPE X.bin COLS OUT.bin [WEIGHTS.bin] */
 int main(int argc, char ** argv) {
-    FILE * f = fopen(argv[2], "rb");
-    fseek(f, 0, SEEK_END); long n = ftell(f) / 4; fseek(f, 0, SEEK_SET);
-    float * x = malloc(n * 4); if (fread(x, 4, n, f) != (size_t) n) return 2; fclose(f);
+    long n, nw = 0;
+    float * x = slurp(argv[2], &n);
+    long cols = atol(argv[3]);
+    float * w = argc > 5 ? slurp(argv[5], &nw) : NULL;
+    if (w && nw != cols) return 3;
     unsigned char * y = calloc(n, 4);
     long bytes = 0;
 %s
-    FILE * o = fopen(argv[3], "wb"); fwrite(y, 1, bytes, o); fclose(o);
+    FILE * o = fopen(argv[4], "wb"); fwrite(y, 1, bytes, o); fclose(o);
     return 0;
 }
 """
@@ -74,13 +95,15 @@ def source_dir(arg):
 
 def build(llama, work):
     ggml = llama / "ggml"
-    decls = "\n".join(f"void quantize_row_{c}_ref(const float * x, void * y, int64_t k);"
-                      for c, _, _ in TYPES.values())
+    decls = "\n".join(f"size_t quantize_{c}(const float * src, void * dst, int64_t nrow, "
+                      "int64_t n_per_row, const float * quant_weights);"
+                      for c, _, _, _ in TYPES.values())
     calls = "\n".join(
-        f'    if (!strcmp(argv[1], "{name}")) {{ quantize_row_{c}_ref(x, y, n); bytes = n / {e} * {b}; }}'
-        for name, (c, e, b) in TYPES.items())
+        f'    if (!strcmp(argv[1], "{name}")) bytes = quantize_{c}(x, y, n / cols, cols, w);'
+        for name, (c, _, _, _) in TYPES.items())
     (work / "harness.c").write_text(HARNESS % (decls, calls))
-    (work / "stubs.c").write_text(STUBS)
+    sizes = "\n".join(f"    case {t}: return ne / {e} * {b};" for _, e, b, t in TYPES.values())
+    (work / "stubs.c").write_text(STUBS.replace("SIZES", sizes))
     exe = work / "quantize"
     flags = ["-O2", "-ffp-contract=off", "-std=gnu11", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}"]
     subprocess.run(["cc", *flags, "-o", str(exe), str(work / "harness.c"), str(work / "stubs.c"),
@@ -106,6 +129,16 @@ def inputs(rng):
     yield "constant", np.full((2, cols), 0.25, np.float32)
     g = rng.integers(-8, 8, (4, cols)).astype(np.float32) * np.float32(0.125)
     yield "grid", g  # exact grid points and ties of the legacy types
+
+
+def importance(rng, cols):
+    """(name, per-column weights) pairs shaped like llama-imatrix's means of squared
+    activations: positive, spread over decades, with a few dead (zero) columns."""
+    yield "imatrix", (rng.lognormal(0.0, 1.5, cols) * 1e-2).astype(np.float32)
+    w = (rng.lognormal(0.0, 0.5, cols)).astype(np.float32)
+    w[::13] = 0.0
+    w[64:96] = 0.0  # a whole 32-block without weight
+    yield "imatrix-dead", w
 
 
 def gguf_py_quantize(llama, name, x):
@@ -135,8 +168,10 @@ def main():
     for input_name, x in inputs(rng):
         x = np.ascontiguousarray(x, np.float32)
         (work / "x.bin").write_bytes(x.tobytes())
+        cols = x.shape[1]
         for name in TYPES:
-            subprocess.run([str(exe), name, str(work / "x.bin"), str(work / "q.bin")], check=True)
+            subprocess.run([str(exe), name, str(work / "x.bin"), str(cols), str(work / "q.bin")],
+                           check=True)
             q = (work / "q.bin").read_bytes()
             py = gguf_py_quantize(llama, name, x)
             if py is not None:
@@ -145,6 +180,17 @@ def main():
             y = gguf_py_dequantize(llama, name, q, x.shape)
             cases.append({"input": input_name, "type": name, "shape": list(x.shape),
                           "x": x.tobytes().hex(), "q": q.hex(), "y": y.hex()})
+            for wname, w in importance(np.random.default_rng(20261204), cols):
+                if name not in WEIGHTED:
+                    continue
+                (work / "w.bin").write_bytes(w.tobytes())
+                subprocess.run([str(exe), name, str(work / "x.bin"), str(cols),
+                                str(work / "q.bin"), str(work / "w.bin")], check=True)
+                q = (work / "q.bin").read_bytes()
+                y = gguf_py_dequantize(llama, name, q, x.shape)
+                cases.append({"input": f"{input_name}+{wname}", "type": name,
+                              "shape": list(x.shape), "x": x.tobytes().hex(), "w": w.tobytes().hex(),
+                              "q": q.hex(), "y": y.hex()})
     OUT.write_text(json.dumps({"source": SDIST, "cases": cases}, indent=0))
     print(f"{len(cases)} cases ({checked} also checked against gguf-py) → {OUT}")
 

@@ -1,0 +1,743 @@
+//! llama.cpp's quantizers that read importance weights (`quantize_<type>` of `ggml-quants.c`
+//! called with `quant_weights`, what `llama-quantize --imatrix` runs), and the types below four
+//! bits: Q2_K and Q3_K (reference and weighted), IQ4_NL and IQ4_XS (llama.cpp's non-linear
+//! 4-bit grid). The same rules as the parent module: f32 in the C code's operation order, no
+//! fused multiply-add, ggml's rounding helpers, C's integer conversions where the C code
+//! narrows (`as u8` / `as i8` wrap as a C store to `uint8_t` / `int8_t` does).
+
+// The loops index as ggml-quants.c does, so that each line can be checked against the C.
+#![allow(clippy::needless_range_loop)]
+
+use super::{
+    GgufType, half, make_qkx2_quants, make_qx_quants, nearest_int, pack5, q6_k_finish,
+    qk_asym_codes, unhalf,
+};
+
+/// ggml's `GROUP_MAX_EPS`.
+const GROUP_MAX_EPS: f32 = 1e-15;
+
+/// One row of `ty` with importance weights `qw` (one per column of the row).
+pub(super) fn quantize_row(ty: GgufType, x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let bytes = ty.block_bytes();
+    match ty {
+        GgufType::Q4_0 | GgufType::Q5_0 | GgufType::Q4_1 | GgufType::Q5_1 => {
+            // The legacy types' sigma² runs over the whole row.
+            let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+            let sigma2 = sum_x2 / x.len() as f32;
+            for ((xb, qb), ob) in x
+                .chunks_exact(32)
+                .zip(qw.chunks_exact(32))
+                .zip(o.chunks_exact_mut(bytes))
+            {
+                let mut weight = [0f32; 32];
+                for j in 0..32 {
+                    weight[j] = qb[j] * (sigma2 + xb[j] * xb[j]).sqrt();
+                }
+                legacy(ty, xb, &weight, ob);
+            }
+        }
+        _ => {
+            let block = ty.block_elems();
+            for ((xb, qb), ob) in x
+                .chunks_exact(block)
+                .zip(qw.chunks_exact(block))
+                .zip(o.chunks_exact_mut(bytes))
+            {
+                match ty {
+                    GgufType::Q2K => q2_k_impl(xb, qb, ob),
+                    GgufType::Q3K => q3_k_impl(xb, qb, ob),
+                    GgufType::Q4K => qk_asym_impl(xb, qb, ob, 15),
+                    GgufType::Q5K => qk_asym_impl(xb, qb, ob, 31),
+                    GgufType::Q6K => q6_k_impl(xb, qb, ob),
+                    GgufType::Iq4Nl | GgufType::Iq4Xs => iq4(xb, ob, Some(qb)),
+                    // Q8_0 and MXFP4 take no weights (`super::weighted`); the legacy types
+                    // are above.
+                    _ => super::quantize_blocks(ty, xb, ob),
+                }
+            }
+        }
+    }
+}
+
+/// `quantize_row_q{4,5}_{0,1}_impl`'s block with its weights.
+fn legacy(ty: GgufType, xb: &[f32], weight: &[f32; 32], o: &mut [u8]) {
+    match ty {
+        GgufType::Q4_0 | GgufType::Q5_0 => {
+            let nmax = if ty == GgufType::Q4_0 { 8 } else { 16 };
+            let mut l = [0i8; 32];
+            let d = make_qx_quants(nmax, xb, &mut l, Some(weight));
+            o[..2].copy_from_slice(&half(d));
+            if ty == GgufType::Q4_0 {
+                for j in 0..16 {
+                    o[2 + j] = (l[j] as u8) | (l[j + 16] as u8) << 4;
+                }
+            } else {
+                let (qh, qs) = o[2..].split_at_mut(4);
+                pack5(|j| l[j] as u8, qh, qs);
+            }
+        }
+        _ => {
+            let nmax = if ty == GgufType::Q4_1 { 15 } else { 31 };
+            let mut l = [0u8; 32];
+            let (d, the_min) = make_qkx3_quants(nmax, xb, weight, &mut l, -0.9, 0.05, 36);
+            o[..2].copy_from_slice(&half(d));
+            o[2..4].copy_from_slice(&half(-the_min));
+            if ty == GgufType::Q4_1 {
+                for j in 0..16 {
+                    o[4 + j] = l[j] | l[j + 16] << 4;
+                }
+            } else {
+                let (qh, qs) = o[4..].split_at_mut(4);
+                pack5(|j| l[j], qh, qs);
+            }
+        }
+    }
+}
+
+/// ggml's `make_qkx3_quants` with weights and squared errors (`use_mad` false, as every
+/// caller here passes): like `make_qkx2_quants`, `max <= min` as the degenerate case. Returns
+/// `(scale, -min)`, codes into `l`.
+fn make_qkx3_quants(
+    nmax: i32,
+    x: &[f32],
+    weights: &[f32],
+    l: &mut [u8],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+) -> (f32, f32) {
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = weights[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        if x[i] < min {
+            min = x[i];
+        }
+        if x[i] > max {
+            max = x[i];
+        }
+        let w = weights[i];
+        sum_w += w;
+        sum_x += w * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max <= min {
+        l[..n].fill(0);
+        return (0.0, -min);
+    }
+    let nmax_f = nmax as f32;
+    let mut iscale = nmax_f / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best_mad = 0f32;
+    for i in 0..n {
+        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+        l[i] = q as u8;
+        let diff = scale * f32::from(l[i]) + min - x[i];
+        best_mad += weights[i] * (diff * diff);
+    }
+    let mut laux = [0u8; 32];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmax_f) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+            laux[i] = q as u8;
+            let (w, qf) = (weights[i], q as f32);
+            sum_l += w * qf;
+            sum_l2 += w * qf * qf;
+            sum_xl += w * qf * x[i];
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut mad = 0f32;
+            for i in 0..n {
+                let diff = this_scale * f32::from(laux[i]) + this_min - x[i];
+                mad += weights[i] * (diff * diff);
+            }
+            if mad < best_mad {
+                l[..n].copy_from_slice(&laux[..n]);
+                best_mad = mad;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// ggml's `make_qp_quants`: a positive scale for the non-negative `x` with codes in
+/// `0..=nmax` (the block scales of Q2_K / Q4_K / Q5_K with weights `qw`), nine candidates by
+/// weighted error, then up to five rounds of single-code refinement. Codes into `l`.
+fn make_qp_quants(nmax: i32, x: &[f32], l: &mut [u8], qw: &[f32]) -> f32 {
+    let n = x.len();
+    let mut max = 0f32;
+    for &v in x {
+        max = if max > v { max } else { v };
+    }
+    if max < GROUP_MAX_EPS {
+        l[..n].fill(0);
+        return 0.0;
+    }
+    let nmax_f = nmax as f32;
+    let mut iscale = nmax_f / max;
+    for i in 0..n {
+        l[i] = nearest_int(iscale * x[i]) as u8;
+    }
+    let scale = 1.0 / iscale;
+    let mut best_mse = 0f32;
+    for i in 0..n {
+        let diff = x[i] - scale * f32::from(l[i]);
+        best_mse += qw[i] * diff * diff;
+    }
+    for is in -4i32..=4 {
+        if is == 0 {
+            continue;
+        }
+        let iscale_is = (0.1 * is as f32 + nmax_f) / max;
+        let scale_is = 1.0 / iscale_is;
+        let mut mse = 0f32;
+        for i in 0..n {
+            let q = nearest_int(iscale_is * x[i]).min(nmax);
+            let diff = x[i] - scale_is * q as f32;
+            mse += qw[i] * diff * diff;
+        }
+        if mse < best_mse {
+            best_mse = mse;
+            iscale = iscale_is;
+        }
+    }
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for i in 0..n {
+        let q = nearest_int(iscale * x[i]).min(nmax);
+        l[i] = q as u8;
+        let w = qw[i];
+        sumlx += w * x[i] * q as f32;
+        suml2 += w * q as f32 * q as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = false;
+        for i in 0..n {
+            let w = qw[i];
+            let li = f32::from(l[i]);
+            let mut slx = sumlx - w * x[i] * li;
+            let mut sl2 = suml2 - w * li * li;
+            if slx > 0.0 && sl2 > 0.0 {
+                let new_l = nearest_int(x[i] * sl2 / slx).min(nmax);
+                if new_l != i32::from(l[i]) {
+                    slx += w * x[i] * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l as u8;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
+}
+
+/// ggml's `make_q3_quants` with `do_rmse`: Q3_K's reference sub-block scale (weights `x²`),
+/// codes in `-nmax..nmax` refined one at a time, offset by `nmax` into `l`.
+fn make_q3_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        l.fill(0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for i in 0..x.len() {
+        let q = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
+        l[i] = q as i8;
+        let w = x[i] * x[i];
+        sumlx += w * x[i] * q as f32;
+        suml2 += w * q as f32 * q as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = false;
+        for i in 0..x.len() {
+            let w = x[i] * x[i];
+            let li = f32::from(l[i]);
+            let mut slx = sumlx - w * x[i] * li;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * li * li;
+                let new_l = nearest_int(x[i] * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != i32::from(l[i]) {
+                    slx += w * x[i] * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l as i8;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for v in l.iter_mut() {
+        *v += nmax as i8;
+    }
+    if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
+}
+
+/// Q2_K's and Q3_K's 2-bit code planes: byte `j/4 + l` of each 128 holds codes `j + l`,
+/// `+32`, `+64`, `+96`.
+fn pack2(l: &[u8; 256], qs: &mut [u8]) {
+    for j in (0..256).step_by(128) {
+        for i in 0..32 {
+            qs[j / 4 + i] = l[j + i] | l[j + i + 32] << 2 | l[j + i + 64] << 4 | l[j + i + 96] << 6;
+        }
+    }
+}
+
+/// Q2_K's codes from the stored `d`, `dmin` and 4-bit scales (`o[..16]`, `o[80..84]`), packed.
+fn q2_k_codes(x: &[f32], o: &mut [u8], l: &mut [u8; 256]) {
+    let (d_all, dmin_all) = (unhalf(&o[80..82]), unhalf(&o[82..84]));
+    for j in 0..16 {
+        let d = d_all * f32::from(o[j] & 0xf);
+        if d == 0.0 {
+            continue;
+        }
+        let dm = dmin_all * f32::from(o[j] >> 4);
+        for i in 0..16 {
+            l[16 * j + i] = nearest_int((x[16 * j + i] + dm) / d).clamp(0, 3) as u8;
+        }
+    }
+    pack2(l, &mut o[16..80]);
+}
+
+/// `quantize_row_q2_K_ref`: 16 sub-blocks of 16, each a (scale, min) by `make_qkx2_quants`
+/// (weights `|x|`, absolute errors), both quantized to 4 bits against their maximum.
+pub(super) fn q2_k_ref(x: &[f32], o: &mut [u8]) {
+    let mut l = [0u8; 256];
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..16 {
+        let xs = &x[16 * j..16 * j + 16];
+        let mut weights = [0f32; 16];
+        for (w, v) in weights.iter_mut().zip(xs) {
+            *w = v.abs();
+        }
+        (scales[j], mins[j]) = make_qkx2_quants(
+            3,
+            xs,
+            &weights,
+            &mut l[16 * j..16 * j + 16],
+            -0.5,
+            0.1,
+            15,
+            true,
+        );
+        if scales[j] > max_scale {
+            max_scale = scales[j];
+        }
+        if mins[j] > max_min {
+            max_min = mins[j];
+        }
+    }
+    let q4scale = 15f32;
+    if max_scale > 0.0 {
+        let iscale = q4scale / max_scale;
+        for j in 0..16 {
+            o[j] = nearest_int(iscale * scales[j]) as u8;
+        }
+        o[80..82].copy_from_slice(&half(max_scale / q4scale));
+    } else {
+        o[..16].fill(0);
+        o[80..82].copy_from_slice(&half(0.0));
+    }
+    if max_min > 0.0 {
+        let iscale = q4scale / max_min;
+        for j in 0..16 {
+            o[j] |= (nearest_int(iscale * mins[j]) << 4) as u8;
+        }
+        o[82..84].copy_from_slice(&half(max_min / q4scale));
+    } else {
+        o[82..84].copy_from_slice(&half(0.0));
+    }
+    q2_k_codes(x, o, &mut l);
+}
+
+/// `quantize_row_q2_K_impl`: sub-block (scale, min) by `make_qkx3_quants` with weights
+/// `qw · sqrt(σ² + x²)`, the 4-bit scales and minimums by `make_qp_quants` weighted by each
+/// sub-block's total weight.
+fn q2_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let mut l = [0u8; 256];
+    let (mut scales, mut mins, mut sw) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+    let sumx2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = sumx2 / 256.0;
+    for j in 0..16 {
+        let mut weight = [0f32; 16];
+        for i in 0..16 {
+            weight[i] = qw[16 * j + i] * (sigma2 + x[16 * j + i] * x[16 * j + i]).sqrt();
+        }
+        for w in weight {
+            sw[j] += w;
+        }
+        (scales[j], mins[j]) = make_qkx3_quants(
+            3,
+            &x[16 * j..16 * j + 16],
+            &weight,
+            &mut l[16 * j..16 * j + 16],
+            -0.9,
+            0.05,
+            36,
+        );
+    }
+    let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
+    let dm = make_qp_quants(15, &scales, &mut ls, &sw);
+    let mm = make_qp_quants(15, &mins, &mut lm, &sw);
+    o[80..82].copy_from_slice(&half(dm));
+    o[82..84].copy_from_slice(&half(mm));
+    for j in 0..16 {
+        o[j] = ls[j] | lm[j] << 4;
+    }
+    q2_k_codes(x, o, &mut l);
+}
+
+/// Q3_K's 6-bit signed scale `j` (offset by 32) into the 12 scale bytes `sc`.
+fn q3_k_put_scale(sc: &mut [u8], j: usize, l: u8) {
+    if j < 8 {
+        sc[j] = l & 0xf;
+    } else {
+        sc[j - 8] |= (l & 0xf) << 4;
+    }
+    sc[j % 4 + 8] |= (l >> 4) << (2 * (j / 4));
+}
+
+/// Q3_K's codes from the stored `d` and scales (`o[96..110]`): 3-bit codes, the high bit of
+/// code `j` in bit `j / 32` of `hmask[j % 32]`, the low two bits packed.
+fn q3_k_codes(x: &[f32], o: &mut [u8], l: &mut [i8; 256]) {
+    let d_all = unhalf(&o[108..110]);
+    let sc: [u8; 12] = o[96..108].try_into().expect("12 scale bytes");
+    for j in 0..16 {
+        let low = if j < 8 { sc[j] & 0xf } else { sc[j - 8] >> 4 };
+        let s = i32::from(low | ((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
+        let d = d_all * s as f32;
+        if d == 0.0 {
+            continue;
+        }
+        for i in 0..16 {
+            l[16 * j + i] = (nearest_int(x[16 * j + i] / d).clamp(-4, 3) + 4) as i8;
+        }
+    }
+    let (hmask, qs) = o[..96].split_at_mut(32);
+    hmask.fill(0);
+    let mut codes = [0u8; 256];
+    for j in 0..256 {
+        let mut c = l[j] as u8;
+        if c > 3 {
+            hmask[j % 32] |= 1 << (j / 32);
+            c -= 4;
+        }
+        codes[j] = c;
+    }
+    pack2(&codes, qs);
+}
+
+/// `quantize_row_q3_K_ref`: sub-block scales by `make_q3_quants`, 6-bit signed scales against
+/// the largest (`-32 / max`).
+pub(super) fn q3_k_ref(x: &[f32], o: &mut [u8]) {
+    let mut l = [0i8; 256];
+    let mut scales = [0f32; 16];
+    let (mut max_scale, mut amax) = (0f32, 0f32);
+    for j in 0..16 {
+        scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
+        if scales[j].abs() > amax {
+            amax = scales[j].abs();
+            max_scale = scales[j];
+        }
+    }
+    o[96..108].fill(0);
+    if max_scale != 0.0 {
+        let iscale = -32.0 / max_scale;
+        for j in 0..16 {
+            // `int8_t l = nearest_int(…)`: narrowed before the clamp, as the C stores it.
+            let q = (nearest_int(iscale * scales[j]) as i8).clamp(-32, 31) + 32;
+            q3_k_put_scale(&mut o[96..108], j, q as u8);
+        }
+        o[108..110].copy_from_slice(&half(1.0 / iscale));
+    } else {
+        o[108..110].copy_from_slice(&half(0.0));
+    }
+    q3_k_codes(x, o, &mut l);
+}
+
+/// `quantize_row_q3_K_impl`: sub-block scales by `make_qx_quants` with weights
+/// `qw · sqrt(σ² + x²)` (σ² twice the mean square), the 6-bit scales by `make_qx_quants`
+/// weighted by each sub-block's total weight.
+fn q3_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let mut l = [0i8; 256];
+    let (mut scales, mut sw) = ([0f32; 16], [0f32; 16]);
+    let sumx2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = 2.0 * sumx2 / 256.0;
+    for j in 0..16 {
+        let mut weight = [0f32; 16];
+        for i in 0..16 {
+            weight[i] = qw[16 * j + i] * (sigma2 + x[16 * j + i] * x[16 * j + i]).sqrt();
+        }
+        let mut sumw = 0f32;
+        for w in weight {
+            sumw += w;
+        }
+        sw[j] = sumw;
+        scales[j] = make_qx_quants(
+            4,
+            &x[16 * j..16 * j + 16],
+            &mut l[16 * j..16 * j + 16],
+            Some(&weight),
+        );
+    }
+    o[96..108].fill(0);
+    let mut ls = [0i8; 16];
+    let d_block = make_qx_quants(32, &scales, &mut ls, Some(&sw));
+    for j in 0..16 {
+        q3_k_put_scale(&mut o[96..108], j, ls[j] as u8);
+    }
+    o[108..110].copy_from_slice(&half(d_block));
+    q3_k_codes(x, o, &mut l);
+}
+
+/// `quantize_row_q{4,5}_K_impl`: sub-block (scale, min) by `make_qkx3_quants` with weights
+/// `qw · sqrt(σ² + x²)`, the 6-bit scales and minimums by `make_qp_quants`.
+fn qk_asym_impl(x: &[f32], qw: &[f32], o: &mut [u8], nmax: i32) {
+    let mut l = [0u8; 256];
+    let (mut scales, mut mins, mut sw) = ([0f32; 8], [0f32; 8], [0f32; 8]);
+    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = 2.0 * sum_x2 / 256.0;
+    for j in 0..8 {
+        let mut weights = [0f32; 32];
+        for i in 0..32 {
+            weights[i] = qw[32 * j + i] * (sigma2 + x[32 * j + i] * x[32 * j + i]).sqrt();
+        }
+        let mut sumw = 0f32;
+        for w in weights {
+            sumw += w;
+        }
+        sw[j] = sumw;
+        (scales[j], mins[j]) = make_qkx3_quants(
+            nmax,
+            &x[32 * j..32 * j + 32],
+            &weights,
+            &mut l[32 * j..32 * j + 32],
+            -0.9,
+            0.05,
+            36,
+        );
+    }
+    let (mut ls, mut lm) = ([0u8; 8], [0u8; 8]);
+    let d_block = make_qp_quants(63, &scales, &mut ls, &sw);
+    let m_block = make_qp_quants(63, &mins, &mut lm, &sw);
+    let sc = &mut o[4..16];
+    sc.fill(0);
+    for j in 0..8 {
+        // Q5_K clamps to 63; Q4_K stores the byte as it is (make_qp_quants's codes are ≤ 63).
+        let (ls, lm) = if nmax == 31 {
+            (ls[j].min(63), lm[j].min(63))
+        } else {
+            (ls[j], lm[j])
+        };
+        if j < 4 {
+            sc[j] = ls;
+            sc[j + 4] = lm;
+        } else {
+            sc[j + 4] = (ls & 0xf) | (lm & 0xf) << 4;
+            sc[j - 4] |= (ls >> 4) << 6;
+            sc[j] |= (lm >> 4) << 6;
+        }
+    }
+    o[..2].copy_from_slice(&half(d_block));
+    o[2..4].copy_from_slice(&half(m_block));
+    qk_asym_codes(x, o, nmax, &mut l);
+}
+
+/// `quantize_row_q6_K_impl`: each sub-block's scale by `make_qx_quants` weighted by the
+/// importance weights themselves (no σ² term), then Q6_K's usual 8-bit scales.
+fn q6_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let mut l = [0i8; 256];
+    let mut scales = [0f32; 16];
+    for ib in 0..16 {
+        scales[ib] = make_qx_quants(
+            32,
+            &x[16 * ib..16 * ib + 16],
+            &mut l[16 * ib..16 * ib + 16],
+            Some(&qw[16 * ib..16 * ib + 16]),
+        );
+    }
+    q6_k_finish(x, o, &scales, &mut l);
+}
+
+/// ggml's `kvalues_iq4nl`: IQ4_NL's and IQ4_XS's 16 non-linear levels.
+pub(super) const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// ggml's `best_index_int8`: the level of `values` nearest to `x` (the upper one on ties).
+fn best_index_int8(values: &[i8; 16], x: f32) -> usize {
+    let v = |i: usize| f32::from(values[i]);
+    if x <= v(0) {
+        return 0;
+    }
+    if x >= v(15) {
+        return 15;
+    }
+    let (mut ml, mut mu) = (0, 15);
+    while mu - ml > 1 {
+        let mav = (ml + mu) / 2;
+        if x < v(mav) {
+            mu = mav;
+        } else {
+            ml = mav;
+        }
+    }
+    if x - v(mu - 1) < v(mu) - x {
+        mu - 1
+    } else {
+        mu
+    }
+}
+
+/// `quantize_row_iq4_nl_impl` with `ntry` 7, as `quantize_iq4_nl` / `quantize_iq4_xs` call it
+/// (with or without weights): one super-block of `x.len()` elements (32: IQ4_NL, one f16
+/// scale; 256: IQ4_XS, 8 sub-blocks with 6-bit scales against `d = -max / 32`). Weights
+/// `qw · sqrt(σ² + x²)` (σ² twice the mean square), or `x²` without importance weights.
+pub(super) fn iq4(x: &[f32], o: &mut [u8], qw: Option<&[f32]>) {
+    const NTRY: i32 = 7;
+    let values = &KVALUES_IQ4NL;
+    let sbs = x.len();
+    let nb = sbs / 32;
+    let mut sigma2 = 0f32;
+    for &v in x {
+        sigma2 += v * v;
+    }
+    sigma2 *= 2.0 / sbs as f32;
+    let mut l = [0u8; 256];
+    let mut scales = [0f32; 8];
+    let (mut max_scale, mut amax_scale) = (0f32, 0f32);
+    let v0 = f32::from(values[0]);
+    for ib in 0..nb {
+        let xb = &x[32 * ib..32 * ib + 32];
+        let mut weight = [0f32; 32];
+        for j in 0..32 {
+            weight[j] = match qw {
+                Some(qw) => qw[32 * ib + j] * (sigma2 + xb[j] * xb[j]).sqrt(),
+                None => xb[j] * xb[j],
+            };
+        }
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in xb {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax < GROUP_MAX_EPS {
+            scales[ib] = 0.0;
+            continue;
+        }
+        let mut d = -max / v0;
+        let mut id = 1.0 / d;
+        let (mut sumqx, mut sumq2) = (0f32, 0f32);
+        for j in 0..32 {
+            let al = id * xb[j];
+            let k = best_index_int8(values, al);
+            l[32 * ib + j] = k as u8;
+            let q = f32::from(values[k]);
+            let w = weight[j];
+            sumqx += w * q * xb[j];
+            sumq2 += w * q * q;
+        }
+        d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+        let mut best = d * sumqx;
+        for itry in -NTRY..=NTRY {
+            id = (itry + i32::from(values[0])) as f32 / max;
+            sumqx = 0.0;
+            sumq2 = 0.0;
+            for j in 0..32 {
+                let al = id * xb[j];
+                let q = f32::from(values[best_index_int8(values, al)]);
+                let w = weight[j];
+                sumqx += w * q * xb[j];
+                sumq2 += w * q * q;
+            }
+            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+                d = sumqx / sumq2;
+                best = d * sumqx;
+            }
+        }
+        scales[ib] = d;
+        if d.abs() > amax_scale {
+            amax_scale = d.abs();
+            max_scale = d;
+        }
+    }
+    let qs_at;
+    if nb > 1 {
+        // IQ4_XS: d, scales_h (u16), scales_l (4), qs (128).
+        let d = -max_scale / 32.0;
+        o[..2].copy_from_slice(&half(d));
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut scales_h = 0u16;
+        o[4..8].fill(0);
+        for ib in 0..nb {
+            let q = nearest_int(id * scales[ib]).clamp(-32, 31);
+            let dl = d * q as f32;
+            let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
+            for j in 0..32 {
+                l[32 * ib + j] = best_index_int8(values, idl * x[32 * ib + j]) as u8;
+            }
+            let q = (q + 32) as u8;
+            let (lo, hi) = (q & 0xf, q >> 4);
+            if ib % 2 == 0 {
+                o[4 + ib / 2] = lo;
+            } else {
+                o[4 + ib / 2] |= lo << 4;
+            }
+            scales_h |= u16::from(hi) << (2 * (ib % 8));
+        }
+        o[2..4].copy_from_slice(&scales_h.to_le_bytes());
+        qs_at = 8;
+    } else {
+        o[..2].copy_from_slice(&half(scales[0]));
+        let id = if scales[0] != 0.0 {
+            1.0 / scales[0]
+        } else {
+            0.0
+        };
+        for j in 0..32 {
+            l[j] = best_index_int8(values, id * x[j]) as u8;
+        }
+        qs_at = 2;
+    }
+    let qs = &mut o[qs_at..qs_at + sbs / 2];
+    for i in 0..sbs / 32 {
+        for j in 0..16 {
+            qs[16 * i + j] = l[32 * i + j] | l[32 * i + 16 + j] << 4;
+        }
+    }
+}
