@@ -179,6 +179,10 @@ pub struct ExportArgs {
     /// usually bf16: its MoE routing and AWQ choices are reproduced more closely).
     #[arg(long, value_enum, default_value_t = CalibDtype::F32, requires = "calib")]
     calib_dtype: CalibDtype,
+    /// An importance matrix (`kiln imatrix` or `llama-imatrix`; GGUF or legacy `.dat`) that
+    /// weights the GGUF writer's rounding, as `llama-quantize --imatrix` uses it.
+    #[arg(long, value_name = "FILE")]
+    imatrix: Option<PathBuf>,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -213,6 +217,21 @@ pub enum ActOrder {
     Static,
     /// Columns in order.
     None,
+}
+
+/// `--imatrix FILE`: the weights llama-quantize would load from it.
+fn importance(path: &std::path::Path) -> Result<Arc<kiln_runtime::export::writer::Importance>> {
+    let m = kiln_runtime::formats::gguf::imatrix::Imatrix::read(path)
+        .with_context(|| format!("--imatrix {}", path.display()))?;
+    let weights = m
+        .entries
+        .keys()
+        .filter_map(|n| m.weights(n).map(|w| (n.clone(), w)))
+        .collect();
+    Ok(Arc::new(kiln_runtime::export::writer::Importance {
+        source: path.to_path_buf(),
+        weights,
+    }))
 }
 
 /// `--algorithm gptq`: GPTQ on the --calib samples, with a progress bar.
@@ -471,6 +490,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         ),
         (None, Some(_)) => bail!("--out is required with --model"),
     };
+    let importance = args.imatrix.as_ref().map(|p| importance(p)).transpose()?;
     let bar = indicatif::ProgressBar::new(0).with_style(
         indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} modules {msg}")
             .expect("a valid template"),
@@ -492,6 +512,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         exporters: None,
         output: Some(output.clone()),
         codes,
+        importance,
     };
     let result = run(&options);
     if matches!(result, Err(kiln_runtime::ExportError::Cancelled)) {

@@ -5,6 +5,7 @@ mod args;
 mod eval;
 mod export;
 mod generate;
+mod imatrix;
 mod registry;
 mod table;
 mod train;
@@ -41,6 +42,9 @@ enum Command {
     DemoModel(export::DemoModelArgs),
     /// Perplexity and tokens/s of a model (plain, or a quantized export decoded on load).
     Eval(eval::EvalArgs),
+    /// llama.cpp's importance matrix of a model on plain text (llama-imatrix), for
+    /// `kiln export --output-format gguf --imatrix FILE`.
+    Imatrix(imatrix::ImatrixArgs),
     /// Check a quantized export against its reference model (structure, decoding, errors,
     /// perplexity).
     Verify(verify::VerifyArgs),
@@ -140,6 +144,7 @@ where
         Command::Explain(args) => export::explain(&args, out, err),
         Command::DemoModel(args) => export::demo_model(&args, out),
         Command::Eval(args) => eval::eval(&args, out),
+        Command::Imatrix(args) => imatrix::imatrix(&args, out, err),
         Command::Verify(args) => verify::verify(&args, out),
         Command::Train(args) => train::train(&args, out, err),
         Command::Generate(args) => generate::generate(&args, out),

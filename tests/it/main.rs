@@ -18,6 +18,7 @@ mod forward;
 mod fuzz_smoke;
 mod gguf;
 mod gguf_export;
+mod gguf_imatrix;
 mod gptq;
 mod layers;
 mod mlx_export;

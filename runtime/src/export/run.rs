@@ -48,6 +48,9 @@ pub struct ExportOptions {
     /// Integer codes a calibration algorithm chose (GPTQ, `--algorithm gptq`); the writer
     /// stores them in place of its own rounding.
     pub codes: Option<Arc<dyn super::writer::ChosenCodes>>,
+    /// Importance weights for the writer's own quantizer (`--imatrix`: llama.cpp's
+    /// importance matrix, for the GGUF writer); refused by a writer that does not use them.
+    pub importance: Option<Arc<super::writer::Importance>>,
 }
 
 /// A writer and one of its formats.
@@ -76,6 +79,7 @@ impl ExportOptions {
             exporters: None,
             output: None,
             codes: None,
+            importance: None,
         }
     }
 }
@@ -324,6 +328,19 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
             supported: formats,
         });
     }
+    if let Some(i) = &options.importance
+        && !writer.uses_importance()
+    {
+        return Err(ExportError::WriterCannot {
+            writer: output.writer.clone(),
+            what: format!(
+                "an importance matrix (--imatrix {}): `{}` does not weight its rounding by one",
+                i.source.display(),
+                output.format
+            ),
+            supported: vec!["--output-format gguf".into()],
+        });
+    }
     let smoothing = match shared {
         Some(_) => {
             check_act_amax(&tree, recipe, &act)?;
@@ -343,6 +360,7 @@ pub fn run(options: &ExportOptions) -> Result<ExportSummary, ExportError> {
         max_shard_bytes: options.max_shard_bytes,
         statistics: &act,
         codes: options.codes.as_ref(),
+        importance: options.importance.as_ref(),
     })?;
     let ctx = ExportContext::for_export(
         checkpoint.clone(),

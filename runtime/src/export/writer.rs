@@ -47,6 +47,20 @@ pub struct WriterStart<'a> {
     /// Integer codes a calibration algorithm chose for the Linears' weights (GPTQ), which
     /// the writer stores in place of its own rounding; `None`: round to nearest.
     pub codes: Option<&'a Arc<dyn ChosenCodes>>,
+    /// Per-column importance weights of weight matrices (`--imatrix`), for a writer whose
+    /// rounding takes them ([`OutputWriter::uses_importance`]).
+    pub importance: Option<&'a Arc<Importance>>,
+}
+
+/// Importance weights for a writer's rounding (llama.cpp's importance matrix, as
+/// `llama-quantize --imatrix` loads it): per weight matrix, keyed by the writer's tensor
+/// names, one weight per input column (experts one after another).
+#[derive(Debug, Clone, Default)]
+pub struct Importance {
+    /// The file the weights came from (for messages).
+    pub source: std::path::PathBuf,
+    /// The weights, by tensor name.
+    pub weights: std::collections::BTreeMap<String, Vec<f32>>,
 }
 
 /// The integer grid a writer stores a Linear's weight on, for an algorithm that chooses the
@@ -343,6 +357,12 @@ pub trait OutputWriter: Send + Sync {
     ) -> Option<(IntGrid, Vec<(f32, i8)>)> {
         let _ = (weight, cols);
         None
+    }
+
+    /// Whether the writer's rounding takes importance weights (`--imatrix`,
+    /// [`WriterStart::importance`]); an export that gives them to another writer is an error.
+    fn uses_importance(&self) -> bool {
+        false
     }
 
     /// The group sizes `--group-size` may choose for this writer's format (empty: its groups,

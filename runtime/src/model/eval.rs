@@ -63,8 +63,10 @@ pub fn perplexity(model: &DecoderModel, samples: &[Vec<u32>]) -> Result<Perplexi
     })
 }
 
-/// A plain text's token ids under the tokenizer at `path` (`tokenizer.json`), without special
-/// tokens, and the BOS the tokenizer adds (`None` when it adds none).
+/// A plain text's token ids under the tokenizer at `path` (`tokenizer.json`) as llama.cpp's
+/// tools tokenize it (`common_tokenize(ctx, text, add_special = true)`): the BOS first where
+/// the tokenizer adds one (so chunk boundaries fall where llama-perplexity's and
+/// llama-imatrix's do), no other special token; and that BOS (`None` when it adds none).
 pub fn tokenize_text(
     path: &std::path::Path,
     text: &str,
@@ -76,11 +78,13 @@ pub fn tokenize_text(
         .get_ids()
         .first()
         .copied();
-    let ids = t
+    let text_ids = t
         .encode(text, false)
-        .map_err(|e| ModelError::file(path, format!("tokenizing: {e}")))?
-        .get_ids()
-        .to_vec();
+        .map_err(|e| ModelError::file(path, format!("tokenizing: {e}")))?;
+    let ids = bos
+        .into_iter()
+        .chain(text_ids.get_ids().iter().copied())
+        .collect();
     Ok((ids, bos))
 }
 

@@ -1,7 +1,8 @@
 //! Which ggml type each tensor gets: `convert_hf_to_gguf.py`'s choices for the unquantized
 //! file, then `llama-quantize`'s per-tensor mix for the file type (llama.cpp's
-//! `src/llama-quant.cpp`, `llama_tensor_get_type`, without an imatrix or overrides). Only the
-//! branches that the file types kiln writes can reach are here (docs/FORMATS.md §7.2).
+//! `src/llama-quant.cpp`, `llama_tensor_get_type`, with or without an imatrix, without
+//! overrides). Only the branches that the file types kiln writes can reach are here
+//! (docs/FORMATS.md §7.2).
 
 use kiln_kernels::ops::gguf::GgufType;
 
@@ -31,20 +32,37 @@ pub enum FileType {
     Q5_0,
     /// Q5_1.
     Q5_1,
+    /// Q2_K: Q2_K, with Q3_K / Q4_K for `attn_v`, Q3_K for `ffn_down` and `attn_output`.
+    Q2K,
+    /// Q3_K_S: Q3_K.
+    Q3KS,
+    /// Q3_K_M: Q3_K, with Q5_K / Q4_K for `attn_v`, Q5_K / Q4_K for `ffn_down`, Q4_K for
+    /// `attn_output`.
+    Q3KM,
+    /// Q3_K_L: Q3_K, with Q5_K for `attn_v`, `ffn_down` and `attn_output`.
+    Q3KL,
+    /// Q4_K_S: Q4_K, with Q5_K for the first four `attn_v` and the first eighth's `ffn_down`.
+    Q4KS,
     /// Q4_K_M: Q4_K, with Q6_K for `output`, and for `attn_v` / `ffn_down` in the
     /// `use_more_bits` layers.
     Q4KM,
+    /// Q5_K_S: Q5_K.
+    Q5KS,
     /// Q5_K_M: the same mix around Q5_K.
     Q5KM,
     /// Q6_K.
     Q6K,
     /// MXFP4_MOE: stacked experts MXFP4, other weights Q8_0.
     Mxfp4Moe,
+    /// IQ4_NL: llama.cpp's non-linear 4-bit grid in blocks of 32.
+    Iq4Nl,
+    /// IQ4_XS: the same grid in super-blocks of 256 with 6-bit sub-block scales.
+    Iq4Xs,
 }
 
 impl FileType {
     /// Every file type, in `--format` order (the first is the default).
-    pub const ALL: [FileType; 12] = [
+    pub const ALL: [FileType; 20] = [
         FileType::Q4KM,
         FileType::Q5KM,
         FileType::Q6K,
@@ -53,6 +71,14 @@ impl FileType {
         FileType::Q4_1,
         FileType::Q5_0,
         FileType::Q5_1,
+        FileType::Q2K,
+        FileType::Q3KS,
+        FileType::Q3KM,
+        FileType::Q3KL,
+        FileType::Q4KS,
+        FileType::Q5KS,
+        FileType::Iq4Nl,
+        FileType::Iq4Xs,
         FileType::Mxfp4Moe,
         FileType::F16,
         FileType::Bf16,
@@ -70,10 +96,18 @@ impl FileType {
             FileType::Q4_1 => "q4-1",
             FileType::Q5_0 => "q5-0",
             FileType::Q5_1 => "q5-1",
+            FileType::Q2K => "q2-k",
+            FileType::Q3KS => "q3-k-s",
+            FileType::Q3KM => "q3-k-m",
+            FileType::Q3KL => "q3-k-l",
+            FileType::Q4KS => "q4-k-s",
             FileType::Q4KM => "q4-k-m",
+            FileType::Q5KS => "q5-k-s",
             FileType::Q5KM => "q5-k-m",
             FileType::Q6K => "q6-k",
             FileType::Mxfp4Moe => "mxfp4-moe",
+            FileType::Iq4Nl => "iq4-nl",
+            FileType::Iq4Xs => "iq4-xs",
         }
     }
 
@@ -88,10 +122,18 @@ impl FileType {
             FileType::Q4_1 => "Q4_1",
             FileType::Q5_0 => "Q5_0",
             FileType::Q5_1 => "Q5_1",
+            FileType::Q2K => "Q2_K",
+            FileType::Q3KS => "Q3_K_S",
+            FileType::Q3KM => "Q3_K_M",
+            FileType::Q3KL => "Q3_K_L",
+            FileType::Q4KS => "Q4_K_S",
             FileType::Q4KM => "Q4_K_M",
+            FileType::Q5KS => "Q5_K_S",
             FileType::Q5KM => "Q5_K_M",
             FileType::Q6K => "Q6_K",
             FileType::Mxfp4Moe => "MXFP4_MOE",
+            FileType::Iq4Nl => "IQ4_NL",
+            FileType::Iq4Xs => "IQ4_XS",
         }
     }
 
@@ -105,9 +147,17 @@ impl FileType {
             FileType::Q8_0 => 7,
             FileType::Q5_0 => 8,
             FileType::Q5_1 => 9,
+            FileType::Q2K => 10,
+            FileType::Q3KS => 11,
+            FileType::Q3KM => 12,
+            FileType::Q3KL => 13,
+            FileType::Q4KS => 14,
             FileType::Q4KM => 15,
+            FileType::Q5KS => 16,
             FileType::Q5KM => 17,
             FileType::Q6K => 18,
+            FileType::Iq4Nl => 25,
+            FileType::Iq4Xs => 30,
             FileType::Bf16 => 32,
             FileType::Mxfp4Moe => 38,
         }
@@ -125,10 +175,14 @@ impl FileType {
             FileType::Q4_1 => GgufType::Q4_1.ggml_type(),
             FileType::Q5_0 => GgufType::Q5_0.ggml_type(),
             FileType::Q5_1 => GgufType::Q5_1.ggml_type(),
-            FileType::Q4KM => GgufType::Q4K.ggml_type(),
-            FileType::Q5KM => GgufType::Q5K.ggml_type(),
+            FileType::Q2K => GgufType::Q2K.ggml_type(),
+            FileType::Q3KS | FileType::Q3KM | FileType::Q3KL => GgufType::Q3K.ggml_type(),
+            FileType::Q4KS | FileType::Q4KM => GgufType::Q4K.ggml_type(),
+            FileType::Q5KS | FileType::Q5KM => GgufType::Q5K.ggml_type(),
             FileType::Q6K => GgufType::Q6K.ggml_type(),
             FileType::Mxfp4Moe => GgufType::Mxfp4.ggml_type(),
+            FileType::Iq4Nl => GgufType::Iq4Nl.ggml_type(),
+            FileType::Iq4Xs => GgufType::Iq4Xs.ggml_type(),
         }
     }
 
@@ -163,6 +217,10 @@ pub struct MixModel {
     pub is_70b: bool,
     /// `output.weight` absent: `token_embd` is quantized as the output.
     pub tied_embeddings: bool,
+    /// `n_gqa()`: attention heads per KV head.
+    pub gqa: usize,
+    /// llama-quantize was given an importance matrix (`qs.has_imatrix`).
+    pub has_imatrix: bool,
 }
 
 /// llama.cpp's `tensor_category` of a GGUF tensor name.
@@ -172,7 +230,10 @@ enum Category {
     TokenEmbd,
     AttnV,
     AttnK,
+    AttnQ,
     AttnOutput,
+    FfnUp,
+    FfnGate,
     FfnDown,
     Other,
 }
@@ -186,8 +247,14 @@ fn category(name: &str) -> Category {
         Category::AttnV
     } else if name.contains("attn_k.weight") {
         Category::AttnK
+    } else if name.contains("attn_q.weight") {
+        Category::AttnQ
     } else if name.contains("attn_output.weight") {
         Category::AttnOutput
+    } else if name.contains("ffn_up") {
+        Category::FfnUp
+    } else if name.contains("ffn_gate") {
+        Category::FfnGate
     } else if name.contains("ffn_down") {
         Category::FfnDown
     } else {
@@ -215,8 +282,12 @@ fn use_more_bits(i: usize, n: usize) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
 }
 
-/// The type of `name` (`dims` dimensions, rows of `cols`) under `ftype`, before the fallback.
+/// The type of `name` (`dims` dimensions, rows of `cols`) under `ftype`, before the fallback
+/// (`llama_tensor_get_type_impl`, the branches of kiln's file types, in its order).
+///
+/// Long on purpose: one arm per tensor category, each llama.cpp's chain of file types.
 fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) -> u32 {
+    use FileType as F;
     let default = ftype.default_type();
     if !ftype.quantizes() {
         return default;
@@ -228,12 +299,16 @@ fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) ->
             .find(|g| g.ggml_type() == t)
             .map_or(1, |g| g.block_elems())
     };
-    let q6k = GgufType::Q6K.ggml_type();
-    let q8 = GgufType::Q8_0.ggml_type();
-    let q5k = GgufType::Q5K.ggml_type();
-    let q4k = GgufType::Q4K.ggml_type();
+    let t = |g: GgufType| g.ggml_type();
+    let (q3k, q4k, q5k, q6k, q8) = (
+        t(GgufType::Q3K),
+        t(GgufType::Q4K),
+        t(GgufType::Q5K),
+        t(GgufType::Q6K),
+        t(GgufType::Q8_0),
+    );
     if cat == Category::Output || (m.tied_embeddings && cat == Category::TokenEmbd) {
-        return if ftype == FileType::Mxfp4Moe || !cols.is_multiple_of(block(default)) {
+        return if ftype == F::Mxfp4Moe || !cols.is_multiple_of(block(default)) {
             q8
         } else if default != q8 {
             q6k
@@ -241,30 +316,60 @@ fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) ->
             default
         };
     }
-    if ftype == FileType::Mxfp4Moe {
+    if ftype == F::Mxfp4Moe {
         return if dims == 3 { default } else { q8 };
     }
-    let km = matches!(ftype, FileType::Q4KM | FileType::Q5KM);
+    // One attn_v per layer and the dense FFN's tensors in layer order: llama.cpp's counters
+    // are the layer numbers; MoE models' layers are parsed from the name, as llama.cpp does.
     let layer = layer_of(name).unwrap_or(0);
+    let n = m.layers;
     match cat {
         Category::AttnV => {
-            // One attn_v per layer, counted in layer order: the counter is the layer.
-            let mut t = if km && use_more_bits(layer, m.layers) {
-                q6k
-            } else {
-                default
+            let mut ty = match ftype {
+                F::Q2K if m.gqa >= 4 => q4k,
+                F::Q2K => q3k,
+                F::Q3KM if layer < 2 => q5k,
+                F::Q3KM => q4k,
+                F::Q3KL => q5k,
+                F::Iq4Nl | F::Iq4Xs if m.gqa >= 4 => q5k,
+                F::Q4KM | F::Q5KM if use_more_bits(layer, n) => q6k,
+                F::Q4KS if layer < 4 => q5k,
+                _ => default,
             };
-            if m.is_70b && t == q4k {
-                t = q5k;
+            if m.is_70b && (ty == q3k || ty == q4k) {
+                ty = q5k;
             }
             if m.experts == 8 {
-                t = q8;
+                ty = q8;
             }
-            t
+            ty
         }
         Category::AttnK if m.experts == 8 => q8,
-        Category::FfnDown if km && use_more_bits(layer, m.layers) => q6k,
-        Category::AttnOutput if m.experts == 8 && ftype == FileType::Q4KM => q5k,
+        Category::FfnDown => match ftype {
+            F::Q2K => q3k,
+            F::Q3KM if layer < n / 16 => q5k,
+            // `arch != FALCON || use_more_bits(…)`: Q4_K for every family kiln writes.
+            F::Q3KM => q4k,
+            F::Q3KL => q5k,
+            F::Q4KM if use_more_bits(layer, n) => q6k,
+            F::Q4KM => default,
+            F::Iq4Nl | F::Iq4Xs if layer < n / 8 && !m.has_imatrix => q5k,
+            F::Q5KM if use_more_bits(layer, n) => q6k,
+            F::Q4KS if layer < n / 8 => q5k,
+            F::Q4_0 if m.has_imatrix && layer < n / 8 => t(GgufType::Q4_1),
+            F::Q5_0 if m.has_imatrix && layer < n / 8 => t(GgufType::Q5_1),
+            _ => default,
+        },
+        Category::AttnOutput if m.experts == 8 => match ftype {
+            F::Q2K | F::Q3KS | F::Q3KM | F::Iq4Nl | F::Q4KS | F::Q4KM | F::Iq4Xs => q5k,
+            _ => default,
+        },
+        Category::AttnOutput => match ftype {
+            F::Q2K => q3k,
+            F::Q3KM => q4k,
+            F::Q3KL => q5k,
+            _ => default,
+        },
         _ => default,
     }
 }
@@ -295,6 +400,8 @@ pub fn tensor_type(
     // `tensor_type_fallback`: a 256-block type to the 32-block type llama.cpp names; F16 when
     // even that does not fit.
     let fallback = match g {
+        GgufType::Iq4Xs => GgufType::Iq4Nl.ggml_type(),
+        GgufType::Q2K | GgufType::Q3K => GgufType::Q4_0.ggml_type(),
         GgufType::Q4K => GgufType::Q5_0.ggml_type(),
         GgufType::Q5K => GgufType::Q5_1.ggml_type(),
         GgufType::Q6K => GgufType::Q8_0.ggml_type(),
@@ -329,6 +436,8 @@ mod tests {
             layers: 32,
             is_70b: false,
             tied_embeddings: false,
+            gqa: 1,
+            has_imatrix: false,
         };
         let t = |n: &str, cols| name(tensor_type(FileType::Q4KM, &m, n, 2, cols));
         assert_eq!(t("output.weight", 4096), "Q6_K");
@@ -380,6 +489,8 @@ mod tests {
             layers: 4,
             is_70b: false,
             tied_embeddings: false,
+            gqa: 1,
+            has_imatrix: false,
         };
         let t = |f, n: &str, dims| name(tensor_type(f, &m, n, dims, 512));
         assert_eq!(t(FileType::Q4_0, "output.weight", 2), "Q6_K");

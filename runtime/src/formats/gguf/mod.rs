@@ -9,6 +9,7 @@
 //! header and moves the spooled bytes behind it, one tensor at a time.
 
 pub mod container;
+pub mod imatrix;
 pub mod mix;
 #[cfg(feature = "exec")]
 pub mod read;
@@ -73,6 +74,8 @@ struct Plan {
     exclude: Vec<String>,
     include: Vec<String>,
     metadata: Vec<(String, Value)>,
+    /// `--imatrix`: importance weights by GGUF tensor name.
+    importance: Option<std::sync::Arc<crate::export::writer::Importance>>,
 }
 
 /// The tensors written so far: their bytes in the spool, their header entries in order.
@@ -187,6 +190,18 @@ impl Names {
                 .or_else(|| cfg_usize(config, "num_experts"))
                 .unwrap_or(0),
         })
+    }
+
+    /// Names for any family's module paths (the family only changes row order, not names):
+    /// what an imatrix is keyed by.
+    #[cfg_attr(not(feature = "exec"), allow(dead_code))]
+    pub(crate) fn generic(experts: usize) -> Names {
+        Names {
+            family: Family::Qwen2,
+            heads: 1,
+            kv_heads: 1,
+            experts,
+        }
     }
 
     /// Where the Hugging Face tensor `hf` goes in the GGUF file, or `None` if it has no place.
@@ -413,13 +428,13 @@ impl GgufOutput {
                 .collect(),
             t => {
                 let g = block_type(t).ok_or_else(|| Self::err(format!("type {t}")))?;
+                let weights = self.importance_of(plan, &name, expert, cols)?;
                 let mut out = vec![0u8; rows * g.bytes_for(cols)];
-                kiln_kernels::cpu::quantize_gguf(g, &values, cols, &mut out).map_err(|source| {
-                    ExportError::Kernel {
+                kiln_kernels::cpu::quantize_gguf_with(g, &values, cols, weights, &mut out)
+                    .map_err(|source| ExportError::Kernel {
                         tensor: hf.to_string(),
                         source,
-                    }
-                })?;
+                    })?;
                 out
             }
         };
@@ -446,6 +461,45 @@ impl GgufOutput {
             }],
             quantized,
         })
+    }
+}
+
+impl GgufOutput {
+    /// The importance weights of GGUF tensor `name` (expert `expert`'s slice of a stacked
+    /// one) for rows of `cols`, as llama-quantize finds them: `None` without `--imatrix`, or
+    /// (warned by name, as llama-quantize reports it) when the matrix has no entry; an entry
+    /// of another size is an error, except for `token_embd` (llama-quantize ignores it).
+    fn importance_of<'p>(
+        &self,
+        plan: &'p Plan,
+        name: &str,
+        expert: Option<usize>,
+        cols: usize,
+    ) -> Result<Option<&'p [f32]>, ExportError> {
+        let Some(imp) = &plan.importance else {
+            return Ok(None);
+        };
+        let Some(w) = imp.weights.get(name) else {
+            self.warn(format!(
+                "`{name}`: {} has no entry for it; quantized without importance weights, as                  llama-quantize does",
+                imp.source.display()
+            ));
+            return Ok(None);
+        };
+        let mats = plan.names.experts.max(1);
+        let want = if expert.is_some() { cols * mats } else { cols };
+        if w.len() != want {
+            if name == "token_embd.weight" {
+                return Ok(None);
+            }
+            return Err(Self::err(format!(
+                "{}: the importance matrix of `{name}` has {} values, the tensor {want}                  columns (in all its matrices); llama-quantize refuses it too",
+                imp.source.display(),
+                w.len()
+            )));
+        }
+        let e = expert.unwrap_or(0);
+        Ok(Some(&w[e * cols..(e + 1) * cols]))
     }
 }
 
@@ -595,6 +649,10 @@ fn llama3_rope_factors(p: &Map<String, Json>, base: f64, dim: usize) -> Vec<f32>
 }
 
 impl OutputWriter for GgufOutput {
+    fn uses_importance(&self) -> bool {
+        self.ftype.quantizes()
+    }
+
     fn begin(&mut self, start: &WriterStart<'_>) -> Result<(), ExportError> {
         let family = Family::NAMES
             .iter()
@@ -655,11 +713,14 @@ impl OutputWriter for GgufOutput {
                 layers: dims.layers,
                 is_70b,
                 tied_embeddings: !has_output,
+                gqa: dims.heads / dims.kv_heads.max(1),
+                has_imatrix: start.importance.is_some(),
             },
             base: base_type(start),
             exclude: start.recipe.exclude.clone(),
             include: start.recipe.include.clone(),
             metadata: md,
+            importance: start.importance.cloned(),
         });
         self.spool = Some(Spool::create(start.out, dims.experts, rope_freqs)?);
         Ok(())

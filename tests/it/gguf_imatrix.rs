@@ -1,0 +1,274 @@
+//! The importance matrix and GGUF's low-bit types against llama.cpp itself
+//! (`tests/gguf/imatrix/`, made by `scripts/gguf/imatrix_ref.py` with llama.cpp's
+//! `llama-imatrix` and `llama-quantize` built from llama-cpp-python 0.3.36's sources):
+//!
+//! - every file type kiln writes, on the demo model (every width whole 256-blocks), without
+//!   and with `--imatrix` (GGUF and legacy `.dat`): each tensor's type and bytes equal to
+//!   `llama-quantize`'s output (SHA-256);
+//! - `kiln imatrix` on the same text equals `llama-imatrix`'s sums to float rounding.
+
+use kiln_runtime::demo::{DemoConfig, write_demo_model};
+use kiln_runtime::export::recipe::{Format, Recipe};
+use kiln_runtime::export::run::{ExportOptions, OutputFormat, run};
+use kiln_runtime::export::writer::Importance;
+use kiln_runtime::formats::gguf::container::GgufFile;
+use kiln_runtime::formats::gguf::imatrix::{Collector, Imatrix};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+fn refs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf/imatrix")
+}
+
+fn importance(path: &Path) -> Arc<Importance> {
+    let m = Imatrix::read(path).unwrap_or_else(|e| panic!("{e}"));
+    Arc::new(Importance {
+        source: path.to_path_buf(),
+        weights: m
+            .entries
+            .keys()
+            .map(|n| (n.clone(), m.weights(n).unwrap()))
+            .collect(),
+    })
+}
+
+/// `{tensor: [ggml type, sha256]}` of a GGUF file.
+fn tensors(file: &Path) -> BTreeMap<String, (String, String)> {
+    use sha2::Digest;
+    let g = GgufFile::open(file).unwrap_or_else(|e| panic!("{e}"));
+    g.tensors
+        .iter()
+        .map(|t| {
+            let bytes = g.read(t).unwrap();
+            let name = kiln_runtime::formats::gguf::type_name(t.ggml_type).to_string();
+            let hash = sha2::Sha256::digest(&bytes)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            (t.name.clone(), (name, hash))
+        })
+        .collect()
+}
+
+fn demo(dir: &Path) -> PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    write_demo_model(&model, DemoConfig::default()).unwrap();
+    model
+}
+
+#[test]
+fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
+    let refs: Value = serde_json::from_str(
+        &std::fs::read_to_string(refs_dir().join("llama-quantize.json")).unwrap(),
+    )
+    .unwrap();
+    let files = refs["files"].as_object().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo(tmp.path());
+    let mut hashes: BTreeMap<String, BTreeMap<String, (String, String)>> = BTreeMap::new();
+    for (key, want) in files {
+        let (format, layout) = match key.split_once('+') {
+            Some((f, l)) => (f, Some(l)),
+            None => (key.as_str(), None),
+        };
+        let out = tmp.path().join(key);
+        let options = ExportOptions {
+            output: Some(OutputFormat {
+                writer: "gguf".into(),
+                format: format.into(),
+            }),
+            force: true,
+            importance: layout.map(|l| importance(&refs_dir().join(format!("llama-imatrix.{l}")))),
+            ..ExportOptions::new(&model, &out, Recipe::new(Format::Nvfp4))
+        };
+        run(&options).unwrap_or_else(|e| panic!("{key}: {e}"));
+        let got = tensors(&out.join("model.gguf"));
+        let want = want.as_object().unwrap();
+        assert_eq!(got.len(), want.len(), "{key}: tensor count");
+        for (name, w) in want {
+            let (ty, hash) = &got[name];
+            assert_eq!(ty, w[0].as_str().unwrap(), "{key}: {name}'s type");
+            assert_eq!(
+                hash,
+                w[1].as_str().unwrap(),
+                "{key}: {name} ({ty}) differs from llama-quantize's bytes"
+            );
+        }
+        hashes.insert(key.clone(), got);
+    }
+    // The importance matrix changes what it should: every type whose quantizer reads weights
+    // writes other bytes for the layers' matrices (Q8_0 ignores them).
+    for (key, with) in hashes.iter().filter(|(k, _)| k.ends_with("+gguf")) {
+        let plain = &hashes[key.trim_end_matches("+gguf")];
+        let changed = with
+            .iter()
+            .filter(|(n, (_, h))| n.starts_with("blk.") && plain[*n].1 != *h)
+            .count();
+        if key.starts_with("q8-0") {
+            assert_eq!(changed, 0, "{key}");
+        } else {
+            assert!(changed > 0, "{key}: the importance matrix changed nothing");
+        }
+    }
+}
+
+#[test]
+fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo(tmp.path());
+    let refs: Value = serde_json::from_str(
+        &std::fs::read_to_string(refs_dir().join("llama-quantize.json")).unwrap(),
+    )
+    .unwrap();
+    let (ctx, n) = (
+        refs["ctx"].as_u64().unwrap() as usize,
+        refs["chunks"].as_u64().unwrap() as usize,
+    );
+    // The library path: the observer over the chunks llama-imatrix processes.
+    let text = std::fs::read_to_string(refs_dir().join("text.txt")).unwrap();
+    let (ids, bos) =
+        kiln_runtime::model::eval::tokenize_text(&model.join("tokenizer.json"), &text).unwrap();
+    let chunks: Vec<Vec<u32>> = kiln_runtime::model::eval::chunks(&ids, ctx, bos)
+        .into_iter()
+        .take(n)
+        .collect();
+    let device = kiln_runtime::model::candle::Device::Cpu;
+    let m = kiln_runtime::model::DecoderModel::load(
+        &kiln_runtime::checkpoint::Checkpoint::open(&model).unwrap(),
+        kiln_runtime::model::candle::DType::F32,
+        &device,
+    )
+    .unwrap();
+    let mut c = Collector::new(0, false);
+    for chunk in &chunks {
+        let ids = kiln_runtime::model::candle::Tensor::from_vec(chunk.clone(), (1, ctx), &device)
+            .unwrap();
+        m.forward_observed(&ids, &mut c).unwrap();
+    }
+    let ours = c.finish(vec!["text.txt".into()], n as u32, ctx as u32);
+    let theirs = Imatrix::read(&refs_dir().join("llama-imatrix.gguf")).unwrap();
+    assert_eq!(
+        ours.entries.keys().collect::<Vec<_>>(),
+        theirs.entries.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (ours.chunk_count, ours.chunk_size),
+        (theirs.chunk_count, theirs.chunk_size)
+    );
+    let mut worst = 0f64;
+    for (name, t) in &theirs.entries {
+        let o = &ours.entries[name];
+        assert_eq!(o.counts, t.counts, "{name}: tokens seen");
+        for (a, b) in o.sums.iter().zip(&t.sums) {
+            worst = worst.max(f64::from((a - b).abs() / b.abs().max(1e-30)));
+        }
+    }
+    // Measured 6e-6: the same activations up to f32 summation order.
+    assert!(worst < 1e-4, "largest relative difference {worst}");
+
+    // The command writes the same file; `--output-format dat` the legacy one.
+    let out = tmp.path().join("kiln.gguf");
+    let dat = tmp.path().join("kiln.dat");
+    for (file, layout) in [(&out, "gguf"), (&dat, "dat")] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["imatrix", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(refs_dir().join("text.txt"))
+            .arg("--out")
+            .arg(file)
+            .args(["--ctx", &ctx.to_string(), "--chunks", &n.to_string()])
+            .args(["--output-format", layout])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let cli = Imatrix::read(&out).unwrap();
+    assert_eq!(cli.entries, ours.entries);
+    let legacy = Imatrix::read(&dat).unwrap();
+    assert!(legacy.legacy);
+    for name in ours.entries.keys() {
+        let (a, b) = (ours.weights(name).unwrap(), legacy.weights(name).unwrap());
+        assert!(
+            a.iter()
+                .zip(&b)
+                .all(|(x, y)| (x - y).abs() <= 1e-6 * x.abs())
+        );
+    }
+}
+
+#[test]
+fn imatrix_errors_name_what_is_wrong() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo(tmp.path());
+    let kiln = |args: &[&std::ffi::OsStr]| {
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    // An imatrix for another model: sizes disagree, named by tensor.
+    let mut other = Imatrix::read(&refs_dir().join("llama-imatrix.gguf")).unwrap();
+    let e = other.entries.get_mut("blk.0.attn_q.weight").unwrap();
+    e.sums.truncate(256);
+    let bad = tmp.path().join("other.gguf");
+    other.write_gguf(&bad).unwrap();
+    let out = tmp.path().join("out");
+    let o = kiln(&[
+        "export".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--output-format".as_ref(),
+        "gguf".as_ref(),
+        "--format".as_ref(),
+        "q4-k-m".as_ref(),
+        "--imatrix".as_ref(),
+        bad.as_os_str(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("blk.0.attn_q.weight") && err.contains("256 values"),
+        "{err}"
+    );
+    assert!(!out.exists(), "no half-written output");
+    // Another writer refuses the importance matrix by name.
+    let o = kiln(&[
+        "export".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--format".as_ref(),
+        "fp8".as_ref(),
+        "--imatrix".as_ref(),
+        refs_dir().join("llama-imatrix.gguf").as_os_str(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("--imatrix") && err.contains("gguf"), "{err}");
+    // Text shorter than two chunks.
+    let short = tmp.path().join("short.txt");
+    std::fs::write(&short, "a few words").unwrap();
+    let o = kiln(&[
+        "imatrix".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--data".as_ref(),
+        short.as_os_str(),
+        "--out".as_ref(),
+        tmp.path().join("x.gguf").as_os_str(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("short.txt") && err.contains("two chunks"),
+        "{err}"
+    );
+}
