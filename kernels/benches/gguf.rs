@@ -1,6 +1,7 @@
 //! llama.cpp's GGUF quantizations on 1024×1024 f32 — the readable reference (`ops::gguf`, one
 //! thread) and `cpu::quantize_gguf` (the k-quants' lane searches, the other types the
-//! reference's code) on one thread and on every thread — in bytes read + written per second,
+//! reference's code) on one thread and on every thread, and with importance weights
+//! (`cpu::quantize_gguf_with`, every thread) — in bytes read + written per second,
 //! beside a plain copy of the input's bytes measured in the same run (the memory ceiling).
 //!
 //! `cargo bench -p kiln-kernels --bench gguf`
@@ -18,6 +19,10 @@ fn bench(c: &mut Criterion) {
         .map(|i| ((i as u64 * 2_654_435_761 % 10_007) as f32 / 5003.5 - 1.0) * 0.02)
         .collect();
     let bytes_in = (n * 4) as u64;
+    // Importance weights shaped like an imatrix's (positive, spread over decades).
+    let w: Vec<f32> = (0..cols)
+        .map(|i| 10f32.powf(((i * 7919) % 1000) as f32 / 500.0 - 2.0))
+        .collect();
     let mut g = c.benchmark_group("gguf_reference_1024x1024_f32");
     g.measurement_time(Duration::from_secs(3)).sample_size(10);
     let src: &[u8] = bytemuck::cast_slice(&x);
@@ -42,6 +47,13 @@ fn bench(c: &mut Criterion) {
         g.bench_function(format!("{}/cpu-all-threads", ty.name()), |b| {
             b.iter(|| cpu::quantize_gguf(ty, black_box(&x), cols, &mut out).unwrap())
         });
+        if kiln_kernels::ops::gguf::weighted(ty) {
+            g.bench_function(format!("{}/imatrix-all-threads", ty.name()), |b| {
+                b.iter(|| {
+                    cpu::quantize_gguf_with(ty, black_box(&x), cols, Some(&w), &mut out).unwrap()
+                })
+            });
+        }
     }
     g.finish();
 }

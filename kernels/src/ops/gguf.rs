@@ -1,9 +1,11 @@
-//! llama.cpp's GGUF block quantizations, as its reference quantizers compute them
-//! (`quantize_row_*_ref` in `ggml-quants.c`, which `llama-quantize` runs for every type here
-//! when no importance matrix is given): the legacy Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, the
-//! k-quants Q4_K / Q5_K / Q6_K and MXFP4. Readable scalar code in the C code's f32 arithmetic
-//! and operation order, checked byte for byte against vectors the C code produced
-//! (`tests/vectors/gguf_gen.py`).
+//! llama.cpp's GGUF block quantizations, as `llama-quantize` computes them (`quantize_<type>`
+//! in `ggml-quants.c`; without an importance matrix that is the reference code
+//! `quantize_row_*_ref` for most types): the legacy Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, the
+//! k-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, the non-linear IQ4_NL / IQ4_XS and MXFP4 — each
+//! also with importance weights ([`quantize_with`], `llama-quantize --imatrix`; the weighted
+//! code and the types below four bits are in `gguf_imatrix.rs`). Readable scalar code in the C
+//! code's f32 arithmetic and operation order, checked byte for byte against vectors the C code
+//! produced (`tests/vectors/gguf_gen.py`).
 //!
 //! Input is f32 (llama.cpp widens F16 / BF16 to f32 before quantizing); output is ggml's block
 //! structs as bytes, little-endian, f16 fields rounded to nearest even. Blocks run along the

@@ -483,6 +483,96 @@ mod tests {
     }
 
     #[test]
+    fn low_bit_file_types_follow_llama_quantize() {
+        let m = MixModel {
+            experts: 0,
+            layers: 32,
+            is_70b: false,
+            tied_embeddings: false,
+            gqa: 4,
+            has_imatrix: false,
+        };
+        let t = |m: &MixModel, f, n: &str, cols| name(tensor_type(f, m, n, 2, cols));
+        // Q2_K: attn_v Q4_K with 4+ query heads per KV head, else Q3_K; ffn_down and
+        // attn_output Q3_K.
+        assert_eq!(t(&m, FileType::Q2K, "blk.9.attn_v.weight", 4096), "Q4_K");
+        let few = MixModel { gqa: 2, ..m };
+        assert_eq!(t(&few, FileType::Q2K, "blk.9.attn_v.weight", 4096), "Q3_K");
+        assert_eq!(t(&m, FileType::Q2K, "blk.9.ffn_down.weight", 4096), "Q3_K");
+        assert_eq!(
+            t(&m, FileType::Q2K, "blk.9.attn_output.weight", 4096),
+            "Q3_K"
+        );
+        assert_eq!(t(&m, FileType::Q2K, "blk.9.attn_q.weight", 4096), "Q2_K");
+        assert_eq!(t(&m, FileType::Q2K, "output.weight", 4096), "Q6_K");
+        // Q3_K_M: the first two attn_v Q5_K, then Q4_K; ffn_down Q5_K in the first 16th.
+        assert_eq!(t(&m, FileType::Q3KM, "blk.1.attn_v.weight", 4096), "Q5_K");
+        assert_eq!(t(&m, FileType::Q3KM, "blk.2.attn_v.weight", 4096), "Q4_K");
+        assert_eq!(t(&m, FileType::Q3KM, "blk.1.ffn_down.weight", 4096), "Q5_K");
+        assert_eq!(t(&m, FileType::Q3KM, "blk.2.ffn_down.weight", 4096), "Q4_K");
+        assert_eq!(
+            t(&m, FileType::Q3KM, "blk.2.attn_output.weight", 4096),
+            "Q4_K"
+        );
+        assert_eq!(
+            t(&m, FileType::Q3KS, "blk.2.attn_output.weight", 4096),
+            "Q3_K"
+        );
+        assert_eq!(
+            t(&m, FileType::Q3KL, "blk.20.ffn_down.weight", 4096),
+            "Q5_K"
+        );
+        // Q4_K_S: the first four attn_v and the first eighth's ffn_down Q5_K.
+        assert_eq!(t(&m, FileType::Q4KS, "blk.3.attn_v.weight", 4096), "Q5_K");
+        assert_eq!(t(&m, FileType::Q4KS, "blk.4.attn_v.weight", 4096), "Q4_K");
+        assert_eq!(t(&m, FileType::Q4KS, "blk.3.ffn_down.weight", 4096), "Q5_K");
+        assert_eq!(t(&m, FileType::Q4KS, "blk.4.ffn_down.weight", 4096), "Q4_K");
+        // IQ4_XS: attn_v Q5_K with GQA ≥ 4; the first eighth's ffn_down Q5_K only without an
+        // importance matrix.
+        assert_eq!(t(&m, FileType::Iq4Xs, "blk.9.attn_v.weight", 4096), "Q5_K");
+        assert_eq!(
+            t(&m, FileType::Iq4Xs, "blk.1.ffn_down.weight", 4096),
+            "Q5_K"
+        );
+        let im = MixModel {
+            has_imatrix: true,
+            ..m
+        };
+        assert_eq!(
+            t(&im, FileType::Iq4Xs, "blk.1.ffn_down.weight", 4096),
+            "IQ4_XS"
+        );
+        // Q4_0 / Q5_0 with an importance matrix: the first eighth's ffn_down Q4_1 / Q5_1.
+        assert_eq!(
+            t(&im, FileType::Q4_0, "blk.3.ffn_down.weight", 4096),
+            "Q4_1"
+        );
+        assert_eq!(t(&m, FileType::Q4_0, "blk.3.ffn_down.weight", 4096), "Q4_0");
+        assert_eq!(
+            t(&im, FileType::Q5_0, "blk.3.ffn_down.weight", 4096),
+            "Q5_1"
+        );
+        // The 70B bump: Q3_K / Q4_K attn_v to Q5_K.
+        let big = MixModel {
+            is_70b: true,
+            ..few
+        };
+        assert_eq!(t(&big, FileType::Q2K, "blk.9.attn_v.weight", 8192), "Q5_K");
+        // Rows of 576 (SmolLM2): the 256-block types fall back as llama-quantize's
+        // `tensor_type_fallback` says.
+        assert_eq!(t(&m, FileType::Q2K, "blk.9.attn_q.weight", 576), "Q4_0");
+        assert_eq!(t(&m, FileType::Q3KS, "blk.9.attn_q.weight", 576), "Q4_0");
+        assert_eq!(t(&m, FileType::Iq4Xs, "blk.9.attn_q.weight", 576), "IQ4_NL");
+        assert_eq!(t(&m, FileType::Iq4Nl, "blk.9.attn_q.weight", 576), "IQ4_NL");
+        // The output: Q8_0 when its rows are not whole blocks of the file's default type.
+        assert_eq!(t(&m, FileType::Iq4Xs, "output.weight", 576), "Q8_0");
+        // IQ4_NL's blocks of 32 fit: Q6_K, which falls back to Q8_0.
+        assert_eq!(t(&m, FileType::Iq4Nl, "output.weight", 576), "Q8_0");
+        assert_eq!(t(&m, FileType::Iq4Nl, "output.weight", 512), "Q6_K");
+        assert_eq!(t(&m, FileType::Q2K, "output.weight", 576), "Q8_0");
+    }
+
+    #[test]
     fn other_file_types() {
         let m = MixModel {
             experts: 0,
