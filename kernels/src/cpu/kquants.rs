@@ -268,8 +268,7 @@ pub(crate) fn quantize_blocks<V: Lanes>(
 ) -> Result<(), KernelError> {
     check_layout(ty, x.len(), x.len().max(ty.block_elems()), out.len())?;
     if !matches!(ty, GgufType::Q4K | GgufType::Q5K | GgufType::Q6K) {
-        crate::ops::gguf::quantize_blocks(ty, x, out);
-        return Ok(());
+        return crate::ops::gguf::quantize_blocks(ty, x, out);
     }
     // Plain index loops (not iterator adapters): a generic helper left un-inlined is a
     // function of its own, compiled without the caller's target features.

@@ -52,11 +52,22 @@ pub enum GgufType {
     Iq4Nl,
     /// 256 elements: 8 sub-blocks of 32 with 6-bit scales, IQ4_NL's grid.
     Iq4Xs,
+    /// 256 elements: groups of 8 on a 256-point E8 lattice, 7 sign bits, 4-bit scales per 32
+    /// (2.06 bits per weight; needs importance weights).
+    Iq2Xxs,
+    /// 256 elements: a 512-point lattice, 4-bit scales per 16 (2.31 bits; needs weights).
+    Iq2Xs,
+    /// 256 elements: a 1024-point lattice, 8 sign bits (2.56 bits).
+    Iq2S,
+    /// 256 elements: groups of 4 on a 256-point D4 lattice of 3-bit levels (3.06 bits).
+    Iq3Xxs,
+    /// 256 elements: a 512-point lattice, 8 sign bits (3.44 bits).
+    Iq3S,
 }
 
 impl GgufType {
     /// Every type, in `ggml_type` order.
-    pub const ALL: [GgufType; 13] = [
+    pub const ALL: [GgufType; 18] = [
         GgufType::Q4_0,
         GgufType::Q4_1,
         GgufType::Q5_0,
@@ -69,6 +80,11 @@ impl GgufType {
         GgufType::Q6K,
         GgufType::Iq4Nl,
         GgufType::Iq4Xs,
+        GgufType::Iq2Xxs,
+        GgufType::Iq2Xs,
+        GgufType::Iq2S,
+        GgufType::Iq3Xxs,
+        GgufType::Iq3S,
         GgufType::Mxfp4,
     ];
 
@@ -88,6 +104,11 @@ impl GgufType {
             GgufType::Q3K => "Q3_K",
             GgufType::Iq4Nl => "IQ4_NL",
             GgufType::Iq4Xs => "IQ4_XS",
+            GgufType::Iq2Xxs => "IQ2_XXS",
+            GgufType::Iq2Xs => "IQ2_XS",
+            GgufType::Iq2S => "IQ2_S",
+            GgufType::Iq3Xxs => "IQ3_XXS",
+            GgufType::Iq3S => "IQ3_S",
         }
     }
 
@@ -107,6 +128,11 @@ impl GgufType {
             GgufType::Q3K => 11,
             GgufType::Iq4Nl => 20,
             GgufType::Iq4Xs => 23,
+            GgufType::Iq2Xxs => 16,
+            GgufType::Iq2Xs => 17,
+            GgufType::Iq2S => 22,
+            GgufType::Iq3Xxs => 18,
+            GgufType::Iq3S => 21,
         }
     }
 
@@ -118,7 +144,12 @@ impl GgufType {
             | GgufType::Q4K
             | GgufType::Q5K
             | GgufType::Q6K
-            | GgufType::Iq4Xs => 256,
+            | GgufType::Iq4Xs
+            | GgufType::Iq2Xxs
+            | GgufType::Iq2Xs
+            | GgufType::Iq2S
+            | GgufType::Iq3Xxs
+            | GgufType::Iq3S => 256,
             _ => 32,
         }
     }
@@ -139,6 +170,11 @@ impl GgufType {
             GgufType::Q3K => 110,
             GgufType::Iq4Nl => 18,
             GgufType::Iq4Xs => 136,
+            GgufType::Iq2Xxs => 66,
+            GgufType::Iq2Xs => 74,
+            GgufType::Iq2S => 82,
+            GgufType::Iq3Xxs => 98,
+            GgufType::Iq3S => 110,
         }
     }
 
@@ -231,8 +267,7 @@ pub fn quantize_with(
 ) -> Result<(), KernelError> {
     check_layout(ty, x.len(), cols, out.len())?;
     let Some(qw) = imatrix.filter(|_| weighted(ty)) else {
-        quantize_blocks(ty, x, out);
-        return Ok(());
+        return quantize_blocks(ty, x, out);
     };
     check_len(
         "quantize_gguf",
@@ -253,8 +288,24 @@ pub fn weighted(ty: GgufType) -> bool {
     !matches!(ty, GgufType::Q8_0 | GgufType::Mxfp4)
 }
 
-/// Whole blocks of `ty` without importance weights, each block on its own.
-pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) {
+/// Whether `ty` cannot be made without importance weights (ggml asserts them: IQ2_XXS,
+/// IQ2_XS).
+pub fn needs_weights(ty: GgufType) -> bool {
+    matches!(ty, GgufType::Iq2Xxs | GgufType::Iq2Xs)
+}
+
+/// Whole blocks of `ty` without importance weights, each block on its own; an error for a type
+/// that needs them.
+pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) -> Result<(), KernelError> {
+    if needs_weights(ty) {
+        return Err(KernelError::Parameter {
+            op: "quantize_gguf",
+            what: format!(
+                "{} needs importance weights (an importance matrix), as llama.cpp's does",
+                ty.name()
+            ),
+        });
+    }
     let block = ty.block_elems();
     for (b, o) in x
         .chunks_exact(block)
@@ -272,13 +323,20 @@ pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) {
             GgufType::Q5K => qk_asym(b, o, 31),
             GgufType::Q6K => q6_k(b, o),
             GgufType::Iq4Nl | GgufType::Iq4Xs => imatrix::iq4(b, o, None),
+            GgufType::Iq2S => iq::iq2_xs_s(ty, b, None, o),
+            GgufType::Iq3Xxs | GgufType::Iq3S => iq::iq3(ty, b, None, o),
+            // Refused above.
+            GgufType::Iq2Xxs | GgufType::Iq2Xs => {}
             GgufType::Mxfp4 => mxfp4(b, o),
         }
     }
+    Ok(())
 }
 
 #[path = "gguf_imatrix.rs"]
 mod imatrix;
+#[path = "gguf_iq.rs"]
+mod iq;
 
 fn q4_0(x: &[f32], o: &mut [u8]) {
     let (max, _) = signed_max(x);
@@ -858,6 +916,11 @@ pub fn dequantize(ty: GgufType, data: &[u8], out: &mut [f32]) -> Result<(), Kern
                     }
                 }
             }
+            GgufType::Iq2Xxs
+            | GgufType::Iq2Xs
+            | GgufType::Iq2S
+            | GgufType::Iq3Xxs
+            | GgufType::Iq3S => iq::dequantize_block(ty, b, y),
             GgufType::Q6K => {
                 let d = unhalf(&b[208..]);
                 let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
@@ -910,9 +973,10 @@ mod tests {
         let x: Vec<f32> = (0..512)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
             .collect();
+        let w = vec![1f32; 256];
         for ty in GgufType::ALL {
             let mut q = vec![0u8; ty.bytes_for(x.len())];
-            quantize(ty, &x, 256, &mut q).unwrap();
+            quantize_with(ty, &x, 256, Some(&w), &mut q).unwrap();
             let mut y = vec![0f32; x.len()];
             dequantize(ty, &q, &mut y).unwrap();
             let err = x
@@ -937,6 +1001,11 @@ mod tests {
                 GgufType::Iq4Nl => 0.0095,
                 // The same, plus the 6-bit sub-block scale's rounding (up to 1/64 of it).
                 GgufType::Iq4Xs => 0.0095 * (1.0 + 1.0 / 32.0),
+                // The lattices: three (IQ2) or eight (IQ3) magnitudes per sign, groups forced
+                // onto allowed points, and one sign per 8 implied by parity (IQ2_XXS, IQ2_XS,
+                // IQ3_XXS): a step of max / 5 (IQ2) or max / 15 (IQ3) and then some.
+                GgufType::Iq2Xxs | GgufType::Iq2Xs | GgufType::Iq2S => 0.06,
+                GgufType::Iq3Xxs | GgufType::Iq3S => 0.045,
                 _ => 0.0126,
             };
             assert!(err <= bound, "{}: {err}", ty.name());

@@ -50,9 +50,14 @@ pub(super) fn quantize_row(ty: GgufType, x: &[f32], qw: &[f32], o: &mut [u8]) {
                     GgufType::Q5K => qk_asym_impl(xb, qb, ob, 31),
                     GgufType::Q6K => q6_k_impl(xb, qb, ob),
                     GgufType::Iq4Nl | GgufType::Iq4Xs => iq4(xb, ob, Some(qb)),
+                    GgufType::Iq2Xxs => super::iq::iq2_xxs(xb, qb, ob),
+                    GgufType::Iq2Xs | GgufType::Iq2S => super::iq::iq2_xs_s(ty, xb, Some(qb), ob),
+                    GgufType::Iq3Xxs | GgufType::Iq3S => super::iq::iq3(ty, xb, Some(qb), ob),
                     // Q8_0 and MXFP4 take no weights (`super::weighted`); the legacy types
                     // are above.
-                    _ => super::quantize_blocks(ty, xb, ob),
+                    _ => {
+                        let _ = super::quantize_blocks(ty, xb, ob);
+                    }
                 }
             }
         }
@@ -177,7 +182,7 @@ fn make_qkx3_quants(
 /// ggml's `make_qp_quants`: a positive scale for the non-negative `x` with codes in
 /// `0..=nmax` (the block scales of Q2_K / Q4_K / Q5_K with weights `qw`), nine candidates by
 /// weighted error, then up to five rounds of single-code refinement. Codes into `l`.
-fn make_qp_quants(nmax: i32, x: &[f32], l: &mut [u8], qw: &[f32]) -> f32 {
+pub(super) fn make_qp_quants(nmax: i32, x: &[f32], l: &mut [u8], qw: &[f32]) -> f32 {
     let n = x.len();
     let mut max = 0f32;
     for &v in x {
