@@ -27,7 +27,9 @@ import sys
 OUT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "gguf" / "imatrix"
 CTX, CHUNKS = 128, 32
 TYPES = ["q2-k", "q3-k-s", "q3-k-m", "q3-k-l", "q4-k-s", "q4-k-m", "q5-k-s", "q5-k-m", "q6-k",
-         "q4-0", "q4-1", "q5-0", "q5-1", "q8-0", "iq4-nl", "iq4-xs"]
+         "q4-0", "q4-1", "q5-0", "q5-1", "q8-0", "iq4-nl", "iq4-xs", "iq3-s", "iq3-m"]
+# llama-quantize makes these only with an importance matrix.
+IMATRIX_ONLY = ["iq3-xs", "iq3-xxs", "iq2-m", "iq2-s", "iq2-xs", "iq2-xxs"]
 
 
 def run(cmd, **kw):
@@ -93,7 +95,8 @@ def main():
              "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--output-format", layout])
     refs = {"source": "llama.cpp of llama-cpp-python 0.3.36", "ctx": CTX, "chunks": CHUNKS,
             "files": {}}
-    runs = [(t, None) for t in TYPES] + [(t, "gguf") for t in TYPES] + [("q4-k-m", "dat")]
+    runs = ([(t, None) for t in TYPES] + [(t, "gguf") for t in TYPES + IMATRIX_ONLY]
+            + [("q4-k-m", "dat")])
     for t, imatrix in runs:
         out = work / f"{t}-{imatrix or 'plain'}.gguf"
         cmd = [llama / "llama-quantize"]

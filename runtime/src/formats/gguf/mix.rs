@@ -58,11 +58,27 @@ pub enum FileType {
     Iq4Nl,
     /// IQ4_XS: the same grid in super-blocks of 256 with 6-bit sub-block scales.
     Iq4Xs,
+    /// IQ2_XXS (2.06 bits; needs an importance matrix).
+    Iq2Xxs,
+    /// IQ2_XS (2.31 bits; needs an importance matrix).
+    Iq2Xs,
+    /// IQ2_S: IQ2_XS with IQ3_S for `attn_v` and the first eighth's `ffn_down`.
+    Iq2S,
+    /// IQ2_M: IQ2_S with the same raises.
+    Iq2M,
+    /// IQ3_XXS (3.06 bits; needs an importance matrix).
+    Iq3Xxs,
+    /// IQ3_XS: IQ3_S with IQ3_XXS for `attn_q`, `attn_k` and the middle layers' FFN.
+    Iq3Xs,
+    /// IQ3_S (3.44 bits).
+    Iq3S,
+    /// IQ3_M: IQ3_S with Q4_K for `attn_v`, `attn_output` and the first eighth's `ffn_down`.
+    Iq3M,
 }
 
 impl FileType {
     /// Every file type, in `--format` order (the first is the default).
-    pub const ALL: [FileType; 20] = [
+    pub const ALL: [FileType; 28] = [
         FileType::Q4KM,
         FileType::Q5KM,
         FileType::Q6K,
@@ -79,6 +95,14 @@ impl FileType {
         FileType::Q5KS,
         FileType::Iq4Nl,
         FileType::Iq4Xs,
+        FileType::Iq3M,
+        FileType::Iq3S,
+        FileType::Iq3Xs,
+        FileType::Iq3Xxs,
+        FileType::Iq2M,
+        FileType::Iq2S,
+        FileType::Iq2Xs,
+        FileType::Iq2Xxs,
         FileType::Mxfp4Moe,
         FileType::F16,
         FileType::Bf16,
@@ -108,6 +132,14 @@ impl FileType {
             FileType::Mxfp4Moe => "mxfp4-moe",
             FileType::Iq4Nl => "iq4-nl",
             FileType::Iq4Xs => "iq4-xs",
+            FileType::Iq2Xxs => "iq2-xxs",
+            FileType::Iq2Xs => "iq2-xs",
+            FileType::Iq2S => "iq2-s",
+            FileType::Iq2M => "iq2-m",
+            FileType::Iq3Xxs => "iq3-xxs",
+            FileType::Iq3Xs => "iq3-xs",
+            FileType::Iq3S => "iq3-s",
+            FileType::Iq3M => "iq3-m",
         }
     }
 
@@ -134,6 +166,14 @@ impl FileType {
             FileType::Mxfp4Moe => "MXFP4_MOE",
             FileType::Iq4Nl => "IQ4_NL",
             FileType::Iq4Xs => "IQ4_XS",
+            FileType::Iq2Xxs => "IQ2_XXS",
+            FileType::Iq2Xs => "IQ2_XS",
+            FileType::Iq2S => "IQ2_S",
+            FileType::Iq2M => "IQ2_M",
+            FileType::Iq3Xxs => "IQ3_XXS",
+            FileType::Iq3Xs => "IQ3_XS",
+            FileType::Iq3S => "IQ3_S",
+            FileType::Iq3M => "IQ3_M",
         }
     }
 
@@ -158,6 +198,14 @@ impl FileType {
             FileType::Q6K => 18,
             FileType::Iq4Nl => 25,
             FileType::Iq4Xs => 30,
+            FileType::Iq2Xxs => 19,
+            FileType::Iq2Xs => 20,
+            FileType::Iq3Xs => 22,
+            FileType::Iq3Xxs => 23,
+            FileType::Iq3S => 26,
+            FileType::Iq3M => 27,
+            FileType::Iq2S => 28,
+            FileType::Iq2M => 29,
             FileType::Bf16 => 32,
             FileType::Mxfp4Moe => 38,
         }
@@ -183,7 +231,26 @@ impl FileType {
             FileType::Mxfp4Moe => GgufType::Mxfp4.ggml_type(),
             FileType::Iq4Nl => GgufType::Iq4Nl.ggml_type(),
             FileType::Iq4Xs => GgufType::Iq4Xs.ggml_type(),
+            FileType::Iq2Xxs => GgufType::Iq2Xxs.ggml_type(),
+            FileType::Iq2Xs | FileType::Iq2S => GgufType::Iq2Xs.ggml_type(),
+            FileType::Iq2M => GgufType::Iq2S.ggml_type(),
+            FileType::Iq3Xxs => GgufType::Iq3Xxs.ggml_type(),
+            FileType::Iq3Xs | FileType::Iq3S | FileType::Iq3M => GgufType::Iq3S.ggml_type(),
         }
+    }
+
+    /// Whether llama-quantize refuses the file type without an importance matrix (some of its
+    /// tensors are IQ2_XXS, IQ2_XS, IQ2_S or IQ3_XXS: `attn_q` / `attn_k` for IQ3_XS).
+    pub fn requires_imatrix(self) -> bool {
+        matches!(
+            self,
+            FileType::Iq2Xxs
+                | FileType::Iq2Xs
+                | FileType::Iq2S
+                | FileType::Iq2M
+                | FileType::Iq3Xxs
+                | FileType::Iq3Xs
+        )
     }
 
     /// Whether the file type quantizes (its default type is a block type).
@@ -271,6 +338,23 @@ pub fn allows_quantization(name: &str, dims: usize) -> bool {
         && !name.contains("ffn_gate_inp.weight")
 }
 
+/// Whether llama-quantize refuses to make `name` of ggml type `ty` without importance weights
+/// (`tensor_requires_imatrix`: the i-quants below three bits and IQ3_XXS, except for the
+/// embeddings and the output).
+pub fn requires_imatrix(name: &str, ty: u32) -> bool {
+    if name == "token_embd.weight" || name == "output.weight" {
+        return false;
+    }
+    [
+        GgufType::Iq2Xxs,
+        GgufType::Iq2Xs,
+        GgufType::Iq2S,
+        GgufType::Iq3Xxs,
+    ]
+    .iter()
+    .any(|g| g.ggml_type() == ty)
+}
+
 /// The layer of a `blk.N.` tensor.
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
@@ -307,9 +391,13 @@ fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) ->
         t(GgufType::Q6K),
         t(GgufType::Q8_0),
     );
+    let iq2_family = matches!(ftype, F::Iq2Xxs | F::Iq2Xs | F::Iq2S | F::Iq2M);
+    let iq3s = t(GgufType::Iq3S);
     if cat == Category::Output || (m.tied_embeddings && cat == Category::TokenEmbd) {
         return if ftype == F::Mxfp4Moe || !cols.is_multiple_of(block(default)) {
             q8
+        } else if iq2_family || ftype == F::Iq3Xxs {
+            q5k
         } else if default != q8 {
             q6k
         } else {
@@ -319,13 +407,41 @@ fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) ->
     if ftype == F::Mxfp4Moe {
         return if dims == 3 { default } else { q8 };
     }
-    // One attn_v per layer and the dense FFN's tensors in layer order: llama.cpp's counters
-    // are the layer numbers; MoE models' layers are parsed from the name, as llama.cpp does.
+    // The layer of a dense model's tensor (llama.cpp's counters), or of an expert tensor (its
+    // name); `n` the layers.
     let layer = layer_of(name).unwrap_or(0);
     let n = m.layers;
+    if cat == Category::TokenEmbd {
+        return match ftype {
+            F::Iq2Xxs | F::Iq2Xs => t(GgufType::Q2K),
+            F::Iq2S | F::Iq2M | F::Iq3Xxs => iq3s,
+            _ => default,
+        };
+    }
+    if iq2_family {
+        let s_or_m = matches!(ftype, F::Iq2S | F::Iq2M);
+        return match cat {
+            Category::AttnV if m.gqa >= 4 || m.experts >= 4 => q4k,
+            Category::AttnV | Category::FfnDown if cat == Category::AttnV || layer < n / 8 => {
+                if s_or_m {
+                    iq3s
+                } else {
+                    t(GgufType::Q2K)
+                }
+            }
+            Category::AttnK if m.experts == 8 => q4k,
+            Category::AttnOutput if m.experts == 8 => q5k,
+            Category::AttnOutput if s_or_m => iq3s,
+            _ => default,
+        };
+    }
     match cat {
         Category::AttnV => {
             let mut ty = match ftype {
+                F::Iq3Xxs if m.gqa >= 4 => q4k,
+                F::Iq3Xxs if !m.has_imatrix => iq3s,
+                F::Iq3Xs | F::Iq3S if m.gqa >= 4 => q4k,
+                F::Iq3M => q4k,
                 F::Q2K if m.gqa >= 4 => q4k,
                 F::Q2K => q3k,
                 F::Q3KM if layer < 2 => q5k,
@@ -345,12 +461,20 @@ fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) ->
             ty
         }
         Category::AttnK if m.experts == 8 => q8,
+        Category::AttnK | Category::AttnQ => match ftype {
+            F::Iq3Xs => t(GgufType::Iq3Xxs),
+            F::Iq3Xxs => t(GgufType::Iq2S),
+            _ => default,
+        },
         Category::FfnDown => match ftype {
             F::Q2K => q3k,
+            F::Iq3Xxs if !m.has_imatrix && layer < n / 8 => q4k,
+            F::Iq3Xxs if !m.has_imatrix => q3k,
             F::Q3KM if layer < n / 16 => q5k,
             // `arch != FALCON || use_more_bits(…)`: Q4_K for every family kiln writes.
             F::Q3KM => q4k,
             F::Q3KL => q5k,
+            F::Iq3M if layer < n / 8 || (m.experts == 8 && use_more_bits(layer, n)) => q4k,
             F::Q4KM if use_more_bits(layer, n) => q6k,
             F::Q4KM => default,
             F::Iq4Nl | F::Iq4Xs if layer < n / 8 && !m.has_imatrix => q5k,
@@ -361,15 +485,31 @@ fn mixed(ftype: FileType, m: &MixModel, name: &str, dims: usize, cols: usize) ->
             _ => default,
         },
         Category::AttnOutput if m.experts == 8 => match ftype {
-            F::Q2K | F::Q3KS | F::Q3KM | F::Iq4Nl | F::Q4KS | F::Q4KM | F::Iq4Xs => q5k,
+            F::Q2K
+            | F::Iq3Xs
+            | F::Iq3Xxs
+            | F::Q3KS
+            | F::Q3KM
+            | F::Iq4Nl
+            | F::Q4KS
+            | F::Q4KM
+            | F::Iq3S
+            | F::Iq3M
+            | F::Iq4Xs => q5k,
             _ => default,
         },
         Category::AttnOutput => match ftype {
             F::Q2K => q3k,
-            F::Q3KM => q4k,
+            F::Iq3Xxs => iq3s,
+            F::Q3KM | F::Iq3M => q4k,
             F::Q3KL => q5k,
             _ => default,
         },
+        Category::FfnGate | Category::FfnUp
+            if ftype == F::Iq3Xs && layer >= n / 8 && layer < 7 * n / 8 =>
+        {
+            t(GgufType::Iq3Xxs)
+        }
         _ => default,
     }
 }
@@ -400,7 +540,12 @@ pub fn tensor_type(
     // `tensor_type_fallback`: a 256-block type to the 32-block type llama.cpp names; F16 when
     // even that does not fit.
     let fallback = match g {
-        GgufType::Iq4Xs => GgufType::Iq4Nl.ggml_type(),
+        GgufType::Iq2Xxs
+        | GgufType::Iq2Xs
+        | GgufType::Iq2S
+        | GgufType::Iq3Xxs
+        | GgufType::Iq3S
+        | GgufType::Iq4Xs => GgufType::Iq4Nl.ggml_type(),
         GgufType::Q2K | GgufType::Q3K => GgufType::Q4_0.ggml_type(),
         GgufType::Q4K => GgufType::Q5_0.ggml_type(),
         GgufType::Q5K => GgufType::Q5_1.ggml_type(),
@@ -570,6 +715,77 @@ mod tests {
         assert_eq!(t(&m, FileType::Iq4Nl, "output.weight", 576), "Q8_0");
         assert_eq!(t(&m, FileType::Iq4Nl, "output.weight", 512), "Q6_K");
         assert_eq!(t(&m, FileType::Q2K, "output.weight", 576), "Q8_0");
+    }
+
+    #[test]
+    fn i_quant_file_types_follow_llama_quantize() {
+        let m = MixModel {
+            experts: 0,
+            layers: 32,
+            is_70b: false,
+            tied_embeddings: false,
+            gqa: 2,
+            has_imatrix: true,
+        };
+        let t = |m: &MixModel, f, n: &str| name(tensor_type(f, m, n, 2, 4096));
+        // IQ2_XXS / IQ2_XS: attn_v and the first eighth's ffn_down Q2_K (Q4_K with GQA ≥ 4),
+        // the embeddings Q2_K, the output Q5_K.
+        assert_eq!(t(&m, FileType::Iq2Xxs, "blk.9.attn_v.weight"), "Q2_K");
+        assert_eq!(t(&m, FileType::Iq2Xxs, "blk.3.ffn_down.weight"), "Q2_K");
+        assert_eq!(t(&m, FileType::Iq2Xxs, "blk.4.ffn_down.weight"), "IQ2_XXS");
+        assert_eq!(t(&m, FileType::Iq2Xs, "token_embd.weight"), "Q2_K");
+        assert_eq!(t(&m, FileType::Iq2Xs, "output.weight"), "Q5_K");
+        let gqa4 = MixModel { gqa: 4, ..m };
+        assert_eq!(t(&gqa4, FileType::Iq2Xxs, "blk.9.attn_v.weight"), "Q4_K");
+        // IQ2_S is IQ2_XS with IQ3_S raises; IQ2_M is IQ2_S's.
+        assert_eq!(t(&m, FileType::Iq2S, "blk.9.attn_q.weight"), "IQ2_XS");
+        assert_eq!(t(&m, FileType::Iq2S, "blk.9.attn_v.weight"), "IQ3_S");
+        assert_eq!(t(&m, FileType::Iq2M, "blk.9.attn_q.weight"), "IQ2_S");
+        assert_eq!(t(&m, FileType::Iq2M, "blk.9.attn_output.weight"), "IQ3_S");
+        assert_eq!(t(&m, FileType::Iq2M, "token_embd.weight"), "IQ3_S");
+        // IQ3_XXS: attn_q / attn_k IQ2_S, attn_output IQ3_S, attn_v IQ3_XXS with an imatrix.
+        assert_eq!(t(&m, FileType::Iq3Xxs, "blk.9.attn_q.weight"), "IQ2_S");
+        assert_eq!(t(&m, FileType::Iq3Xxs, "blk.9.attn_output.weight"), "IQ3_S");
+        assert_eq!(t(&m, FileType::Iq3Xxs, "blk.9.attn_v.weight"), "IQ3_XXS");
+        let plain = MixModel {
+            has_imatrix: false,
+            ..m
+        };
+        assert_eq!(t(&plain, FileType::Iq3Xxs, "blk.9.attn_v.weight"), "IQ3_S");
+        assert_eq!(t(&plain, FileType::Iq3Xxs, "blk.9.ffn_down.weight"), "Q3_K");
+        // IQ3_XS: the middle layers' ffn_gate / ffn_up IQ3_XXS.
+        assert_eq!(t(&m, FileType::Iq3Xs, "blk.9.ffn_up.weight"), "IQ3_XXS");
+        assert_eq!(t(&m, FileType::Iq3Xs, "blk.2.ffn_gate.weight"), "IQ3_S");
+        assert_eq!(t(&m, FileType::Iq3Xs, "blk.28.ffn_gate.weight"), "IQ3_S");
+        // IQ3_M: attn_v Q4_K, attn_output Q4_K, the first eighth's ffn_down Q4_K.
+        assert_eq!(t(&m, FileType::Iq3M, "blk.9.attn_v.weight"), "Q4_K");
+        assert_eq!(t(&m, FileType::Iq3M, "blk.9.attn_output.weight"), "Q4_K");
+        assert_eq!(t(&m, FileType::Iq3M, "blk.3.ffn_down.weight"), "Q4_K");
+        assert_eq!(t(&m, FileType::Iq3M, "blk.4.ffn_down.weight"), "IQ3_S");
+        assert_eq!(t(&m, FileType::Iq3S, "blk.4.ffn_down.weight"), "IQ3_S");
+        // Rows of 576 fall back to IQ4_NL.
+        assert_eq!(
+            name(tensor_type(
+                FileType::Iq2Xs,
+                &m,
+                "blk.4.attn_q.weight",
+                2,
+                576
+            )),
+            "IQ4_NL"
+        );
+        assert!(requires_imatrix(
+            "blk.0.attn_q.weight",
+            GgufType::Iq3Xxs.ggml_type()
+        ));
+        assert!(!requires_imatrix(
+            "output.weight",
+            GgufType::Iq2Xxs.ggml_type()
+        ));
+        assert!(!requires_imatrix(
+            "blk.0.attn_q.weight",
+            GgufType::Iq3S.ggml_type()
+        ));
     }
 
     #[test]

@@ -429,6 +429,20 @@ impl GgufOutput {
             t => {
                 let g = block_type(t).ok_or_else(|| Self::err(format!("type {t}")))?;
                 let weights = self.importance_of(plan, &name, expert, cols)?;
+                if weights.is_none() && mix::requires_imatrix(&name, t) {
+                    return Err(Self::err(format!(
+                        "`{name}` would be {} in {}, which llama.cpp makes only with an \
+                         importance matrix (\"the result will be garbage\"): give --imatrix \
+                         FILE{} (`kiln imatrix` makes one)",
+                        type_name(t),
+                        self.ftype.llama_name(),
+                        if plan.importance.is_some() {
+                            " with an entry for it"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
                 let mut out = vec![0u8; rows * g.bytes_for(cols)];
                 kiln_kernels::cpu::quantize_gguf_with(g, &values, cols, weights, &mut out)
                     .map_err(|source| ExportError::Kernel {
@@ -671,6 +685,14 @@ impl OutputWriter for GgufOutput {
                     .into(),
                 supported: FileType::ALL.iter().map(|f| f.cli_name().into()).collect(),
             });
+        }
+        if start.importance.is_none() && self.ftype.requires_imatrix() {
+            return Err(Self::err(format!(
+                "{} needs an importance matrix, as llama-quantize refuses it without one (its \
+                 IQ2 and IQ3_XXS tensors \"will be garbage\"): give --imatrix FILE (`kiln \
+                 imatrix` makes one)",
+                self.ftype.llama_name()
+            )));
         }
         let c = start.checkpoint.config().raw();
         let dims = Dims::of(c)?;
