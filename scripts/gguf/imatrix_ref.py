@@ -11,8 +11,13 @@
    the importance matrix (`--imatrix llama-imatrix.gguf`, and once with the `.dat`), and the
    type and SHA-256 of every tensor of each result go to `llama-quantize.json`.
 
+4. `llama-perplexity` scores the F32 file and three quantized ones on the same text (chunks of
+   128, the first 8; `--kl-divergence` against the F32 file's distributions; flash attention
+   off, F32 KV cache): `llama-perplexity.json`.
+
 tests/it/gguf_imatrix.rs checks kiln against these: `kiln imatrix` against llama-imatrix's
-sums, and every `kiln export --output-format gguf [--imatrix]` tensor by tensor.
+sums, every `kiln export --output-format gguf [--imatrix]` tensor by tensor, and `kiln eval
+--ctx --kl-divergence` against llama-perplexity's figures.
 
     python3 scripts/gguf/imatrix_ref.py --kiln target/release/kiln --llama .llama-cpp/bin
 """
@@ -21,6 +26,7 @@ import hashlib
 import json
 import pathlib
 import random
+import re
 import subprocess
 import sys
 
@@ -32,11 +38,12 @@ TYPES = ["q2-k", "q3-k-s", "q3-k-m", "q3-k-l", "q4-k-s", "q4-k-m", "q5-k-s", "q5
 IMATRIX_ONLY = ["iq3-xs", "iq3-xxs", "iq2-m", "iq2-s", "iq2-xs", "iq2-xxs"]
 
 
-def run(cmd, **kw):
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+def run(cmd):
+    """Runs `cmd`; its stdout and stderr together (llama.cpp's tools log to stderr)."""
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"{' '.join(map(str, cmd))} failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
-    return p.stdout
+    return p.stdout + p.stderr
 
 
 def text(path):
@@ -70,6 +77,29 @@ def tensors(path):
     r = GGUFReader(path)
     return {t.name: [t.tensor_type.name, hashlib.sha256(bytes(t.data.tobytes())).hexdigest()]
             for t in r.tensors}
+
+
+PPL_CHUNKS = 8
+SCORED = ["q4-k-m+gguf", "iq3-s", "q2-k+gguf"]
+
+
+def perplexity(llama, work):
+    """llama-perplexity's figures for the F32 file and the SCORED files."""
+    common = ["-f", OUT / "text.txt", "-c", CTX, "--chunks", PPL_CHUNKS, "-t", 2, "-fa", "off",
+              "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", work / "base.kld"]
+    out = run([llama / "llama-perplexity", "-m", work / "f32" / "model.gguf"] + common)
+    res = {"ctx": CTX, "chunks": PPL_CHUNKS,
+           "f32": {"ppl": float(re.search(r"Final estimate: PPL = ([0-9.]+)", out).group(1))}}
+    pats = {"ppl": r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", "kl_mean": r"Mean\s+KLD:\s*([0-9.]+)",
+            "kl_median": r"Median\s+KLD:\s*([0-9.]+)", "kl_p99": r"99\.0%\s+KLD:\s*([0-9.]+)",
+            "kl_max": r"Maximum KLD:\s*([0-9.]+)", "same_top": r"Same top p:\s*([0-9.]+)"}
+    for key in SCORED:
+        t, _, im = key.partition("+")
+        f = work / f"{t}-{im or 'plain'}.gguf"
+        out = run([llama / "llama-perplexity", "-m", f, "--kl-divergence"] + common)
+        res[key] = {k: float(re.search(p, out).group(1)) for k, p in pats.items()}
+        print(key, res[key])
+    (OUT / "llama-perplexity.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
 
 
 def main():
@@ -107,6 +137,7 @@ def main():
         refs["files"][f"{t}+{imatrix}" if imatrix else t] = tensors(out)
         print(f"{t} {imatrix or ''}: {len(refs['files'][f'{t}+{imatrix}' if imatrix else t])} tensors")
     (OUT / "llama-quantize.json").write_text(json.dumps(refs, indent=1, sort_keys=True) + "\n")
+    perplexity(llama, work)
     print(f"→ {OUT}")
 
 
