@@ -161,7 +161,12 @@ fn gguf_py_reads_a_file_kiln_wrote() {
     ];
     for ty in GgufType::ALL {
         let mut q = vec![0u8; ty.bytes_for(x.len())];
-        quantize(ty, &x, 256, &mut q).unwrap();
+        if kiln_kernels::ops::gguf::needs_weights(ty) {
+            let w = vec![1f32; 256];
+            kiln_kernels::ops::gguf::quantize_with(ty, &x, 256, Some(&w), &mut q).unwrap();
+        } else {
+            quantize(ty, &x, 256, &mut q).unwrap();
+        }
         let mut y = vec![0f32; x.len()];
         dequantize(ty, &q, &mut y).unwrap();
         tensors.push((

@@ -213,9 +213,9 @@ fn what_gguf_cannot_express_is_a_named_error() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     let llama = family("llama-tiny", tmp.path());
-    let e = error(&llama, &out, "gguf", "q3-k-s", Recipe::new(Format::Nvfp4));
+    let e = error(&llama, &out, "gguf", "iq1-s", Recipe::new(Format::Nvfp4));
     assert!(
-        e.starts_with("the gguf writer has no format `q3-k-s` (it writes: q4-k-m, q5-k-m, q6-k,"),
+        e.starts_with("the gguf writer has no format `iq1-s` (it writes: q4-k-m, q5-k-m, q6-k,"),
         "{e}"
     );
     let e = error(&llama, &out, "onnx", "int8", Recipe::new(Format::Nvfp4));
