@@ -13,14 +13,23 @@ parts:
   importance matrix and with kiln's, `llama-quantize` of the bf16 GGUF without one, with
   llama-imatrix's and with kiln's; kiln's files are compared tensor by tensor (type, shape,
   bytes; gguf-py) with llama-quantize's made from the same importance matrix (none, or kiln's
-  file): the writers promise the same bytes;
+  file): kiln promises llama-quantize's tensor bytes (the tensors' order in the file is not
+  the same: llama-quantize writes them sorted by layer, then name);
 - every GGUF scored by `llama-perplexity --kl-divergence` against the bf16 GGUF on the held-out
   text (chunks of --ctx tokens, the first --chunks of them, the second half of each scored):
   perplexity, KL divergence of each token's distribution from the base's (mean, median, 99th
   percentile), how often the top token is the base's;
 - `kiln eval --ctx --kl-divergence` (same protocol) on two of them, llama-quantize's --kiln-eval
   type (q4-k-m) without and with llama-imatrix's matrix, beside llama-perplexity's figures for
-  the same files.
+  the same files. They are not expected to agree to the digit: llama.cpp's CPU matmuls round
+  the activations to the weights' `vec_dot_type` (Q8_0 / Q8_K for the quantized types, bf16 for
+  bf16), kiln's evaluator decodes the weights and keeps the activations unquantized.
+
+llama-imatrix skips every matmul of fewer than 16 rows, and at -c 512 runs 4 chunks a batch,
+split into ubatches of 512 with equal tokens per sequence: when the last batch holds 3 chunks
+(n mod 4 = 3), 3 × 170 tokens go in each of 3 ubatches and the last 3 × 2 are dropped (a count
+of 512·n − 6 and `chunk_count` n − 1). kiln counts every token, so the two matrices' counts
+agree for any other n.
 
     python benches/peers/gguf_quality.py --make-text /tmp/gq/text      # Debian's KJV Bible
     python benches/peers/gguf_quality.py --kiln target/release/kiln --llama-bin .llama-cpp/bin \\
@@ -40,7 +49,6 @@ import hashlib
 import json
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -212,6 +220,7 @@ def compare_imatrix(a, b):
         "only_a": sorted(ma.keys() - mb.keys())[:5],
         "only_b": sorted(mb.keys() - ma.keys())[:5],
         "counts_equal": all(np.array_equal(ca[n], cb[n]) for n in common),
+        "counts": (sorted({float(ca[n][0]) for n in common}), sorted({float(cb[n][0]) for n in common})),
         "rel_diff_median": float(np.median(rel)),
         "rel_diff_p99": float(np.quantile(rel, 0.99)),
         "rel_diff_max": float(rel.max()),

@@ -231,6 +231,8 @@ fn importance(path: &std::path::Path) -> Result<Arc<kiln_runtime::export::writer
     Ok(Arc::new(kiln_runtime::export::writer::Importance {
         source: path.to_path_buf(),
         weights,
+        datasets: m.datasets.clone(),
+        chunks: m.chunk_count,
     }))
 }
 

@@ -32,6 +32,8 @@ fn importance(path: &Path) -> Arc<Importance> {
             .keys()
             .map(|n| (n.clone(), m.weights(n).unwrap()))
             .collect(),
+        datasets: m.datasets.clone(),
+        chunks: m.chunk_count,
     })
 }
 
@@ -97,6 +99,24 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
                 w[1].as_str().unwrap(),
                 "{key}: {name} ({ty}) differs from llama-quantize's bytes"
             );
+        }
+        if layout.is_some() {
+            // What llama-quantize records of the importance matrix.
+            let g = GgufFile::open(&out.join("model.gguf")).unwrap();
+            let md = |k: &str| g.metadata.get(k).cloned();
+            let m = Imatrix::read(&refs_dir().join(format!("llama-imatrix.{}", layout.unwrap())))
+                .unwrap();
+            assert_eq!(
+                md("quantize.imatrix.entries_count").and_then(|v| v.as_u64()),
+                Some(m.entries.len() as u64),
+                "{key}"
+            );
+            assert_eq!(
+                md("quantize.imatrix.dataset").and_then(|v| v.as_str().map(String::from)),
+                m.datasets.first().cloned(),
+                "{key}"
+            );
+            assert!(md("quantize.imatrix.file").is_some(), "{key}");
         }
         hashes.insert(key.clone(), got);
     }
@@ -191,6 +211,23 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
     }
     let cli = Imatrix::read(&out).unwrap();
     assert_eq!(cli.entries, ours.entries);
+    // The file's layout is llama-imatrix's: the same tensors, names, dimensions (a dense
+    // matrix's sums 1-D, as ggml trims them) and the same metadata keys.
+    let (a, b) = (
+        GgufFile::open(&out).unwrap(),
+        GgufFile::open(&refs_dir().join("llama-imatrix.gguf")).unwrap(),
+    );
+    let layout = |g: &GgufFile| {
+        g.tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.dims.clone(), t.ggml_type))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(layout(&a), layout(&b));
+    assert_eq!(
+        a.metadata.keys().collect::<Vec<_>>(),
+        b.metadata.keys().collect::<Vec<_>>()
+    );
     let legacy = Imatrix::read(&dat).unwrap();
     assert!(legacy.legacy);
     for name in ours.entries.keys() {

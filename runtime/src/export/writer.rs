@@ -61,6 +61,10 @@ pub struct Importance {
     pub source: std::path::PathBuf,
     /// The weights, by tensor name.
     pub weights: std::collections::BTreeMap<String, Vec<f32>>,
+    /// The text files the matrix was computed on, as its file names them.
+    pub datasets: Vec<String>,
+    /// The chunks it was computed on (0: unknown).
+    pub chunks: u32,
 }
 
 /// The integer grid a writer stores a Linear's weight on, for an algorithm that chooses the

@@ -300,15 +300,21 @@ impl Imatrix {
                 Value::U32(self.chunk_size),
             ),
         ];
+        // ggml writes a tensor's dimensions up to its last one above 1 (`ggml_n_dims`): a
+        // dense matrix's sums are `[cols]`, its count `[1]`.
+        let dims = |d: Vec<u64>| {
+            let n = d.iter().rposition(|&x| x > 1).map_or(1, |i| i + 1);
+            d[..n].to_vec()
+        };
         let mut tensors = Vec::new();
         for (name, e) in &self.entries {
             let n_mat = e.counts.len() as u64;
             tensors.push((
                 format!("{name}.in_sum2"),
-                vec![e.sums.len() as u64 / n_mat.max(1), n_mat],
+                dims(vec![e.sums.len() as u64 / n_mat.max(1), n_mat]),
                 0,
             ));
-            tensors.push((format!("{name}.counts"), vec![1, n_mat], 0));
+            tensors.push((format!("{name}.counts"), dims(vec![1, n_mat]), 0));
         }
         let mut w = GgufWriter::create(path, &md, &tensors)?;
         for (name, e) in &self.entries {

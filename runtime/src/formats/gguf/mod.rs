@@ -715,6 +715,28 @@ impl OutputWriter for GgufOutput {
             self.warn(w);
         }
         md.extend(vocab.metadata);
+        // What llama-quantize records of an importance matrix (its `kv_overrides`, after every
+        // other key): the file as given, its first dataset, the entries, the chunks.
+        if let Some(i) = start.importance {
+            let clip = |s: String| s.chars().take(127).collect::<String>();
+            md.push((
+                "quantize.imatrix.file".into(),
+                Value::String(clip(i.source.display().to_string())),
+            ));
+            if let Some(d) = i.datasets.first() {
+                md.push((
+                    "quantize.imatrix.dataset".into(),
+                    Value::String(clip(d.clone())),
+                ));
+            }
+            md.push((
+                "quantize.imatrix.entries_count".into(),
+                Value::U32(i.weights.len() as u32),
+            ));
+            if i.chunks > 0 {
+                md.push(("quantize.imatrix.chunks_count".into(), Value::U32(i.chunks)));
+            }
+        }
         let has_output = start.checkpoint.tensor("lm_head.weight").is_some()
             && c.get("tie_word_embeddings").and_then(Json::as_bool) != Some(true);
         let is_70b = dims.layers == 80

@@ -3,8 +3,11 @@
 //! RoPE base, norm epsilon, experts), and every tensor read back under its Hugging Face name —
 //! the GGUF writer's own name map run backwards, each block type dequantized as llama.cpp's
 //! `dequantize_row_*` does (`kiln_kernels::ops::gguf`), llama.cpp's Q/K row order undone,
-//! stacked experts split per expert. llama.cpp quantizes weights only: the activations run
-//! unquantized.
+//! stacked experts split per expert. The activations run unquantized in f32: a GGUF stores no
+//! activation scale, but llama.cpp's CPU matmuls do round the activations to 8 bits (Q8_0 /
+//! Q8_K, the weight type's `vec_dot_type`) inside each quantized dot product, so its
+//! perplexity of a quantized file sits a little above kiln's (BENCHMARKS.md §GGUF: 0.4–0.6 % on
+//! SmolLM2's Q4_K_M).
 
 use crate::formats::gguf::container::{GgufFile, Value};
 use crate::formats::gguf::{Names, Target, unpermute_rows};
