@@ -32,6 +32,15 @@ fn bench(c: &mut Criterion) {
     for ty in GgufType::ALL {
         let mut out = vec![0u8; ty.bytes_for(n)];
         g.throughput(Throughput::Bytes(bytes_in + out.len() as u64));
+        if kiln_kernels::ops::gguf::needs_weights(ty) {
+            // IQ2_XXS / IQ2_XS exist only with importance weights.
+            g.bench_function(format!("{}/imatrix-all-threads", ty.name()), |b| {
+                b.iter(|| {
+                    cpu::quantize_gguf_with(ty, black_box(&x), cols, Some(&w), &mut out).unwrap()
+                })
+            });
+            continue;
+        }
         g.bench_function(format!("{}/reference", ty.name()), |b| {
             b.iter(|| quantize(ty, black_box(&x), cols, &mut out).unwrap())
         });
