@@ -100,7 +100,8 @@ fn legacy(ty: GgufType, xb: &[f32], weight: &[f32; 32], o: &mut [u8]) {
 }
 
 /// ggml's `make_qkx3_quants` with weights and squared errors (`use_mad` false, as every
-/// caller here passes): like `make_qkx2_quants`, `max <= min` as the degenerate case. Returns
+/// caller here passes): with weights given it is `make_qkx2_quants` operation for operation
+/// (its degenerate case `max <= min` is `max == min` for any input, NaN included). Returns
 /// `(scale, -min)`, codes into `l`.
 fn make_qkx3_quants(
     nmax: i32,
@@ -111,72 +112,7 @@ fn make_qkx3_quants(
     rdelta: f32,
     nstep: i32,
 ) -> (f32, f32) {
-    let n = x.len();
-    let (mut min, mut max) = (x[0], x[0]);
-    let mut sum_w = weights[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..n {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        let w = weights[i];
-        sum_w += w;
-        sum_x += w * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max <= min {
-        l[..n].fill(0);
-        return (0.0, -min);
-    }
-    let nmax_f = nmax as f32;
-    let mut iscale = nmax_f / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_mad = 0f32;
-    for i in 0..n {
-        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l[i] = q as u8;
-        let diff = scale * f32::from(l[i]) + min - x[i];
-        best_mad += weights[i] * (diff * diff);
-    }
-    let mut laux = [0u8; 32];
-    for is in 0..=nstep {
-        iscale = (rmin + rdelta * is as f32 + nmax_f) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for i in 0..n {
-            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            laux[i] = q as u8;
-            let (w, qf) = (weights[i], q as f32);
-            sum_l += w * qf;
-            sum_l2 += w * qf * qf;
-            sum_xl += w * qf * x[i];
-        }
-        let det = sum_w * sum_l2 - sum_l * sum_l;
-        if det > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
-            }
-            let mut mad = 0f32;
-            for i in 0..n {
-                let diff = this_scale * f32::from(laux[i]) + this_min - x[i];
-                mad += weights[i] * (diff * diff);
-            }
-            if mad < best_mad {
-                l[..n].copy_from_slice(&laux[..n]);
-                best_mad = mad;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    (scale, -min)
+    make_qkx2_quants(nmax, x, weights, l, rmin, rdelta, nstep, false)
 }
 
 /// ggml's `make_qp_quants`: a positive scale for the non-negative `x` with codes in
