@@ -88,7 +88,16 @@ pub fn imatrix(args: &ImatrixArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
     let device = args.device.device()?;
     let model = super::eval::open_model(&args.model, &device, false)?;
     let experts = model.config().moe.as_ref().map_or(0, |m| m.experts);
-    let mut collector = Collector::new(experts, args.process_output);
+    let tied = model.config().tie_word_embeddings;
+    if args.process_output && tied {
+        writeln!(
+            err,
+            "warning: --process-output: {} ties its output to token_embd, whose input \
+             llama-imatrix does not collect; no output.weight entry",
+            args.model.display()
+        )?;
+    }
+    let mut collector = Collector::new(experts, args.process_output, tied);
     let bar = indicatif::ProgressBar::new(all.len() as u64).with_style(
         indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks")
             .expect("a valid template"),

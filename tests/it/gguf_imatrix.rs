@@ -55,6 +55,27 @@ fn tensors(file: &Path) -> BTreeMap<String, (String, String)> {
         .collect()
 }
 
+/// Exports `model` to `dir/KEY` as the references name it: `FORMAT` or `FORMAT+LAYOUT` (with
+/// llama-imatrix's `.gguf` or `.dat` file); the output folder.
+fn export(model: &Path, dir: &Path, key: &str) -> PathBuf {
+    let (format, layout) = match key.split_once('+') {
+        Some((f, l)) => (f, Some(l)),
+        None => (key, None),
+    };
+    let out = dir.join(key);
+    let options = ExportOptions {
+        output: Some(OutputFormat {
+            writer: "gguf".into(),
+            format: format.into(),
+        }),
+        force: true,
+        importance: layout.map(|l| importance(&refs_dir().join(format!("llama-imatrix.{l}")))),
+        ..ExportOptions::new(model, &out, Recipe::new(Format::Nvfp4))
+    };
+    run(&options).unwrap_or_else(|e| panic!("{key}: {e}"));
+    out
+}
+
 fn demo(dir: &Path) -> PathBuf {
     let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
@@ -73,21 +94,8 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
     let model = demo(tmp.path());
     let mut hashes: BTreeMap<String, BTreeMap<String, (String, String)>> = BTreeMap::new();
     for (key, want) in files {
-        let (format, layout) = match key.split_once('+') {
-            Some((f, l)) => (f, Some(l)),
-            None => (key.as_str(), None),
-        };
-        let out = tmp.path().join(key);
-        let options = ExportOptions {
-            output: Some(OutputFormat {
-                writer: "gguf".into(),
-                format: format.into(),
-            }),
-            force: true,
-            importance: layout.map(|l| importance(&refs_dir().join(format!("llama-imatrix.{l}")))),
-            ..ExportOptions::new(&model, &out, Recipe::new(Format::Nvfp4))
-        };
-        run(&options).unwrap_or_else(|e| panic!("{key}: {e}"));
+        let layout = key.split_once('+').map(|(_, l)| l);
+        let out = export(&model, tmp.path(), key);
         let got = tensors(&out.join("model.gguf"));
         let want = want.as_object().unwrap();
         assert_eq!(got.len(), want.len(), "{key}: tensor count");
@@ -100,12 +108,11 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
                 "{key}: {name} ({ty}) differs from llama-quantize's bytes"
             );
         }
-        if layout.is_some() {
+        if let Some(layout) = layout {
             // What llama-quantize records of the importance matrix.
             let g = GgufFile::open(&out.join("model.gguf")).unwrap();
             let md = |k: &str| g.metadata.get(k).cloned();
-            let m = Imatrix::read(&refs_dir().join(format!("llama-imatrix.{}", layout.unwrap())))
-                .unwrap();
+            let m = Imatrix::read(&refs_dir().join(format!("llama-imatrix.{layout}"))).unwrap();
             assert_eq!(
                 md("quantize.imatrix.entries_count").and_then(|v| v.as_u64()),
                 Some(m.entries.len() as u64),
@@ -165,7 +172,7 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
         &device,
     )
     .unwrap();
-    let mut c = Collector::new(0, false);
+    let mut c = Collector::new(0, false, false);
     for chunk in &chunks {
         let ids = kiln_runtime::model::candle::Tensor::from_vec(chunk.clone(), (1, ctx), &device)
             .unwrap();
@@ -228,6 +235,23 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
         a.metadata.keys().collect::<Vec<_>>(),
         b.metadata.keys().collect::<Vec<_>>()
     );
+    // --process-output adds the output's entry (the demo's output is not tied), over every
+    // token of the chunks.
+    let with_output = tmp.path().join("out.gguf");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["imatrix", "--process-output", "--model"])
+        .arg(&model)
+        .arg("--data")
+        .arg(refs_dir().join("text.txt"))
+        .arg("--out")
+        .arg(&with_output)
+        .args(["--ctx", &ctx.to_string(), "--chunks", "2"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let w = Imatrix::read(&with_output).unwrap();
+    assert_eq!(w.entries.len(), ours.entries.len() + 1);
+    assert_eq!(w.entries["output.weight"].counts, vec![2 * ctx as i64]);
     let legacy = Imatrix::read(&dat).unwrap();
     assert!(legacy.legacy);
     for name in ours.entries.keys() {
@@ -346,24 +370,7 @@ fn kiln_eval_matches_llama_perplexity_on_gguf_files() {
     .unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let model = demo(tmp.path());
-    let export = |key: &str| {
-        let (format, imatrix) = match key.split_once('+') {
-            Some((f, l)) => (f, Some(l)),
-            None => (key, None),
-        };
-        let out = tmp.path().join(key);
-        let options = ExportOptions {
-            output: Some(OutputFormat {
-                writer: "gguf".into(),
-                format: format.into(),
-            }),
-            force: true,
-            importance: imatrix.map(|l| importance(&refs_dir().join(format!("llama-imatrix.{l}")))),
-            ..ExportOptions::new(&model, &out, Recipe::new(Format::Nvfp4))
-        };
-        run(&options).unwrap_or_else(|e| panic!("{key}: {e}"));
-        out
-    };
+    let export = |key: &str| export(&model, tmp.path(), key);
     let base = export("f32");
     let eval = |m: &Path, kl: bool| -> Value {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));

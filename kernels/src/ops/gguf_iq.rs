@@ -272,6 +272,58 @@ fn weights(
     w
 }
 
+/// One sub-block of 16 or 32 values as every i-quant starts it: its weights
+/// ([`weights`]), their square roots (the neighbour search's), its magnitudes and sign bits
+/// ([`signs`]) and its largest magnitude.
+struct Sub {
+    n: usize,
+    weight: [f32; 32],
+    waux: [f32; 32],
+    xval: [f32; 32],
+    signs: [u8; 4],
+    max: f32,
+}
+
+impl Sub {
+    fn new(
+        xb: &[f32],
+        qw: Option<&[f32]>,
+        sigma2: f32,
+        fallback: impl Fn(f32) -> f32,
+        even: bool,
+    ) -> Sub {
+        let n = xb.len();
+        let weight = weights(xb, qw, sigma2, fallback);
+        let mut waux = [0f32; 32];
+        for i in 0..n {
+            waux[i] = weight[i].sqrt();
+        }
+        let (mut xval, mut signs_) = ([0f32; 32], [0u8; 4]);
+        signs(xb, &weight, &mut xval, &mut signs_, even);
+        let max = max_of(&xval[..n]);
+        Sub {
+            n,
+            weight,
+            waux,
+            xval,
+            signs: signs_,
+            max,
+        }
+    }
+
+    fn weight(&self) -> &[f32] {
+        &self.weight[..self.n]
+    }
+
+    fn waux(&self) -> &[f32] {
+        &self.waux[..self.n]
+    }
+
+    fn xval(&self) -> &[f32] {
+        &self.xval[..self.n]
+    }
+}
+
 fn sum_sq(x: &[f32]) -> f32 {
     let mut s = 0f32;
     for &v in x {
@@ -293,21 +345,16 @@ pub(super) fn iq2_xxs(x: &[f32], qw: &[f32], o: &mut [u8]) {
     let (mut l, mut laux) = ([0i8; 32], [0i8; 32]);
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
-        let weight = weights(xb, Some(&qw[32 * ib..32 * ib + 32]), sigma2, |_| 0.0);
-        let mut waux = [0f32; 32];
-        for i in 0..32 {
-            waux[i] = weight[i].sqrt();
-        }
-        let (mut xval, mut bsigns) = ([0f32; 32], [0u8; 4]);
-        signs(xb, &weight, &mut xval, &mut bsigns, true);
-        let max = max_of(&xval);
-        if max < EPS {
+        let sub = Sub::new(xb, Some(&qw[32 * ib..32 * ib + 32]), sigma2, |_| 0.0, true);
+        let (weight, waux, xval) = (sub.weight(), sub.waux(), sub.xval());
+        let mut bsigns = sub.signs;
+        if sub.max < EPS {
             scales[ib] = 0.0;
             l.fill(0);
             continue;
         }
         let mut lu = [0u8; 32];
-        let mut scale = super::imatrix::make_qp_quants(KMAX + 1, &xval, &mut lu, &weight);
+        let mut scale = super::imatrix::make_qp_quants(KMAX + 1, xval, &mut lu, weight);
         for i in 0..32 {
             l[i] = lu[i] as i8;
         }
@@ -332,7 +379,7 @@ pub(super) fn iq2_xxs(x: &[f32], qw: &[f32], o: &mut [u8]) {
                     false,
                 );
             }
-            let (sumqx, sumq2) = fit(&weight, &xval, &laux);
+            let (sumqx, sumq2) = fit(weight, xval, &laux);
             if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
                 scale = sumqx / sumq2;
                 best = scale * sumqx;
@@ -346,7 +393,7 @@ pub(super) fn iq2_xxs(x: &[f32], qw: &[f32], o: &mut [u8]) {
                 round_levels(id, &xval[r.clone()], &mut l[r.clone()], KMAX);
                 lat.point(&mut l[r.clone()], &xval[r.clone()], &waux[r], scale, true);
             }
-            let (sumqx, sumq2) = fit(&weight, &xval, &l);
+            let (sumqx, sumq2) = fit(weight, xval, &l);
             if sumq2 > 0.0 {
                 scale = sumqx / sumq2;
             }
@@ -476,26 +523,19 @@ pub(super) fn iq2_xs_s(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]
     let mut l = [0i8; 16];
     for ib in 0..16 {
         let xb = &x[16 * ib..16 * ib + 16];
-        let weight = weights(xb, qw.map(|q| &q[16 * ib..16 * ib + 16]), sigma2, |v| {
-            0.25 * sigma2 + v * v
-        });
-        let mut waux = [0f32; 16];
-        for i in 0..16 {
-            waux[i] = weight[i].sqrt();
-        }
-        let (mut xval, mut bsigns) = ([0f32; 16], [0u8; 2]);
-        signs(xb, &weight, &mut xval, &mut bsigns, !is_s);
-        let max = max_of(&xval);
+        let qb = qw.map(|q| &q[16 * ib..16 * ib + 16]);
+        let sub = Sub::new(xb, qb, sigma2, |v| 0.25 * sigma2 + v * v, !is_s);
+        let mut bsigns = sub.signs;
         l.fill(0);
-        if max < if is_s { EPS_IQ2_S } else { EPS } {
+        if sub.max < if is_s { EPS_IQ2_S } else { EPS } {
             scales[ib] = 0.0;
             continue;
         }
         let mut scale = search(
             lat,
-            &xval,
-            &weight[..16],
-            &waux,
+            sub.xval(),
+            sub.weight(),
+            sub.waux(),
             &mut l,
             KMAX,
             -9..=9,
@@ -560,16 +600,20 @@ pub(super) fn iq3(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]) {
     let mut l = [0i8; 32];
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
-        let weight = weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2, |v| v * v);
-        let mut waux = [0f32; 32];
-        for i in 0..32 {
-            waux[i] = weight[i].sqrt();
-        }
-        let (mut xval, mut bsigns) = ([0f32; 32], [0u8; 4]);
-        signs(xb, &weight, &mut xval, &mut bsigns, !is_s);
-        let max = max_of(&xval);
+        let sub = Sub::new(
+            xb,
+            qw.map(|q| &q[32 * ib..32 * ib + 32]),
+            sigma2,
+            |v| v * v,
+            !is_s,
+        );
+        let mut bsigns = sub.signs;
         l.fill(0);
-        let degenerate = if is_s { max == 0.0 } else { max < EPS_IQ3_XXS };
+        let degenerate = if is_s {
+            sub.max == 0.0
+        } else {
+            sub.max < EPS_IQ3_XXS
+        };
         if degenerate {
             scales[ib] = 0.0;
             continue;
@@ -581,9 +625,9 @@ pub(super) fn iq3(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]) {
         };
         let mut scale = search(
             lat,
-            &xval,
-            &weight,
-            &waux,
+            sub.xval(),
+            sub.weight(),
+            sub.waux(),
             &mut l,
             KMAX,
             steps,

@@ -391,12 +391,14 @@ pub struct Collector {
 #[cfg(feature = "exec")]
 impl Collector {
     /// A collector for a model with `experts` experts per MoE block (0: dense);
-    /// `process_output`: also `output.weight` (llama-imatrix's `--process-output`).
-    pub fn new(experts: usize, process_output: bool) -> Collector {
+    /// `process_output`: also `output.weight` (llama-imatrix's `--process-output`), which a
+    /// model whose embeddings are tied has not (llama.cpp's output matmul is then
+    /// `token_embd`'s, which it never collects).
+    pub fn new(experts: usize, process_output: bool, tied_embeddings: bool) -> Collector {
         Collector {
             names: super::Names::generic(experts),
             experts,
-            process_output,
+            process_output: process_output && !tied_embeddings,
             entries: BTreeMap::new(),
         }
     }
