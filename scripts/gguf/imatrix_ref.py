@@ -9,7 +9,9 @@
    are f32 throughout like kiln's), in both file layouts: `llama-imatrix.gguf`, `.dat`.
 3. `llama-quantize` quantizes the BF16 file to every file type kiln writes, without and with
    the importance matrix (`--imatrix llama-imatrix.gguf`, and once with the `.dat`), and the
-   type and SHA-256 of every tensor of each result go to `llama-quantize.json`.
+   type and SHA-256 of every tensor of each result, and of the whole file, go to
+   `llama-quantize.json`. The importance matrix is named by its file name (llama-quantize runs
+   in its folder): llama-quantize records the path as given, and so does kiln.
 
 4. `llama-perplexity` scores the F32 file and three quantized ones on the same text (chunks of
    128, the first 8; `--kl-divergence` against the F32 file's distributions; flash attention
@@ -38,9 +40,9 @@ TYPES = ["q2-k", "q3-k-s", "q3-k-m", "q3-k-l", "q4-k-s", "q4-k-m", "q5-k-s", "q5
 IMATRIX_ONLY = ["iq3-xs", "iq3-xxs", "iq2-m", "iq2-s", "iq2-xs", "iq2-xxs"]
 
 
-def run(cmd):
+def run(cmd, cwd=None):
     """Runs `cmd`; its stdout and stderr together (llama.cpp's tools log to stderr)."""
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd)
     if p.returncode != 0:
         sys.exit(f"{' '.join(map(str, cmd))} failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
     return p.stdout + p.stderr
@@ -107,8 +109,10 @@ def main():
     a.add_argument("--kiln", required=True)
     a.add_argument("--llama", required=True, help="folder of llama-imatrix and llama-quantize")
     a.add_argument("--work", default="/tmp/kiln-imatrix-ref")
+    a.add_argument("--keep-imatrix", action="store_true",
+                   help="reuse the committed llama-imatrix files (redo the quantizations only)")
     o = a.parse_args()
-    llama, work = pathlib.Path(o.llama), pathlib.Path(o.work)
+    llama, work = pathlib.Path(o.llama).resolve(), pathlib.Path(o.work).resolve()
     sys.path.insert(0, str(llama.parent / "src" / "llama_cpp_python-0.3.36" / "vendor" /
                            "llama.cpp" / "gguf-py"))
     work.mkdir(parents=True, exist_ok=True)
@@ -119,23 +123,25 @@ def main():
     for f in ["f32", "bf16"]:
         run([o.kiln, "export", "--model", model, "--output-format", "gguf", "--format", f,
              "--out", work / f, "--force"])
-    for layout in ["gguf", "dat"]:
+    for layout in [] if o.keep_imatrix else ["gguf", "dat"]:
         run([llama / "llama-imatrix", "-m", work / "f32" / "model.gguf", "-f", OUT / "text.txt",
              "-o", OUT / f"llama-imatrix.{layout}", "-c", CTX, "--chunks", CHUNKS, "-t", 2,
              "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--output-format", layout])
     refs = {"source": "llama.cpp of llama-cpp-python 0.3.36", "ctx": CTX, "chunks": CHUNKS,
-            "files": {}}
+            "files": {}, "file_sha256": {}}
     runs = ([(t, None) for t in TYPES] + [(t, "gguf") for t in TYPES + IMATRIX_ONLY]
             + [("q4-k-m", "dat")])
     for t, imatrix in runs:
         out = work / f"{t}-{imatrix or 'plain'}.gguf"
         cmd = [llama / "llama-quantize"]
         if imatrix:
-            cmd += ["--imatrix", OUT / f"llama-imatrix.{imatrix}"]
+            cmd += ["--imatrix", f"llama-imatrix.{imatrix}"]
         llama_name = t.upper().replace("-", "_")
-        run(cmd + [work / "bf16" / "model.gguf", out, llama_name, "2"])
-        refs["files"][f"{t}+{imatrix}" if imatrix else t] = tensors(out)
-        print(f"{t} {imatrix or ''}: {len(refs['files'][f'{t}+{imatrix}' if imatrix else t])} tensors")
+        run(cmd + [work / "bf16" / "model.gguf", out, llama_name, "2"], cwd=OUT)
+        key = f"{t}+{imatrix}" if imatrix else t
+        refs["files"][key] = tensors(out)
+        refs["file_sha256"][key] = hashlib.sha256(out.read_bytes()).hexdigest()
+        print(f"{t} {imatrix or ''}: {len(refs['files'][key])} tensors")
     (OUT / "llama-quantize.json").write_text(json.dumps(refs, indent=1, sort_keys=True) + "\n")
     perplexity(llama, work)
     print(f"→ {OUT}")

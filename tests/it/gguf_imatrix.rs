@@ -4,7 +4,7 @@
 //!
 //! - every file type kiln writes, on the demo model (every width whole 256-blocks), without
 //!   and with `--imatrix` (GGUF and legacy `.dat`): each tensor's type and bytes equal to
-//!   `llama-quantize`'s output (SHA-256);
+//!   `llama-quantize`'s output (SHA-256), and then the whole file;
 //! - `kiln imatrix` on the same text equals `llama-imatrix`'s sums to float rounding.
 
 use kiln_runtime::demo::{DemoConfig, write_demo_model};
@@ -23,10 +23,12 @@ fn refs_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf/imatrix")
 }
 
+/// The importance matrix at `path`, named by its file name alone, as the references gave it to
+/// llama-quantize (which records the name in `quantize.imatrix.file`).
 fn importance(path: &Path) -> Arc<Importance> {
     let m = Imatrix::read(path).unwrap_or_else(|e| panic!("{e}"));
     Arc::new(Importance {
-        source: path.to_path_buf(),
+        source: PathBuf::from(path.file_name().unwrap()),
         weights: m
             .entries
             .keys()
@@ -37,20 +39,23 @@ fn importance(path: &Path) -> Arc<Importance> {
     })
 }
 
+fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// `{tensor: [ggml type, sha256]}` of a GGUF file.
 fn tensors(file: &Path) -> BTreeMap<String, (String, String)> {
-    use sha2::Digest;
     let g = GgufFile::open(file).unwrap_or_else(|e| panic!("{e}"));
     g.tensors
         .iter()
         .map(|t| {
             let bytes = g.read(t).unwrap();
             let name = kiln_runtime::formats::gguf::type_name(t.ggml_type).to_string();
-            let hash = sha2::Sha256::digest(&bytes)
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            (t.name.clone(), (name, hash))
+            (t.name.clone(), (name, sha256(&bytes)))
         })
         .collect()
 }
@@ -98,6 +103,7 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
         let out = export(&model, tmp.path(), key);
         let got = tensors(&out.join("model.gguf"));
         let want = want.as_object().unwrap();
+        let whole = sha256(&std::fs::read(out.join("model.gguf")).unwrap());
         assert_eq!(got.len(), want.len(), "{key}: tensor count");
         for (name, w) in want {
             let (ty, hash) = &got[name];
@@ -108,6 +114,12 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
                 "{key}: {name} ({ty}) differs from llama-quantize's bytes"
             );
         }
+        // Then the whole file: the same keys in the same order, the tensors in llama's order.
+        assert_eq!(
+            Some(whole.as_str()),
+            refs["file_sha256"][key].as_str(),
+            "{key}: every tensor equals llama-quantize's, but the file differs (keys or order)"
+        );
         if let Some(layout) = layout {
             // What llama-quantize records of the importance matrix.
             let g = GgufFile::open(&out.join("model.gguf")).unwrap();

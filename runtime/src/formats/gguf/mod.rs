@@ -697,8 +697,12 @@ impl OutputWriter for GgufOutput {
         let c = start.checkpoint.config().raw();
         let dims = Dims::of(c)?;
         let (mut md, rope_freqs) = hparams(c, start.model, start.architecture, family, &dims)?;
-        md.push(("general.file_type".into(), Value::U32(self.ftype.number())));
-        md.push(("general.quantization_version".into(), Value::U32(2)));
+        // Where convert_hf_to_gguf.py puts them; a quantized file has them last (below).
+        let quantizes = self.ftype.quantizes();
+        if !quantizes {
+            md.push(("general.file_type".into(), Value::U32(self.ftype.number())));
+            md.push(("general.quantization_version".into(), Value::U32(2)));
+        }
         // The converter's LlamaModel: `add_space_prefix` from tokenizer_config.json, then
         // SentencePiece before BPE.
         if family == Family::Llama
@@ -715,6 +719,12 @@ impl OutputWriter for GgufOutput {
             self.warn(w);
         }
         md.extend(vocab.metadata);
+        // llama-quantize copies the converted file's keys, then sets these two (ggml's
+        // `gguf_set_val_*` removes a key and appends it): after every other key.
+        if quantizes {
+            md.push(("general.quantization_version".into(), Value::U32(2)));
+            md.push(("general.file_type".into(), Value::U32(self.ftype.number())));
+        }
         // What llama-quantize records of an importance matrix (its `kv_overrides`, after every
         // other key): the file as given, its first dataset, the entries, the chunks.
         if let Some(i) = start.importance {
@@ -833,6 +843,13 @@ impl OutputWriter for GgufOutput {
             .file
             .into_inner()
             .map_err(|e| io(&spool.path, e.into_error()))?;
+        // llama-quantize writes tensors in its loader's order (`weight_name_comparer`): by layer
+        // (`blk.N.`; other tensors first), then by name.
+        if self.ftype.quantizes() {
+            spool
+                .entries
+                .sort_by(|a, b| llama_tensor_order(&a.0).cmp(&llama_tensor_order(&b.0)));
+        }
         let tensors: Vec<(String, Vec<u64>, u32)> = spool
             .entries
             .iter()
@@ -949,6 +966,17 @@ impl Dims {
 }
 
 /// The type an unquantized weight keeps: the dtype of the model's first 2-D weight.
+/// The key llama.cpp's model loader sorts tensors by: the layer of a `blk.N.` name (−1 for
+/// the rest), then the name (`llama_model_loader::weight_name_comparer`).
+fn llama_tensor_order(name: &str) -> (i64, &str) {
+    let layer = name
+        .strip_prefix("blk.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(n, _)| n.parse::<i64>().ok())
+        .unwrap_or(-1);
+    (layer, name)
+}
+
 fn base_type(start: &WriterStart<'_>) -> u32 {
     start
         .tree
