@@ -158,21 +158,22 @@ pub struct ExportArgs {
     /// the Linear's output error.
     #[arg(long, requires = "calib")]
     awq_clip: bool,
-    /// How the weights are rounded: `rtn` (round to nearest, the default) or `gptq`
-    /// (llm-compressor's GPTQ on the --calib samples, layer by layer: compressed-tensors
-    /// w4a16, w4a16-asym and w8a16).
+    /// How the weights are rounded: `rtn` (round to nearest, the default) or `gptq` on the
+    /// --calib samples: llm-compressor's (layer by layer) for compressed-tensors w4a16,
+    /// w4a16-asym, w8a16 and nvfp4a16; mlx-lm's for mlx q2/q4/q8.
     #[arg(long, value_enum, default_value_t = Algorithm::Rtn)]
     algorithm: Algorithm,
-    /// GPTQ's columns per block (llm-compressor's `block_size`).
-    #[arg(long, value_name = "N", default_value_t = 128, requires = "calib")]
-    gptq_block_size: usize,
+    /// GPTQ's columns per block (llm-compressor's `block_size`, 128; mlx-lm's blocks are its
+    /// groups).
+    #[arg(long, value_name = "N", requires = "calib")]
+    gptq_block_size: Option<usize>,
     /// GPTQ's dampening, a fraction of the Hessian's mean diagonal (`dampening_frac`).
     #[arg(long, value_name = "F", default_value_t = 0.01, requires = "calib")]
     gptq_dampening: f32,
     /// GPTQ's activation ordering: `static` (llm-compressor's default: columns by decreasing
-    /// Hessian diagonal, each with its own group's scale) or `none`.
-    #[arg(long, value_enum, default_value_t = ActOrder::Static, requires = "calib")]
-    gptq_actorder: ActOrder,
+    /// Hessian diagonal, each with its own group's scale) or `none` (mlx-lm has none).
+    #[arg(long, value_enum, requires = "calib")]
+    gptq_actorder: Option<ActOrder>,
     #[command(flatten)]
     device: DeviceArgs,
     /// The dtype --calib runs the model in (ModelOpt calibrates in the checkpoint's dtype,
@@ -245,9 +246,33 @@ fn gptq(
     err: &mut dyn Write,
 ) -> Result<Arc<dyn kiln_runtime::export::writer::ChosenCodes>> {
     use kiln_runtime::calibrate::gptq::GptqSettings;
-    if args.gptq_block_size == 0 {
+    use kiln_runtime::export::writer::GptqStyle;
+    if args.gptq_block_size == Some(0) {
         bail!("--gptq-block-size must be at least 1");
     }
+    let settings = match writer.gptq_style() {
+        Some(GptqStyle::MlxLm { group }) => {
+            if args.gptq_block_size.is_some_and(|b| b != group) {
+                bail!(
+                    "--gptq-block-size: mlx-lm's GPTQ updates group by group (blocks of \
+                     {group} here, the group size)"
+                );
+            }
+            if args.gptq_actorder == Some(ActOrder::Static) {
+                bail!("--gptq-actorder static: mlx-lm's GPTQ has no activation ordering");
+            }
+            GptqSettings {
+                dampening: args.gptq_dampening,
+                ..GptqSettings::mlx_lm(group)
+            }
+        }
+        _ => GptqSettings {
+            block: args.gptq_block_size.unwrap_or(128),
+            dampening: args.gptq_dampening,
+            actorder: args.gptq_actorder.unwrap_or(ActOrder::Static) == ActOrder::Static,
+            sequential: true,
+        },
+    };
     if !(args.gptq_dampening >= 0.0 && args.gptq_dampening.is_finite()) {
         bail!("--gptq-dampening must be a finite fraction ≥ 0");
     }
@@ -271,11 +296,6 @@ fn gptq(
         indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} layers quantized by GPTQ")
             .expect("a valid template"),
     );
-    let settings = GptqSettings {
-        block: args.gptq_block_size,
-        dampening: args.gptq_dampening,
-        actorder: args.gptq_actorder == ActOrder::Static,
-    };
     let (codes, report) = calibration
         .gptq(writer, settings, |done, total| {
             bar.set_length(total as u64);
@@ -426,18 +446,10 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         if args.calib.is_none() {
             bail!("--algorithm gptq quantizes against calibration data: it needs --calib FILE");
         }
-        // A probe weight whose rows fit every group size: does the format have GPTQ?
-        let probe_row = vec![0f32; 384];
-        if probe
-            .gptq_grid(
-                &kiln_runtime::export::writer::WeightValues::F32(&probe_row),
-                384,
-            )
-            .is_none()
-        {
+        if probe.gptq_style().is_none() {
             bail!(
                 "--algorithm gptq: the {} writer's `{}` has no GPTQ in kiln (compressed-tensors \
-                 w4a16, w4a16-asym and w8a16 have it)",
+                 w4a16, w4a16-asym, w8a16 and nvfp4a16, and mlx q2, q4 and q8 have it)",
                 output.writer,
                 output.format
             );

@@ -9,7 +9,8 @@ For the committed tiny Llama (tests/compat/llama-tiny/model, bf16), llm-compress
                                                          its own sample, the sequential pipeline
 
 for the cases below: W4A16 with groups of 128, 64 and 32, W4A16_ASYM, W8A16 (groups of 128) and
-W8A16 in groups of 32; GPTQ with llm-compressor's default activation ordering (`static`) and without.
+W8A16 in groups of 32; GPTQ with llm-compressor's default activation ordering (`static`) and without,
+and GPTQ of NVFP4A16.
 kiln must write the same integer codes (≥ 99 %) and scales (within 1 %) from the same ids:
 
     python3 -m venv .venv-llmc && .venv-llmc/bin/pip install -r tests/compat/requirements-llmc.txt
@@ -54,6 +55,10 @@ GPTQ = {
     "f32-w4a16": ("W4A16", None, "static"),
     "f32-w4a16-asym": ("W4A16_ASYM", None, "static"),
     "f32-w8a16-g64": ("W8A16", 64, "static"),
+    # NVFP4A16 (TENSOR_GROUP: FP8 group scales under a global scale shared by q/k/v and
+    # gate/up), GPTQ choosing its E2M1 codes.
+    "nvfp4a16": ("NVFP4A16", None, "static"),
+    "f32-nvfp4a16": ("NVFP4A16", None, "static"),
 }
 
 

@@ -2,7 +2,9 @@
 //! committed tiny Llama on the same calibration ids (`tests/compat/llama-tiny/calib-32x64.jsonl`,
 //! each row a sample, bf16) gives the integer codes of llm-compressor's export
 //! (`tests/compat/llama-tiny/gptq-<case>/`, made by `tests/compat/gptq_ref.py`) for ≥ 99 % of
-//! the weights, every scale within 1 %, and the same `config.json`. What differs: the
+//! the weights, every scale within 1 % (NVFP4A16's FP8 and global scales exactly), and the
+//! same `config.json`; and mlx-lm 0.32.2's `mlx_lm.quant.gptq` (`mlx-gptq-<case>/`, made by
+//! `tests/compat/mlx_gptq_ref.py`) for MLX's q4 / q8. What differs: the
 //! Hessians and their factorization are sums in another order (kiln factors in f64, PyTorch in
 //! f32), so a weight that lands within float rounding of a rounding boundary can round the
 //! other way — and every later column of its row sees a slightly different error.
@@ -27,6 +29,7 @@ fn case(name: &str) -> (&'static str, Option<usize>, bool) {
         "w4a16-asym" => ("w4a16-asym", None, true),
         "w8a16" => ("w8a16", None, true),
         "w8a16-g64" => ("w8a16", Some(64), true),
+        "nvfp4a16" => ("nvfp4a16", None, true),
         other => panic!("unknown GPTQ reference `{other}`"),
     }
 }
@@ -109,8 +112,16 @@ fn export(
     run(&o).unwrap();
 }
 
-/// The integer codes of `module` in a pack-quantized checkpoint.
+/// The codes of `module` in a pack-quantized checkpoint (`bits` 0: NVFP4's nibbles, low
+/// nibble first).
 fn codes(c: &Checkpoint, module: &str, bits: usize) -> Vec<i8> {
+    if bits == 0 {
+        let packed: Vec<u8> = c.read_as(&format!("{module}.weight_packed")).unwrap();
+        return packed
+            .iter()
+            .flat_map(|b| [(b & 15) as i8, (b >> 4) as i8])
+            .collect();
+    }
     let shape: Vec<i64> = c.read_as(&format!("{module}.weight_shape")).unwrap();
     let words: Vec<i32> = c.read_as(&format!("{module}.weight_packed")).unwrap();
     unpack_int32(&words, shape[0] as usize, shape[1] as usize, bits).unwrap()
@@ -161,7 +172,11 @@ fn gptq_matches_llm_compressor() {
             Checkpoint::open(&out).unwrap(),
             Checkpoint::open(dir.join("llmcompressor")).unwrap(),
         );
-        let bits = if format == "w8a16" { 8 } else { 4 };
+        let bits = match format {
+            "w8a16" => 8,
+            "nvfp4a16" => 0,
+            _ => 4,
+        };
         let (mut same, mut total) = (0usize, 0usize);
         for t in theirs.tensors() {
             let Some(module) = t.name.strip_suffix(".weight_packed") else {
@@ -179,6 +194,18 @@ fn gptq_matches_llm_compressor() {
             same += agree;
             total += b.len();
             let scale = format!("{module}.weight_scale");
+            if bits == 0 {
+                // NVFP4: the FP8 group scales and the global scale, exactly.
+                let bytes = |c: &Checkpoint, n: &str| {
+                    let mut v = Vec::new();
+                    c.read(n, &mut v).unwrap();
+                    v
+                };
+                for n in [scale.clone(), format!("{module}.weight_global_scale")] {
+                    assert_eq!(bytes(&ours, &n), bytes(&theirs, &n), "{name} `{n}`");
+                }
+                continue;
+            }
             let (sa, sb) = (floats(&ours, &scale), floats(&theirs, &scale));
             for (i, (x, y)) in sa.iter().zip(&sb).enumerate() {
                 assert!(
@@ -218,12 +245,100 @@ fn gptq_matches_llm_compressor() {
         let v = kiln_runtime::formats::verify(&input, &out).unwrap();
         assert!(v.problems.is_empty(), "{name}: {:?}", v.problems);
     }
-    assert_eq!(seen, 8, "committed GPTQ references");
+    assert_eq!(seen, 10, "committed GPTQ references");
     assert!(
         failed.is_empty(),
         "below the floor: {failed:?}\n{}",
         report.join("\n")
     );
+    eprintln!("{}", report.join("\n"));
+}
+
+/// The MLX codes of `name` (`[rows, cols]` packed in `uint32` words, low bits first).
+fn mlx_codes(c: &Checkpoint, name: &str, bits: usize) -> Vec<u32> {
+    let words: Vec<u32> = c.read_as(name).unwrap();
+    words
+        .iter()
+        .flat_map(|w| (0..32 / bits).map(move |k| (w >> (k * bits)) & ((1 << bits) - 1)))
+        .collect()
+}
+
+#[test]
+fn mlx_gptq_matches_mlx_lm() {
+    // mlx-lm ran in f32 (the bf16 weights widened), as kiln's default --calib-dtype; its scales
+    // and biases stay f32 there, kiln stores them in the checkpoint's bf16.
+    let compat = common::root().join("tests/compat/llama-tiny");
+    let model = compat.join("model");
+    let calib = compat.join("calib-32x64.jsonl");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut report = Vec::new();
+    for (case, bits, group) in [("q4", 4usize, "64"), ("q8", 8, "64"), ("q4-g32", 4, "32")] {
+        let out = tmp.path().join(case);
+        let r = kiln(&[
+            "export",
+            "--model",
+            model.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--output-format",
+            "mlx",
+            "--format",
+            &format!("q{bits}"),
+            "--group-size",
+            group,
+            "--calib",
+            calib.to_str().unwrap(),
+            "--algorithm",
+            "gptq",
+        ]);
+        let stderr = String::from_utf8_lossy(&r.stderr);
+        assert!(r.status.success(), "{case}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "GPTQ (block {group}, dampening 0.01, actorder none, one pass): 15 Linears"
+            )),
+            "{case}: {stderr}"
+        );
+        let ours = Checkpoint::open(&out).unwrap();
+        let theirs = Checkpoint::open(compat.join(format!("mlx-gptq-{case}"))).unwrap();
+        let (mut same, mut total, mut scales_same, mut groups) = (0usize, 0usize, 0usize, 0usize);
+        for t in theirs.tensors() {
+            let Some(module) = t.name.strip_suffix(".scales") else {
+                continue;
+            };
+            let w = format!("{module}.weight");
+            let (a, b) = (mlx_codes(&ours, &w, bits), mlx_codes(&theirs, &w, bits));
+            assert_eq!(a.len(), b.len(), "{case} `{w}`");
+            same += a.iter().zip(&b).filter(|(x, y)| x == y).count();
+            total += b.len();
+            for local in ["scales", "biases"] {
+                let n = format!("{module}.{local}");
+                let (sa, sb) = (floats(&ours, &n), floats(&theirs, &n));
+                assert_eq!(sa.len(), sb.len(), "{case} `{n}`");
+                for (i, (x, y)) in sa.iter().zip(&sb).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 0.01 * y.abs(),
+                        "{case} `{n}`[{i}]: kiln {x}, mlx-lm {y}"
+                    );
+                    // What kiln stores is mlx-lm's f32 value rounded to bf16.
+                    scales_same += usize::from(*x == half::bf16::from_f32(*y).to_f32());
+                    groups += 1;
+                }
+            }
+        }
+        assert!(total > 0, "{case}: no quantized weights");
+        let share = same as f64 / total as f64;
+        report.push(format!(
+            "mlx-gptq-{case}: {same} of {total} codes ({:.3} %), {scales_same} of {groups} \
+             scales and biases = bf16(mlx-lm's)",
+            100.0 * share
+        ));
+        assert!(share >= 0.99, "{}", report.join("\n"));
+        assert!(scales_same * 100 >= groups * 99, "{}", report.join("\n"));
+        // mlx-lm's own loader reads what kiln wrote: kiln verify decodes it.
+        let v = kiln_runtime::formats::verify(&model, &out).unwrap();
+        assert!(v.problems.is_empty(), "{case}: {:?}", v.problems);
+    }
     eprintln!("{}", report.join("\n"));
 }
 
@@ -269,7 +384,8 @@ fn gptq_from_the_cli_writes_what_the_library_writes() {
     assert!(r.status.success(), "{stderr}");
     assert!(
         stderr.contains(
-            "GPTQ (block 128, dampening 0.01, actorder static): 14 Linears on 2048 tokens"
+            "GPTQ (block 128, dampening 0.01, actorder static, sequential): 14 Linears on \
+             2048 tokens"
         ),
         "{stderr}"
     );
@@ -365,10 +481,37 @@ fn group_sizes_and_gptq_refuse_what_they_cannot_do() {
     fails(
         &[
             &ct[..],
-            &["--format", "nvfp4a16", "--algorithm", "gptq", "--calib", c],
+            &["--format", "nvfp4", "--algorithm", "gptq", "--calib", c],
         ]
         .concat(),
-        "the compressed-tensors writer's `nvfp4a16` has no GPTQ in kiln",
+        "the compressed-tensors writer's `nvfp4` has no GPTQ in kiln",
+    );
+    let mlx = ["export", "--model", m, "--out", o, "--output-format", "mlx"];
+    fails(
+        &[
+            &mlx[..],
+            &["--format", "mxfp4", "--algorithm", "gptq", "--calib", c],
+        ]
+        .concat(),
+        "the mlx writer's `mxfp4` has no GPTQ in kiln",
+    );
+    fails(
+        &[
+            &mlx[..],
+            &["--format", "q4", "--algorithm", "gptq", "--calib", c],
+            &["--gptq-actorder", "static"],
+        ]
+        .concat(),
+        "mlx-lm's GPTQ has no activation ordering",
+    );
+    fails(
+        &[
+            &mlx[..],
+            &["--format", "q4", "--algorithm", "gptq", "--calib", c],
+            &["--gptq-block-size", "128"],
+        ]
+        .concat(),
+        "mlx-lm's GPTQ updates group by group (blocks of 64 here, the group size)",
     );
     fails(
         &[

@@ -251,6 +251,24 @@ fn affine_params(op: &'static str, bits: usize, group: usize) -> Result<(), Kern
     Ok(())
 }
 
+/// The f32 `(scale, bias)` MLX's affine mode gives a group whose least and greatest values
+/// are `lo` and `hi` (the steps above, before rounding to the weight's dtype).
+pub fn affine_scale_bias(lo: f32, hi: f32, bits: usize) -> (f32, f32) {
+    let n_bins = ((1u32 << bits) - 1) as f32;
+    let below = lo.abs() > hi.abs();
+    // `max(x, eps)` as C++'s std::max writes it: a NaN range stays NaN.
+    let range = (hi - lo) / n_bins;
+    let s = if range < 1e-7 { 1e-7 } else { range };
+    let (mut s, edge) = if below { (s, lo) } else { (-s, hi) };
+    let q0 = round_half_even(edge / s);
+    let mut b = 0.0;
+    if q0 != 0.0 {
+        s = edge / q0;
+        b = edge;
+    }
+    (s, b)
+}
+
 /// MLX's affine quantization of rows of `cols` (module docs): `packed` words, and per group a
 /// scale and a bias in the weight's dtype.
 pub fn quantize_affine<T: Element>(
@@ -288,17 +306,7 @@ pub fn quantize_affine<T: Element>(
             .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), x| {
                 (lo.min(x.to_f32()), hi.max(x.to_f32()))
             });
-        let below = lo.abs() > hi.abs();
-        // `max(x, eps)` as C++'s std::max writes it: a NaN range stays NaN.
-        let range = (hi - lo) / n_bins;
-        let s = if range < 1e-7 { 1e-7 } else { range };
-        let (mut s, edge) = if below { (s, lo) } else { (-s, hi) };
-        let q0 = round_half_even(edge / s);
-        let mut b = 0.0;
-        if q0 != 0.0 {
-            s = edge / q0;
-            b = edge;
-        }
+        let (s, b) = affine_scale_bias(lo, hi, bits);
         for (word, vals) in words.iter_mut().zip(g.chunks_exact(per_word)) {
             *word = vals.iter().enumerate().fold(0u32, |acc, (k, v)| {
                 let q = round_half_even((v.to_f32() - b) / s).max(0.0).min(n_bins);
@@ -309,6 +317,35 @@ pub fn quantize_affine<T: Element>(
         }
         *scale = T::from_f32(s);
         *bias = T::from_f32(b);
+    }
+    Ok(())
+}
+
+/// Packs affine codes (`0 ..= 2^bits − 1`, one a byte) into MLX's `uint32` words, element
+/// `k` of a word at bit `k · bits` (what [`quantize_affine`] writes for the codes it chooses).
+pub fn pack_affine(codes: &[u8], bits: usize, packed: &mut [u32]) -> Result<(), KernelError> {
+    let op = "pack_affine";
+    affine_params(op, bits, 32)?;
+    let n = codes.len();
+    check_len(
+        op,
+        "packed output",
+        packed.len(),
+        affine_words(n, bits),
+        &[n],
+    )?;
+    let mask = (1u32 << bits) - 1;
+    if let Some(&bad) = codes.iter().find(|&&q| u32::from(q) > mask) {
+        return Err(KernelError::Parameter {
+            op,
+            what: format!("code {bad} does not fit {bits} bits"),
+        });
+    }
+    for (word, vals) in packed.iter_mut().zip(codes.chunks_exact(32 / bits)) {
+        *word = vals
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (k, &q)| acc | u32::from(q) << (k * bits));
     }
     Ok(())
 }
@@ -435,5 +472,31 @@ mod tests {
             e.to_string().contains("multiple of the block size 32"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn packing_chosen_codes_is_what_quantize_affine_packs() {
+        let w: Vec<f32> = (0..128)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        for bits in [2usize, 4, 8] {
+            let mut packed = vec![0u32; affine_words(w.len(), bits)];
+            let (mut s, mut b) = (vec![0f32; 2], vec![0f32; 2]);
+            quantize_affine(&w, 128, 64, bits, &mut packed, &mut s, &mut b).unwrap();
+            let n_bins = ((1u32 << bits) - 1) as f32;
+            let codes: Vec<u8> = w
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| {
+                    let g = i / 64;
+                    round_half_even((x - b[g]) / s[g]).clamp(0.0, n_bins) as u8
+                })
+                .collect();
+            let mut again = vec![0u32; packed.len()];
+            pack_affine(&codes, bits, &mut again).unwrap();
+            assert_eq!(again, packed, "{bits} bits");
+        }
+        let mut out = vec![0u32; 1];
+        assert!(pack_affine(&[16, 0, 0, 0, 0, 0, 0, 0], 4, &mut out).is_err());
     }
 }

@@ -14,6 +14,14 @@
 //!
 //! Activation ordering (`actorder`, llm-compressor's default `static`, i.e. `weight`): columns
 //! are visited by decreasing Hessian diagonal, each keeping its own group's scale.
+//!
+//! The grids ([`GptqGrid`]): compressed-tensors' integers (`w4a16`, `w4a16-asym`, `w8a16`) and
+//! NVFP4 (`nvfp4a16`: E2M1 codes on the observer's FP8 group scales under the global scale,
+//! llm-compressor's `TENSOR_GROUP`), both as above; and MLX's affine `q2`/`q4`/`q8` as
+//! mlx-lm's `mlx_lm.quant.gptq` runs it ([`GptqSettings::mlx_lm`]): every Hessian from the
+//! original model in one pass (`H = Σ XᵀX`; its scale cancels), groups as blocks, and each
+//! group's scale and bias chosen from its columns as GPTQ reaches them, so the writer stores
+//! GPTQ's scales and biases as well as its codes.
 
 use super::max::LayerCalibration;
 use crate::checkpoint::Checkpoint;
@@ -24,9 +32,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub use crate::export::writer::IntGrid;
+pub use crate::export::writer::{GptqGrid, IntGrid};
 
-/// How GPTQ runs (llm-compressor's `GPTQModifier` fields and defaults).
+/// How GPTQ runs (llm-compressor's `GPTQModifier` fields and defaults; [`GptqSettings::mlx_lm`]
+/// for mlx-lm's).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GptqSettings {
     /// Columns updated together (`block_size`, 128).
@@ -36,6 +45,10 @@ pub struct GptqSettings {
     pub dampening: f32,
     /// Visit columns by decreasing Hessian diagonal (`actorder="static"`, the default).
     pub actorder: bool,
+    /// llm-compressor's sequential pipeline: layer L's Hessians from the outputs of the
+    /// layers before it already quantized. `false`: every Hessian from the original model in
+    /// one pass (mlx-lm's `gptq_quantize`).
+    pub sequential: bool,
 }
 
 impl Default for GptqSettings {
@@ -44,58 +57,132 @@ impl Default for GptqSettings {
             block: 128,
             dampening: 0.01,
             actorder: true,
+            sequential: true,
+        }
+    }
+}
+
+impl GptqSettings {
+    /// mlx-lm 0.32's `mlx_lm.quant.gptq`: one pass over the original model, blocks that are
+    /// the groups, no activation ordering, dampening 0.01 of the mean diagonal.
+    pub fn mlx_lm(group: usize) -> Self {
+        GptqSettings {
+            block: group,
+            dampening: 0.01,
+            actorder: false,
+            sequential: false,
         }
     }
 }
 
 /// For the weight tensor `name`: its values (f32, from the checkpoint's dtype), the grid the
-/// writer stores it on, and the per-group `(scale, zero point)` the writer computes for round
-/// to nearest (the writer's own function, so both agree bit for bit).
+/// writer stores it on with the parameters the writer fixes (the writer's own function, so
+/// both agree bit for bit).
 pub type GroupParams<'a> = dyn Fn(&str) -> Result<Prepared, ModelError> + Sync + 'a;
 
 /// A weight made ready for GPTQ ([`GroupParams`]).
 pub struct Prepared {
     /// The weight's values, f32.
     pub values: Vec<f32>,
-    /// The grid it is stored on.
-    pub grid: IntGrid,
-    /// Per-group `(scale, zero point)`, row-major `[rows, cols / group]`.
-    pub params: Vec<(f32, i8)>,
-    /// Rounding to the scales' dtype: compressed-tensors dequantizes in it
-    /// (`(q − zp).to(scale.dtype) * scale`).
+    /// The grid it is stored on, with what the writer fixes beforehand.
+    pub grid: GptqGrid,
+    /// Rounding of a dequantized value to the dtype the format dequantizes in
+    /// (compressed-tensors' integers: `(q − zp).to(scale.dtype) * scale`).
     pub round: fn(f32) -> f32,
 }
 
 /// One Linear quantized by GPTQ.
 #[derive(Debug, Clone)]
 pub struct Quantized {
-    /// The integer codes, `[rows, cols]` row-major, in the original column order.
+    /// The codes, `[rows, cols]` row-major, in the original column order (see
+    /// [`crate::export::writer::ChosenCodes::codes`]).
     pub codes: Vec<i8>,
-    /// The dequantized weight `(code − zp) · scale` (f32).
+    /// The dequantized weight (f32).
     pub values: Vec<f32>,
     /// GPTQ's loss, `Σ err² / 2` (llm-compressor's logged figure).
     pub loss: f64,
     /// The Hessian could not be factorized: round to nearest was used (llm-compressor's
     /// fallback).
     pub rtn_fallback: bool,
+    /// [`GptqGrid::Affine`]: the `(scale, bias)` chosen per group, `[rows, cols / group]`.
+    pub params: Option<Vec<(f32, f32)>>,
+}
+
+/// The dampened Hessian with dead inputs handled, and its inverse factor `U` (`UᵀU = H⁻¹`;
+/// the identity when `H` cannot be factorized).
+fn inverse_factor(hp: &mut [f64], cols: usize, dampening: f32) -> (Vec<f32>, bool) {
+    let mean = (0..cols).map(|i| hp[i * cols + i]).sum::<f64>() / cols as f64;
+    let damp = f64::from(dampening) * mean;
+    for i in 0..cols {
+        hp[i * cols + i] += damp;
+    }
+    match inverse_upper_cholesky(hp, cols) {
+        Some(u) => (u, false),
+        None => {
+            let mut eye = vec![0f32; cols * cols];
+            for i in 0..cols {
+                eye[i * cols + i] = 1.0;
+            }
+            (eye, true)
+        }
+    }
 }
 
 /// GPTQ of one weight `w` (`[rows, cols]` f32) against its Hessian `h` (`[cols, cols]`,
-/// already divided by the number of samples), with the per-group `params` (`[rows,
-/// cols / group]`) fixed beforehand; each dequantized value is rounded by `round` (the
-/// scales' dtype).
-#[allow(clippy::too_many_arguments)]
+/// already divided by the number of samples) on `grid`; for fixed grids each dequantized
+/// value is rounded by `round` (the scales' dtype).
 pub fn quantize(
     w: &[f32],
     rows: usize,
     cols: usize,
     h: &[f32],
-    grid: IntGrid,
-    params: &[(f32, i8)],
+    grid: &GptqGrid,
     round: fn(f32) -> f32,
     settings: GptqSettings,
 ) -> Quantized {
-    let groups = cols / grid.group;
+    match *grid {
+        GptqGrid::Int { grid, ref params } => {
+            let (lo, hi) = grid.range();
+            let groups = cols / grid.group;
+            quantize_fixed(w, rows, cols, h, grid.group, settings, |r, g, x| {
+                let (s, zp) = params[r * groups + g];
+                let zp = f32::from(zp);
+                let q = (x / s + zp).clamp(lo, hi).round_ties_even();
+                (q as i8, round((q - zp) * s))
+            })
+        }
+        GptqGrid::Fp4 { group, ref scales } => {
+            use kiln_kernels::formats::fp4::{e2m1_to_f32, f32_to_e2m1_nvfp4};
+            let groups = cols / group;
+            quantize_fixed(w, rows, cols, h, group, settings, |r, g, x| {
+                // compressed-tensors' `_quantize` / `_dequantize` with the effective scale.
+                let s = scales[r * groups + g];
+                let mut code = f32_to_e2m1_nvfp4((x / s).clamp(-6.0, 6.0));
+                // A value GPTQ rounds to zero is stored as +0 (llm-compressor compresses the
+                // dequantized weight, whose zeros have no sign bit in its packing).
+                if code & 7 == 0 {
+                    code = 0;
+                }
+                (code as i8, round(e2m1_to_f32(code) * s))
+            })
+        }
+        GptqGrid::Affine { bits, group } => {
+            quantize_affine(w, rows, cols, h, bits, group, settings)
+        }
+    }
+}
+
+/// GPTQ on parameters fixed beforehand (llm-compressor's): `q(row, group, value)` gives a
+/// value's code and its dequantized value.
+fn quantize_fixed(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    h: &[f32],
+    group: usize,
+    settings: GptqSettings,
+    q: impl Fn(usize, usize, f32) -> (i8, f32) + Sync,
+) -> Quantized {
     // Column order: decreasing diagonal (a stable sort: ties keep their order).
     let mut perm: Vec<usize> = (0..cols).collect();
     if settings.actorder {
@@ -122,22 +209,7 @@ pub fn quantize(
             }
         }
     }
-    let mean = (0..cols).map(|i| hp[i * cols + i]).sum::<f64>() / cols as f64;
-    let damp = f64::from(settings.dampening) * mean;
-    for i in 0..cols {
-        hp[i * cols + i] += damp;
-    }
-    let (u, rtn_fallback) = match inverse_upper_cholesky(&hp, cols) {
-        Some(u) => (u, false),
-        None => {
-            let mut eye = vec![0f32; cols * cols];
-            for i in 0..cols {
-                eye[i * cols + i] = 1.0;
-            }
-            (eye, true)
-        }
-    };
-    let (lo, hi) = grid.range();
+    let (u, rtn_fallback) = inverse_factor(&mut hp, cols, settings.dampening);
     // Each row is independent given U: tiles of rows run in parallel, each column by column
     // with llm-compressor's block-lazy update (the same arithmetic row by row); a tile shares
     // each row of U it reads.
@@ -155,15 +227,12 @@ pub fn quantize(
             for i1 in (0..cols).step_by(settings.block) {
                 let i2 = (i1 + settings.block).min(cols);
                 for i in i1..i2 {
-                    let g = perm[i] / grid.group;
+                    let g = perm[i] / group;
                     let urow = &u[i * cols..i * cols + i2];
                     for r in 0..n {
-                        let (s, zp) = params[(t * TILE + r) * groups + g];
-                        let zp = f32::from(zp);
                         let wr = &mut w[r * cols..(r + 1) * cols];
-                        let q = (wr[i] / s + zp).clamp(lo, hi).round_ties_even();
-                        let dq = round((q - zp) * s);
-                        codes[r * cols + i] = q as i8;
+                        let (code, dq) = q(t * TILE + r, g, wr[i]);
+                        codes[r * cols + i] = code;
                         deq[r * cols + i] = dq;
                         let e = (wr[i] - dq) / urow[i];
                         loss += f64::from(e) * f64::from(e);
@@ -173,17 +242,7 @@ pub fn quantize(
                         }
                     }
                 }
-                // The block's error on every later column: W[:, i2:] -= Err · U[i1:i2, i2:].
-                for k in 0..i2 - i1 {
-                    let urow = &u[(i1 + k) * cols + i2..(i1 + k + 1) * cols];
-                    for r in 0..n {
-                        let e = err[r * settings.block + k];
-                        let wr = &mut w[r * cols + i2..(r + 1) * cols];
-                        for (wj, &uj) in wr.iter_mut().zip(urow) {
-                            *wj -= e * uj;
-                        }
-                    }
-                }
+                later_columns(&mut w, &err, &u, n, cols, settings.block, i1, i2);
             }
             (codes, deq, loss / 2.0)
         })
@@ -206,6 +265,115 @@ pub fn quantize(
         values,
         loss,
         rtn_fallback,
+        params: None,
+    }
+}
+
+/// A block's error on every later column of the `n` rows of `w`: `W[:, i2:] −= Err ·
+/// U[i1:i2, i2:]` (`err` holds `block` values a row).
+#[allow(clippy::too_many_arguments)]
+fn later_columns(
+    w: &mut [f32],
+    err: &[f32],
+    u: &[f32],
+    n: usize,
+    cols: usize,
+    block: usize,
+    i1: usize,
+    i2: usize,
+) {
+    for k in 0..i2 - i1 {
+        let urow = &u[(i1 + k) * cols + i2..(i1 + k + 1) * cols];
+        for r in 0..n {
+            let e = err[r * block + k];
+            let wr = &mut w[r * cols + i2..(r + 1) * cols];
+            for (wj, &uj) in wr.iter_mut().zip(urow) {
+                *wj -= e * uj;
+            }
+        }
+    }
+}
+
+/// mlx-lm's GPTQ on MLX's affine grid (`mlx_lm/quant/gptq.py`): group by group, each group's
+/// scale and bias from `mx.quantize` of its columns as they stand after the earlier groups'
+/// updates; within the group, column by column, `q = clip(round((w − b) / s), 0, 2^bits − 1)`,
+/// `e = (w − (s·q + b)) / U[k,k]` and the group's later columns `−= e · U[k, k:j]`; after
+/// the group every later column `−= Err · U[i:j, j:]`. All in f32; no activation ordering and
+/// no dead-input rule (the dampening keeps `H` definite).
+fn quantize_affine(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    h: &[f32],
+    bits: u32,
+    group: usize,
+    settings: GptqSettings,
+) -> Quantized {
+    use kiln_kernels::ops::mlx::affine_scale_bias;
+    let mut hp: Vec<f64> = h.iter().map(|&v| f64::from(v)).collect();
+    let (u, rtn_fallback) = inverse_factor(&mut hp, cols, settings.dampening);
+    let groups = cols / group;
+    let n_bins = ((1u32 << bits) - 1) as f32;
+    const TILE: usize = 8;
+    type Tile = (Vec<i8>, Vec<f32>, Vec<(f32, f32)>, f64);
+    let tiles: Vec<Tile> = w
+        .par_chunks(cols * TILE)
+        .map(|tile| {
+            let n = tile.len() / cols;
+            let mut w = tile.to_vec();
+            let mut codes = vec![0i8; tile.len()];
+            let mut deq = vec![0f32; tile.len()];
+            let mut params = vec![(0f32, 0f32); n * groups];
+            let mut loss = 0f64;
+            let mut err = vec![0f32; group * n];
+            for (g, i1) in (0..cols).step_by(group).enumerate() {
+                let i2 = i1 + group;
+                for r in 0..n {
+                    let (lo, hi) = w[r * cols + i1..r * cols + i2]
+                        .iter()
+                        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
+                            (lo.min(x), hi.max(x))
+                        });
+                    params[r * groups + g] = affine_scale_bias(lo, hi, bits as usize);
+                }
+                for i in i1..i2 {
+                    let urow = &u[i * cols..i * cols + i2];
+                    for r in 0..n {
+                        let (s, b) = params[r * groups + g];
+                        let wr = &mut w[r * cols..(r + 1) * cols];
+                        let q = ((wr[i] - b) / s).round_ties_even().clamp(0.0, n_bins);
+                        let dq = s * q + b;
+                        codes[r * cols + i] = q as u8 as i8;
+                        deq[r * cols + i] = dq;
+                        let e = (wr[i] - dq) / urow[i];
+                        loss += f64::from(e) * f64::from(e);
+                        err[r * group + i - i1] = e;
+                        for j in i + 1..i2 {
+                            wr[j] -= e * urow[j];
+                        }
+                    }
+                }
+                later_columns(&mut w, &err, &u, n, cols, group, i1, i2);
+            }
+            (codes, deq, params, loss / 2.0)
+        })
+        .collect();
+    let mut codes = Vec::with_capacity(rows * cols);
+    let mut values = Vec::with_capacity(rows * cols);
+    let mut params = Vec::with_capacity(rows * groups);
+    let mut loss = 0f64;
+    for (c, d, p, l) in tiles {
+        codes.extend(c);
+        values.extend(d);
+        params.extend(p);
+        loss += l;
+    }
+    Quantized {
+        codes,
+        values,
+        loss,
+        rtn_fallback,
+        params: Some(params),
     }
 }
 
@@ -437,6 +605,36 @@ impl GptqCodes {
         self.dir.path().join(format!("{module}.codes"))
     }
 
+    fn params_path(&self, module: &str) -> PathBuf {
+        self.dir.path().join(format!("{module}.params"))
+    }
+
+    /// The `(scale, bias)` per group GPTQ chose for `module`, on a grid where it chooses them
+    /// ([`GptqGrid::Affine`]).
+    pub fn read_params(&self, module: &str) -> Option<Result<Vec<(f32, f32)>, String>> {
+        self.shapes.get(module)?;
+        let path = self.params_path(module);
+        if !path.exists() {
+            return None;
+        }
+        Some(
+            std::fs::read(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))
+                .and_then(|b| {
+                    if b.len() % 8 != 0 {
+                        return Err(format!("{}: truncated", path.display()));
+                    }
+                    Ok(b.chunks_exact(8)
+                        .map(|c| {
+                            let f =
+                                |k: usize| f32::from_le_bytes([c[k], c[k + 1], c[k + 2], c[k + 3]]);
+                            (f(0), f(4))
+                        })
+                        .collect())
+                }),
+        )
+    }
+
     /// The codes GPTQ chose for `module` (`[rows, cols]`, row-major), if it quantized it.
     pub fn read(&self, module: &str) -> Option<Result<Vec<i8>, String>> {
         let &(rows, cols) = self.shapes.get(module)?;
@@ -469,6 +667,9 @@ impl crate::export::writer::ChosenCodes for GptqCodes {
     }
     fn codes(&self, module: &str) -> Option<Result<Vec<i8>, String>> {
         self.read(module)
+    }
+    fn params(&self, module: &str) -> Option<Result<Vec<(f32, f32)>, String>> {
+        self.read_params(module)
     }
 }
 
@@ -509,9 +710,13 @@ pub fn run(
             sums: BTreeMap::new(),
             last: None,
         };
-        for (h, rope) in &hidden {
+        for (h, rope) in hidden.iter_mut() {
             if stage < layers {
-                model.layer(h, stage, rope, &mut hessians)?;
+                let next = model.layer(h, stage, rope, &mut hessians)?;
+                // One pass (mlx-lm): the next layer sees this one's original outputs.
+                if !settings.sequential {
+                    *h = next.detach();
+                }
             } else {
                 model.observe_head(h, &mut hessians)?;
             }
@@ -526,15 +731,24 @@ pub fn run(
             let values = q.values.clone();
             let t = Tensor::from_vec(values, (rows, cols), device)?.to_dtype(var.dtype())?;
             var.set(&t)?;
+            let spill =
+                |e: std::io::Error| ModelError::Config(format!("writing GPTQ's codes: {e}"));
             std::fs::write(out.path(&module), bytemuck::cast_slice::<i8, u8>(&q.codes))
-                .map_err(|e| ModelError::Config(format!("writing GPTQ's codes: {e}")))?;
+                .map_err(spill)?;
+            if let Some(p) = &q.params {
+                let bytes: Vec<u8> = p
+                    .iter()
+                    .flat_map(|(s, b)| s.to_le_bytes().into_iter().chain(b.to_le_bytes()))
+                    .collect();
+                std::fs::write(out.params_path(&module), bytes).map_err(spill)?;
+            }
             if q.rtn_fallback {
                 out.rtn_fallback.push(module.clone());
             }
             out.losses.insert(module.clone(), q.loss);
             out.shapes.insert(module, (rows, cols));
         }
-        if stage < layers {
+        if stage < layers && settings.sequential {
             for (h, rope) in hidden.iter_mut() {
                 *h = model.layer(h, stage, rope, &mut NoObserver)?.detach();
             }
@@ -569,22 +783,31 @@ fn quantize_module(
     let Prepared {
         values: w,
         grid,
-        params: p,
         round,
     } = params(&name)?;
     let (rows, cols) = weight_var(model, &name)?.dims2()?;
-    if w.len() != rows * cols || p.len() * grid.group != rows * cols {
+    let group = grid.group();
+    let fixed = match &grid {
+        GptqGrid::Int { params, .. } => Some(params.len()),
+        GptqGrid::Fp4 { scales, .. } => Some(scales.len()),
+        GptqGrid::Affine { .. } => None,
+    };
+    if w.len() != rows * cols
+        || group == 0
+        || !cols.is_multiple_of(group)
+        || fixed.is_some_and(|p| p * group != rows * cols)
+    {
         return Err(ModelError::Tensor {
             tensor: name,
             message: format!(
-                "GPTQ: {} values and {} groups for a [{rows}, {cols}] weight",
+                "GPTQ: {} values and {:?} groups of {group} for a [{rows}, {cols}] weight",
                 w.len(),
-                p.len()
+                fixed
             ),
         });
     }
     let h: Vec<f32> = (sum / n.max(1) as f64)?.flatten_all()?.to_vec1()?;
-    Ok(quantize(&w, rows, cols, &h, grid, &p, round, settings))
+    Ok(quantize(&w, rows, cols, &h, &grid, round, settings))
 }
 
 #[cfg(test)]
@@ -693,8 +916,13 @@ mod tests {
             block: 16,
             dampening: 0.01,
             actorder: false,
+            sequential: true,
         };
-        let got = quantize(&w, rows, cols, &h, grid, &params, |x| x, settings);
+        let fixed = GptqGrid::Int {
+            grid,
+            params: params.clone(),
+        };
+        let got = quantize(&w, rows, cols, &h, &fixed, |x| x, settings);
         // The reference gets the dampened Hessian.
         let mean = (0..cols).map(|i| f64::from(h[i * cols + i])).sum::<f64>() / cols as f64;
         let mut hd: Vec<f64> = h.iter().map(|&v| f64::from(v)).collect();
@@ -743,8 +971,7 @@ mod tests {
             rows,
             cols,
             &h,
-            grid,
-            &params,
+            &fixed,
             |x| x,
             GptqSettings {
                 actorder: true,

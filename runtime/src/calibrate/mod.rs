@@ -104,14 +104,18 @@ impl Calibration {
                 t.name
             )));
         }
-        let recipe = self.recipe.clone();
-        let keep = move |m: &str| recipe.quantizes(m);
+        let keep = |m: &str| writer.gptq_covers(m, &self.recipe);
         let params = |name: &str| {
             let meta = ck.tensor(name).ok_or_else(|| ModelError::Tensor {
                 tensor: name.into(),
                 message: "missing from the checkpoint".into(),
             })?;
             let cols = meta.shape.get(1).copied().unwrap_or(0);
+            let target = crate::export::writer::GptqTarget {
+                module: name.strip_suffix(".weight").unwrap_or(name),
+                checkpoint: ck,
+                recipe: &self.recipe,
+            };
             let none = || ModelError::Tensor {
                 tensor: name.into(),
                 message: "the output format has no GPTQ for this weight".into(),
@@ -120,7 +124,7 @@ impl Calibration {
                 Dtype::BF16 => {
                     let x = ck.read_as::<half::bf16>(name)?;
                     let g = writer
-                        .gptq_grid(&WeightValues::Bf16(&x), cols)
+                        .gptq_grid(&target, &WeightValues::Bf16(&x), cols)
                         .ok_or_else(none)?;
                     let r = |v| half::bf16::from_f32(v).to_f32();
                     (x.iter().map(|v| v.to_f32()).collect(), g, r)
@@ -128,7 +132,7 @@ impl Calibration {
                 Dtype::F16 => {
                     let x = ck.read_as::<half::f16>(name)?;
                     let g = writer
-                        .gptq_grid(&WeightValues::F16(&x), cols)
+                        .gptq_grid(&target, &WeightValues::F16(&x), cols)
                         .ok_or_else(none)?;
                     let r = |v| half::f16::from_f32(v).to_f32();
                     (x.iter().map(|v| v.to_f32()).collect(), g, r)
@@ -136,7 +140,7 @@ impl Calibration {
                 Dtype::F32 => {
                     let x = ck.read_as::<f32>(name)?;
                     let g = writer
-                        .gptq_grid(&WeightValues::F32(&x), cols)
+                        .gptq_grid(&target, &WeightValues::F32(&x), cols)
                         .ok_or_else(none)?;
                     (x, g, |v| v)
                 }
@@ -147,10 +151,15 @@ impl Calibration {
                     });
                 }
             };
+            // Only compressed-tensors' integers dequantize in the scales' dtype; NVFP4's
+            // effective scale and MLX's GPTQ are f32.
+            let round = match grid {
+                gptq::GptqGrid::Int { .. } => round,
+                gptq::GptqGrid::Fp4 { .. } | gptq::GptqGrid::Affine { .. } => |v| v,
+            };
             Ok(gptq::Prepared {
                 values: w,
-                grid: grid.0,
-                params: grid.1,
+                grid,
                 round,
             })
         };
@@ -169,10 +178,15 @@ impl Calibration {
             ..CalibrationReport::default()
         };
         report.steps.push(format!(
-            "GPTQ (block {}, dampening {}, actorder {}): {} Linears on {} tokens, loss {:.4}",
+            "GPTQ (block {}, dampening {}, actorder {}, {}): {} Linears on {} tokens, loss {:.4}",
             settings.block,
             settings.dampening,
             if settings.actorder { "static" } else { "none" },
+            if settings.sequential {
+                "sequential"
+            } else {
+                "one pass"
+            },
             codes.modules().count(),
             self.tokens(),
             codes.losses.values().sum::<f64>()

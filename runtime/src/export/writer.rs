@@ -88,6 +88,72 @@ impl IntGrid {
     }
 }
 
+/// How a writer's format stores a Linear's weight, for an algorithm that chooses the codes
+/// itself (GPTQ), with what the writer fixes beforehand.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GptqGrid {
+    /// Integer codes (compressed-tensors `w4a16`, `w4a16-asym`, `w8a16`) with the per-group
+    /// `(scale, zero point)` the writer's round to nearest gives the original weight,
+    /// row-major `[rows, cols / group]` (llm-compressor's observer runs before GPTQ).
+    Int {
+        /// The grid.
+        grid: IntGrid,
+        /// Per group `(scale, zero point)`.
+        params: Vec<(f32, i8)>,
+    },
+    /// FP4 E2M1 codes (compressed-tensors `nvfp4a16`): per group of `group` columns its
+    /// effective scale `e4m3 scale / global scale` (f32), as the writer computes them from the
+    /// original weight. A code is the E2M1 nibble, its sign in bit 3.
+    Fp4 {
+        /// Columns per scale (16).
+        group: usize,
+        /// Per group, row-major `[rows, cols / group]`.
+        scales: Vec<f32>,
+    },
+    /// MLX affine codes `0 ..= 2^bits − 1` with a scale and a bias per group, both chosen by
+    /// the algorithm from the weight as it stands when it reaches the group (mlx-lm's GPTQ,
+    /// `mx.quantize` of the updated columns).
+    Affine {
+        /// Bits per code (2, 4 or 8).
+        bits: u32,
+        /// Columns per group.
+        group: usize,
+    },
+}
+
+/// Whose GPTQ a format follows: the peer that makes such checkpoints with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GptqStyle {
+    /// llm-compressor's `GPTQModifier`: sequential, blocks of 128, activation ordering.
+    LlmCompressor,
+    /// mlx-lm's `mlx_lm.quant.gptq`: one pass, the groups (of `group` columns) as blocks, no
+    /// activation ordering.
+    MlxLm {
+        /// Columns per group.
+        group: usize,
+    },
+}
+
+/// The Linear a writer gives its GPTQ grid for ([`OutputWriter::gptq_grid`]).
+pub struct GptqTarget<'a> {
+    /// The module (`model.layers.0.self_attn.q_proj`).
+    pub module: &'a str,
+    /// The input checkpoint (a writer whose scales depend on other modules reads them here).
+    pub checkpoint: &'a Checkpoint,
+    /// The export's recipe.
+    pub recipe: &'a Recipe,
+}
+
+impl GptqGrid {
+    /// Columns sharing one scale.
+    pub fn group(&self) -> usize {
+        match self {
+            GptqGrid::Int { grid, .. } => grid.group,
+            GptqGrid::Fp4 { group, .. } | GptqGrid::Affine { group, .. } => *group,
+        }
+    }
+}
+
 /// Integer codes chosen before the writer runs, by Linear (GPTQ's).
 pub trait ChosenCodes: Send + Sync + std::fmt::Debug {
     /// The algorithm (`GPTQ`), for reports and errors.
@@ -95,8 +161,16 @@ pub trait ChosenCodes: Send + Sync + std::fmt::Debug {
     /// Whether columns were visited by activation order (`actorder`, as the config states).
     fn actorder(&self) -> bool;
     /// The codes of `module`'s weight, `[rows, cols]` row-major, if the algorithm chose them
-    /// (`Err`: they could not be read back).
+    /// (`Err`: they could not be read back). Signed integers for [`GptqGrid::Int`]; for
+    /// [`GptqGrid::Fp4`] and [`GptqGrid::Affine`] the unsigned code in the byte (`as u8`).
     fn codes(&self, module: &str) -> Option<Result<Vec<i8>, String>>;
+    /// For [`GptqGrid::Affine`]: the `(scale, bias)` per group the algorithm chose for
+    /// `module` (f32, row-major `[rows, cols / group]`); `None` where the writer's own
+    /// parameters hold.
+    fn params(&self, module: &str) -> Option<Result<Vec<(f32, f32)>, String>> {
+        let _ = module;
+        None
+    }
 }
 
 /// What a writer knows when the export ends.
@@ -350,16 +424,27 @@ pub trait OutputWriter: Send + Sync {
         Encoding::Own
     }
 
-    /// For GPTQ: the integer grid this writer's format stores a Linear of `cols` input
-    /// features on, and the per-group `(scale, zero point)` it would give `weight` (row-major
-    /// `[rows, cols / group]`, exactly as its own rounding computes them); `None`: the format
-    /// has no GPTQ.
+    /// Whose GPTQ this writer's format has ([`OutputWriter::gptq_grid`]); `None`: none.
+    fn gptq_style(&self) -> Option<GptqStyle> {
+        None
+    }
+
+    /// Whether GPTQ quantizes the Linear `module` for this writer: the ones the writer itself
+    /// quantizes (by default, what the recipe quantizes).
+    fn gptq_covers(&self, module: &str, recipe: &Recipe) -> bool {
+        recipe.quantizes(module)
+    }
+
+    /// For GPTQ: how this writer's format stores the Linear `target` of `cols` input features,
+    /// with the per-group parameters it fixes from its `weight` (exactly as its own rounding
+    /// computes them); `None`: the format has no GPTQ for it.
     fn gptq_grid(
         &self,
+        target: &GptqTarget<'_>,
         weight: &WeightValues<'_>,
         cols: usize,
-    ) -> Option<(IntGrid, Vec<(f32, i8)>)> {
-        let _ = (weight, cols);
+    ) -> Option<GptqGrid> {
+        let _ = (target, weight, cols);
         None
     }
 

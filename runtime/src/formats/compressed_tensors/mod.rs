@@ -19,8 +19,8 @@ use crate::export::act_amax::ActAmax;
 use crate::export::recipe::{KvCache, Recipe};
 use crate::export::stats::ErrorStats;
 use crate::export::writer::{
-    ChosenCodes, Encoded, EncodedType, IntGrid, LinearWeight, OutputWriter, WeightValues,
-    WriterEnd, WriterStart, WriterType, Written,
+    ChosenCodes, Encoded, EncodedType, GptqGrid, GptqStyle, GptqTarget, IntGrid, LinearWeight,
+    OutputWriter, WeightValues, WriterEnd, WriterStart, WriterType, Written,
 };
 use crate::module_tree::Linear;
 use crate::sink::ShardWriter;
@@ -313,45 +313,8 @@ impl CompressedTensors {
     /// the checkpoint — its own tensor, or its rows of the fused experts tensor `source`
     /// (`gate_up_proj [E, 2I, H]`: gate rows first).
     fn shared_amax(&self, module: &str, source: &str, own: f32) -> Result<f32, ExportError> {
-        let remember = |path: &str, a: f32| {
-            self.amax
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(path.to_string(), a);
-        };
-        remember(module, own);
-        let Some((parent, local)) = module.rsplit_once('.') else {
-            return Ok(own);
-        };
-        let Some(group) = FUSED.iter().find(|g| g.contains(&local)) else {
-            return Ok(own);
-        };
         let s = self.state()?;
-        let mut best = own;
-        for sib in group.iter().filter(|&&n| n != local) {
-            let path = format!("{parent}.{sib}");
-            if !s.recipe.quantizes(&path) {
-                continue;
-            }
-            let known = self
-                .amax
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&path)
-                .copied();
-            let a = match known {
-                Some(a) => a,
-                None => match sibling_amax(&s.checkpoint, &path, source, sib)? {
-                    Some(a) => {
-                        remember(&path, a);
-                        a
-                    }
-                    None => continue,
-                },
-            };
-            best = best.max(a);
-        }
-        Ok(best)
+        fused_amax(&s.checkpoint, &s.recipe, module, source, own, &self.amax)
     }
 
     fn encode<T: Element>(&self, w: &LinearWeight<'_>, x: &[T]) -> Result<Written, ExportError> {
@@ -380,32 +343,21 @@ impl CompressedTensors {
                         scheme.name()
                     )));
                 };
-                let codes = match &self.state()?.codes {
-                    None => None,
-                    Some(c) => Some(
-                        c.codes(module)
-                            .ok_or_else(|| {
-                                err(format!(
-                                    "`{module}`: {} chose no codes for it (it saw no input)",
-                                    c.algorithm()
-                                ))
-                            })?
-                            .map_err(err)?,
-                    ),
-                };
+                let codes = self.chosen(module)?;
                 encode_int(grid, codes, w, x, &mut decoded, &mut out)?
             }
-            Scheme::Nvfp4 | Scheme::Nvfp4a16 if self.state()?.codes.is_some() => {
+            Scheme::Nvfp4 if self.state()?.codes.is_some() => {
                 return Err(err(format!(
-                    "`{module}`: GPTQ for {} is not built yet (w4a16, w4a16-asym and w8a16 \
-                     have it)",
+                    "`{module}`: GPTQ is for weight-only schemes (nvfp4a16, w4a16, \
+                     w4a16-asym, w8a16), not {}",
                     scheme.name()
                 )));
             }
             Scheme::Nvfp4 | Scheme::Nvfp4a16 => {
                 let global =
                     quant::nvfp4_global::<T>(self.shared_amax(module, w.source, quant::amax(x))?);
-                encode_nvfp4(scheme, w, x, global, &mut decoded, &mut out)?
+                let codes = self.chosen(module)?;
+                encode_nvfp4(scheme, w, x, global, codes, &mut decoded, &mut out)?
             }
         }
         let error = ErrorStats::measure(x, |i| decoded[i]);
@@ -413,6 +365,22 @@ impl CompressedTensors {
             tensors: out.0,
             quantized: Some((scheme.preset().to_string(), error)),
         })
+    }
+
+    /// The codes GPTQ chose for `module`, when it ran.
+    fn chosen(&self, module: &str) -> Result<Option<Vec<i8>>, ExportError> {
+        let Some(c) = &self.state()?.codes else {
+            return Ok(None);
+        };
+        c.codes(module)
+            .ok_or_else(|| {
+                err(format!(
+                    "`{module}`: {} chose no codes for it (it saw no input)",
+                    c.algorithm()
+                ))
+            })?
+            .map(Some)
+            .map_err(err)
     }
 
     /// `k_scale` / `v_scale` of every attention module, from the KV statistics.
@@ -460,6 +428,55 @@ impl CompressedTensors {
         }
         Ok(out)
     }
+}
+
+/// [`CompressedTensors::shared_amax`] of `module` (whose own amax is `own`), with the amax
+/// already read in `cache`.
+fn fused_amax(
+    checkpoint: &Checkpoint,
+    recipe: &Recipe,
+    module: &str,
+    source: &str,
+    own: f32,
+    cache: &Mutex<HashMap<String, f32>>,
+) -> Result<f32, ExportError> {
+    let remember = |path: &str, a: f32| {
+        cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(path.to_string(), a);
+    };
+    remember(module, own);
+    let Some((parent, local)) = module.rsplit_once('.') else {
+        return Ok(own);
+    };
+    let Some(group) = FUSED.iter().find(|g| g.contains(&local)) else {
+        return Ok(own);
+    };
+    let mut best = own;
+    for sib in group.iter().filter(|&&n| n != local) {
+        let path = format!("{parent}.{sib}");
+        if !recipe.quantizes(&path) {
+            continue;
+        }
+        let known = cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&path)
+            .copied();
+        let a = match known {
+            Some(a) => a,
+            None => match sibling_amax(checkpoint, &path, source, sib)? {
+                Some(a) => {
+                    remember(&path, a);
+                    a
+                }
+                None => continue,
+            },
+        };
+        best = best.max(a);
+    }
+    Ok(best)
 }
 
 /// The amax of the weight of Linear `path` (local name `local`): its own checkpoint tensor, or
@@ -582,23 +599,57 @@ impl OutputWriter for CompressedTensors {
         Ok(())
     }
 
+    fn gptq_style(&self) -> Option<GptqStyle> {
+        (self.scheme == Scheme::Nvfp4a16 || self.scheme.int_weights().is_some())
+            .then_some(GptqStyle::LlmCompressor)
+    }
+
     fn gptq_grid(
         &self,
+        target: &GptqTarget<'_>,
         weight: &WeightValues<'_>,
         cols: usize,
-    ) -> Option<(IntGrid, Vec<(f32, i8)>)> {
+    ) -> Option<GptqGrid> {
+        if self.scheme == Scheme::Nvfp4a16 {
+            if cols == 0 || !cols.is_multiple_of(16) {
+                return None;
+            }
+            // The writer's own scales of the original weight, under the global scale its
+            // fused siblings share, as effective f32 scales.
+            let own = match weight {
+                WeightValues::Bf16(x) => quant::amax(x),
+                WeightValues::F16(x) => quant::amax(x),
+                WeightValues::F32(x) => quant::amax(x),
+            };
+            let cache = Mutex::default();
+            let amax = fused_amax(
+                target.checkpoint,
+                target.recipe,
+                target.module,
+                "",
+                own,
+                &cache,
+            )
+            .ok()?;
+            let scales = match weight {
+                WeightValues::Bf16(x) => nvfp4_effective_scales(x, amax),
+                WeightValues::F16(x) => nvfp4_effective_scales(x, amax),
+                WeightValues::F32(x) => nvfp4_effective_scales(x, amax),
+            };
+            return Some(GptqGrid::Fp4 { group: 16, scales });
+        }
         let grid = self.int_grid(cols)?;
         if cols == 0 || !cols.is_multiple_of(grid.group) {
             return None;
         }
-        Some((
+        Some(GptqGrid::Int {
             grid,
-            match weight {
+            params: match weight {
                 WeightValues::Bf16(x) => int_params(x, grid),
                 WeightValues::F16(x) => int_params(x, grid),
                 WeightValues::F32(x) => int_params(x, grid),
             },
-        ))
+        })
     }
 
     fn statistics_rules(&self) -> crate::export::writer::StatisticsRules {
@@ -963,31 +1014,73 @@ fn write_int<T: Element>(
     }
 }
 
-/// NVFP4: E2M1 codes in groups of 16 with E4M3 scales under the `global` scale, and (NVFP4
-/// with activations) the input's global scale.
+/// The FP8 scale code of every group of 16 values of `x` under the `global` scale.
+fn nvfp4_scales<T: Element>(x: &[T], global: f32) -> Vec<u8> {
+    x.par_chunks(16)
+        .map(|g| quant::nvfp4_scale::<T>(quant::amax(g), global))
+        .collect()
+}
+
+/// For GPTQ: the effective scale `e4m3 / global` (f32) of every group of 16 values of `x`,
+/// the global scale from `amax` (the fused siblings').
+fn nvfp4_effective_scales<T: Element>(x: &[T], amax: f32) -> Vec<f32> {
+    let global = quant::nvfp4_global::<T>(amax);
+    nvfp4_scales(x, global)
+        .into_iter()
+        .map(|s| e4m3_to_f32(s) / global)
+        .collect()
+}
+
+/// NVFP4: E2M1 codes in groups of 16 with E4M3 scales under the `global` scale, rounded to
+/// nearest or the `codes` an algorithm chose (GPTQ) on the same scales, and (NVFP4 with
+/// activations) the input's global scale.
 fn encode_nvfp4<T: Element>(
     scheme: Scheme,
     w: &LinearWeight<'_>,
     x: &[T],
     global: f32,
+    chosen: Option<Vec<i8>>,
     decoded: &mut [f32],
     out: &mut Tensors,
 ) -> Result<(), ExportError> {
     let (rows, cols) = (w.rows, w.cols);
-    let scales: Vec<u8> = x
-        .par_chunks(16)
-        .map(|g| quant::nvfp4_scale::<T>(quant::amax(g), global))
-        .collect();
+    let scales = nvfp4_scales(x, global);
     let mut codes = vec![0u8; x.len()];
     let e4m3 = e4m3_table();
-    codes
+    match chosen {
+        Some(c) if c.len() != x.len() => {
+            return Err(err(format!(
+                "`{}`: {} chosen codes for {} weights",
+                w.module,
+                c.len(),
+                x.len()
+            )));
+        }
+        Some(c) => {
+            if let Some(bad) = c.iter().find(|&&q| q as u8 > 15) {
+                return Err(err(format!(
+                    "`{}`: chosen code {bad} is not an E2M1 nibble",
+                    w.module
+                )));
+            }
+            codes.iter_mut().zip(&c).for_each(|(q, &v)| *q = v as u8);
+        }
+        None => codes
+            .par_chunks_mut(16)
+            .zip(x.par_chunks(16))
+            .zip(scales.par_iter())
+            .for_each(|((cg, xg), &s)| {
+                for i in 0..xg.len() {
+                    cg[i] = quant::nvfp4(xg[i], s, global);
+                }
+            }),
+    }
+    decoded
         .par_chunks_mut(16)
-        .zip(decoded.par_chunks_mut(16))
-        .zip(x.par_chunks(16))
+        .zip(codes.par_chunks(16))
         .zip(scales.par_iter())
-        .for_each(|(((cg, dg), xg), &s)| {
-            for i in 0..xg.len() {
-                cg[i] = quant::nvfp4(xg[i], s, global);
+        .for_each(|((dg, cg), &s)| {
+            for i in 0..cg.len() {
                 dg[i] = e2m1_to_f32(cg[i]) * (e4m3[s as usize] / global);
             }
         });

@@ -17,8 +17,8 @@ use crate::export::ExportError;
 use crate::export::recipe::glob_match;
 use crate::export::stats::ErrorStats;
 use crate::export::writer::{
-    Encoded, EncodedType, FloatValues, LinearWeight, OutputWriter, WeightValues, WriterEnd,
-    WriterStart, WriterType, Written,
+    ChosenCodes, Encoded, EncodedType, FloatValues, GptqGrid, GptqStyle, GptqTarget, LinearWeight,
+    OutputWriter, WeightValues, WriterEnd, WriterStart, WriterType, Written,
 };
 use crate::sink::ShardWriter;
 use half::{bf16, f16};
@@ -150,6 +150,8 @@ struct State {
     router_override: bool,
     exclude: Vec<String>,
     include: Vec<String>,
+    /// Codes, scales and biases GPTQ chose (`--algorithm gptq`), by module.
+    codes: Option<std::sync::Arc<dyn ChosenCodes>>,
 }
 
 fn err(what: impl Into<String>) -> ExportError {
@@ -205,13 +207,67 @@ impl MlxOutput {
         let n = w.len();
         let groups = n / mode.group();
         let words = n * mode.bits() / 32;
+        let chosen = match (&self.state()?.codes, mode) {
+            (Some(c), MlxMode::Affine { .. }) => match (c.codes(module), c.params(module)) {
+                (Some(q), Some(p)) => Some((q.map_err(err)?, p.map_err(err)?)),
+                (None, None) => {
+                    // Embeddings: GPTQ quantizes Linears; mlx-lm rounds the rest to nearest.
+                    if !module.ends_with("embed_tokens") {
+                        self.warnings
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(format!(
+                                "`{module}`: {} chose no codes for it; rounded to nearest",
+                                c.algorithm()
+                            ));
+                    }
+                    None
+                }
+                _ => {
+                    return Err(err(format!(
+                        "`{module}`: {} chose codes without scales and biases",
+                        c.algorithm()
+                    )));
+                }
+            },
+            _ => None,
+        };
         let (out, decoded) = match mode {
             MlxMode::Affine { bits, group } => {
                 let mut packed = vec![0u32; words];
                 let mut scales = vec![T::from_f32(0.0); groups];
                 let mut biases = vec![T::from_f32(0.0); groups];
-                mq::quantize_affine(w, cols, group, bits, &mut packed, &mut scales, &mut biases)
-                    .map_err(kernel)?;
+                match chosen {
+                    // GPTQ's codes on its own f32 scales and biases, stored in the weight's
+                    // dtype (mlx-lm's `layer.set_dtype`).
+                    Some((q, p)) if q.len() == n && p.len() == groups => {
+                        let q: Vec<u8> = q.iter().map(|&c| c as u8).collect();
+                        mq::pack_affine(&q, bits, &mut packed).map_err(kernel)?;
+                        for ((s, b), &(ps, pb)) in scales.iter_mut().zip(biases.iter_mut()).zip(&p)
+                        {
+                            *s = T::from_f32(ps);
+                            *b = T::from_f32(pb);
+                        }
+                    }
+                    Some((q, p)) => {
+                        return Err(err(format!(
+                            "`{module}`: {} codes and {} groups chosen for {n} weights in \
+                             groups of {group}",
+                            q.len(),
+                            p.len()
+                        )));
+                    }
+                    None => mq::quantize_affine(
+                        w,
+                        cols,
+                        group,
+                        bits,
+                        &mut packed,
+                        &mut scales,
+                        &mut biases,
+                    )
+                    .map_err(kernel)?,
+                }
                 let mut d = vec![0f32; n];
                 mq::dequantize_affine(&packed, &scales, &biases, group, bits, &mut d)
                     .map_err(kernel)?;
@@ -350,6 +406,32 @@ impl MlxOutput {
 }
 
 impl OutputWriter for MlxOutput {
+    fn gptq_style(&self) -> Option<GptqStyle> {
+        match self.mode {
+            MlxMode::Affine { group, .. } => Some(GptqStyle::MlxLm { group }),
+            MlxMode::Fp(_) => None,
+        }
+    }
+
+    /// mlx-lm quantizes every Linear, `lm_head` included, unless the user excludes it.
+    fn gptq_covers(&self, module: &str, recipe: &crate::export::recipe::Recipe) -> bool {
+        recipe.include.iter().any(|g| glob_match(g, module))
+            || !recipe.exclude.iter().any(|g| glob_match(g, module))
+    }
+
+    /// mlx-lm's GPTQ: affine modes, every Linear whose rows are whole groups.
+    fn gptq_grid(&self, _: &GptqTarget<'_>, _: &WeightValues<'_>, cols: usize) -> Option<GptqGrid> {
+        match self.mode {
+            MlxMode::Affine { bits, group } if cols > 0 && cols.is_multiple_of(group) => {
+                Some(GptqGrid::Affine {
+                    bits: bits as u32,
+                    group,
+                })
+            }
+            _ => None,
+        }
+    }
+
     fn group_sizes(&self) -> &'static [usize] {
         match self.mode {
             MlxMode::Affine { .. } => &[32, 64, 128],
@@ -385,6 +467,7 @@ impl OutputWriter for MlxOutput {
             router_override: start.architecture == "Qwen3MoeForCausalLM",
             exclude: start.recipe.exclude.clone(),
             include: start.recipe.include.clone(),
+            codes: start.codes.cloned(),
         });
         self.shards = Some(super::shards(start, 3));
         Ok(())
