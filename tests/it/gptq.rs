@@ -335,7 +335,7 @@ fn mlx_gptq_matches_mlx_lm() {
         ));
         assert!(share >= 0.99, "{}", report.join("\n"));
         assert!(scales_same * 100 >= groups * 99, "{}", report.join("\n"));
-        // mlx-lm's own loader reads what kiln wrote: kiln verify decodes it.
+        // The export decodes: `kiln verify` reads it back.
         let v = kiln_runtime::formats::verify(&model, &out).unwrap();
         assert!(v.problems.is_empty(), "{case}: {:?}", v.problems);
     }
