@@ -60,8 +60,9 @@ pub struct RecipeArgs {
     #[arg(long, value_name = "FORMAT")]
     kv_cache: Option<KvCacheArg>,
     /// Weight group size where the format has groups of a size to choose (32, 64 or 128:
-    /// compressed-tensors w4a16, w4a16-asym and w8a16, mlx's affine modes); the format's
-    /// default otherwise (llm-compressor's 128 for these).
+    /// compressed-tensors w4a16, w4a16-asym and w8a16, mlx's affine modes, ModelOpt's
+    /// int4-awq and w4a8-awq INT4 blocks); the format's default otherwise (128 for these,
+    /// mlx's 64).
     #[arg(long, value_name = "N")]
     group_size: Option<usize>,
 }

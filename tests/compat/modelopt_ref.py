@@ -84,6 +84,26 @@ def with_fp8_lm_head(cfg):
     return cfg
 
 
+def with_block(cfg, block):
+    """`cfg` with its INT4 weight blocks of `block` columns (`block_sizes {-1: block}`), what
+    kiln's `--group-size` sets."""
+    cfg = copy.deepcopy(cfg)
+
+    def visit(c):
+        if isinstance(c, dict):
+            b = c.get("block_sizes")
+            if isinstance(b, dict) and -1 in b and c.get("num_bits") == 4:
+                b[-1] = block
+            for v in c.values():
+                visit(v)
+        elif isinstance(c, list):
+            for v in c:
+                visit(v)
+
+    visit(cfg["quant_cfg"])
+    return cfg
+
+
 FORMATS = {
     "fp8": mtq.FP8_DEFAULT_CFG,
     "fp8+kv-fp8": with_fp8_kv(mtq.FP8_DEFAULT_CFG),
@@ -104,6 +124,10 @@ FORMATS = {
     # AWQ with the clipping search after the scale search (`awq_full`): the dump also holds
     # each Linear's clipped INT4 block amax (`<linear>.weight_quantizer`).
     "int4-awq-full": with_algorithm(mtq.INT4_AWQ_CFG, {"method": "awq_full", "alpha_step": 0.1}),
+    # AWQ's INT4 blocks of 64 and 32 columns (kiln's --group-size).
+    "int4-awq-g64": with_block(mtq.INT4_AWQ_CFG, 64),
+    "int4-awq-g32": with_block(mtq.INT4_AWQ_CFG, 32),
+    "w4a8-awq-g64": with_block(mtq.W4A8_AWQ_BETA_CFG, 64),
 }
 
 # Calibrate on the GPU when there is one (NVFP4 AWQ needs it); everything else runs on the CPU.

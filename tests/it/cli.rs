@@ -1160,7 +1160,10 @@ fn an_export_the_format_cannot_take_is_refused_before_calibration() {
         "{e}"
     );
     assert!(
-        e.contains("320 input features are not whole blocks of 128"),
+        e.contains(
+            "320 input features are not whole blocks of 128; --group-size 32 or --group-size \
+             64 would fit"
+        ),
         "{e}"
     );
     assert!(
@@ -1169,6 +1172,26 @@ fn an_export_the_format_cannot_take_is_refused_before_calibration() {
     );
     assert!(e.contains("choose a format that takes them: fp8,"), "{e}");
     assert!(!out.exists());
+    // The fix it names: ModelOpt's INT4 blocks of 64.
+    let r = kiln(&[
+        "export",
+        "--model",
+        &m,
+        "--format",
+        "int4-awq",
+        "--group-size",
+        "64",
+        "--calib",
+        &c,
+        "--out",
+        &o,
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(hf["quantization"]["group_size"], 64);
+    std::fs::remove_dir_all(&out).unwrap();
     // compressed-tensors w4a16 names every module too, not the first.
     let r = kiln(&[
         "export",

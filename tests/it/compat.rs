@@ -557,6 +557,23 @@ fn awq_and_smoothquant_with_given_scales_match_modelopt_bit_for_bit() {
 }
 
 #[test]
+fn awq_int4_block_sizes_match_modelopt_bit_for_bit() {
+    // `--group-size 64` / `32`: ModelOpt's INT4_AWQ_CFG with `block_sizes {-1: N}` — the
+    // packed weights, `weight_scale [out, in / N]` and `group_size` in both configs.
+    for (dir, format, group) in [
+        ("int4-awq-g64", Format::Int4Awq, 64),
+        ("int4-awq-g32", Format::Int4Awq, 32),
+        ("w4a8-awq-g64", Format::W4a8Awq, 64),
+    ] {
+        let recipe = Recipe {
+            group_size: Some(group),
+            ..Recipe::new(format)
+        };
+        check_recipe("llama-tiny", dir, recipe);
+    }
+}
+
+#[test]
 fn nvfp4_awq_with_given_scales_matches_modelopt_bit_for_bit() {
     // ModelOpt's NVFP4 AWQ search needs a GPU: this reference was made on an H200 (ModelOpt
     // 0.47, transformers 5.17; `modelopt_ref.py llama-tiny nvfp4-awq --reuse-input`). Besides

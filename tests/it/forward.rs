@@ -565,6 +565,23 @@ fn awq_search_agrees_with_modelopt() {
     for (model, dump, quant, least, dtype) in [
         ("llama-tiny", "int4-awq", int4, 0.9, DType::F32),
         ("llama-tiny", "w4a8-awq", int4, 0.9, DType::F32),
+        // --group-size 64 / 32: ModelOpt's INT4 blocks set by `block_sizes {-1: N}`. Smaller
+        // blocks flatten the loss over α further: layer 0 agrees everywhere, layer 1 (whose
+        // inputs carry the rounding of layer 0's forward) picks a neighbouring α on 2 of 7.
+        (
+            "llama-tiny",
+            "int4-awq-g64",
+            AwqWeight::Int4 { group: 64 },
+            0.8,
+            DType::BF16,
+        ),
+        (
+            "llama-tiny",
+            "int4-awq-g32",
+            AwqWeight::Int4 { group: 32 },
+            0.8,
+            DType::BF16,
+        ),
         ("qwen3-moe-awq-tiny", "int4-awq", int4, 0.7, DType::F32),
         // In bf16 (`--calib-dtype bf16`), as ModelOpt ran: the routing agrees more often.
         ("qwen3-moe-awq-tiny", "int4-awq", int4, 0.9, DType::BF16),

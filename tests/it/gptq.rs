@@ -470,9 +470,23 @@ fn group_sizes_and_gptq_refuse_what_they_cannot_do() {
             "--format",
             "int4-awq",
             "--group-size",
+            "48",
+        ],
+        "--group-size 48: int4-awq takes groups of 32, 64, 128",
+    );
+    fails(
+        &[
+            "export",
+            "--model",
+            m,
+            "--out",
+            o,
+            "--format",
+            "nvfp4",
+            "--group-size",
             "64",
         ],
-        "--group-size 64: int4-awq's groups are fixed",
+        "--group-size 64: nvfp4's groups are fixed",
     );
     fails(
         &[&ct[..], &["--format", "w4a16", "--algorithm", "gptq"]].concat(),

@@ -246,7 +246,13 @@ impl Calibration {
     ) -> Result<(ActAmax, CalibrationReport), ModelError> {
         let started = Instant::now();
         let awq = match self.recipe.format {
-            Format::Int4Awq | Format::W4a8Awq => Some(AwqWeight::Int4 { group: 128 }),
+            Format::Int4Awq | Format::W4a8Awq => Some(AwqWeight::Int4 {
+                group: self
+                    .recipe
+                    .format
+                    .block(self.recipe.group_size)
+                    .unwrap_or(128),
+            }),
             Format::Nvfp4Awq => Some(AwqWeight::Nvfp4),
             _ => None,
         };

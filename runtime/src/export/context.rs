@@ -774,9 +774,9 @@ fn check_declared(job: &Job, captured: &Captured, exporter: &str) -> Result<(), 
         if !written.contains_key("weight") && input.dtype == safetensors::Dtype::F8_E4M3 {
             continue; // an FP8 weight passed through unchanged
         }
-        if let Some(problem) =
-            format.layout_problem(rows, cols, |local| written.get(local).copied())
-        {
+        if let Some(problem) = format.layout_problem(rows, cols, job.recipe.group_size, |local| {
+            written.get(local).copied()
+        }) {
             return Err(ExportError::Layout {
                 module: module.to_string(),
                 format,

@@ -58,12 +58,13 @@ pub fn hf_quant_config(
     declared: &[(String, Format)],
     exclude: &[String],
     kv: Option<KvCache>,
+    group: Option<usize>,
 ) -> Value {
     let formats: BTreeSet<Format> = declared.iter().map(|(_, f)| *f).collect();
     let kv = kv.map_or(Value::Null, |k| json!(k.quant_algo()));
     let mut q = Map::new();
     if formats.len() <= 1 {
-        let layer = formats.iter().next().map(|f| f.layer_config());
+        let layer = formats.iter().next().map(|f| f.layer_config(group));
         q.insert(
             "quant_algo".into(),
             layer
@@ -82,7 +83,7 @@ pub fn hf_quant_config(
         q.insert("kv_cache_quant_algo".into(), kv);
         let layers: Map<String, Value> = declared
             .iter()
-            .map(|(m, f)| (m.clone(), f.layer_config()))
+            .map(|(m, f)| (m.clone(), f.layer_config(group)))
             .collect();
         q.insert("quantized_layers".into(), Value::Object(layers));
     }
@@ -198,7 +199,7 @@ mod tests {
     #[test]
     fn single_format_configs_match_modelopt_shapes() {
         let quantized = [("m.q".to_string(), Format::Nvfp4)];
-        let hf = hf_quant_config(&quantized, &["lm_head".into()], Some(KvCache::Fp8));
+        let hf = hf_quant_config(&quantized, &["lm_head".into()], Some(KvCache::Fp8), None);
         assert_eq!(
             serde_json::to_string(&hf["quantization"]).unwrap(),
             r#"{"quant_algo":"NVFP4","kv_cache_quant_algo":"FP8","group_size":16,"exclude_modules":["lm_head"]}"#
@@ -223,7 +224,7 @@ mod tests {
         );
 
         let fp8 = [("m.q".to_string(), Format::Fp8)];
-        let hf = hf_quant_config(&fp8, &[], None);
+        let hf = hf_quant_config(&fp8, &[], None, None);
         assert_eq!(
             serde_json::to_string(&hf["quantization"]).unwrap(),
             r#"{"quant_algo":"FP8","kv_cache_quant_algo":null,"exclude_modules":[]}"#
@@ -232,7 +233,7 @@ mod tests {
         assert!(qc.get("kv_cache_scheme").is_none());
         // Formats without a config group (W8A16) get none.
         let int8 = [("m.q".to_string(), Format::Int8Wo)];
-        let qc = quantization_config(&hf_quant_config(&int8, &[], None));
+        let qc = quantization_config(&hf_quant_config(&int8, &[], None, None));
         assert!(qc.get("config_groups").is_none());
         assert_eq!(qc["quant_algo"], "W8A16");
     }
@@ -246,7 +247,7 @@ mod tests {
             ("a".to_string(), Format::Fp8),
             ("c".to_string(), Format::Nvfp4),
         ];
-        let hf = hf_quant_config(&q, &["lm_head".into()], None);
+        let hf = hf_quant_config(&q, &["lm_head".into()], None, None);
         assert_eq!(hf["quantization"]["quant_algo"], "MIXED_PRECISION");
         assert!(hf["quantization"].get("exclude_modules").is_none());
         let layers: Vec<&String> = hf["quantization"]["quantized_layers"]

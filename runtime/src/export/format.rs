@@ -87,7 +87,24 @@ impl Format {
         }
     }
 
-    /// The block size written as `group_size`, where the format has one.
+    /// The block size of the format with `--group-size` `group` (AWQ's INT4 blocks, 128 by
+    /// default, take 32, 64 or 128; the others are fixed).
+    pub fn block(self, group: Option<usize>) -> Option<usize> {
+        match self {
+            Format::Int4Awq | Format::W4a8Awq => Some(group.unwrap_or(128)),
+            _ => self.group_size().map(|g| g as usize),
+        }
+    }
+
+    /// The block sizes `--group-size` may choose for this format (empty: fixed).
+    pub fn block_sizes(self) -> &'static [usize] {
+        match self {
+            Format::Int4Awq | Format::W4a8Awq => &[32, 64, 128],
+            _ => &[],
+        }
+    }
+
+    /// The default block size written as `group_size`, where the format has one.
     pub fn group_size(self) -> Option<u32> {
         match self {
             Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq => Some(16),
@@ -129,8 +146,10 @@ impl Format {
         self.shares_group_scales() || self == Format::Int8Sq
     }
 
-    /// The per-layer dict of `hf_quant_config.json` (docs/FORMATS.md §3.2).
-    pub fn layer_config(self) -> Value {
+    /// The per-layer dict of `hf_quant_config.json` (docs/FORMATS.md §3.2), with `--group-size`
+    /// `group`.
+    pub fn layer_config(self, group: Option<usize>) -> Value {
+        let gs = self.block(group);
         match self {
             // Unmapped formats (`mxfp4`, `fp8_pb_wo`) record the raw name only, like FP8/INT8.
             Format::Fp8
@@ -142,10 +161,10 @@ impl Format {
                 json!({"quant_algo": self.quant_algo()})
             }
             Format::Int4Awq | Format::W4a8Awq | Format::Nvfp4Awq => {
-                json!({"quant_algo": self.quant_algo(), "group_size": self.group_size(),
+                json!({"quant_algo": self.quant_algo(), "group_size": gs,
                 "has_zero_point": false, "pre_quant_scale": true})
             }
-            _ => json!({"quant_algo": self.quant_algo(), "group_size": self.group_size()}),
+            _ => json!({"quant_algo": self.quant_algo(), "group_size": gs}),
         }
     }
 
@@ -247,7 +266,14 @@ impl Format {
     /// The tensors of a Linear with an `[rows, cols]` (`[out, in]`) weight quantized to this
     /// format, as ModelOpt writes them (docs/FORMATS.md §2). `pre_quant_scale` is not listed: it is
     /// present only where no norm absorbed the AWQ scale.
-    pub fn linear_layout(self, rows: usize, cols: usize) -> Vec<TensorLayout> {
+    /// `group`: `--group-size` (AWQ's INT4 blocks; `None`: the format's default).
+    pub fn linear_layout(
+        self,
+        rows: usize,
+        cols: usize,
+        group: Option<usize>,
+    ) -> Vec<TensorLayout> {
+        let block = self.block(group).unwrap_or(1);
         let t = |local, dtype, shape: &[usize]| TensorLayout {
             local,
             dtype,
@@ -277,7 +303,7 @@ impl Format {
             ],
             Format::Int4Awq | Format::W4a8Awq => vec![
                 t("weight", Dtype::U8, &[rows / 2, cols]),
-                t("weight_scale", Dtype::F32, &[rows, cols / 128]),
+                t("weight_scale", Dtype::F32, &[rows, cols / block]),
             ],
             Format::Nvfp4 | Format::Nvfp4Awq | Format::W4a16Nvfp4 => vec![
                 t("weight", Dtype::U8, &[rows, cols / 2]),
@@ -304,13 +330,15 @@ impl Format {
 
     /// What is wrong with a Linear's tensors for this format (`None`: they have its layout).
     /// `written(local)` gives the dtype and shape of the module's tensor `local`, if present.
+    /// `group`: the block size it was written with (`None`: the format's default).
     pub fn layout_problem<'a>(
         self,
         rows: usize,
         cols: usize,
+        group: Option<usize>,
         written: impl Fn(&str) -> Option<(Dtype, &'a [usize])>,
     ) -> Option<String> {
-        if let Some(p) = missing_or_wrong(&self.linear_layout(rows, cols), &written) {
+        if let Some(p) = missing_or_wrong(&self.linear_layout(rows, cols, group), &written) {
             return Some(p);
         }
         if written("pre_quant_scale").is_some() && !self.has_pre_quant_scale() {
@@ -439,6 +467,9 @@ impl Format {
     /// Whether `local` is a tensor name a Linear of this format may carry.
     pub fn knows_local(self, local: &str) -> bool {
         OPTIONAL_LOCALS.contains(&local)
-            || self.linear_layout(2, 128).iter().any(|t| t.local == local)
+            || self
+                .linear_layout(2, 128, None)
+                .iter()
+                .any(|t| t.local == local)
     }
 }

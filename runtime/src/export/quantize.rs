@@ -413,9 +413,15 @@ impl Quantize<'_> {
                 ErrorStats::measure(w, |i| f32::from(q[i]) * s[i / cols])
             }
             Format::Int4Awq | Format::W4a8Awq => {
-                // Groups of 128 along K: scale = block amax / 7 (a zero block → 1), nibble
-                // pairs along the output dimension: weight [N/2, K], weight_scale [N, K/128].
-                const G: usize = 128;
+                // Blocks of G (128, or --group-size) along K: scale = block amax / 7 (a zero
+                // block → 1), nibble pairs along the output dimension: weight [N/2, K],
+                // weight_scale [N, K/G].
+                let g = self
+                    .format
+                    .block(self.ctx.recipe()?.group_size)
+                    .unwrap_or(128);
+                #[allow(non_snake_case)]
+                let G = g;
                 let rows = self.rows;
                 // An expert's gate/up share the element-wise max (`sync_moe_gate_up_amax`);
                 // AWQ's clipping search may have given the block amax instead.

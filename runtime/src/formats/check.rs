@@ -717,7 +717,14 @@ fn engine_checks(
                 .tensor(&format!("{module}.{local}"))
                 .map(|t| (t.dtype, t.shape.as_slice()))
         };
-        if let Some(p) = format.layout_problem(rows, cols, written) {
+        // The block size it declares (AWQ's INT4 blocks may be 32, 64 or 128).
+        let group = match layers {
+            Some(l) => l.get(module).and_then(|c| c.get("group_size")),
+            None => hf.pointer("/quantization/group_size"),
+        }
+        .and_then(Value::as_u64)
+        .map(|g| g as usize);
+        if let Some(p) = format.layout_problem(rows, cols, group, written) {
             problems.push(format!("`{module}` is declared {declared}, but {p}"));
         }
     }

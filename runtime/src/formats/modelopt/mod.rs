@@ -21,6 +21,8 @@ use std::collections::BTreeSet;
 #[crate::writer(name = "modelopt", reader = reader::ModelOptReader, crate = crate)]
 pub struct ModelOptWriter {
     format: Format,
+    /// `--group-size` (AWQ's INT4 block size).
+    group: Option<usize>,
     shards: Option<ShardWriter>,
 }
 
@@ -90,7 +92,12 @@ impl OutputWriter for ModelOptWriter {
         let quantized: BTreeSet<String> = end.declared.iter().map(|(m, _)| m.clone()).collect();
         let excluded =
             crate::export::run::unquantized_summary(end.checkpoint, end.tree, &quantized);
-        let hf = files::hf_quant_config(end.declared, &excluded, end.recipe.kv_cache);
+        let hf = files::hf_quant_config(
+            end.declared,
+            &excluded,
+            end.recipe.kv_cache,
+            end.recipe.group_size,
+        );
         crate::export::run::write_json(&end.out.join("hf_quant_config.json"), &hf, 4)?;
         let mut config = end.checkpoint.config().raw().clone();
         config.insert(
@@ -114,11 +121,36 @@ impl OutputWriter for ModelOptWriter {
         true
     }
 
+    fn group_sizes(&self) -> &'static [usize] {
+        self.format.block_sizes()
+    }
+
+    /// `--group-size` for AWQ's INT4 blocks (ModelOpt's `block_sizes {-1: N}`).
+    fn set_group_size(&mut self, size: usize) -> Result<(), ExportError> {
+        self.group = Some(size);
+        Ok(())
+    }
+
     fn check_linear(&self, shape: &[usize]) -> Option<String> {
-        let block = self.format.group_size()? as usize;
+        let block = self.format.block(self.group)?;
         let cols = *shape.last()?;
-        (!cols.is_multiple_of(block))
-            .then(|| format!("{cols} input features are not whole blocks of {block}"))
+        if cols.is_multiple_of(block) {
+            return None;
+        }
+        let fit: Vec<String> = self
+            .format
+            .block_sizes()
+            .iter()
+            .filter(|&&g| cols.is_multiple_of(g))
+            .map(|g| format!("--group-size {g}"))
+            .collect();
+        let hint = match fit.len() {
+            0 => String::new(),
+            _ => format!("; {} would fit", fit.join(" or ")),
+        };
+        Some(format!(
+            "{cols} input features are not whole blocks of {block}{hint}"
+        ))
     }
 
     fn engines(&self) -> Vec<crate::export::engines::EngineSupport> {
@@ -139,6 +171,7 @@ impl WriterType for ModelOptWriter {
             .parse::<Format>()
             .map(|format| ModelOptWriter {
                 format,
+                group: None,
                 shards: None,
             })
             .map_err(|what| ExportError::Writer {
