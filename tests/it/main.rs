@@ -22,6 +22,7 @@ mod gguf_imatrix;
 mod gptq;
 mod layers;
 mod mlx_export;
+mod qlora;
 mod train;
 mod train_cli;
 mod train_e2e;

@@ -85,6 +85,28 @@ pub fn load(
     }
 }
 
+/// The quantized model at `path` for QLoRA: its quantized Linears kept packed
+/// ([`FormatReader::load_packed`]), f32 on `device`. A plain checkpoint, or a format whose
+/// reader keeps nothing packed, is an error naming it.
+pub fn load_packed(path: &Path, device: &Device) -> Result<Loaded, ModelError> {
+    let Some(d) = detect(path)? else {
+        return Err(ModelError::file(
+            path,
+            "is not a quantized export: train it as it is (QLoRA is for a quantized base)",
+        ));
+    };
+    d.reader.load_packed(&d.path, device).unwrap_or_else(|| {
+        Err(ModelError::file(
+            path,
+            format!(
+                "is a `{}` export, whose weights kiln cannot keep packed yet (QLoRA reads \
+                 mlx exports; decode it with `kiln export` to train the decoded model)",
+                d.writer
+            ),
+        ))
+    })
+}
+
 /// The model at `path` ([`load`]), ready to run.
 pub fn load_model(
     path: &Path,

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 #[cfg(feature = "exec")]
 mod dispatch;
 #[cfg(feature = "exec")]
-pub use dispatch::{Detected, Loaded, detect, load, load_model, load_weights, verify};
+pub use dispatch::{Detected, Loaded, detect, load, load_model, load_packed, load_weights, verify};
 
 /// The read side of one output format.
 ///
@@ -45,6 +45,20 @@ pub trait FormatReader: Send + Sync {
         device: &crate::model::candle::Device,
         activations: bool,
     ) -> Result<Loaded, crate::model::ModelError>;
+
+    /// Reads the output `detect` found for QLoRA, in f32 on `device`: as [`FormatReader::load`]
+    /// without activation quantizers, but each quantized Linear's weight kept in its packed
+    /// layout ([`crate::model::Weights::packed`]) and decoded a tile at a time per use.
+    /// `None`: this format decodes its weights whole (QLoRA on it is not built).
+    #[cfg(feature = "exec")]
+    fn load_packed(
+        &self,
+        found: &Path,
+        device: &crate::model::candle::Device,
+    ) -> Option<Result<Loaded, crate::model::ModelError>> {
+        let _ = (found, device);
+        None
+    }
 
     /// Checks the output `detect` found against the model it was exported from, as an engine
     /// loading it would: names, shapes, dtypes, config files; and each quantized Linear's

@@ -23,8 +23,15 @@ pub(crate) struct Linear {
     /// Its module path (`model.layers.3.self_attn.q_proj`): the key of its adapter, its
     /// activation quantizer and what an observer is told.
     name: String,
-    weight: Tensor,
+    weight: LinearWeight,
     bias: Option<Tensor>,
+}
+
+/// A Linear's weight: a tensor, or kept packed in its format's layout (QLoRA).
+#[derive(Debug, Clone)]
+enum LinearWeight {
+    Dense(Tensor),
+    Packed(super::packed::Packed),
 }
 
 /// One self-attention module.
@@ -126,12 +133,17 @@ impl Resolver<'_> {
     }
 
     fn has(&self, name: &str) -> bool {
-        self.weights.maybe(name).is_some()
+        self.weights.maybe(name).is_some() || self.weights.packed().contains_key(name)
     }
 
     fn linear(&self, module: String) -> Result<Linear, ModelError> {
+        let name = format!("{module}.weight");
+        let weight = match self.weights.packed().get(&name) {
+            Some(p) => LinearWeight::Packed(p.clone()),
+            None => LinearWeight::Dense(self.get(&name)?),
+        };
         Ok(Linear {
-            weight: self.get(&format!("{module}.weight"))?,
+            weight,
             bias: self.maybe(&format!("{module}.bias")),
             name: module,
         })
@@ -233,7 +245,7 @@ impl Resolver<'_> {
                 (
                     Linear {
                         name,
-                        weight,
+                        weight: LinearWeight::Dense(weight),
                         bias: None,
                     },
                     true,
@@ -525,10 +537,20 @@ impl DecoderModel {
     /// export prescribes one (`quantized_input`), and a LoRA adapter when the model has one
     /// there.
     fn linear(&self, l: &Linear, x: &Tensor, quantized_input: bool) -> Result<Tensor, ModelError> {
-        let y = if quantized_input {
-            linear(&self.act.input(&l.name, x)?, &l.weight, l.bias.as_ref())?
+        let input = if quantized_input {
+            self.act.input(&l.name, x)?
         } else {
-            linear(x, &l.weight, l.bias.as_ref())?
+            x.clone()
+        };
+        let y = match &l.weight {
+            LinearWeight::Dense(w) => linear(&input, w, l.bias.as_ref())?,
+            LinearWeight::Packed(w) => {
+                let y = super::packed::packed_linear(&input, w)?;
+                match &l.bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                }
+            }
         };
         match self
             .adapters

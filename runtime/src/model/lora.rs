@@ -133,13 +133,21 @@ impl LoraLayer {
 /// The Linear layers of `model` (2-D `<module>.weight` tensors but the embeddings and norms),
 /// in name order.
 pub fn linear_modules(model: &DecoderModel) -> Vec<(String, usize, usize)> {
-    linear_modules_of(
-        model
-            .weights()
-            .vars()
-            .iter()
-            .map(|(name, v)| (name.as_str(), v.as_tensor().dims())),
-    )
+    let packed: Vec<(String, [usize; 2])> = model
+        .weights()
+        .packed()
+        .iter()
+        .map(|(name, p)| (name.clone(), [p.rows(), p.cols()]))
+        .collect();
+    let mut all: Vec<(&str, &[usize])> = model
+        .weights()
+        .vars()
+        .iter()
+        .map(|(name, v)| (name.as_str(), v.as_tensor().dims()))
+        .chain(packed.iter().map(|(n, d)| (n.as_str(), &d[..])))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(b.0));
+    linear_modules_of(all)
 }
 
 /// [`linear_modules`] of any backend's weights, given as (tensor name, shape) in name order.

@@ -11,6 +11,7 @@ pub mod generate;
 mod loaded;
 pub mod lora;
 mod observe;
+pub mod packed;
 
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
@@ -156,12 +157,31 @@ pub fn read_f32(
 pub struct Weights {
     vars: BTreeMap<String, Var>,
     frozen: Option<BTreeMap<String, Tensor>>,
+    /// Linear weights kept in their format's packed layout (QLoRA), by tensor name
+    /// (`<module>.weight`): never trained, shared by every copy.
+    packed: BTreeMap<String, packed::Packed>,
 }
 
 impl Weights {
     /// Weights from candle variables by Hugging Face name (a format reader's decoded tensors).
     pub fn from_vars(vars: BTreeMap<String, Var>) -> Self {
-        Weights { vars, frozen: None }
+        Weights {
+            vars,
+            frozen: None,
+            packed: BTreeMap::new(),
+        }
+    }
+
+    /// These weights with the packed Linear weights `packed` (by `<module>.weight`) beside
+    /// them.
+    pub fn with_packed(mut self, packed: BTreeMap<String, packed::Packed>) -> Self {
+        self.packed = packed;
+        self
+    }
+
+    /// The packed Linear weights, by tensor name.
+    pub fn packed(&self) -> &BTreeMap<String, packed::Packed> {
+        &self.packed
     }
 
     /// Weights from f32 values by Hugging Face name, each `(name, values, shape)` stored in
@@ -203,7 +223,7 @@ impl Weights {
             let data = read_f32(checkpoint, t)?;
             vars.insert(t.name.clone(), to_var(data, &t.shape, dtype, device)?);
         }
-        Ok(Weights { vars, frozen: None })
+        Ok(Weights::from_vars(vars))
     }
 
     /// Puts `tensor` in place of the weight `name` (same shape), e.g. a merged LoRA weight.
@@ -248,7 +268,7 @@ impl Weights {
         for (k, v) in &self.vars {
             vars.insert(k.clone(), Var::from_tensor(&v.as_tensor().copy()?)?);
         }
-        Ok(Weights { vars, frozen: None })
+        Ok(Weights::from_vars(vars).with_packed(self.packed.clone()))
     }
 
     fn tensor(&self, name: &str) -> Option<&Tensor> {

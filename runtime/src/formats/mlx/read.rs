@@ -186,6 +186,126 @@ fn decode(
     Ok((out, shape))
 }
 
+/// A quantized MLX Linear kept packed (QLoRA): its codes with their scales (and biases),
+/// decoded a range of rows at a time with the same arithmetic as [`decode`].
+#[derive(Debug)]
+struct MlxRows {
+    mode: Mode,
+    rows: usize,
+    cols: usize,
+    /// The codes: `uint32` words (affine), or the packed bytes (FP modes).
+    words: Vec<u32>,
+    bytes: Vec<u8>,
+    /// Affine: scales and biases, widened to f32 (exactly); FP modes: the scale bytes.
+    scales: Vec<f32>,
+    biases: Vec<f32>,
+    scale_bytes: Vec<u8>,
+}
+
+impl kiln_kernels::ops::packed_matmul::PackedRows for MlxRows {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
+        let n = out.len() / self.cols.max(1);
+        let (lo, hi) = (start, start + n);
+        match self.mode {
+            Mode::Affine { bits, group } => {
+                let (w, g) = (self.cols * bits / 32, self.cols / group);
+                mq::dequantize_affine(
+                    &self.words[lo * w..hi * w],
+                    &self.scales[lo * g..hi * g],
+                    &self.biases[lo * g..hi * g],
+                    group,
+                    bits,
+                    out,
+                )
+            }
+            Mode::Fp(m) => {
+                let (b, g) = (self.cols * m.bits() / 8, self.cols / m.group());
+                mq::dequantize_fp(
+                    m,
+                    &self.bytes[lo * b..hi * b],
+                    &self.scale_bytes[lo * g..hi * g],
+                    None,
+                    out,
+                )
+            }
+        }
+    }
+    fn packed_bytes(&self) -> usize {
+        (self.words.len() + self.scales.len() + self.biases.len()) * 4
+            + self.bytes.len()
+            + self.scale_bytes.len()
+    }
+}
+
+/// The packed form of quantized module `module` (a 2-D Linear weight).
+fn packed(checkpoint: &Checkpoint, module: &str, mode: Mode) -> Result<MlxRows, ModelError> {
+    let weight = format!("{module}.weight");
+    let bad = |message: String| ModelError::Tensor {
+        tensor: weight.clone(),
+        message,
+    };
+    let meta = checkpoint
+        .tensor(&weight)
+        .ok_or_else(|| bad("missing".into()))?;
+    let [rows, words] = meta.shape[..] else {
+        return Err(bad(format!("shape {:?}: not a Linear's", meta.shape)));
+    };
+    if meta.dtype != Dtype::U32 {
+        return Err(bad(format!(
+            "{:?}: a quantized MLX weight is packed into uint32",
+            meta.dtype
+        )));
+    }
+    let cols = words * 32 / mode.bits();
+    let mut raw = Vec::new();
+    checkpoint.read(&weight, &mut raw)?;
+    let scales = format!("{module}.scales");
+    let mut p = MlxRows {
+        mode,
+        rows,
+        cols,
+        words: Vec::new(),
+        bytes: Vec::new(),
+        scales: Vec::new(),
+        biases: Vec::new(),
+        scale_bytes: Vec::new(),
+    };
+    match mode {
+        Mode::Affine { .. } => {
+            p.words = bytemuck::pod_collect_to_vec(&raw);
+            p.scales = crate::model::f32s(checkpoint, &scales)?;
+            p.biases = crate::model::f32s(checkpoint, &format!("{module}.biases"))?;
+        }
+        Mode::Fp(_) => {
+            p.bytes = raw;
+            checkpoint.read(&scales, &mut p.scale_bytes)?;
+        }
+    }
+    // The shapes the decode slices by, checked once here.
+    let group = match mode {
+        Mode::Affine { group, .. } => group,
+        Mode::Fp(m) => m.group(),
+    };
+    let groups = rows * (cols / group);
+    let have = match mode {
+        Mode::Affine { .. } => (p.scales.len(), p.biases.len()),
+        Mode::Fp(_) => (p.scale_bytes.len(), groups),
+    };
+    if have != (groups, groups) {
+        return Err(bad(format!(
+            "{} scales and {} biases for {rows} rows of {cols} in groups of {group}",
+            have.0, have.1
+        )));
+    }
+    Ok(p)
+}
+
 /// Reads an MLX `checkpoint` for execution in `dtype` on `device`, weights decoded and
 /// experts unstacked.
 pub(crate) fn load(
@@ -193,11 +313,26 @@ pub(crate) fn load(
     dtype: DType,
     device: &Device,
 ) -> Result<Weights, ModelError> {
+    load_with(checkpoint, dtype, device, false)
+}
+
+/// [`load`] with every quantized Linear (2-D, not an embedding) kept packed (QLoRA).
+pub(crate) fn load_packed(checkpoint: &Checkpoint, device: &Device) -> Result<Weights, ModelError> {
+    load_with(checkpoint, DType::F32, device, true)
+}
+
+fn load_with(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+    pack: bool,
+) -> Result<Weights, ModelError> {
     let q = quantization(checkpoint).ok_or_else(|| ModelError::Config("no quantization".into()))?;
     let default = Mode::parse(q, "")?;
     let quantized: std::collections::BTreeSet<String> =
         quantized_modules(checkpoint).into_iter().collect();
     let mut vars = BTreeMap::new();
+    let mut packed_weights: BTreeMap<String, crate::model::packed::Packed> = BTreeMap::new();
     for t in checkpoint.tensors() {
         let module = t
             .name
@@ -219,6 +354,18 @@ pub(crate) fn load(
                     Some(o) if o.is_object() => Mode::parse(o, &format!(".{m}"))?,
                     _ => default,
                 };
+                // QLoRA: a Linear stays packed (embeddings are looked up, so decoded).
+                if pack
+                    && t.shape.len() == 2
+                    && !m.ends_with("embed_tokens")
+                    && !m.contains(".switch_mlp.")
+                {
+                    packed_weights.insert(
+                        t.name.clone(),
+                        std::sync::Arc::new(packed(checkpoint, m, mode)?),
+                    );
+                    continue;
+                }
                 decode(checkpoint, m, mode)?
             }
             None => (crate::model::f32s(checkpoint, &t.name)?, t.shape.clone()),
@@ -249,7 +396,7 @@ pub(crate) fn load(
             );
         }
     }
-    Ok(Weights::from_vars(vars))
+    Ok(Weights::from_vars(vars).with_packed(packed_weights))
 }
 
 #[cfg(test)]

@@ -82,21 +82,37 @@ impl Setup {
         }
         let device = crate::model::device(&config.device)?;
         let checkpoint = Checkpoint::open(&config.model).map_err(backend_err)?;
-        if checkpoint
-            .config()
-            .raw()
-            .get("quantization_config")
-            .is_some()
-        {
+        // A quantized export: QLoRA — adapters over the packed base, as deployed.
+        let quantized = crate::model::quantization_marker(&checkpoint).is_some();
+        if quantized && config.merge {
             return Err(config_err(
-                "model",
+                "merge",
                 format!(
-                    "{} is a quantized export; train the original model",
+                    "{} is a quantized export: merging an adapter into its packed weights \
+                     would re-quantize them; save the adapter (without --merge) and apply it \
+                     to the original model",
                     config.model.display()
                 ),
             ));
         }
-        let mut model = DecoderModel::load(&checkpoint, DType::F32, &device)?;
+        if quantized && config.lora.is_none() && config.init_adapter.is_none() {
+            return Err(config_err(
+                "model",
+                format!(
+                    "{} is a quantized export: its weights cannot be trained themselves; train \
+                     LoRA adapters on it (QLoRA: --use-peft / lora settings) or train the \
+                     original model",
+                    config.model.display()
+                ),
+            ));
+        }
+        let mut model = if quantized {
+            let loaded =
+                crate::formats::load_packed(&config.model, &device).map_err(backend_err)?;
+            DecoderModel::from_loaded(loaded, &device)?
+        } else {
+            DecoderModel::load(&checkpoint, DType::F32, &device)?
+        };
         let tokenizer = TextTokenizer::from_model_dir(&config.model)?;
         let (adapters, trainable) = match (&config.lora, &config.init_adapter) {
             (None, None) => {

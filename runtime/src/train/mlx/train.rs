@@ -60,6 +60,16 @@ impl MlxSetup {
             ));
         }
         let checkpoint = Checkpoint::open(&config.model).map_err(crate::model::ModelError::from)?;
+        if let Some(key) = crate::model::quantization_marker(&checkpoint) {
+            return Err(config_err(
+                "model",
+                format!(
+                    "{} is a quantized export (`{key}`): QLoRA runs on the candle backend \
+                     (--backend candle); on MLX (quantized_matmul) it is not built yet",
+                    config.model.display()
+                ),
+            ));
+        }
         let (decoder, base) = MlxDecoder::load(&checkpoint)?;
         let tokenizer = TextTokenizer::from_model_dir(&config.model)?;
         let shapes: Vec<(String, Vec<usize>)> = base

@@ -1,0 +1,215 @@
+//! QLoRA: LoRA adapters trained over a quantized base whose Linear weights stay packed
+//! (`kiln train --model <quantized export>`). Every task on the candle backend, on the tiny
+//! training model exported as MLX q4 (groups of 32): each step's loss equals, to float
+//! rounding, the loss of the same run on the *decoded* twin — a plain f32 checkpoint of the
+//! very values the packed base decodes to — so the packed forward and its input gradient are
+//! the dense ones; and a longer SFT run's loss falls. What QLoRA refuses is refused by name.
+
+use kiln_runtime::checkpoint::Checkpoint;
+use kiln_runtime::export::recipe::{Format, Recipe};
+use kiln_runtime::export::run::{ExportOptions, OutputFormat, run};
+use kiln_runtime::model::candle::{DType, Device};
+use kiln_runtime::train::{LoraConfig, StepMetrics, TrainConfig, TrainObserver};
+use std::path::{Path, PathBuf};
+
+fn here() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/train")
+}
+
+/// The tiny training model exported as MLX `format` with groups of `group`.
+fn quantized(dir: &Path, format: &str, group: usize) -> PathBuf {
+    let out = dir.join(format!("mlx-{format}-g{group}"));
+    let options = ExportOptions {
+        output: Some(OutputFormat {
+            writer: "mlx".into(),
+            format: format.into(),
+        }),
+        force: true,
+        ..ExportOptions::new(
+            here().join("tiny/model"),
+            &out,
+            Recipe {
+                group_size: Some(group),
+                ..Recipe::new(Format::Fp8)
+            },
+        )
+    };
+    run(&options).unwrap_or_else(|e| panic!("{e}"));
+    out
+}
+
+/// A plain f32 checkpoint of the values the export at `q` decodes to, with the original
+/// config and tokenizer: what the packed base computes, held dense.
+fn decoded_twin(q: &Path, dir: &Path) -> PathBuf {
+    let out = dir.join("decoded");
+    std::fs::create_dir_all(&out).unwrap();
+    let w = kiln_runtime::formats::load_weights(q, DType::F32, &Device::Cpu).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = w
+        .vars()
+        .iter()
+        .map(|(n, v)| {
+            let t = v.as_tensor();
+            let data: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            (
+                n.clone(),
+                t.dims().to_vec(),
+                data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, s, d)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(here().join("tiny/model").join(f), out.join(f)).unwrap();
+    }
+    out
+}
+
+#[derive(Default)]
+struct Collect(Vec<StepMetrics>);
+impl TrainObserver for Collect {
+    fn on_step(&mut self, m: &StepMetrics) {
+        self.0.push(m.clone());
+    }
+}
+
+fn train(config: &TrainConfig) -> Result<Vec<StepMetrics>, String> {
+    let entry = kiln_runtime::resolve_trainer(config).map_err(|e| e.to_string())?;
+    let mut seen = Collect::default();
+    entry
+        .construct(config)
+        .map_err(|e| e.to_string())?
+        .train(&mut seen)
+        .map_err(|e| e.to_string())?;
+    Ok(seen.0)
+}
+
+/// A LoRA run of `task` on `model` (every Linear, rank 8).
+fn config(task: &str, model: &Path, out: &Path) -> TrainConfig {
+    let mut c = TrainConfig::new(task, "candle", model, out);
+    let data = match task {
+        "sft" => "sft.jsonl",
+        "kto" => "kto.jsonl",
+        "grpo" => "grpo.jsonl",
+        _ => "dpo.jsonl",
+    };
+    c.train_data = Some(here().join("data").join(data));
+    c.hyper.max_steps = Some(4);
+    c.hyper.logging_steps = 1;
+    c.hyper.per_device_train_batch_size = 2;
+    c.hyper.learning_rate = 1e-2;
+    c.hyper.train_sampling_strategy = "sequential".into();
+    c.lora = Some(LoraConfig {
+        r: 8,
+        lora_alpha: 16.0,
+        lora_dropout: 0.0,
+        target_modules: vec!["all-linear".into()],
+        use_rslora: false,
+    });
+    if task == "grpo" {
+        c.hyper.per_device_train_batch_size = 4;
+        for (k, v) in [
+            ("num_generations", serde_json::json!(4)),
+            ("max_completion_length", serde_json::json!(6)),
+            ("reward_funcs", serde_json::json!(["count_digits"])),
+        ] {
+            c.task_options.insert(k.into(), v);
+        }
+    }
+    c
+}
+
+#[test]
+fn qlora_on_a_packed_base_equals_lora_on_its_decoded_values_for_every_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = quantized(dir.path(), "q4", 32);
+    let twin = decoded_twin(&q, dir.path());
+    // The base is packed, not decoded: its Linears are kept as MLX words.
+    let loaded = kiln_runtime::formats::load_packed(&q, &Device::Cpu).unwrap();
+    assert_eq!(
+        loaded.weights.packed().len(),
+        2 * 7 + 1,
+        "every Linear and lm_head"
+    );
+    for task in ["sft", "dpo", "orpo", "simpo", "kto", "grpo"] {
+        let a = train(&config(task, &q, &dir.path().join(format!("q-{task}")))).unwrap();
+        let b = train(&config(task, &twin, &dir.path().join(format!("d-{task}")))).unwrap();
+        assert_eq!(a.len(), b.len(), "{task}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(x.loss.is_finite(), "{task} step {}: {}", x.step, x.loss);
+            assert!(
+                (x.loss - y.loss).abs() <= 1e-4 * y.loss.abs() + 1e-6,
+                "{task} step {}: QLoRA loss {} vs {} on the decoded base",
+                x.step,
+                x.loss,
+                y.loss
+            );
+        }
+        eprintln!(
+            "{task}: QLoRA losses {:?}",
+            a.iter().map(|m| m.loss).collect::<Vec<_>>()
+        );
+        // The adapter is saved as PEFT's files.
+        assert!(
+            dir.path()
+                .join(format!("q-{task}"))
+                .join("adapter_model.safetensors")
+                .is_file(),
+            "{task}"
+        );
+    }
+}
+
+#[test]
+fn qlora_sft_learns() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = quantized(dir.path(), "q4", 32);
+    let mut c = config("sft", &q, &dir.path().join("out"));
+    c.hyper.max_steps = Some(30);
+    let m = train(&c).unwrap();
+    let first: f64 = m[..3].iter().map(|s| s.loss).sum::<f64>() / 3.0;
+    let last: f64 = m[m.len() - 3..].iter().map(|s| s.loss).sum::<f64>() / 3.0;
+    eprintln!("QLoRA sft: loss {first:.3} → {last:.3}");
+    assert!(last < 0.7 * first, "loss {first} → {last}");
+}
+
+#[test]
+fn qlora_refuses_what_it_cannot_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = quantized(dir.path(), "q4", 32);
+    // Full fine-tuning of packed weights.
+    let mut c = config("sft", &q, &dir.path().join("full"));
+    c.lora = None;
+    let e = train(&c).unwrap_err();
+    assert!(
+        e.contains("its weights cannot be trained themselves"),
+        "{e}"
+    );
+    // Merging into packed weights.
+    let mut c = config("sft", &q, &dir.path().join("merge"));
+    c.merge = true;
+    let e = train(&c).unwrap_err();
+    assert!(
+        e.contains("merging an adapter into its packed weights"),
+        "{e}"
+    );
+    // A format whose weights kiln does not keep packed yet.
+    let ct = dir.path().join("ct");
+    run(&ExportOptions {
+        output: Some(OutputFormat {
+            writer: "compressed-tensors".into(),
+            format: "fp8-dynamic".into(),
+        }),
+        ..ExportOptions::new(here().join("tiny/model"), &ct, Recipe::new(Format::Fp8))
+    })
+    .unwrap();
+    let e = train(&config("sft", &ct, &dir.path().join("ct-out"))).unwrap_err();
+    assert!(e.contains("cannot keep packed yet"), "{e}");
+    assert!(Checkpoint::open(&q).is_ok());
+}
