@@ -1,6 +1,7 @@
 //! QLoRA: LoRA adapters trained over a quantized base whose Linear weights stay packed
 //! (`kiln train --model <quantized export>`). Every task on the candle backend, on the tiny
-//! training model exported as MLX q4 (groups of 32): each step's loss equals, to float
+//! training model exported as MLX q4 (groups of 32; and GGUF and compressed-tensors bases for
+//! some tasks): each step's loss equals, to float
 //! rounding, the loss of the same run on the *decoded* twin — a plain f32 checkpoint of the
 //! very values the packed base decodes to — so the packed forward and its input gradient are
 //! the dense ones; and a longer SFT run's loss falls. What QLoRA refuses is refused by name.
@@ -38,10 +39,32 @@ fn quantized(dir: &Path, format: &str, group: usize) -> PathBuf {
     out
 }
 
+/// The tiny training model exported as GGUF `format` (its tokenizer beside the file, where
+/// training reads it).
+fn gguf(dir: &Path, format: &str) -> PathBuf {
+    let out = dir.join(format!("gguf-{format}"));
+    let options = ExportOptions {
+        output: Some(OutputFormat {
+            writer: "gguf".into(),
+            format: format.into(),
+        }),
+        force: true,
+        ..ExportOptions::new(here().join("tiny/model"), &out, Recipe::new(Format::Fp8))
+    };
+    run(&options).unwrap_or_else(|e| panic!("{e}"));
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(here().join("tiny/model").join(f), out.join(f)).unwrap();
+    }
+    out
+}
+
 /// A plain f32 checkpoint of the values the export at `q` decodes to, with the original
 /// config and tokenizer: what the packed base computes, held dense.
 fn decoded_twin(q: &Path, dir: &Path) -> PathBuf {
-    let out = dir.join("decoded");
+    let out = dir.join(format!(
+        "decoded-{}",
+        q.file_name().unwrap().to_string_lossy()
+    ));
     std::fs::create_dir_all(&out).unwrap();
     let w = kiln_runtime::formats::load_weights(q, DType::F32, &Device::Cpu).unwrap();
     let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = w
@@ -125,11 +148,47 @@ fn config(task: &str, model: &Path, out: &Path) -> TrainConfig {
     c
 }
 
+/// Each task's QLoRA run on the quantized base `q` against LoRA on its decoded twin.
+fn parity(q: &Path, dir: &Path, tasks: &[&str]) {
+    let twin = decoded_twin(q, dir);
+    let tag = q.file_name().unwrap().to_string_lossy().to_string();
+    for task in tasks {
+        let a = train(&config(task, q, &dir.join(format!("q-{tag}-{task}")))).unwrap();
+        let b = train(&config(task, &twin, &dir.join(format!("d-{tag}-{task}")))).unwrap();
+        assert_eq!(a.len(), b.len(), "{tag} {task}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                x.loss.is_finite(),
+                "{tag} {task} step {}: {}",
+                x.step,
+                x.loss
+            );
+            assert!(
+                (x.loss - y.loss).abs() <= 1e-4 * y.loss.abs() + 1e-6,
+                "{tag} {task} step {}: QLoRA loss {} vs {} on the decoded base",
+                x.step,
+                x.loss,
+                y.loss
+            );
+        }
+        eprintln!(
+            "{tag} {task}: QLoRA losses {:?}",
+            a.iter().map(|m| m.loss).collect::<Vec<_>>()
+        );
+        // The adapter is saved as PEFT's files.
+        assert!(
+            dir.join(format!("q-{tag}-{task}"))
+                .join("adapter_model.safetensors")
+                .is_file(),
+            "{tag} {task}"
+        );
+    }
+}
+
 #[test]
 fn qlora_on_a_packed_base_equals_lora_on_its_decoded_values_for_every_task() {
     let dir = tempfile::tempdir().unwrap();
     let q = quantized(dir.path(), "q4", 32);
-    let twin = decoded_twin(&q, dir.path());
     // The base is packed, not decoded: its Linears are kept as MLX words.
     let loaded = kiln_runtime::formats::load_packed(&q, &Device::Cpu).unwrap();
     assert_eq!(
@@ -137,32 +196,63 @@ fn qlora_on_a_packed_base_equals_lora_on_its_decoded_values_for_every_task() {
         2 * 7 + 1,
         "every Linear and lm_head"
     );
-    for task in ["sft", "dpo", "orpo", "simpo", "kto", "grpo"] {
-        let a = train(&config(task, &q, &dir.path().join(format!("q-{task}")))).unwrap();
-        let b = train(&config(task, &twin, &dir.path().join(format!("d-{task}")))).unwrap();
-        assert_eq!(a.len(), b.len(), "{task}");
-        for (x, y) in a.iter().zip(&b) {
-            assert!(x.loss.is_finite(), "{task} step {}: {}", x.step, x.loss);
-            assert!(
-                (x.loss - y.loss).abs() <= 1e-4 * y.loss.abs() + 1e-6,
-                "{task} step {}: QLoRA loss {} vs {} on the decoded base",
-                x.step,
-                x.loss,
-                y.loss
-            );
-        }
-        eprintln!(
-            "{task}: QLoRA losses {:?}",
-            a.iter().map(|m| m.loss).collect::<Vec<_>>()
-        );
-        // The adapter is saved as PEFT's files.
-        assert!(
-            dir.path()
-                .join(format!("q-{task}"))
-                .join("adapter_model.safetensors")
-                .is_file(),
-            "{task}"
-        );
+    parity(
+        &q,
+        dir.path(),
+        &["sft", "dpo", "orpo", "simpo", "kto", "grpo"],
+    );
+}
+
+#[test]
+fn qlora_on_gguf_bases_equals_lora_on_their_decoded_values() {
+    let dir = tempfile::tempdir().unwrap();
+    // q8-0, and q4-k-m (on 32-wide rows llama.cpp's mix falls back to legacy blocks); the
+    // llama architecture's Q/K rows are stored in llama.cpp's order.
+    for format in ["q8-0", "q4-k-m"] {
+        let q = gguf(dir.path(), format);
+        let loaded = kiln_runtime::formats::load_packed(&q, &Device::Cpu).unwrap();
+        assert_eq!(loaded.weights.packed().len(), 2 * 7 + 1, "{format}");
+        parity(&q, dir.path(), &["sft", "dpo"]);
+    }
+}
+
+/// The tiny training model exported as compressed-tensors `format` (groups of `group`).
+fn compressed_tensors(dir: &Path, format: &str, group: Option<usize>) -> PathBuf {
+    let out = dir.join(format!("ct-{format}"));
+    let options = ExportOptions {
+        output: Some(OutputFormat {
+            writer: "compressed-tensors".into(),
+            format: format.into(),
+        }),
+        force: true,
+        ..ExportOptions::new(
+            here().join("tiny/model"),
+            &out,
+            Recipe {
+                group_size: group,
+                ..Recipe::new(Format::Fp8)
+            },
+        )
+    };
+    run(&options).unwrap_or_else(|e| panic!("{e}"));
+    out
+}
+
+#[test]
+fn qlora_on_compressed_tensors_bases_equals_lora_on_their_decoded_values() {
+    let dir = tempfile::tempdir().unwrap();
+    // INT4 in int32 words (symmetric, and with packed zero points), NVFP4, FP8 per channel.
+    for (format, group) in [
+        ("w4a16", Some(32)),
+        ("w4a16-asym", Some(32)),
+        ("nvfp4a16", None),
+        ("fp8-dynamic", None),
+    ] {
+        let q = compressed_tensors(dir.path(), format, group);
+        let loaded = kiln_runtime::formats::load_packed(&q, &Device::Cpu).unwrap();
+        // lm_head stays unquantized in llm-compressor's schemes.
+        assert_eq!(loaded.weights.packed().len(), 2 * 7, "{format}");
+        parity(&q, dir.path(), &["sft", "kto"]);
     }
 }
 
@@ -199,17 +289,15 @@ fn qlora_refuses_what_it_cannot_do() {
         e.contains("merging an adapter into its packed weights"),
         "{e}"
     );
-    // A format whose weights kiln does not keep packed yet.
-    let ct = dir.path().join("ct");
-    run(&ExportOptions {
-        output: Some(OutputFormat {
-            writer: "compressed-tensors".into(),
-            format: "fp8-dynamic".into(),
-        }),
-        ..ExportOptions::new(here().join("tiny/model"), &ct, Recipe::new(Format::Fp8))
-    })
+    // A format whose weights kiln does not keep packed yet (ModelOpt's).
+    let mo = dir.path().join("modelopt");
+    run(&ExportOptions::new(
+        here().join("tiny/model"),
+        &mo,
+        Recipe::new(Format::Int8Wo),
+    ))
     .unwrap();
-    let e = train(&config("sft", &ct, &dir.path().join("ct-out"))).unwrap_err();
+    let e = train(&config("sft", &mo, &dir.path().join("mo-out"))).unwrap_err();
     assert!(e.contains("cannot keep packed yet"), "{e}");
     assert!(Checkpoint::open(&q).is_ok());
 }

@@ -100,7 +100,7 @@ pub fn load_packed(path: &Path, device: &Device) -> Result<Loaded, ModelError> {
             path,
             format!(
                 "is a `{}` export, whose weights kiln cannot keep packed yet (QLoRA reads \
-                 mlx exports; decode it with `kiln export` to train the decoded model)",
+                 mlx, GGUF and compressed-tensors exports)",
                 d.writer
             ),
         ))

@@ -154,9 +154,136 @@ pub(crate) type Decoded = (Vec<f32>, [usize; 2]);
 
 /// The decoded `[rows, cols]` weight of the compressed Linear `module`, or `None` when its
 /// weight is stored unquantized.
+pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Decoded>, ModelError> {
+    let Some(w) = compressed(checkpoint, module)? else {
+        return Ok(None);
+    };
+    let (rows, cols) = (w.rows, w.cols);
+    let mut out = vec![0f32; rows * cols];
+    w.rows_into(0, &mut out);
+    Ok(Some((out, [rows, cols])))
+}
+
+/// A compressed Linear's weight as stored, checked, decodable by rows (and kept so for QLoRA).
+#[derive(Debug)]
+pub(crate) struct Compressed {
+    rows: usize,
+    cols: usize,
+    codes: Codes,
+    /// Integer and FP8 codes: a scale per block of `block` (rows, cols), `[⌈rows/br⌉,
+    /// ⌈cols/bc⌉]` row-major, with zero points where asymmetric.
+    scales: Vec<f32>,
+    zero_points: Option<Vec<i8>>,
+    block: (usize, usize),
+}
+
+/// How the codes are stored.
+#[derive(Debug)]
+enum Codes {
+    /// `pack-quantized`: `bits`-bit integers in int32 words, each row its own words.
+    Packed { words: Vec<i32>, bits: usize },
+    /// One int8 each.
+    Int8(Vec<u8>),
+    /// One FP8 (E4M3) each.
+    Fp8(Vec<u8>),
+    /// NVFP4: two E2M1 codes a byte, an FP8 scale per `group` columns under `global`.
+    Nvfp4 {
+        raw: Vec<u8>,
+        scales: Vec<u8>,
+        group: usize,
+        global: f32,
+    },
+}
+
+impl Compressed {
+    /// Decodes rows `start ..` (as many as `out` holds) into `out`.
+    fn rows_into(&self, start: usize, out: &mut [f32]) {
+        let cols = self.cols;
+        let n = out.len() / cols.max(1);
+        match &self.codes {
+            Codes::Nvfp4 {
+                raw,
+                scales,
+                group,
+                global,
+            } => {
+                for (k, o) in out.iter_mut().enumerate() {
+                    let i = start * cols + k;
+                    let b = raw[i / 2];
+                    let code = if i.is_multiple_of(2) { b & 0xf } else { b >> 4 };
+                    *o = quant::nvfp4_value(code, scales[i / group], *global);
+                }
+            }
+            codes => {
+                let (br, bc) = self.block;
+                let gc = cols.div_ceil(bc);
+                let mut row = vec![0f32; cols];
+                for i in 0..n {
+                    let r = start + i;
+                    match codes {
+                        Codes::Packed { words, bits } => {
+                            let per = (cols * bits).div_ceil(32);
+                            // Checked when it was read: the row unpacks.
+                            let q =
+                                quant::unpack_int32(&words[r * per..(r + 1) * per], 1, cols, *bits)
+                                    .unwrap_or_default();
+                            for (d, v) in row.iter_mut().zip(q) {
+                                *d = f32::from(v);
+                            }
+                        }
+                        Codes::Int8(b) => {
+                            for (d, &v) in row.iter_mut().zip(&b[r * cols..(r + 1) * cols]) {
+                                *d = f32::from(v as i8);
+                            }
+                        }
+                        Codes::Fp8(b) => {
+                            for (d, &v) in row.iter_mut().zip(&b[r * cols..(r + 1) * cols]) {
+                                *d = e4m3_to_f32(v);
+                            }
+                        }
+                        Codes::Nvfp4 { .. } => unreachable!("handled above"),
+                    }
+                    let o = &mut out[i * cols..(i + 1) * cols];
+                    for c in 0..cols {
+                        let k = (r / br) * gc + c / bc;
+                        let zp = self.zero_points.as_ref().map_or(0.0, |z| f32::from(z[k]));
+                        o[c] = (row[c] - zp) * self.scales[k];
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl kiln_kernels::ops::packed_matmul::PackedRows for Compressed {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
+        self.rows_into(start, out);
+        Ok(())
+    }
+    fn packed_bytes(&self) -> usize {
+        let codes = match &self.codes {
+            Codes::Packed { words, .. } => words.len() * 4,
+            Codes::Int8(b) | Codes::Fp8(b) => b.len(),
+            Codes::Nvfp4 { raw, scales, .. } => raw.len() + scales.len(),
+        };
+        codes + self.scales.len() * 4 + self.zero_points.as_ref().map_or(0, Vec::len)
+    }
+}
+
+/// The compressed Linear `module` as stored ([`Compressed`]), or `None` when its weight is
+/// stored unquantized.
 ///
 /// Long on purpose: one arm per compressed-tensors compressor, as its `decompress` has them.
-pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Decoded>, ModelError> {
+pub(crate) fn compressed(
+    checkpoint: &Checkpoint,
+    module: &str,
+) -> Result<Option<Compressed>, ModelError> {
     let q = quantization_config(checkpoint)
         .ok_or_else(|| config_err("not compressed-tensors".into()))?;
     let packed = format!("{module}.weight_packed");
@@ -206,24 +333,29 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
                 tensor: global_name,
                 message: "empty".into(),
             })?;
-        if scales.len() != rows * cols / g {
+        if scales.len() != rows * cols / g || raw.len() != rows * half {
             return Err(bad(format!(
                 "`{scale_name}` has {} values, {rows}×{cols} in groups of {g} needs {}",
                 scales.len(),
                 rows * cols / g
             )));
         }
-        let out = (0..rows * cols)
-            .map(|i| {
-                let b = raw[i / 2];
-                let code = if i % 2 == 0 { b & 0xf } else { b >> 4 };
-                quant::nvfp4_value(code, scales[i / g], global)
-            })
-            .collect();
-        return Ok(Some((out, [rows, cols])));
+        return Ok(Some(Compressed {
+            rows,
+            cols,
+            codes: Codes::Nvfp4 {
+                raw,
+                scales,
+                group: g,
+                global,
+            },
+            scales: Vec::new(),
+            zero_points: None,
+            block: (1, g),
+        }));
     }
     // Integers: packed in int32, or one int8 each; FP8 codes.
-    let (rows, cols, values): (usize, usize, Vec<f32>) = if name.ends_with("_packed") {
+    let (rows, cols, codes) = if name.ends_with("_packed") {
         let shape: Vec<i64> = checkpoint.read_as::<i64>(&format!("{module}.weight_shape"))?;
         let [rows, cols] = shape[..] else {
             return Err(bad(format!("weight_shape {shape:?} is not 2-D")));
@@ -237,17 +369,22 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
             return Err(bad(format!("{} bytes are not int32 words", raw.len())));
         }
         let words: Vec<i32> = bytemuck::pod_collect_to_vec(&raw);
-        let q = quant::unpack_int32(&words, rows, cols, w.num_bits).map_err(&bad)?;
-        (rows, cols, q.into_iter().map(f32::from).collect())
+        // The whole matrix must unpack (the rows are then unpacked one at a time).
+        quant::unpack_int32(&words, rows, cols, w.num_bits).map_err(&bad)?;
+        let bits = w.num_bits;
+        (rows, cols, Codes::Packed { words, bits })
     } else {
         let [rows, cols] = meta.shape[..] else {
             return Err(bad(format!("must be 2-D, found {:?}", meta.shape)));
         };
-        let v = match meta.dtype {
-            Dtype::I8 => raw.iter().map(|&b| f32::from(b as i8)).collect(),
-            _ => raw.iter().map(|&b| e4m3_to_f32(b)).collect(),
+        if raw.len() != rows * cols {
+            return Err(bad(format!("{} bytes for {rows}×{cols}", raw.len())));
+        }
+        let codes = match meta.dtype {
+            Dtype::I8 => Codes::Int8(raw),
+            _ => Codes::Fp8(raw),
         };
-        (rows, cols, v)
+        (rows, cols, codes)
     };
     let scales = floats(checkpoint, &scale_name)?;
     // (rows, cols) of the block each scale covers.
@@ -295,15 +432,14 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
             }
             _ => None,
         };
-    let mut out = vec![0f32; rows * cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            let k = (r / br) * gc + c / bc;
-            let zp = zero_points.as_ref().map_or(0.0, |z| f32::from(z[k]));
-            out[r * cols + c] = (values[r * cols + c] - zp) * scales[k];
-        }
-    }
-    Ok(Some((out, [rows, cols])))
+    Ok(Some(Compressed {
+        rows,
+        cols,
+        codes,
+        scales,
+        zero_points,
+        block: (br, bc),
+    }))
 }
 
 /// The input quantizer of a Linear under `args` (`None`: 16-bit activations).
@@ -355,6 +491,22 @@ pub(crate) fn load(
     device: &Device,
     activations: bool,
 ) -> Result<(Weights, ActQuant), ModelError> {
+    load_with(checkpoint, dtype, device, activations, false)
+}
+
+/// [`load`] in f32 without activation quantizers, every compressed Linear (not an embedding)
+/// kept as stored (QLoRA).
+pub(crate) fn load_packed(checkpoint: &Checkpoint, device: &Device) -> Result<Weights, ModelError> {
+    Ok(load_with(checkpoint, DType::F32, device, false, true)?.0)
+}
+
+fn load_with(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+    activations: bool,
+    pack: bool,
+) -> Result<(Weights, ActQuant), ModelError> {
     let q = quantization_config(checkpoint)
         .ok_or_else(|| config_err("not compressed-tensors".into()))?;
     let mut act = ActQuant::default();
@@ -371,6 +523,7 @@ pub(crate) fn load(
         }
     }
     let mut vars = BTreeMap::new();
+    let mut packed_weights: BTreeMap<String, crate::model::packed::Packed> = BTreeMap::new();
     for t in checkpoint.tensors() {
         if activations && kv.is_some() {
             for (suffix, key) in [(".k_scale", 'k'), (".v_scale", 'v')] {
@@ -399,6 +552,12 @@ pub(crate) fn load(
             continue;
         }
         let (data, shape) = match module {
+            Some(m) if pack && (packed || quantized_plain) && !m.ends_with("embed_tokens") => {
+                if let Some(c) = compressed(checkpoint, m)? {
+                    packed_weights.insert(format!("{m}.weight"), std::sync::Arc::new(c));
+                }
+                continue;
+            }
             Some(m) if packed || quantized_plain => {
                 let Some((data, [rows, cols])) = decode(checkpoint, m)? else {
                     continue;
@@ -433,5 +592,5 @@ pub(crate) fn load(
         };
         vars.insert(name, crate::model::to_var(data, &shape, dtype, device)?);
     }
-    Ok((Weights::from_vars(vars), act))
+    Ok((Weights::from_vars(vars).with_packed(packed_weights), act))
 }

@@ -81,6 +81,21 @@ impl GgufModel {
         dtype: DType,
         device: &Device,
     ) -> Result<(Weights, BTreeSet<String>), ModelError> {
+        self.weights_with(dtype, device, false)
+    }
+
+    /// [`GgufModel::weights`] in f32 with every block-quantized Linear weight (not the
+    /// embeddings, not stacked experts) kept packed (QLoRA).
+    pub fn packed_weights(&self, device: &Device) -> Result<Weights, ModelError> {
+        Ok(self.weights_with(DType::F32, device, true)?.0)
+    }
+
+    fn weights_with(
+        &self,
+        dtype: DType,
+        device: &Device,
+        pack: bool,
+    ) -> Result<(Weights, BTreeSet<String>), ModelError> {
         let names = Names::for_model(self.architecture(), &self.config).ok_or_else(|| {
             err(
                 &self.path,
@@ -88,6 +103,7 @@ impl GgufModel {
             )
         })?;
         let mut vars = BTreeMap::new();
+        let mut packed: BTreeMap<String, crate::model::packed::Packed> = BTreeMap::new();
         let mut quantized = BTreeSet::new();
         let mut used = BTreeSet::new();
         // A stacked expert tensor is decoded once, for all its experts.
@@ -108,6 +124,20 @@ impl GgufModel {
             let shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
             let ty = info.ggml_type;
             let block = !matches!(ty, 0 | 1 | 30);
+            if pack
+                && block
+                && expert.is_none()
+                && shape.len() == 2
+                && hf.ends_with(".weight")
+                && !hf.ends_with("embed_tokens.weight")
+            {
+                packed.insert(
+                    hf.clone(),
+                    std::sync::Arc::new(self.packed(&name, &shape, permute)?),
+                );
+                quantized.insert(hf.trim_end_matches(".weight").to_string());
+                continue;
+            }
             let values = match expert {
                 Some(e) => {
                     if stacked.as_ref().is_none_or(|(n, _)| *n != name) {
@@ -147,7 +177,63 @@ impl GgufModel {
                 format!("tensor `{}` has no Hugging Face name", t.name),
             ));
         }
-        Ok((Weights::from_vars(vars), quantized))
+        Ok((Weights::from_vars(vars).with_packed(packed), quantized))
+    }
+
+    /// The block-quantized 2-D tensor `name` (`[rows, cols]`) kept packed; `permute`: its rows
+    /// are in llama.cpp's Q/K order over that many heads.
+    fn packed(
+        &self,
+        name: &str,
+        shape: &[usize],
+        permute: Option<usize>,
+    ) -> Result<GgufRows, ModelError> {
+        let info = self
+            .file
+            .tensor(name)
+            .ok_or_else(|| err(&self.path, format!("no tensor `{name}`")))?;
+        let ty = GgufType::ALL
+            .iter()
+            .copied()
+            .find(|g| g.ggml_type() == info.ggml_type)
+            .ok_or_else(|| {
+                err(
+                    &self.path,
+                    format!("`{name}`: ggml type {}", info.ggml_type),
+                )
+            })?;
+        let (rows, cols) = (shape[0], shape[1]);
+        let data = self
+            .file
+            .read(info)
+            .map_err(|e| err(&self.path, e.to_string()))?;
+        if !cols.is_multiple_of(ty.block_elems()) || data.len() != rows * ty.bytes_for(cols) {
+            return Err(err(
+                &self.path,
+                format!(
+                    "`{name}`: {} bytes for {rows} rows of {cols} {}",
+                    data.len(),
+                    ty.name()
+                ),
+            ));
+        }
+        // HF row r is GGUF row source[r] (the inverse of the writer's permutation).
+        let source = match permute {
+            Some(heads) => {
+                let order: Vec<usize> = (0..rows).collect();
+                let back = unpermute_rows(&order, rows, heads)
+                    .map_err(|e| err(&self.path, format!("`{name}`: {e}")))?;
+                Some(back)
+            }
+            None => None,
+        };
+        Ok(GgufRows {
+            ty,
+            rows,
+            cols,
+            data,
+            source,
+        })
     }
 
     fn decode(&self, name: &str) -> Result<Vec<f32>, ModelError> {
@@ -185,6 +271,53 @@ impl GgufModel {
         };
         out.filter(|v| v.len() == n)
             .ok_or_else(|| err(&self.path, format!("`{name}` does not decode")))
+    }
+}
+
+/// A block-quantized GGUF Linear kept packed (QLoRA): its blocks, decoded a range of rows at
+/// a time with `dequantize_row_*`'s arithmetic; rows in llama.cpp's Q/K order are read in the
+/// checkpoint's.
+#[derive(Debug)]
+struct GgufRows {
+    ty: GgufType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    /// For each Hugging Face row, the GGUF row holding it (Q/K), or the identity.
+    source: Option<Vec<usize>>,
+}
+
+impl kiln_kernels::ops::packed_matmul::PackedRows for GgufRows {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
+        let rb = self.ty.bytes_for(self.cols);
+        let n = out.len() / self.cols.max(1);
+        match &self.source {
+            None => kiln_kernels::ops::gguf::dequantize(
+                self.ty,
+                &self.data[start * rb..(start + n) * rb],
+                out,
+            ),
+            Some(source) => {
+                for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
+                    let s = source[start + i];
+                    kiln_kernels::ops::gguf::dequantize(
+                        self.ty,
+                        &self.data[s * rb..(s + 1) * rb],
+                        row,
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+    fn packed_bytes(&self) -> usize {
+        self.data.len() + self.source.as_ref().map_or(0, |s| s.len() * 8)
     }
 }
 

@@ -31,16 +31,7 @@ impl FormatReader for GgufReader {
     ) -> Result<Loaded, ModelError> {
         let _ = activations;
         let g = super::read::GgufModel::open(found)?;
-        let mut config = DecoderConfig::from_json(&g.config)?;
-        if let Some(f) = &g.rope_freqs {
-            if f.len() != config.head_dim / 2 {
-                return Err(ModelError::Tensor {
-                    tensor: "rope_freqs.weight".into(),
-                    message: format!("{} factors for a head of {}", f.len(), config.head_dim),
-                });
-            }
-            config.rope_scaling = crate::model::RopeScaling::Factors(f.clone());
-        }
+        let config = config_of(&g)?;
         let (weights, _) = g.weights(dtype, device)?;
         Ok(Loaded {
             config,
@@ -50,7 +41,35 @@ impl FormatReader for GgufReader {
     }
 
     #[cfg(feature = "exec")]
+    fn load_packed(&self, found: &Path, device: &Device) -> Option<Result<Loaded, ModelError>> {
+        Some((|| {
+            let g = super::read::GgufModel::open(found)?;
+            Ok(Loaded {
+                config: config_of(&g)?,
+                weights: g.packed_weights(device)?,
+                act: Default::default(),
+            })
+        })())
+    }
+
+    #[cfg(feature = "exec")]
     fn verify(&self, reference: &Checkpoint, found: &Path) -> Result<VerifyReport, ModelError> {
         crate::formats::check::verify_gguf(reference, found)
     }
+}
+
+/// The model's configuration from the GGUF metadata, with llama3's RoPE factors.
+#[cfg(feature = "exec")]
+fn config_of(g: &super::read::GgufModel) -> Result<DecoderConfig, ModelError> {
+    let mut config = DecoderConfig::from_json(&g.config)?;
+    if let Some(f) = &g.rope_freqs {
+        if f.len() != config.head_dim / 2 {
+            return Err(ModelError::Tensor {
+                tensor: "rope_freqs.weight".into(),
+                message: format!("{} factors for a head of {}", f.len(), config.head_dim),
+            });
+        }
+        config.rope_scaling = crate::model::RopeScaling::Factors(f.clone());
+    }
+    Ok(config)
 }

@@ -81,9 +81,11 @@ impl Setup {
             ));
         }
         let device = crate::model::device(&config.device)?;
-        let checkpoint = Checkpoint::open(&config.model).map_err(backend_err)?;
-        // A quantized export: QLoRA — adapters over the packed base, as deployed.
-        let quantized = crate::model::quantization_marker(&checkpoint).is_some();
+        // A quantized export (any format a registered reader recognises: mlx, GGUF, …):
+        // QLoRA — adapters over the packed base, as deployed.
+        let quantized = crate::formats::detect(&config.model)
+            .map_err(backend_err)?
+            .is_some();
         if quantized && config.merge {
             return Err(config_err(
                 "merge",
@@ -111,9 +113,20 @@ impl Setup {
                 crate::formats::load_packed(&config.model, &device).map_err(backend_err)?;
             DecoderModel::from_loaded(loaded, &device)?
         } else {
+            let checkpoint = Checkpoint::open(&config.model).map_err(backend_err)?;
             DecoderModel::load(&checkpoint, DType::F32, &device)?
         };
-        let tokenizer = TextTokenizer::from_model_dir(&config.model)?;
+        // A GGUF base may be the file itself: its folder holds the tokenizer.
+        let tokenizer_dir = if config.model.is_file() {
+            config
+                .model
+                .parent()
+                .unwrap_or(Path::new("."))
+                .to_path_buf()
+        } else {
+            config.model.clone()
+        };
+        let tokenizer = TextTokenizer::from_model_dir(&tokenizer_dir)?;
         let (adapters, trainable) = match (&config.lora, &config.init_adapter) {
             (None, None) => {
                 let trainable = model
