@@ -257,6 +257,38 @@ fn qlora_on_compressed_tensors_bases_equals_lora_on_their_decoded_values() {
 }
 
 #[test]
+fn qlora_on_modelopt_bases_equals_lora_on_their_decoded_values() {
+    let dir = tempfile::tempdir().unwrap();
+    // Weight-only formats from the library; int4-awq (nibble pairs along the rows, AWQ's
+    // pre_quant_scale folded into the columns) calibrated by the CLI.
+    for format in [Format::Int8Wo, Format::W4a16Nvfp4] {
+        let q = dir.path().join(format!("modelopt-{format}"));
+        run(&ExportOptions::new(
+            here().join("tiny/model"),
+            &q,
+            Recipe::new(format),
+        ))
+        .unwrap();
+        let loaded = kiln_runtime::formats::load_packed(&q, &Device::Cpu).unwrap();
+        assert_eq!(loaded.weights.packed().len(), 2 * 7, "{format}");
+        parity(&q, dir.path(), &["sft", "dpo"]);
+    }
+    let q = dir.path().join("modelopt-int4-awq");
+    let calib = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/llama-tiny/calib.jsonl");
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["export", "--model"])
+        .arg(here().join("tiny/model"))
+        .args(["--format", "int4-awq", "--group-size", "32", "--calib"])
+        .arg(&calib)
+        .arg("--out")
+        .arg(&q)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    parity(&q, dir.path(), &["sft", "dpo"]);
+}
+
+#[test]
 fn qlora_sft_learns() {
     let dir = tempfile::tempdir().unwrap();
     let q = quantized(dir.path(), "q4", 32);
@@ -289,15 +321,10 @@ fn qlora_refuses_what_it_cannot_do() {
         e.contains("merging an adapter into its packed weights"),
         "{e}"
     );
-    // A format whose weights kiln does not keep packed yet (ModelOpt's).
-    let mo = dir.path().join("modelopt");
-    run(&ExportOptions::new(
-        here().join("tiny/model"),
-        &mo,
-        Recipe::new(Format::Int8Wo),
-    ))
-    .unwrap();
-    let e = train(&config("sft", &mo, &dir.path().join("mo-out"))).unwrap_err();
-    assert!(e.contains("cannot keep packed yet"), "{e}");
+    // A plain checkpoint is not a quantized base.
+    let e = kiln_runtime::formats::load_packed(&here().join("tiny/model"), &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is not a quantized export"), "{e}");
     assert!(Checkpoint::open(&q).is_ok());
 }

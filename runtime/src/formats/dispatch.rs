@@ -100,7 +100,7 @@ pub fn load_packed(path: &Path, device: &Device) -> Result<Loaded, ModelError> {
             path,
             format!(
                 "is a `{}` export, whose weights kiln cannot keep packed yet (QLoRA reads \
-                 mlx, GGUF and compressed-tensors exports)",
+                 ModelOpt, compressed-tensors, mlx and GGUF exports)",
                 d.writer
             ),
         ))

@@ -69,21 +69,167 @@ fn bytes(checkpoint: &Checkpoint, name: &str) -> Result<Vec<u8>, ModelError> {
 }
 
 /// The decoded `[rows, cols]` f32 weight of the quantized Linear `module`.
-///
-/// Long on purpose: one arm per ModelOpt format's dequantization.
 fn decode(
     checkpoint: &Checkpoint,
     module: &str,
     format: Format,
-    stored: &[usize],
+    stored_shape: &[usize],
     fold_pre_quant_scale: bool,
 ) -> Result<(Vec<f32>, [usize; 2]), ModelError> {
+    let w = stored(
+        checkpoint,
+        module,
+        format,
+        stored_shape,
+        fold_pre_quant_scale,
+    )?;
+    let mut out = vec![0f32; w.rows * w.cols];
+    w.rows_into(0, &mut out).map_err(|e| ModelError::Tensor {
+        tensor: format!("{module}.weight"),
+        message: e.to_string(),
+    })?;
+    Ok((out, [w.rows, w.cols]))
+}
+
+/// A quantized Linear's weight as ModelOpt stores it, decodable by rows (and kept so for
+/// QLoRA): its codes, its scales (f32, or the FP8 / E8M0 bytes), the second-level scale, and
+/// the `pre_quant_scale` folded into its columns where that applies.
+#[derive(Debug)]
+pub(crate) struct Stored {
+    format: Format,
+    rows: usize,
+    cols: usize,
+    q: Vec<u8>,
+    scales: Vec<f32>,
+    scale_bytes: Vec<u8>,
+    scale_2: f32,
+    /// INT4: columns per scale.
+    group: usize,
+    pre_quant_scale: Option<Vec<f32>>,
+}
+
+impl Stored {
+    /// Decodes rows `start ..` (as many as `out` holds; for INT4, pairs of rows) into `out`.
+    fn rows_into(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
+        let cols = self.cols;
+        let n = out.len() / cols.max(1);
+        let (lo, hi) = (start, start + n);
+        match self.format {
+            Format::Fp8 => fp8::dequantize_fp8(&self.q[lo * cols..hi * cols], self.scales[0], out)?,
+            Format::Fp8PerChannel => {
+                let s = &self.scales;
+                fp8::dequantize_fp8_with(
+                    &self.q[lo * cols..hi * cols],
+                    n,
+                    cols,
+                    |i, _| s[lo + i],
+                    out,
+                )?
+            }
+            Format::Fp8Block => {
+                let s = &self.scales;
+                let tc = cols.div_ceil(128);
+                fp8::dequantize_fp8_with(
+                    &self.q[lo * cols..hi * cols],
+                    n,
+                    cols,
+                    |i, j| {
+                        if s.len() == 1 {
+                            s[0]
+                        } else {
+                            s[((lo + i) / 128) * tc + j / 128]
+                        }
+                    },
+                    out,
+                )?
+            }
+            Format::Int8Wo | Format::Int8Sq => {
+                let q: Vec<i8> = self.q[lo * cols..hi * cols]
+                    .iter()
+                    .map(|&b| b as i8)
+                    .collect();
+                int::dequantize_int8_per_channel(&q, n, cols, &self.scales[lo..hi], out)?
+            }
+            Format::Int4Awq | Format::W4a8Awq => {
+                let g = cols / self.group;
+                int::dequantize_int4_groups(
+                    &self.q[lo / 2 * cols..hi.div_ceil(2) * cols],
+                    n,
+                    cols,
+                    self.group,
+                    &self.scales[lo * g..hi * g],
+                    out,
+                )?
+            }
+            Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq => nvfp4::dequantize_nvfp4(
+                &self.q[lo * cols / 2..hi * cols / 2],
+                &self.scale_bytes[lo * cols / 16..hi * cols / 16],
+                self.scale_2,
+                out,
+            )?,
+            Format::Mxfp4 => mx::dequantize_mxfp4(
+                &self.q[lo * cols / 2..hi * cols / 2],
+                &self.scale_bytes[lo * cols / 32..hi * cols / 32],
+                out,
+            )?,
+            Format::Mxfp8 => mx::dequantize_mxfp8(
+                &self.q[lo * cols..hi * cols],
+                &self.scale_bytes[lo * cols / 32..hi * cols / 32],
+                out,
+            )?,
+        }
+        // y = W (x ⊙ pqs): the scale multiplies the weight's columns.
+        if let Some(pqs) = &self.pre_quant_scale {
+            for row in out.chunks_exact_mut(cols) {
+                for (w, p) in row.iter_mut().zip(pqs) {
+                    *w *= p;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl kiln_kernels::ops::packed_matmul::PackedRows for Stored {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn row_align(&self) -> usize {
+        match self.format {
+            Format::Int4Awq | Format::W4a8Awq => 2,
+            _ => 1,
+        }
+    }
+    fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
+        self.rows_into(start, out)
+    }
+    fn packed_bytes(&self) -> usize {
+        self.q.len()
+            + self.scales.len() * 4
+            + self.scale_bytes.len()
+            + self.pre_quant_scale.as_ref().map_or(0, |p| p.len() * 4)
+    }
+}
+
+/// The quantized Linear `module` in `format` as stored ([`Stored`]; its weight stored
+/// `stored_shape`), with its `pre_quant_scale` folded when `fold_pre_quant_scale`.
+///
+/// Long on purpose: one arm per ModelOpt format's scales.
+fn stored(
+    checkpoint: &Checkpoint,
+    module: &str,
+    format: Format,
+    stored_shape: &[usize],
+    fold_pre_quant_scale: bool,
+) -> Result<Stored, ModelError> {
     let weight = format!("{module}.weight");
     let bad = |message: String| ModelError::Tensor {
         tensor: weight.clone(),
         message,
     };
-    let kernel = |e: kiln_kernels::KernelError| bad(e.to_string());
     let scale = |suffix: &str| f32s(checkpoint, &format!("{module}.{suffix}"));
     let scale_shape = |suffix: &str| {
         checkpoint
@@ -91,9 +237,9 @@ fn decode(
             .map(|t| t.shape.clone())
             .unwrap_or_default()
     };
-    let &[r, c] = stored else {
+    let &[r, c] = stored_shape else {
         return Err(bad(format!(
-            "a quantized weight must be 2-D, found {stored:?}"
+            "a quantized weight must be 2-D, found {stored_shape:?}"
         )));
     };
     let q = bytes(checkpoint, &weight)?;
@@ -102,37 +248,45 @@ fn decode(
         Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq | Format::Mxfp4 => (r, 2 * c),
         _ => (r, c),
     };
-    let mut out = vec![0f32; rows * cols];
+    let mut w = Stored {
+        format,
+        rows,
+        cols,
+        q,
+        scales: Vec::new(),
+        scale_bytes: Vec::new(),
+        scale_2: 1.0,
+        group: cols.max(1),
+        pre_quant_scale: None,
+    };
+    // What the decode slices, checked here once.
+    let need = |what: &str, have: usize, want: usize| {
+        if have == want {
+            Ok(())
+        } else {
+            Err(bad(format!(
+                "{what} has {have} values, {rows}×{cols} needs {want}"
+            )))
+        }
+    };
     match format {
         Format::Fp8 => {
-            fp8::dequantize_fp8(&q, scale("weight_scale")?[0], &mut out).map_err(kernel)?
+            w.scales = scale("weight_scale")?;
+            need("weight_scale", w.scales.len().min(1), 1)?;
         }
-        Format::Fp8PerChannel => {
-            let s = scale("weight_scale")?;
-            fp8::dequantize_fp8_with(&q, rows, cols, |i, _| s[i], &mut out).map_err(kernel)?
+        Format::Fp8PerChannel | Format::Int8Wo | Format::Int8Sq => {
+            w.scales = scale("weight_scale")?;
+            need("weight_scale", w.scales.len(), rows)?;
         }
         Format::Fp8Block => {
-            let s = scale("weight_scale")?;
-            let tc = cols.div_ceil(128);
-            fp8::dequantize_fp8_with(
-                &q,
-                rows,
-                cols,
-                |i, j| {
-                    if s.len() == 1 {
-                        s[0]
-                    } else {
-                        s[(i / 128) * tc + j / 128]
-                    }
-                },
-                &mut out,
-            )
-            .map_err(kernel)?
-        }
-        Format::Int8Wo | Format::Int8Sq => {
-            let q: Vec<i8> = q.iter().map(|&b| b as i8).collect();
-            int::dequantize_int8_per_channel(&q, rows, cols, &scale("weight_scale")?, &mut out)
-                .map_err(kernel)?
+            w.scales = scale("weight_scale")?;
+            if w.scales.len() != 1 {
+                need(
+                    "weight_scale",
+                    w.scales.len(),
+                    rows.div_ceil(128) * cols.div_ceil(128),
+                )?;
+            }
         }
         Format::Int4Awq | Format::W4a8Awq => {
             let groups = scale_shape("weight_scale")
@@ -140,30 +294,29 @@ fn decode(
                 .copied()
                 .unwrap_or(1)
                 .max(1);
-            int::dequantize_int4_groups(
-                &q,
-                rows,
-                cols,
-                cols / groups,
-                &scale("weight_scale")?,
-                &mut out,
-            )
-            .map_err(kernel)?
+            w.group = cols / groups;
+            w.scales = scale("weight_scale")?;
+            if w.group == 0 || !cols.is_multiple_of(groups) {
+                return Err(bad(format!("{cols} columns in {groups} scale groups")));
+            }
+            need("weight_scale", w.scales.len(), rows * groups)?;
         }
         Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq => {
-            let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
-            let ws2 = scale("weight_scale_2")?[0];
-            nvfp4::dequantize_nvfp4(&q, &s, ws2, &mut out).map_err(kernel)?
+            w.scale_bytes = bytes(checkpoint, &format!("{module}.weight_scale"))?;
+            w.scale_2 = scale("weight_scale_2")?[0];
+            need("weight_scale", w.scale_bytes.len(), rows * cols / 16)?;
         }
-        Format::Mxfp4 => {
-            let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
-            mx::dequantize_mxfp4(&q, &s, &mut out).map_err(kernel)?
-        }
-        Format::Mxfp8 => {
-            let s = bytes(checkpoint, &format!("{module}.weight_scale"))?;
-            mx::dequantize_mxfp8(&q, &s, &mut out).map_err(kernel)?
+        Format::Mxfp4 | Format::Mxfp8 => {
+            w.scale_bytes = bytes(checkpoint, &format!("{module}.weight_scale"))?;
+            need("weight_scale", w.scale_bytes.len(), rows * cols / 32)?;
         }
     }
+    let packed_len = match format {
+        Format::Int4Awq | Format::W4a8Awq => rows / 2 * cols,
+        Format::Nvfp4 | Format::W4a16Nvfp4 | Format::Nvfp4Awq | Format::Mxfp4 => rows * cols / 2,
+        _ => rows * cols,
+    };
+    need("weight", w.q.len(), packed_len)?;
     // y = W (x ⊙ pqs): the scale multiplies the weight's columns (unless the input quantizer
     // applies it to the input).
     if fold_pre_quant_scale
@@ -178,13 +331,9 @@ fn decode(
                 pqs.len()
             )));
         }
-        for row in out.chunks_exact_mut(cols) {
-            for (w, p) in row.iter_mut().zip(&pqs) {
-                *w *= p;
-            }
-        }
+        w.pre_quant_scale = Some(pqs);
     }
-    Ok((out, [rows, cols]))
+    Ok(w)
 }
 
 /// The quantization config: `quantization` of `hf_quant_config.json`, or `config.json`'s
@@ -382,6 +531,22 @@ pub fn load_for_execution(
     device: &Device,
     activations: bool,
 ) -> Result<(Weights, ActQuant), ModelError> {
+    load_with(checkpoint, dtype, device, activations, false)
+}
+
+/// [`load_weights`] in f32 with every quantized Linear (not BMM experts) kept as stored, its
+/// `pre_quant_scale` folded (QLoRA).
+pub(crate) fn load_packed(checkpoint: &Checkpoint, device: &Device) -> Result<Weights, ModelError> {
+    Ok(load_with(checkpoint, DType::F32, device, false, true)?.0)
+}
+
+fn load_with(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+    activations: bool,
+    pack: bool,
+) -> Result<(Weights, ActQuant), ModelError> {
     let (quantized, algo, per_layer) = formats(checkpoint)?;
     if !quantized {
         return Ok((load_plain(checkpoint, dtype, device)?, ActQuant::default()));
@@ -404,6 +569,7 @@ pub fn load_for_execution(
         }
     }
     let mut vars = BTreeMap::new();
+    let mut packed: BTreeMap<String, crate::model::packed::Packed> = BTreeMap::new();
     for t in checkpoint.tensors() {
         if SCALE_SUFFIXES.iter().any(|s| t.name.ends_with(s)) || is_bmm_expert_scale(&t.name) {
             continue;
@@ -420,6 +586,11 @@ pub fn load_for_execution(
                             tensor: t.name.clone(),
                             message: "quantized, but no format is recorded for it".into(),
                         })?;
+                if pack {
+                    let w = stored(checkpoint, module, a, &t.shape, true)?;
+                    packed.insert(t.name.clone(), std::sync::Arc::new(w));
+                    continue;
+                }
                 let quant = if activations {
                     input_quant(checkpoint, module, a)?
                 } else {
@@ -478,5 +649,5 @@ pub fn load_for_execution(
             crate::model::to_var(data, &shape, dtype, device)?,
         );
     }
-    Ok((Weights::from_vars(vars), act))
+    Ok((Weights::from_vars(vars).with_packed(packed), act))
 }

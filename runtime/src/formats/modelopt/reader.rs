@@ -51,6 +51,18 @@ impl FormatReader for ModelOptReader {
     }
 
     #[cfg(feature = "exec")]
+    fn load_packed(&self, found: &Path, device: &Device) -> Option<Result<Loaded, ModelError>> {
+        Some((|| {
+            let checkpoint = Checkpoint::open(found)?;
+            Ok(Loaded {
+                config: DecoderConfig::from_json(checkpoint.config().raw())?,
+                weights: super::read::load_packed(&checkpoint, device)?,
+                act: Default::default(),
+            })
+        })())
+    }
+
+    #[cfg(feature = "exec")]
     fn verify(&self, reference: &Checkpoint, found: &Path) -> Result<VerifyReport, ModelError> {
         crate::formats::check::verify_modelopt(reference, found)
     }
