@@ -4,6 +4,8 @@
 //! unless a function says otherwise. The formulas and their arithmetic order are docs/FORMATS.md's.
 
 pub mod amax;
+pub mod bnb;
+mod bnb_tables;
 pub mod fp8;
 pub mod gguf;
 pub mod int;
