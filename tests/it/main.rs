@@ -10,6 +10,7 @@
 mod common;
 
 mod bad_input;
+mod bnb;
 mod cli;
 mod compat;
 mod compressed_tensors;

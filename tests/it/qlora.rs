@@ -289,6 +289,29 @@ fn qlora_on_modelopt_bases_equals_lora_on_their_decoded_values() {
 }
 
 #[test]
+fn qlora_on_bitsandbytes_bases_equals_lora_on_their_decoded_values() {
+    // PEFT's QLoRA base: bitsandbytes NF4 with double quantization (kiln's writer, which
+    // writes what transformers saves), blocks of 64 that span rows of 32.
+    let dir = tempfile::tempdir().unwrap();
+    let q = dir.path().join("bnb-nf4");
+    run(&ExportOptions {
+        output: Some(OutputFormat {
+            writer: "bnb".into(),
+            format: "nf4".into(),
+        }),
+        ..ExportOptions::new(here().join("tiny/model"), &q, Recipe::new(Format::Fp8))
+    })
+    .unwrap();
+    let loaded = kiln_runtime::formats::load_packed(&q, &Device::Cpu).unwrap();
+    assert_eq!(
+        loaded.weights.packed().len(),
+        2 * 7,
+        "every Linear but lm_head"
+    );
+    parity(&q, dir.path(), &["sft", "dpo", "kto"]);
+}
+
+#[test]
 fn qlora_sft_learns() {
     let dir = tempfile::tempdir().unwrap();
     let q = quantized(dir.path(), "q4", 32);

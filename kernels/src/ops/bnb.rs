@@ -132,7 +132,7 @@ pub fn dequantize_4bit(
     let code = ty.code();
     for (i, o) in out.iter_mut().enumerate() {
         let b = packed[i / 2];
-        let q = if i % 2 == 0 { b >> 4 } else { b & 0xf };
+        let q = if i.is_multiple_of(2) { b >> 4 } else { b & 0xf };
         *o = code[q as usize] * absmax[i / blocksize];
     }
     Ok(())

@@ -133,6 +133,16 @@ pub fn mlx(_format: &str) -> Vec<EngineSupport> {
     ]
 }
 
+/// bitsandbytes' 4-bit layout (transformers' saved `load_in_4bit` checkpoints).
+pub fn bnb(_format: &str) -> Vec<EngineSupport> {
+    vec![
+        yes("transformers + bitsandbytes"),
+        unsure(VLLM),
+        no(LLAMA_CPP, Some("gguf q4-k-m")),
+        no(MLX_LM, Some("mlx q4")),
+    ]
+}
+
 /// The support as one line: `loads in vLLM, SGLang; not TensorRT-LLM (use …)`.
 pub struct Line<'a>(pub &'a [EngineSupport]);
 

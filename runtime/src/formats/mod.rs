@@ -9,6 +9,7 @@
 //! plugin crate is read exactly as the built-in ones are.
 
 #[cfg(feature = "exec")]
+pub mod bnb;
 pub mod check;
 pub mod compressed_tensors;
 pub mod gguf;
