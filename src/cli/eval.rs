@@ -42,6 +42,10 @@ pub struct EvalArgs {
     /// Tokens per sample (longer samples are cut).
     #[arg(long, value_name = "L")]
     seq_len: Option<usize>,
+    /// A PEFT LoRA adapter folder to apply to the model (what `kiln train` writes, over a plain
+    /// or a quantized base: QLoRA's).
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// Quantized exports: run the activations unquantized (only the weights decoded). By
     /// default they are fake-quantized as the format prescribes, as an engine runs them.
     #[arg(long)]
@@ -65,6 +69,22 @@ pub(super) fn open_model(
     }
     kiln_runtime::formats::load_model(path, candle::DType::F32, device, activations)
         .with_context(|| format!("loading {}", path.display()))
+}
+
+/// The model at `path` with the adapter `adapter` applied, if one is given.
+fn open_adapted(
+    path: &std::path::Path,
+    adapter: Option<&std::path::Path>,
+    device: &candle::Device,
+    activations: bool,
+) -> Result<kiln_runtime::model::DecoderModel> {
+    let model = open_model(path, device, activations)?;
+    let Some(dir) = adapter else {
+        return Ok(model);
+    };
+    let a = kiln_runtime::model::lora::Adapters::load_peft(dir, &model)
+        .with_context(|| format!("loading the adapter {}", dir.display()))?;
+    Ok(model.with_adapters(Some(std::sync::Arc::new(a))))
 }
 
 /// `kiln eval --ctx`: llama-perplexity's protocol on plain text.
@@ -102,7 +122,12 @@ fn eval_text(args: &EvalArgs, ctx: usize, out: &mut dyn Write) -> Result<i32> {
         );
     }
     let device = args.device.device()?;
-    let model = open_model(&args.model, &device, !args.weights_only)?;
+    let model = open_adapted(
+        &args.model,
+        args.adapter.as_deref(),
+        &device,
+        !args.weights_only,
+    )?;
     let reference = args
         .kl_divergence
         .as_ref()
@@ -172,7 +197,12 @@ pub fn eval(args: &EvalArgs, out: &mut dyn Write) -> Result<i32> {
     )
     .context("--data")?;
     let device = args.device.device()?;
-    let model = open_model(&args.model, &device, !args.weights_only)?;
+    let model = open_adapted(
+        &args.model,
+        args.adapter.as_deref(),
+        &device,
+        !args.weights_only,
+    )?;
     let act = model.activation_quant();
     let quantized_activations = act.inputs.values().filter(|q| q.quant.is_some()).count();
     let p = perplexity(&model, &samples)?;
