@@ -1,11 +1,13 @@
 """QLoRA references for kiln (tests/it/qlora.rs): PEFT + bitsandbytes + TRL 0.29.1 on the CPU.
 
-transformers quantizes the tiny training model (tests/train/tiny/model) with
+A tiny Llama 64 wide (tests/train/qtiny/model, f32, with an initial adapter in
+tests/train/qtiny/init-adapter) is quantized by transformers with
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-bnb_4bit_compute_dtype=torch.float32)` and saves it (tests/train/tiny/bnb-nf4, the base kiln
-trains from); then, as a PEFT user does, each run loads that saved base, puts the shared initial
-adapter (tests/train/tiny/init-adapter) on it and trains with TRL for six steps, logging every
-step into tests/train/qlora_reference.json.
+bnb_4bit_compute_dtype=torch.float32)` and saved (tests/train/qtiny/bnb-nf4, the base kiln
+trains from); then, as a PEFT user does, each run loads that saved base, puts the initial
+adapter on it and trains with TRL for six steps, logging every
+step into tests/train/qlora_reference.json — with the adapter in f32 (kiln's), undoing TRL's
+cast of a 4-bit model's adapter to bf16, and once each as TRL does by default.
 
     python3 -m venv .venv-trl && .venv-trl/bin/pip install -r tests/train/requirements.txt bitsandbytes==0.50.2
     .venv-trl/bin/python tests/train/qlora_ref.py
@@ -24,30 +26,73 @@ from trl_ref import Record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(HERE, "tiny")
-BASE = os.path.join(TINY, "bnb-nf4")
+# The QLoRA model: the tiny one 64 wide, so every row holds whole blocks of 64 (bitsandbytes'
+# CPU kernels index a row's absmax as if it did: on 32-wide rows they decode other values than
+# its own dequantize_4bit of the flat blocks).
+QTINY = os.path.join(HERE, "qtiny")
+MODEL = os.path.join(QTINY, "model")
+ADAPTER = os.path.join(QTINY, "init-adapter")
+BASE = os.path.join(QTINY, "bnb-nf4")
 DATA = os.path.join(HERE, "data")
+
+
+def build():
+    """The 64-wide tiny Llama (f32, seeded, the byte tokenizer of tests/train/tiny) and a shared
+    initial adapter with non-zero A and B, as trl_ref.py builds its own."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if os.path.isdir(QTINY):
+        shutil.rmtree(QTINY)
+    os.makedirs(MODEL)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=260, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=3)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(MODEL, safe_serialization=True)
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(os.path.join(TINY, "model", f), MODEL)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                      init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(MODEL, dtype=torch.float32), lora)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.3)
+    peft_model.save_pretrained(ADAPTER)
 
 
 def quantize():
     cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "model"), quantization_config=cfg,
-                                                 device_map="cpu", dtype=torch.float32)
-    if os.path.exists(BASE):
-        shutil.rmtree(BASE)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, quantization_config=cfg, device_map="cpu",
+                                                 dtype=torch.float32)
     model.save_pretrained(BASE)
     for f in ["tokenizer.json", "tokenizer_config.json"]:
-        shutil.copy(os.path.join(TINY, "model", f), BASE)
+        shutil.copy(os.path.join(MODEL, f), BASE)
 
 
-def run(task, data, **overrides):
+def run(task, data, f32_adapter=True, **overrides):
     from datasets import load_dataset
     from peft import PeftModel
 
     ds = load_dataset("json", data_files=os.path.join(DATA, data), split="train")
     tok = PreTrainedTokenizerFast.from_pretrained(BASE)
     model = AutoModelForCausalLM.from_pretrained(BASE, device_map="cpu", dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, os.path.join(TINY, "init-adapter"), is_trainable=True)
+    model = PeftModel.from_pretrained(model, ADAPTER, is_trainable=True)
+    # TRL 0.29.1 casts a 4-bit model's trainable parameters (the adapter) to bf16 in SFT, DPO
+    # and GRPO ("following the QLoRA paper"). kiln trains adapters in f32: the references kiln
+    # compares with undo that cast, restoring the exact f32 values (`f32_adapter`).
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=6, logging_steps=1, bf16=False, use_cpu=True,
                   gradient_checkpointing=False, report_to=[], save_strategy="no", seed=42,
                   train_sampling_strategy="sequential", per_device_train_batch_size=2)
@@ -61,19 +106,28 @@ def run(task, data, **overrides):
         from trl import DPOConfig, DPOTrainer
         trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok,
                              callbacks=[rec])
+    if f32_adapter:
+        for n, p in trainer.model.named_parameters():
+            if n in saved and p.requires_grad:
+                p.data = saved[n].clone()
     trainer.train()
     return rec.logs
 
 
 def main():
+    build()
     quantize()
     runs = {
-        "qlora-sft": ("sft", "sft.jsonl", dict(learning_rate=1e-2)),
-        "qlora-dpo": ("dpo", "dpo.jsonl", dict(learning_rate=1e-2)),
+        "qlora-sft": ("sft", "sft.jsonl", True, dict(learning_rate=1e-2)),
+        "qlora-dpo": ("dpo", "dpo.jsonl", True, dict(learning_rate=1e-2)),
+        # TRL's own default (bf16 adapters), recorded for the comparison in docs/TRAINING.md.
+        "qlora-sft-bf16-adapter": ("sft", "sft.jsonl", False, dict(learning_rate=1e-2)),
+        "qlora-dpo-bf16-adapter": ("dpo", "dpo.jsonl", False, dict(learning_rate=1e-2)),
     }
     out = {}
-    for name, (task, data, over) in runs.items():
-        out[name] = {"task": task, "data": f"data/{data}", "settings": over, "logs": run(task, data, **over)}
+    for name, (task, data, f32, over) in runs.items():
+        logs = run(task, data, f32_adapter=f32, **over)
+        out[name] = {"task": task, "data": f"data/{data}", "f32_adapter": f32, "settings": over, "logs": logs}
         print(name, [round(l["loss"], 6) for l in out[name]["logs"]])
     with open(os.path.join(HERE, "qlora_reference.json"), "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)
