@@ -185,6 +185,10 @@ pub struct ExportArgs {
     /// weights the GGUF writer's rounding, as `llama-quantize --imatrix` uses it.
     #[arg(long, value_name = "FILE")]
     imatrix: Option<PathBuf>,
+    /// A PEFT LoRA adapter folder (what `kiln train` writes, QLoRA's included) to merge into the
+    /// full-precision --model before quantizing (`W + s·B·A`, as PEFT's `merge_and_unload`).
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// Largest shard, in bytes of tensor data: `5GB`, `500MB`, `10GiB`, or a number.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -465,6 +469,31 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write, err: &mut dyn Write) -> Re
         );
     }
     let (model, _demo, demo_act) = model_dir(&args.recipe, err)?;
+    // --adapter: the base with the adapter merged, written once to a temporary folder (one
+    // tensor in memory at a time), is what the export reads.
+    let _merged;
+    let model = match &args.adapter {
+        Some(adapter) => {
+            let base = kiln_runtime::checkpoint::Checkpoint::open(&model)
+                .with_context(|| format!("opening {}", model.display()))?;
+            let dir = tempfile::Builder::new()
+                .prefix("kiln-merged-")
+                .tempdir()
+                .context("a temporary folder for the merged model")?;
+            kiln_runtime::adapters::merge_checkpoint(&base, adapter, dir.path())
+                .with_context(|| format!("merging the adapter {}", adapter.display()))?;
+            writeln!(
+                err,
+                "merged the adapter {} into {}",
+                adapter.display(),
+                model.display()
+            )?;
+            let path = dir.path().to_path_buf();
+            _merged = dir;
+            path
+        }
+        None => model,
+    };
     if args.calib.is_some() {
         // The whole plan against the format before calibration spends any time (the export
         // checks it again).

@@ -453,6 +453,89 @@ fn qlora_from_the_cli_trains_evaluates_and_generates() {
         "0",
     ]));
     assert!(!out.trim().is_empty());
+    // To deployment: the adapter merged into the full-precision model, quantized again.
+    ok(kiln(&[
+        "export",
+        "--model",
+        &tiny,
+        "--adapter",
+        &p("adapter"),
+        "--output-format",
+        "mlx",
+        "--format",
+        "q4",
+        "--group-size",
+        "32",
+        "--out",
+        &p("merged-q4"),
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&ok(kiln(&[
+        "eval",
+        "--model",
+        &p("merged-q4"),
+        "--data",
+        &eval_data,
+        "--json",
+    ])))
+    .unwrap();
+    let merged = v["perplexity"].as_f64().unwrap();
+    eprintln!("merged into the full-precision model and quantized again: {merged:.2}");
+    assert!(merged < 0.98 * base, "{base} → {merged}");
+}
+
+/// `kiln export --adapter`'s merge is PEFT's: `W + (α/r)·B·A` on the adapted weights, every
+/// other tensor unchanged (checked against the sum written out by hand).
+#[test]
+fn merging_an_adapter_adds_its_delta_to_the_adapted_weights_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = Checkpoint::open(here().join("tiny/model")).unwrap();
+    let adapter = here().join("tiny/init-adapter");
+    kiln_runtime::adapters::merge_checkpoint(&base, &adapter, &dir.path().join("m")).unwrap();
+    let merged = Checkpoint::open(dir.path().join("m")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    let s = cfg["lora_alpha"].as_f64().unwrap() / cfg["r"].as_f64().unwrap();
+    let a_file = std::fs::read(adapter.join("adapter_model.safetensors")).unwrap();
+    let ad = safetensors::SafeTensors::deserialize(&a_file).unwrap();
+    let f32s = |v: safetensors::tensor::TensorView<'_>| -> Vec<f32> {
+        v.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    let mut adapted = 0;
+    for t in base.tensors() {
+        let w: Vec<f32> = base.read_as(&t.name).unwrap();
+        let m: Vec<f32> = merged.read_as(&t.name).unwrap();
+        let module = t.name.trim_end_matches(".weight");
+        let a = ad.tensor(&format!("base_model.model.{module}.lora_A.weight"));
+        let b = ad.tensor(&format!("base_model.model.{module}.lora_B.weight"));
+        match (a, b) {
+            (Ok(a), Ok(b)) => {
+                adapted += 1;
+                let (r, cols) = (a.shape()[0], a.shape()[1]);
+                let (a, b) = (f32s(a), f32s(b));
+                for i in 0..t.shape[0] {
+                    for j in 0..cols {
+                        let d: f64 = (0..r)
+                            .map(|k| f64::from(b[i * r + k]) * f64::from(a[k * cols + j]))
+                            .sum();
+                        let want = f64::from(w[i * cols + j]) + s * d;
+                        let got = f64::from(m[i * cols + j]);
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{}",
+                            t.name
+                        );
+                    }
+                }
+            }
+            _ => assert_eq!(w, m, "{} changed", t.name),
+        }
+    }
+    assert_eq!(adapted, 6, "q_proj, v_proj and down_proj in two layers");
 }
 
 /// Against PEFT + bitsandbytes + TRL (`tests/train/qlora_reference.json`, made by

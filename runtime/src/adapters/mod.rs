@@ -424,3 +424,102 @@ impl Adapters {
         Ok(Adapters::of_pairs(pairs, spec))
     }
 }
+
+/// The full-precision checkpoint `base` with the PEFT adapter at `adapter` merged into its
+/// weights — `W + s·B·A` as PEFT's `merge_and_unload` computes it (the delta in f32, rounded to
+/// the weight's dtype, then added in that dtype) — written tensor by tensor into the new folder
+/// `out` with the base's config, tokenizer and generation files: what `kiln export --adapter`
+/// quantizes. Memory holds one tensor at a time. A quantized base is refused (merging into its
+/// codes would quantize twice).
+pub fn merge_checkpoint(
+    base: &crate::checkpoint::Checkpoint,
+    adapter: &Path,
+    out: &Path,
+) -> Result<Vec<String>, ModelError> {
+    if let Some(key) = crate::model::quantization_marker(base) {
+        return Err(ModelError::file(
+            base.dir(),
+            format!(
+                "is a quantized export (`{key}`): merge the adapter into the original \
+                 full-precision model, then quantize"
+            ),
+        ));
+    }
+    let modules = crate::model::lora::linear_modules_of(
+        base.tensors()
+            .map(|t| (t.name.as_str(), t.shape.as_slice())),
+    );
+    let a = Adapters::load_peft_for(adapter, &modules, &candle_core::Device::Cpu)?;
+    std::fs::create_dir_all(out).map_err(|e| ModelError::file(out, e.to_string()))?;
+    let mut shards = crate::sink::ShardWriter::new(out, 5_000_000_000);
+    let sink = |e: crate::sink::SinkError| ModelError::file(out, e.to_string());
+    for t in base.tensors() {
+        let layer = t.name.strip_suffix(".weight").and_then(|m| a.get(m));
+        let (dtype, data) = match layer {
+            Some(l) => {
+                let dt = match t.dtype {
+                    safetensors::Dtype::BF16 => DType::BF16,
+                    safetensors::Dtype::F16 => DType::F16,
+                    safetensors::Dtype::F32 => DType::F32,
+                    other => {
+                        return Err(ModelError::Tensor {
+                            tensor: t.name.clone(),
+                            message: format!("{other:?}: an adapter merges into float weights"),
+                        });
+                    }
+                };
+                let w = Tensor::from_vec(
+                    crate::model::f32s(base, &t.name)?,
+                    t.shape.as_slice(),
+                    &candle_core::Device::Cpu,
+                )?
+                .to_dtype(dt)?;
+                let delta =
+                    l.b.as_tensor()
+                        .matmul(l.a.as_tensor())?
+                        .affine(l.scale, 0.0)?
+                        .to_dtype(dt)?;
+                let merged = (w + delta)?.flatten_all()?;
+                let bytes: Vec<u8> = match dt {
+                    DType::BF16 => merged
+                        .to_vec1::<half::bf16>()?
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                    DType::F16 => merged
+                        .to_vec1::<half::f16>()?
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                    _ => merged
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                };
+                (t.dtype, bytes)
+            }
+            None => {
+                let mut b = Vec::new();
+                base.read(&t.name, &mut b)?;
+                (t.dtype, b)
+            }
+        };
+        shards
+            .write(&t.name, dtype, &t.shape, &data)
+            .map_err(sink)?;
+    }
+    let written = shards.finish().map_err(sink)?;
+    let mut files = written.files;
+    for name in
+        std::iter::once("config.json").chain(crate::export::files::COPIED_FILES.iter().copied())
+    {
+        let src = base.dir().join(name);
+        if src.is_file() {
+            std::fs::copy(&src, out.join(name))
+                .map_err(|e| ModelError::file(&src, e.to_string()))?;
+            files.push(name.to_string());
+        }
+    }
+    Ok(files)
+}
