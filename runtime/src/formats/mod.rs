@@ -8,8 +8,8 @@
 //! which ask every registered reader and name no format themselves; a `#[writer]` in a
 //! plugin crate is read exactly as the built-in ones are.
 
-#[cfg(feature = "exec")]
 pub mod bnb;
+#[cfg(feature = "exec")]
 pub mod check;
 pub mod compressed_tensors;
 pub mod gguf;
