@@ -596,3 +596,54 @@ fn qlora_matches_peft_and_bitsandbytes() {
         bad.join("\n")
     );
 }
+
+/// PEFT deploys kiln's QLoRA adapter: `tests/train/qtiny/kiln-adapter` (what `kiln train` wrote
+/// over the NF4 base) loaded by PEFT onto that base in transformers + bitsandbytes, and onto
+/// the full-precision model (`tests/train/qlora_peft_check.py`), gives the logits kiln gives
+/// with the same adapter over the same bases.
+#[test]
+fn peft_loads_kilns_qlora_adapter_and_gives_kilns_logits() {
+    use kiln_runtime::model::candle::Tensor;
+    use kiln_runtime::model::lora::Adapters;
+    let q = here().join("qtiny");
+    let file = std::fs::read(q.join("peft_logits.safetensors")).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let f32s = |name: &str| -> Vec<f32> {
+        want.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    let ids: Vec<u32> = want
+        .tensor("ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    for (base, key) in [("bnb-nf4", "nf4_logits"), ("model", "full_logits")] {
+        let model =
+            kiln_runtime::formats::load_model(&q.join(base), DType::F32, &Device::Cpu, false)
+                .unwrap();
+        let a = Adapters::load_peft(&q.join("kiln-adapter"), &model).unwrap();
+        let model = model.with_adapters(Some(std::sync::Arc::new(a)));
+        let x = Tensor::from_vec(ids.clone(), (2, ids.len() / 2), &Device::Cpu).unwrap();
+        let got: Vec<f32> = model
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let theirs = f32s(key);
+        let worst = got
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{base}: kiln vs PEFT logits, max |Δ| {worst:.2e}");
+        assert!(worst < 1e-4, "{base}: logits differ from PEFT's by {worst}");
+    }
+}
