@@ -92,6 +92,7 @@ def main():
     a.add_argument("--chunks", type=int, default=40)
     a.add_argument("--work", default="/tmp/kiln-lowbit-quality")
     a.add_argument("--skip", nargs="*", default=[], help="methods already made (reused)")
+    a.add_argument("--without", nargs="*", default=[], help="methods not run (their keys)")
     o = a.parse_args()
     work = pathlib.Path(o.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -128,6 +129,9 @@ def main():
     for tool, method, cmd in methods:
         key = f"{tool}-{method.split(' (')[0]}".replace(" ", "-").lower()
         out = work / key
+        if key in o.without:
+            print(f"{key}: not run (--without)", flush=True)
+            continue
         if key in o.skip and out.exists():
             made.append((tool, method, out, None, None))
             continue

@@ -18,6 +18,7 @@
 //! ```
 
 use crate::KernelError;
+use crate::error::check_len;
 
 pub use super::bnb_tables::{DYNAMIC, FP4, NF4};
 
@@ -48,17 +49,6 @@ impl QuantType {
     }
 }
 
-fn check(op: &'static str, what: &str, got: usize, want: usize) -> Result<(), KernelError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(KernelError::Parameter {
-            op,
-            what: format!("{what} has {got} values, expected {want}"),
-        })
-    }
-}
-
 /// `quantize_4bit` of `x` (flattened) in blocks of `blocksize`: `packed` (two codes a byte,
 /// ⌈n/2⌉) and each block's `absmax` (⌈n/blocksize⌉).
 pub fn quantize_4bit(
@@ -76,8 +66,8 @@ pub fn quantize_4bit(
         });
     }
     let n = x.len();
-    check(op, "packed output", packed.len(), n.div_ceil(2))?;
-    check(op, "absmax", absmax.len(), n.div_ceil(blocksize))?;
+    check_len(op, "packed output", packed.len(), n.div_ceil(2), &[n])?;
+    check_len(op, "absmax", absmax.len(), n.div_ceil(blocksize), &[n])?;
     let code = ty.code();
     // The sorted levels' midpoints, and the code of each sorted position.
     let mut order: Vec<usize> = (0..16).collect();
@@ -121,14 +111,14 @@ pub fn dequantize_4bit(
 ) -> Result<(), KernelError> {
     let op = "dequantize_4bit";
     let n = out.len();
-    check(op, "packed input", packed.len(), n.div_ceil(2))?;
+    check_len(op, "packed input", packed.len(), n.div_ceil(2), &[n])?;
     if blocksize == 0 {
         return Err(KernelError::Parameter {
             op,
             what: "a block size of 0".into(),
         });
     }
-    check(op, "absmax", absmax.len(), n.div_ceil(blocksize))?;
+    check_len(op, "absmax", absmax.len(), n.div_ceil(blocksize), &[n])?;
     let code = ty.code();
     for (i, o) in out.iter_mut().enumerate() {
         let b = packed[i / 2];
@@ -170,8 +160,14 @@ pub fn quantize_blockwise(
             what: "a block size of 0".into(),
         });
     }
-    check(op, "output", out.len(), x.len())?;
-    check(op, "absmax", absmax.len(), x.len().div_ceil(blocksize))?;
+    check_len(op, "output", out.len(), x.len(), &[x.len()])?;
+    check_len(
+        op,
+        "absmax",
+        absmax.len(),
+        x.len().div_ceil(blocksize),
+        &[x.len()],
+    )?;
     let table = lut(code);
     for ((block, o), a) in x
         .chunks(blocksize)
@@ -203,14 +199,20 @@ pub fn dequantize_blockwise(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let op = "dequantize_blockwise";
-    check(op, "output", out.len(), q.len())?;
+    check_len(op, "output", out.len(), q.len(), &[q.len()])?;
     if blocksize == 0 {
         return Err(KernelError::Parameter {
             op,
             what: "a block size of 0".into(),
         });
     }
-    check(op, "absmax", absmax.len(), q.len().div_ceil(blocksize))?;
+    check_len(
+        op,
+        "absmax",
+        absmax.len(),
+        q.len().div_ceil(blocksize),
+        &[q.len()],
+    )?;
     for (i, (o, &c)) in out.iter_mut().zip(q).enumerate() {
         *o = code[c as usize] * absmax[i / blocksize];
     }

@@ -13,6 +13,7 @@
 //! the summation order of the GEMM.
 
 use crate::KernelError;
+use crate::error::check_len;
 use rayon::prelude::*;
 
 /// A weight `[rows, cols]` kept in a packed layout, decoded a range of rows at a time.
@@ -44,7 +45,13 @@ pub struct DenseRows {
 impl DenseRows {
     /// `values` row-major `[rows, cols]`.
     pub fn new(values: Vec<f32>, rows: usize, cols: usize) -> Result<Self, KernelError> {
-        check("DenseRows", "values", values.len(), rows * cols)?;
+        check_len(
+            "DenseRows",
+            "values",
+            values.len(),
+            rows * cols,
+            &[rows, cols],
+        )?;
         Ok(DenseRows { values, rows, cols })
     }
 }
@@ -72,17 +79,6 @@ impl PackedRows for DenseRows {
     }
 }
 
-fn check(op: &'static str, what: &str, got: usize, want: usize) -> Result<(), KernelError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(KernelError::Parameter {
-            op,
-            what: format!("{what} has {got} values, expected {want}"),
-        })
-    }
-}
-
 /// Rows a tile decodes: about 64, a multiple of the layout's alignment.
 fn tile_rows(w: &dyn PackedRows) -> usize {
     let a = w.row_align().max(1);
@@ -98,8 +94,8 @@ pub fn matmul_wt(
 ) -> Result<(), KernelError> {
     let op = "matmul_wt";
     let (n, k) = (w.rows(), w.cols());
-    check(op, "x", x.len(), m * k)?;
-    check(op, "y", y.len(), m * n)?;
+    check_len(op, "x", x.len(), m * k, &[m, k])?;
+    check_len(op, "y", y.len(), m * n, &[m, n])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -156,8 +152,8 @@ pub fn matmul_w(
 ) -> Result<(), KernelError> {
     let op = "matmul_w";
     let (n, k) = (w.rows(), w.cols());
-    check(op, "dy", dy.len(), m * n)?;
-    check(op, "dx", dx.len(), m * k)?;
+    check_len(op, "dy", dy.len(), m * n, &[m, n])?;
+    check_len(op, "dx", dx.len(), m * k, &[m, k])?;
     dx.fill(0.0);
     if m == 0 || n == 0 || k == 0 {
         return Ok(());

@@ -72,6 +72,27 @@ pub trait FormatReader: Send + Sync {
     ) -> Result<check::VerifyReport, crate::model::ModelError>;
 }
 
+/// [`FormatReader::load_packed`] of a safetensors export at `found` whose config is its
+/// `config.json` and whose weights `weights` reads (f32, Linears kept packed).
+#[cfg(feature = "exec")]
+pub(crate) fn loaded_packed(
+    found: &Path,
+    device: &crate::model::candle::Device,
+    weights: impl FnOnce(
+        &crate::checkpoint::Checkpoint,
+        &crate::model::candle::Device,
+    ) -> Result<crate::model::Weights, crate::model::ModelError>,
+) -> Option<Result<Loaded, crate::model::ModelError>> {
+    Some((|| {
+        let checkpoint = crate::checkpoint::Checkpoint::open(found)?;
+        Ok(Loaded {
+            config: crate::model::DecoderConfig::from_json(checkpoint.config().raw())?,
+            weights: weights(&checkpoint, device)?,
+            act: Default::default(),
+        })
+    })())
+}
+
 /// `config.json` of a folder, when it has one that parses as a JSON object.
 pub fn folder_config(path: &Path) -> Option<serde_json::Map<String, serde_json::Value>> {
     let text = std::fs::read_to_string(path.join("config.json")).ok()?;

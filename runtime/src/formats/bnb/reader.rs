@@ -42,14 +42,9 @@ impl FormatReader for BnbReader {
 
     #[cfg(feature = "exec")]
     fn load_packed(&self, found: &Path, device: &Device) -> Option<Result<Loaded, ModelError>> {
-        Some((|| {
-            let checkpoint = Checkpoint::open(found)?;
-            Ok(Loaded {
-                config: DecoderConfig::from_json(checkpoint.config().raw())?,
-                weights: super::read::load(&checkpoint, DType::F32, device, true)?,
-                act: Default::default(),
-            })
-        })())
+        crate::formats::loaded_packed(found, device, |c, d| {
+            super::read::load(c, DType::F32, d, true)
+        })
     }
 
     #[cfg(feature = "exec")]

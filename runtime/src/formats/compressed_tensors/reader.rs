@@ -42,14 +42,7 @@ impl FormatReader for CompressedTensorsReader {
 
     #[cfg(feature = "exec")]
     fn load_packed(&self, found: &Path, device: &Device) -> Option<Result<Loaded, ModelError>> {
-        Some((|| {
-            let checkpoint = Checkpoint::open(found)?;
-            Ok(Loaded {
-                config: DecoderConfig::from_json(checkpoint.config().raw())?,
-                weights: super::read::load_packed(&checkpoint, device)?,
-                act: Default::default(),
-            })
-        })())
+        crate::formats::loaded_packed(found, device, super::read::load_packed)
     }
 
     #[cfg(feature = "exec")]
