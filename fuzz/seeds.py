@@ -95,7 +95,7 @@ write("peft_weights", "rank2", safetensors({
 write("peft_weights", "bf16", safetensors({
     adapter_a: ("BF16", [2, 4], b"\x80\x3f" * 8), adapter_b: ("BF16", [4, 2], b"\x00\x00" * 8)}))
 # The compressed-tensors and MLX readers' targets start from real exports of a one-layer Llama
-# (fuzz/fixtures/{tiny,ct,mlx}, written by kiln's own writers; the readers' consumers check
+# (fuzz/fixtures/{tiny,ct,mlx,bnb}, written by kiln's own writers; the readers' consumers check
 # those writers elsewhere): the fuzzed config.json beside the real weights, and the reverse.
 FIX = ROOT / "fuzz/fixtures"
 shutil.rmtree(FIX, ignore_errors=True)
@@ -123,7 +123,7 @@ for n, shape in [("input_layernorm", [h]), ("post_attention_layernorm", [h]),
     "num_key_value_heads": 2, "head_dim": 32, "vocab_size": vocab, "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}))
 kiln = ROOT / "target/debug/kiln"
-for out, writer, fmt in [("ct", "compressed-tensors", "w4a16"), ("mlx", "mlx", "q4")]:
+for out, writer, fmt in [("ct", "compressed-tensors", "w4a16"), ("mlx", "mlx", "q4"), ("bnb", "bnb", "nf4")]:
     subprocess.run([kiln, "export", "--model", FIX / "tiny", "--output-format", writer,
                     "--format", fmt, "--out", FIX / out], check=True, stdout=subprocess.DEVNULL)
     (FIX / out / "generation_config.json").unlink(missing_ok=True)

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// The targets, by name.
-pub const TARGETS: [Target; 15] = [
+pub const TARGETS: [Target; 17] = [
     ("safetensors", safetensors),
     ("safetensors_index", safetensors_index),
     ("config_json", config_json),
@@ -31,6 +31,8 @@ pub const TARGETS: [Target; 15] = [
     ("ct_weights", ct_weights),
     ("mlx_config", mlx_config),
     ("mlx_weights", mlx_weights),
+    ("bnb_config", bnb_config),
+    ("bnb_weights", bnb_weights),
 ];
 
 /// Removes the scratch folders of this process.
@@ -243,9 +245,14 @@ pub const CT_WEIGHTS: &[u8] = include_bytes!("fixtures/ct/model.safetensors");
 pub const MLX_CONFIG: &[u8] = include_bytes!("fixtures/mlx/config.json");
 /// See [`CT_CONFIG`].
 pub const MLX_WEIGHTS: &[u8] = include_bytes!("fixtures/mlx/model.safetensors");
+/// See [`CT_CONFIG`] (a bitsandbytes NF4 export).
+pub const BNB_CONFIG: &[u8] = include_bytes!("fixtures/bnb/config.json");
+/// See [`CT_CONFIG`].
+pub const BNB_WEIGHTS: &[u8] = include_bytes!("fixtures/bnb/model.safetensors");
 
 /// Decodes a quantized export as `kiln eval` / `kiln verify` load it (the layout detected from
-/// its files, every weight decoded).
+/// its files, every weight decoded), and as QLoRA loads it (its Linears kept packed, then one
+/// forward pass through the packed weights).
 fn load_quantized(target: &str, config: &[u8], weights: &[u8]) {
     let d = dir(target);
     std::fs::write(d.join("config.json"), config).unwrap();
@@ -253,6 +260,12 @@ fn load_quantized(target: &str, config: &[u8], weights: &[u8]) {
     let cpu = kiln_runtime::model::candle::Device::Cpu;
     let f32 = kiln_runtime::model::candle::DType::F32;
     let _ = kiln_runtime::formats::load(&d, f32, &cpu, true);
+    if let Ok(l) = kiln_runtime::formats::load_packed(&d, &cpu)
+        && let Ok(m) = kiln_runtime::model::DecoderModel::from_loaded(l, &cpu)
+        && let Ok(ids) = kiln_runtime::model::candle::Tensor::new(&[[0u32, 1]], &cpu)
+    {
+        let _ = m.forward(&ids);
+    }
 }
 
 /// A compressed-tensors export's `config.json` (its `quantization_config`), beside its weights.
@@ -274,4 +287,15 @@ pub fn mlx_config(data: &[u8]) {
 /// An mlx-lm export's weights (packed, scales, biases), beside its config.
 pub fn mlx_weights(data: &[u8]) {
     load_quantized("mlx_weights", MLX_CONFIG, data);
+}
+
+/// A bitsandbytes export's `config.json` (its `quantization_config`), beside its weights.
+pub fn bnb_config(data: &[u8]) {
+    load_quantized("bnb_config", data, BNB_WEIGHTS);
+}
+
+/// A bitsandbytes export's weights (4-bit codes, absmax, quant maps, quant states), beside its
+/// config.
+pub fn bnb_weights(data: &[u8]) {
+    load_quantized("bnb_weights", BNB_CONFIG, data);
 }
