@@ -438,6 +438,7 @@ fn a_writer_registered_in_another_crate_is_an_output_format() {
     assert_eq!(
         r.names(),
         [
+            "bnb",
             "compressed-tensors",
             "gguf",
             "mlx",
