@@ -293,9 +293,14 @@ mod tests {
             // A plain checkpoint, and a quantization no registered format writes.
             (r#"{"model_type": "llama"}"#, &[], None),
             (
-                r#"{"quantization_config": {"quant_method": "bitsandbytes"}}"#,
+                r#"{"quantization_config": {"quant_method": "awq"}}"#,
                 &[],
                 None,
+            ),
+            (
+                r#"{"quantization_config": {"quant_method": "bitsandbytes"}}"#,
+                &[],
+                Some("bnb"),
             ),
         ];
         for (config, files, want) in cases {
@@ -325,7 +330,7 @@ mod tests {
     #[test]
     fn a_quantization_no_reader_knows_is_refused_not_loaded_as_plain() {
         let d = folder(
-            r#"{"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "bitsandbytes"}}"#,
+            r#"{"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "awq"}}"#,
             &[],
         );
         std::fs::write(
