@@ -1087,3 +1087,45 @@ fn broken_adapters_are_named_errors() {
         assert!(err.contains(file), "names the file: {err}");
     }
 }
+
+/// QLoRA runs on the candle backend; the MLX backend refuses a quantized base by name (its
+/// `quantized_matmul` path is not built yet) rather than loading it as a plain checkpoint.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_refuses_a_quantized_base_by_name() {
+    use kiln_runtime::export::recipe::{Format, Recipe};
+    use kiln_runtime::export::run::{ExportOptions, OutputFormat, run};
+    let dir = tempfile::tempdir().unwrap();
+    let q = dir.path().join("q4");
+    run(&ExportOptions {
+        output: Some(OutputFormat {
+            writer: "mlx".into(),
+            format: "q4".into(),
+        }),
+        ..ExportOptions::new(
+            here().join("tiny/model"),
+            &q,
+            Recipe {
+                group_size: Some(32),
+                ..Recipe::new(Format::Fp8)
+            },
+        )
+    })
+    .unwrap();
+    let mut c = TrainConfig::new("sft", "mlx", &q, dir.path().join("out"));
+    c.train_data = Some(here().join("data/sft.jsonl"));
+    c.hyper.max_steps = Some(1);
+    let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+    let e = match entry.construct(&c) {
+        Ok(mut t) => t
+            .train(&mut kiln_runtime::train::NoopObserver)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("is a quantized export") && e.contains("--backend candle"),
+        "{e}"
+    );
+}
