@@ -4,6 +4,11 @@ in transformers + bitsandbytes, as a PEFT user deploys it, and onto the full-pre
 (tests/train/qtiny/model); runs fixed token ids and saves both logits, which kiln must
 reproduce with the same adapter over the same bases (bitsandbytes' exact path: see `logits`).
 
+    # kiln's adapter (what tests/it/qlora.rs loads), then PEFT's logits with it:
+    kiln train --task sft --model tests/train/qtiny/bnb-nf4 --data tests/train/data/sft.jsonl \
+        --out tests/train/qtiny/kiln-adapter --max-steps 3 --learning-rate 1e-2 --lora-r 4 \
+        --lora-alpha 8 --lora-dropout 0 --lora-target-modules q_proj,v_proj,gate_proj \
+        --per-device-train-batch-size 4 --train-sampling-strategy sequential --quiet --force
     .venv-trl/bin/python tests/train/qlora_peft_check.py   # writes tests/train/qtiny/peft_logits.safetensors
 """
 import os

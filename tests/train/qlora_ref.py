@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trl_ref import Record  # noqa: E402
+from trl_ref import Record, build_adapter, random_llama  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(HERE, "tiny")
@@ -37,38 +37,11 @@ DATA = os.path.join(HERE, "data")
 
 
 def build():
-    """The 64-wide tiny Llama (f32, seeded, the byte tokenizer of tests/train/tiny) and a shared
-    initial adapter with non-zero A and B, as trl_ref.py builds its own."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if os.path.isdir(QTINY):
-        shutil.rmtree(QTINY)
-    os.makedirs(MODEL)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=260, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=3)
-    model = LlamaForCausalLM(cfg).float()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(MODEL, safe_serialization=True)
-    for f in ["tokenizer.json", "tokenizer_config.json"]:
-        shutil.copy(os.path.join(TINY, "model", f), MODEL)
-    torch.manual_seed(1)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                      init_lora_weights=False, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(MODEL, dtype=torch.float32), lora)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0.0, 0.3)
-    peft_model.save_pretrained(ADAPTER)
+    """The 64-wide tiny Llama and its initial adapter, as trl_ref.py builds its own."""
+    for d in [MODEL, ADAPTER, BASE]:
+        shutil.rmtree(d, ignore_errors=True)
+    random_llama(MODEL, hidden=64, intermediate=128)
+    build_adapter(MODEL, ADAPTER)
 
 
 def quantize():

@@ -77,16 +77,15 @@ def write_tokenizer(d):
                    "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, f, indent=2)
 
 
-def build_model():
-    model_dir = os.path.join(TINY, "model")
-    if os.path.isdir(TINY):
-        shutil.rmtree(TINY)
+def random_llama(model_dir, hidden=32, intermediate=64):
+    """A seeded random Llama (f32) with the byte tokenizer in `model_dir`; the QLoRA references
+    (qlora_ref.py) take a 64-wide one."""
     os.makedirs(model_dir)
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=260, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=3)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=260,
+                      max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
     model = LlamaForCausalLM(cfg).float()
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -99,7 +98,13 @@ def build_model():
     return model_dir
 
 
-def build_adapter(model_dir):
+def build_model():
+    if os.path.isdir(TINY):
+        shutil.rmtree(TINY)
+    return random_llama(os.path.join(TINY, "model"))
+
+
+def build_adapter(model_dir, out=None):
     """A shared initial LoRA adapter with non-zero A and B (init_lora_weights=False), so the
     first step already moves both."""
     from peft import LoraConfig, get_peft_model
@@ -113,7 +118,7 @@ def build_adapter(model_dir):
         for n, p in peft_model.named_parameters():
             if "lora_" in n:
                 p.normal_(0.0, 0.3)
-    out = os.path.join(TINY, "init-adapter")
+    out = out or os.path.join(TINY, "init-adapter")
     peft_model.save_pretrained(out)
     return out
 

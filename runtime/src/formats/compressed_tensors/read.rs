@@ -160,7 +160,11 @@ pub(crate) fn decode(checkpoint: &Checkpoint, module: &str) -> Result<Option<Dec
     };
     let (rows, cols) = (w.rows, w.cols);
     let mut out = vec![0f32; rows * cols];
-    w.rows_into(0, &mut out);
+    w.rows_into(0, &mut out)
+        .map_err(|message| ModelError::Tensor {
+            tensor: format!("{module}.weight_packed"),
+            message,
+        })?;
     Ok(Some((out, [rows, cols])))
 }
 
@@ -197,7 +201,7 @@ enum Codes {
 
 impl Compressed {
     /// Decodes rows `start ..` (as many as `out` holds) into `out`.
-    fn rows_into(&self, start: usize, out: &mut [f32]) {
+    fn rows_into(&self, start: usize, out: &mut [f32]) -> Result<(), String> {
         let cols = self.cols;
         let n = out.len() / cols.max(1);
         match &self.codes {
@@ -223,10 +227,12 @@ impl Compressed {
                     match codes {
                         Codes::Packed { words, bits } => {
                             let per = (cols * bits).div_ceil(32);
-                            // Checked when it was read: the row unpacks.
-                            let q =
-                                quant::unpack_int32(&words[r * per..(r + 1) * per], 1, cols, *bits)
-                                    .unwrap_or_default();
+                            let q = quant::unpack_int32(
+                                &words[r * per..(r + 1) * per],
+                                1,
+                                cols,
+                                *bits,
+                            )?;
                             for (d, v) in row.iter_mut().zip(q) {
                                 *d = f32::from(v);
                             }
@@ -252,6 +258,7 @@ impl Compressed {
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -263,8 +270,11 @@ impl kiln_kernels::ops::packed_matmul::PackedRows for Compressed {
         self.cols
     }
     fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
-        self.rows_into(start, out);
-        Ok(())
+        self.rows_into(start, out)
+            .map_err(|what| kiln_kernels::KernelError::Parameter {
+                op: "compressed-tensors decode",
+                what,
+            })
     }
     fn packed_bytes(&self) -> usize {
         let codes = match &self.codes {
