@@ -9,7 +9,7 @@ bnb_4bit_compute_dtype=torch.bfloat16)` on the CPU and saves it, for T in nf4 an
                                                     two 4-bit weights as bitsandbytes'
                                                     `dequantize_4bit` decodes them (bf16)
 
-    .venv-llmc/bin/pip install bitsandbytes==0.50.2      # beside torch 2.14, transformers 5.17
+    python3 -m venv .venv-llmc && .venv-llmc/bin/pip install -r tests/compat/requirements-llmc.txt
     .venv-llmc/bin/python tests/compat/bnb_ref.py
 """
 import pathlib

@@ -9,7 +9,7 @@ adapter on it and trains with TRL for six steps, logging every
 step into tests/train/qlora_reference.json — with the adapter in f32 (kiln's), undoing TRL's
 cast of a 4-bit model's adapter to bf16, and once each as TRL does by default.
 
-    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r tests/train/requirements.txt bitsandbytes==0.50.2
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r tests/train/requirements.txt
     .venv-trl/bin/python tests/train/qlora_ref.py
 """
 import json

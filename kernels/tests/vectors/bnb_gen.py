@@ -7,7 +7,7 @@ with `compress_statistics` the nested state (the absmax minus its mean, quantize
 blocks of 256 by bitsandbytes' CPU kernel) — and what `dequantize_4bit` decodes. The inputs
 come from a seeded integer generator the Rust test repeats, so only the outputs are stored.
 
-    .venv-llmc/bin/pip install bitsandbytes==0.50.2      # beside torch (tests/compat/requirements-llmc.txt)
+    python3 -m venv .venv-llmc && .venv-llmc/bin/pip install -r tests/compat/requirements-llmc.txt
     .venv-llmc/bin/python kernels/tests/vectors/bnb_gen.py
 """
 import json
