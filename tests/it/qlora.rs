@@ -115,7 +115,12 @@ fn train(config: &TrainConfig) -> Result<Vec<StepMetrics>, String> {
 
 /// A LoRA run of `task` on `model` (every Linear, rank 8).
 fn config(task: &str, model: &Path, out: &Path) -> TrainConfig {
-    let mut c = TrainConfig::new(task, "candle", model, out);
+    config_on(task, "candle", model, out)
+}
+
+/// [`config`] on `backend`.
+fn config_on(task: &str, backend: &str, model: &Path, out: &Path) -> TrainConfig {
+    let mut c = TrainConfig::new(task, backend, model, out);
     let data = match task {
         "sft" => "sft.jsonl",
         "kto" => "kto.jsonl",
@@ -350,6 +355,126 @@ fn qlora_refuses_what_it_cannot_do() {
         .to_string();
     assert!(e.contains("is not a quantized export"), "{e}");
     assert!(Checkpoint::open(&q).is_ok());
+}
+
+/// The MLX backend trains over mlx-lm's layout with MLX's `quantized_matmul` (the candle
+/// backend decodes the same words with kiln's kernels): every task's QLoRA losses on MLX
+/// equal candle's on the same q4 base to 1e-4 relative, and the adapter is saved.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_qlora_matches_candle_qlora_for_every_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = quantized(dir.path(), "q4", 32);
+    for task in ["sft", "dpo", "orpo", "simpo", "kto", "grpo"] {
+        let out = dir.path().join(format!("mlx-{task}"));
+        let a = train(&config_on(task, "mlx", &q, &out)).unwrap();
+        let b = train(&config(
+            task,
+            &q,
+            &dir.path().join(format!("candle-{task}")),
+        ))
+        .unwrap();
+        assert_eq!(a.len(), b.len(), "{task}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                x.loss.is_finite() && (x.loss - y.loss).abs() <= 1e-4 * y.loss.abs() + 1e-6,
+                "{task} step {}: MLX QLoRA loss {} vs candle's {}",
+                x.step,
+                x.loss,
+                y.loss
+            );
+        }
+        eprintln!(
+            "mlx {task}: QLoRA losses {:?}",
+            a.iter().map(|m| m.loss).collect::<Vec<_>>()
+        );
+        assert!(out.join("adapter_model.safetensors").is_file(), "{task}");
+    }
+}
+
+/// What QLoRA on MLX refuses, by name: full fine-tuning and merging (as on candle), and the
+/// quantized layouts other than mlx-lm's (they train on candle).
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_qlora_refuses_what_it_cannot_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = quantized(dir.path(), "q4", 32);
+    let mut c = config_on("sft", "mlx", &q, &dir.path().join("full"));
+    c.lora = None;
+    let e = train(&c).unwrap_err();
+    assert!(
+        e.contains("its weights cannot be trained themselves"),
+        "{e}"
+    );
+    let mut c = config_on("sft", "mlx", &q, &dir.path().join("merge"));
+    c.merge = true;
+    let e = train(&c).unwrap_err();
+    assert!(
+        e.contains("merging an adapter into its packed weights"),
+        "{e}"
+    );
+    let g = gguf(dir.path(), "q8-0");
+    let e = train(&config_on("sft", "mlx", &g, &dir.path().join("gguf"))).unwrap_err();
+    assert!(
+        e.contains("is a `gguf` export") && e.contains("--backend candle"),
+        "{e}"
+    );
+}
+
+/// Against mlx-lm's own QLoRA (`tests/train/mlx_qlora_reference.json`, made by
+/// `tests/train/mlx_qlora_ref.py`): from mlx-lm's 4-bit quantization of the 64-wide tiny
+/// model (`tests/train/qtiny/mlx-q4`, f32) and mlx-lm's initial adapter (read in mlx-lm's
+/// layout), six SFT steps on one batch of six texts with AdamW (bias-corrected, as TRL's),
+/// no clipping, a constant rate. kiln's MLX backend (MLX's `quantized_matmul`, as mlx-lm)
+/// within 1e-4 relative; candle (kiln's exact decode) within 1e-3.
+#[test]
+fn qlora_matches_mlx_lm() {
+    let text = std::fs::read_to_string(here().join("mlx_qlora_reference.json")).unwrap();
+    let refs: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let want: Vec<f64> = refs["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut backends = vec![("candle", 1e-3)];
+    if cfg!(feature = "mlx") {
+        backends.push(("mlx", 1e-4));
+    } else {
+        eprintln!("mlx-lm parity on the MLX backend skipped: built without feature `mlx`");
+    }
+    let mut bad = Vec::new();
+    for (backend, tol) in backends {
+        let mut c = TrainConfig::new(
+            "sft",
+            backend,
+            here().join("qtiny/mlx-q4"),
+            dir.path().join(backend),
+        );
+        c.train_data = Some(here().join("data/sft-text.jsonl"));
+        c.init_adapter = Some(here().join("qtiny/mlx-init-adapter"));
+        c.hyper.max_steps = Some(want.len() as u64);
+        c.hyper.logging_steps = 1;
+        c.hyper.per_device_train_batch_size = 6;
+        c.hyper.learning_rate = refs["settings"]["learning_rate"].as_f64().unwrap();
+        c.hyper.lr_scheduler_type = "constant".into();
+        c.hyper.weight_decay = 0.0;
+        c.hyper.max_grad_norm = None;
+        let got = train(&c).unwrap();
+        assert_eq!(got.len(), want.len(), "{backend}");
+        for (g, w) in got.iter().zip(&want) {
+            let line = format!(
+                "{backend} step {}: loss {:.6} vs mlx-lm {w:.6}",
+                g.step, g.loss
+            );
+            eprintln!("{line}");
+            if (g.loss - w).abs() > tol * w.abs() {
+                bad.push(line);
+            }
+        }
+    }
+    assert!(bad.is_empty(), "against mlx-lm:\n{}", bad.join("\n"));
 }
 
 fn kiln(args: &[&str]) -> std::process::Output {
@@ -603,47 +728,77 @@ fn qlora_matches_peft_and_bitsandbytes() {
 /// with the same adapter over the same bases.
 #[test]
 fn peft_loads_kilns_qlora_adapter_and_gives_kilns_logits() {
-    use kiln_runtime::model::candle::Tensor;
-    use kiln_runtime::model::lora::Adapters;
     let q = here().join("qtiny");
-    let file = std::fs::read(q.join("peft_logits.safetensors")).unwrap();
-    let want = safetensors::SafeTensors::deserialize(&file).unwrap();
-    let f32s = |name: &str| -> Vec<f32> {
-        want.tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    };
-    let ids: Vec<u32> = want
-        .tensor("ids")
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-        .collect();
+    let (ids, want) = peer_logits(&q.join("peft_logits.safetensors"));
     for (base, key) in [("bnb-nf4", "nf4_logits"), ("model", "full_logits")] {
-        let model =
-            kiln_runtime::formats::load_model(&q.join(base), DType::F32, &Device::Cpu, false)
-                .unwrap();
-        let a = Adapters::load_peft(&q.join("kiln-adapter"), &model).unwrap();
-        let model = model.with_adapters(Some(std::sync::Arc::new(a)));
-        let x = Tensor::from_vec(ids.clone(), (2, ids.len() / 2), &Device::Cpu).unwrap();
-        let got: Vec<f32> = model
-            .forward(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let theirs = f32s(key);
-        let worst = got
-            .iter()
-            .zip(&theirs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let got = kiln_logits(&q.join(base), &q.join("kiln-adapter"), &ids);
+        let worst = max_diff(&got, &want[key]);
         eprintln!("{base}: kiln vs PEFT logits, max |Δ| {worst:.2e}");
         assert!(worst < 1e-4, "{base}: logits differ from PEFT's by {worst}");
     }
+}
+
+/// mlx-lm deploys kiln's QLoRA adapter: `tests/train/qtiny/kiln-mlx-adapter` (what `kiln train
+/// --backend mlx --adapter-format mlx-lm` wrote over mlx-lm's 4-bit model) loaded by
+/// `mlx_lm.load(..., adapter_path=...)` onto that quantized model (`tests/train/mlx_lm_check.py`)
+/// gives the logits kiln gives with the same adapter over the same packed base.
+#[test]
+fn mlx_lm_loads_kilns_qlora_adapter_and_gives_kilns_logits() {
+    let q = here().join("qtiny");
+    let (ids, want) = peer_logits(&q.join("mlx_lm_logits.safetensors"));
+    let got = kiln_logits(&q.join("mlx-q4"), &q.join("kiln-mlx-adapter"), &ids);
+    let worst = max_diff(&got, &want["logits"]);
+    eprintln!("kiln vs mlx-lm logits over the q4 base, max |Δ| {worst:.2e}");
+    assert!(worst < 1e-4, "logits differ from mlx-lm's by {worst}");
+}
+
+/// A peer's logits file: the token ids (`ids`, i64 `[2, n]`) and every f32 tensor by name.
+fn peer_logits(path: &Path) -> (Vec<u32>, std::collections::BTreeMap<String, Vec<f32>>) {
+    let file = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let mut ids = Vec::new();
+    let mut f32s = std::collections::BTreeMap::new();
+    for (name, t) in st.tensors() {
+        if name == "ids" {
+            ids = t
+                .data()
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+                .collect();
+        } else {
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            f32s.insert(name, v);
+        }
+    }
+    (ids, f32s)
+}
+
+/// kiln's logits (candle) of two rows of `ids` over `base` (any layout kiln reads) with the
+/// adapter in `adapter` (PEFT's layout or mlx-lm's).
+fn kiln_logits(base: &Path, adapter: &Path, ids: &[u32]) -> Vec<f32> {
+    use kiln_runtime::model::candle::Tensor;
+    use kiln_runtime::model::lora::{Adapters, linear_modules};
+    let model = kiln_runtime::formats::load_model(base, DType::F32, &Device::Cpu, false).unwrap();
+    let a = Adapters::load_any_for(adapter, &linear_modules(&model), &Device::Cpu).unwrap();
+    let model = model.with_adapters(Some(std::sync::Arc::new(a)));
+    let x = Tensor::from_vec(ids.to_vec(), (2, ids.len() / 2), &Device::Cpu).unwrap();
+    model
+        .forward(&x)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }

@@ -45,6 +45,38 @@ pub(crate) fn config_err(field: &str, message: impl Into<String>) -> TrainError 
     }
 }
 
+/// Whether `config.model` is a quantized export (any format a registered reader recognises),
+/// the base QLoRA trains over; where it is, the run must train adapters and must not merge
+/// them (both backends ask the same).
+pub(crate) fn quantized_base(config: &TrainConfig) -> Result<bool, TrainError> {
+    let quantized = crate::formats::detect(&config.model)
+        .map_err(TrainError::from)?
+        .is_some();
+    if quantized && config.merge {
+        return Err(config_err(
+            "merge",
+            format!(
+                "{} is a quantized export: merging an adapter into its packed weights \
+                 would re-quantize them; save the adapter (without --merge) and apply it \
+                 to the original model",
+                config.model.display()
+            ),
+        ));
+    }
+    if quantized && config.lora.is_none() && config.init_adapter.is_none() {
+        return Err(config_err(
+            "model",
+            format!(
+                "{} is a quantized export: its weights cannot be trained themselves; train \
+                 LoRA adapters on it (QLoRA: --use-peft / lora settings) or train the \
+                 original model",
+                config.model.display()
+            ),
+        ));
+    }
+    Ok(quantized)
+}
+
 /// The layout a LoRA adapter is written in.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

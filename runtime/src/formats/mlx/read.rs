@@ -306,6 +306,79 @@ fn packed(checkpoint: &Checkpoint, module: &str, mode: Mode) -> Result<MlxRows, 
     Ok(p)
 }
 
+/// The mode of quantized module `module`: its own entry in `quantization` (`to_quantized`'s
+/// keyword arguments: without a `mode` it is affine, whatever the default mode, as MLX's
+/// `nn.quantize` reads it), else the default.
+fn mode_of(q: &Value, default: Mode, module: &str) -> Result<Mode, ModelError> {
+    match q.get(module) {
+        Some(o) if o.is_object() => Mode::parse(o, &format!(".{module}")),
+        _ => Ok(default),
+    }
+}
+
+/// One affine-quantized module as MLX's `quantized_matmul` and `dequantize` take it (the MLX
+/// backend's QLoRA): the `uint32` words `[rows, cols·bits/32]`, with scales and biases
+/// `[rows, cols/group]` widened to f32 (exactly).
+#[derive(Debug)]
+pub struct AffineParts {
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// Bits per code.
+    pub bits: usize,
+    /// Codes per scale.
+    pub group: usize,
+    /// The packed codes.
+    pub words: Vec<u32>,
+    /// One scale per group.
+    pub scales: Vec<f32>,
+    /// One bias per group.
+    pub biases: Vec<f32>,
+}
+
+/// Every quantized module of mlx-lm `checkpoint` (its name without `.weight`) in the parts MLX
+/// runs it from, shapes checked. A module in one of MLX's floating-point modes (mxfp4, mxfp8,
+/// nvfp4) or a stacked expert tensor is a named error: the MLX backend runs the affine modes.
+pub fn affine_modules(
+    checkpoint: &Checkpoint,
+) -> Result<BTreeMap<String, AffineParts>, ModelError> {
+    let q = quantization(checkpoint).ok_or_else(|| ModelError::Config("no quantization".into()))?;
+    let default = Mode::parse(q, "")?;
+    let mut out = BTreeMap::new();
+    for m in quantized_modules(checkpoint) {
+        let refuse = |what: String| ModelError::Tensor {
+            tensor: format!("{m}.weight"),
+            message: format!(
+                "{what}: training on the MLX backend runs mlx-lm's affine modes \
+                 (quantized_matmul); --backend candle trains over this model"
+            ),
+        };
+        if m.contains(".switch_mlp.") {
+            return Err(refuse("stacked experts".into()));
+        }
+        match mode_of(q, default, &m)? {
+            Mode::Fp(f) => return Err(refuse(format!("mode {}", f.name()))),
+            mode @ Mode::Affine { bits, group } => {
+                let p = packed(checkpoint, &m, mode)?;
+                out.insert(
+                    m,
+                    AffineParts {
+                        rows: p.rows,
+                        cols: p.cols,
+                        bits,
+                        group,
+                        words: p.words,
+                        scales: p.scales,
+                        biases: p.biases,
+                    },
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Reads an MLX `checkpoint` for execution in `dtype` on `device`, weights decoded and
 /// experts unstacked.
 pub(crate) fn load(
@@ -348,12 +421,7 @@ fn load_with(
         }
         let (data, shape) = match module {
             Some(m) => {
-                let mode = match q.get(m) {
-                    // A per-module entry is `to_quantized`'s keyword arguments: without a
-                    // `mode` it is affine, whatever the default mode (MLX's `nn.quantize`).
-                    Some(o) if o.is_object() => Mode::parse(o, &format!(".{m}"))?,
-                    _ => default,
-                };
+                let mode = mode_of(q, default, m)?;
                 // QLoRA: a Linear stays packed (embeddings are looked up, so decoded).
                 if pack
                     && t.shape.len() == 2

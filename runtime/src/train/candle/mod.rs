@@ -83,31 +83,7 @@ impl Setup {
         let device = crate::model::device(&config.device)?;
         // A quantized export (any format a registered reader recognises: mlx, GGUF, …):
         // QLoRA — adapters over the packed base, as deployed.
-        let quantized = crate::formats::detect(&config.model)
-            .map_err(backend_err)?
-            .is_some();
-        if quantized && config.merge {
-            return Err(config_err(
-                "merge",
-                format!(
-                    "{} is a quantized export: merging an adapter into its packed weights \
-                     would re-quantize them; save the adapter (without --merge) and apply it \
-                     to the original model",
-                    config.model.display()
-                ),
-            ));
-        }
-        if quantized && config.lora.is_none() && config.init_adapter.is_none() {
-            return Err(config_err(
-                "model",
-                format!(
-                    "{} is a quantized export: its weights cannot be trained themselves; train \
-                     LoRA adapters on it (QLoRA: --use-peft / lora settings) or train the \
-                     original model",
-                    config.model.display()
-                ),
-            ));
-        }
+        let quantized = crate::train::quantized_base(config)?;
         let mut model = if quantized {
             let loaded =
                 crate::formats::load_packed(&config.model, &device).map_err(backend_err)?;

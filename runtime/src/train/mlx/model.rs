@@ -95,12 +95,23 @@ struct LayerNames {
     window: Option<usize>,
 }
 
+/// How a quantized module's packed weight is read: mlx-lm's affine mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Quantized {
+    group: i32,
+    bits: i32,
+}
+
 /// A dense decoder on MLX.
 #[derive(Debug, Clone)]
 pub struct MlxDecoder {
     config: DecoderConfig,
     layers: Vec<LayerNames>,
     tied: bool,
+    /// QLoRA: the modules kept packed (mlx-lm's layout: `weight` as `uint32` words beside
+    /// `scales` and `biases`), run with MLX's `quantized_matmul` (Linears) and `dequantize`
+    /// (embedding rows).
+    quantized: BTreeMap<String, Quantized>,
     /// RoPE's inverse frequencies and attention factor (`DecoderConfig`).
     inv_freq: Vec<f32>,
     rope_scale: f32,
@@ -113,7 +124,9 @@ fn f32_array(values: &[f32], shape: &[usize]) -> Array {
 
 impl MlxDecoder {
     /// The decoder of `checkpoint`'s `config.json` and its weights (BF16, F16 or F32, as f32).
-    /// Mixture-of-experts families are named errors (not on MLX yet).
+    /// An mlx-lm quantized model (QLoRA) keeps its affine-quantized modules packed, their
+    /// scales and biases in f32; other quantized layouts and mixture-of-experts families are
+    /// named errors (not on MLX).
     pub fn load(checkpoint: &Checkpoint) -> Result<(Self, MlxWeights), ModelError> {
         let config = DecoderConfig::from_json(checkpoint.config().raw())?;
         if config.moe.is_some() {
@@ -122,13 +135,81 @@ impl MlxDecoder {
                     .into(),
             ));
         }
+        let packed = if crate::formats::mlx::read::is_mlx(checkpoint) {
+            crate::formats::mlx::read::affine_modules(checkpoint)?
+        } else if let Some(key) = crate::model::quantization_marker(checkpoint) {
+            return Err(ModelError::file(
+                checkpoint.dir(),
+                format!(
+                    "has `{key}` but is not in mlx-lm's layout: QLoRA on the MLX backend runs \
+                     mlx-lm's quantized models (--backend candle trains over the others)"
+                ),
+            ));
+        } else {
+            BTreeMap::new()
+        };
+        let part_of_packed = |name: &str| {
+            [".weight", ".scales", ".biases"]
+                .iter()
+                .any(|s| name.strip_suffix(s).is_some_and(|m| packed.contains_key(m)))
+        };
         let mut weights = MlxWeights::new();
         for t in checkpoint.tensors() {
+            if part_of_packed(&t.name) {
+                continue;
+            }
             let data = crate::model::read_f32(checkpoint, t)?;
             weights.insert(t.name.clone(), f32_array(&data, &t.shape));
         }
-        let model = Self::new(config, &weights)?;
+        let mut quantized = BTreeMap::new();
+        for (m, p) in packed {
+            let (rows, words, groups) = (
+                p.rows as i32,
+                (p.cols * p.bits / 32) as i32,
+                (p.cols / p.group) as i32,
+            );
+            weights.insert(
+                format!("{m}.weight"),
+                Array::from_slice(&p.words, &[rows, words]),
+            );
+            weights.insert(
+                format!("{m}.scales"),
+                Array::from_slice(&p.scales, &[rows, groups]),
+            );
+            weights.insert(
+                format!("{m}.biases"),
+                Array::from_slice(&p.biases, &[rows, groups]),
+            );
+            quantized.insert(
+                m,
+                Quantized {
+                    group: p.group as i32,
+                    bits: p.bits as i32,
+                },
+            );
+        }
+        let mut model = Self::new(config, &weights)?;
+        model.quantized = quantized;
         Ok((model, weights))
+    }
+
+    /// Whether module `module`'s weight is kept packed (QLoRA).
+    pub fn is_packed(&self, module: &str) -> bool {
+        self.quantized.contains_key(module)
+    }
+
+    /// The shape of tensor `name` as the model uses it: a packed weight's `[out, in]`, not its
+    /// words'.
+    pub fn logical_shape(&self, name: &str, array: &Array) -> Vec<usize> {
+        let mut shape: Vec<usize> = array.shape().iter().map(|&d| d as usize).collect();
+        if let Some(q) = name
+            .strip_suffix(".weight")
+            .and_then(|m| self.quantized.get(m))
+            && let Some(last) = shape.last_mut()
+        {
+            *last = *last * 32 / q.bits as usize;
+        }
+        shape
     }
 
     /// The decoder of `config` over `weights` (every tensor it needs must be there).
@@ -179,6 +260,7 @@ impl MlxDecoder {
             config,
             layers,
             tied,
+            quantized: BTreeMap::new(),
         })
     }
 
@@ -192,9 +274,10 @@ impl MlxDecoder {
         let mut out = Vec::new();
         for l in &self.layers {
             for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
-                if let Some(w) = weights.get(&format!("{m}.weight")) {
-                    let s = w.shape();
-                    out.push((m.clone(), s[1] as usize, s[0] as usize));
+                let name = format!("{m}.weight");
+                if let Some(w) = weights.get(&name) {
+                    let s = self.logical_shape(&name, w);
+                    out.push((m.clone(), s[1], s[0]));
                 }
             }
         }
@@ -282,10 +365,20 @@ impl MlxDecoder {
         let start = cache.as_ref().map_or(0, |c| c.len);
         let flat: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
         let idx = Array::from_slice(&flat, &[(b * t) as i32]);
+        let embed = "model.embed_tokens";
         let table = &w["model.embed_tokens.weight"];
-        let mut h = table
-            .take_axis(&idx, 0)?
-            .reshape(&[b as i32, t as i32, c.hidden as i32])?;
+        let rows = table.take_axis(&idx, 0)?;
+        let rows = match self.quantized.get(embed) {
+            Some(q) => ops::dequantize(
+                &rows,
+                w["model.embed_tokens.scales"].take_axis(&idx, 0)?,
+                &w["model.embed_tokens.biases"].take_axis(&idx, 0)?,
+                q.group,
+                q.bits,
+            )?,
+            None => rows,
+        };
+        let mut h = rows.reshape(&[b as i32, t as i32, c.hidden as i32])?;
         let (cos, sin) = self.rope_tables(start, t);
         let key_mask = match attention {
             Some(a) => {
@@ -311,7 +404,19 @@ impl MlxDecoder {
         }
         let h = self.rms_norm(&h, &w["model.norm.weight"])?;
         if self.tied {
-            ops::matmul(&h, table.t())
+            match self.quantized.get(embed) {
+                // mlx-lm's `embed_tokens.as_linear`.
+                Some(q) => ops::quantized_matmul(
+                    &h,
+                    table,
+                    &w["model.embed_tokens.scales"],
+                    &w["model.embed_tokens.biases"],
+                    true,
+                    q.group,
+                    q.bits,
+                ),
+                None => ops::matmul(&h, table.t()),
+            }
         } else {
             self.linear(ctx, "lm_head", &h)
         }
@@ -320,7 +425,18 @@ impl MlxDecoder {
     /// `x · Wᵀ (+ b)`, plus `s · (x Aᵀ) Bᵀ` where `module` has an adapter.
     fn linear(&self, ctx: &Ctx<'_>, module: &str, x: &Array) -> Result<Array, Exception> {
         let weight = &ctx.w[&format!("{module}.weight")];
-        let mut y = ops::matmul(x, weight.t())?;
+        let mut y = match self.quantized.get(module) {
+            Some(q) => ops::quantized_matmul(
+                x,
+                weight,
+                &ctx.w[&format!("{module}.scales")],
+                &ctx.w[&format!("{module}.biases")],
+                true,
+                q.group,
+                q.bits,
+            )?,
+            None => ops::matmul(x, weight.t())?,
+        };
         if let Some(bias) = ctx.w.get(&format!("{module}.bias")) {
             y = ops::add(&y, bias)?;
         }

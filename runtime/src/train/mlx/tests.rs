@@ -391,3 +391,72 @@ fn mlx_cached_steps_equal_the_full_forward_and_sample_as_candle() {
         assert_eq!(got, want, "{name}");
     }
 }
+
+/// QLoRA on MLX: mlx-lm's own 4-bit model (tests/train/qtiny/mlx-q4) keeps every quantized
+/// module packed (`uint32` words run by `quantized_matmul`, embedding rows by `dequantize`),
+/// and its logits equal the candle decoder's over kiln's exact decode of the same words.
+#[test]
+fn an_mlx_lm_quantized_model_stays_packed_and_gives_the_decoded_logits() {
+    use super::model::MlxDecoder;
+    use crate::checkpoint::Checkpoint;
+    use std::collections::BTreeMap;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/train/qtiny/mlx-q4");
+    let (decoder, weights) = MlxDecoder::load(&Checkpoint::open(&dir).unwrap()).unwrap();
+    let mut modules = vec!["model.embed_tokens".to_string(), "lm_head".to_string()];
+    for i in 0..2 {
+        for m in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+        ]
+        .into_iter()
+        .chain(["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+        {
+            modules.push(format!("model.layers.{i}.{m}"));
+        }
+    }
+    for m in &modules {
+        assert!(decoder.is_packed(m), "{m}");
+        let w = &weights[&format!("{m}.weight")];
+        assert_eq!(w.dtype(), mlx_rs::Dtype::Uint32, "{m}");
+    }
+    // The Linears LoRA sees have their logical shapes.
+    let linears = decoder.linear_modules(&weights);
+    assert_eq!(linears.len(), 14);
+    assert!(
+        linears.iter().all(|(_, i, _)| *i == 64 || *i == 128),
+        "{linears:?}"
+    );
+    let ids = vec![
+        vec![1u32, 53, 47, 54, 61, 55, 2, 3],
+        vec![1, 72, 73, 74, 75, 76, 77, 78],
+    ];
+    let got = decoder
+        .forward(&weights, &BTreeMap::new(), &ids, None)
+        .unwrap();
+    let got = got.as_type::<f32>().unwrap();
+    got.eval().unwrap();
+    let got = got.as_slice::<f32>().to_vec();
+    let model =
+        crate::formats::load_model(&dir, candle_core::DType::F32, &Device::Cpu, false).unwrap();
+    let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+    let t = Tensor::from_vec(flat, (2, 8), &Device::Cpu).unwrap();
+    let want: Vec<f32> = model
+        .forward(&t)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst < 1e-4,
+        "MLX's quantized_matmul vs kiln's decode: {worst}"
+    );
+}

@@ -59,22 +59,29 @@ impl MlxSetup {
                 "--merge needs LoRA (full fine-tuning already writes full weights)",
             ));
         }
-        let checkpoint = Checkpoint::open(&config.model).map_err(crate::model::ModelError::from)?;
-        if let Some(key) = crate::model::quantization_marker(&checkpoint) {
+        // QLoRA on MLX: mlx-lm's own layout, run with MLX's quantized_matmul; the other
+        // quantized layouts kiln reads train on candle (their decode is kiln's, not MLX's).
+        if crate::train::quantized_base(config)?
+            && let Some(d) = crate::formats::detect(&config.model)?
+            && d.writer != "mlx"
+        {
             return Err(config_err(
                 "model",
                 format!(
-                    "{} is a quantized export (`{key}`): QLoRA runs on the candle backend \
-                     (--backend candle); on MLX (quantized_matmul) it is not built yet",
-                    config.model.display()
+                    "{} is a `{}` export: QLoRA on the MLX backend runs mlx-lm's quantized \
+                     layout (quantized_matmul); --backend candle trains over every layout \
+                     kiln reads",
+                    config.model.display(),
+                    d.writer
                 ),
             ));
         }
+        let checkpoint = Checkpoint::open(&config.model).map_err(crate::model::ModelError::from)?;
         let (decoder, base) = MlxDecoder::load(&checkpoint)?;
         let tokenizer = TextTokenizer::from_model_dir(&config.model)?;
         let shapes: Vec<(String, Vec<usize>)> = base
             .iter()
-            .map(|(n, a)| (n.clone(), a.shape().iter().map(|&d| d as usize).collect()))
+            .map(|(n, a)| (n.clone(), decoder.logical_shape(n, a)))
             .collect();
         let modules = linear_modules_of(shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())));
         let cpu = candle_core::Device::Cpu;
