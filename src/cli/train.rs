@@ -83,9 +83,10 @@ pub struct TrainArgs {
     /// With LoRA, also write the merged full checkpoint to <out>/merged.
     #[arg(long)]
     merge: bool,
-    /// The adapter's layout: peft (adapter_model.safetensors, what `peft` loads) or mlx-lm
-    /// (adapters.safetensors, what `mlx_lm` loads). --init-adapter reads either.
-    #[arg(long, value_name = "FORMAT", default_value = "peft", value_parser = ["peft", "mlx-lm"])]
+    /// The adapter's layout: peft (adapter_model.safetensors, what `peft` loads), mlx-lm
+    /// (adapters.safetensors, what `mlx_lm` loads) or gguf (llama.cpp's adapter.gguf, what
+    /// `llama-cli --lora` loads, beside PEFT's files). --init-adapter reads peft or mlx-lm.
+    #[arg(long, value_name = "FORMAT", default_value = "peft", value_parser = ["peft", "mlx-lm", "gguf"])]
     adapter_format: String,
     /// Replace the output folder if it exists (without it, an existing folder is an error,
     /// unless the run resumes from a checkpoint inside it).
@@ -203,17 +204,18 @@ fn build_config(
         c.init_adapter = Some(dir.clone());
     }
     c.merge = args.merge;
-    c.adapter_format = if args.adapter_format == "mlx-lm" {
-        kiln_runtime::train::AdapterFormat::MlxLm
-    } else {
-        kiln_runtime::train::AdapterFormat::Peft
+    c.adapter_format = match args.adapter_format.as_str() {
+        "mlx-lm" => kiln_runtime::train::AdapterFormat::MlxLm,
+        "gguf" => kiln_runtime::train::AdapterFormat::Gguf,
+        _ => kiln_runtime::train::AdapterFormat::Peft,
     };
-    if c.adapter_format == kiln_runtime::train::AdapterFormat::MlxLm
+    if c.adapter_format != kiln_runtime::train::AdapterFormat::Peft
         && c.lora.is_none()
         && c.init_adapter.is_none()
     {
         bail!(
-            "--adapter-format mlx-lm needs LoRA (with --lora-r 0 the output is a full checkpoint)"
+            "--adapter-format {} needs LoRA (with --lora-r 0 the output is a full checkpoint)",
+            args.adapter_format
         );
     }
     // A --config file's output_dir is the output folder unless --out names one.

@@ -802,3 +802,100 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max)
 }
+
+/// llama.cpp's LoRA adapter: kiln's `adapter.gguf` for `tests/train/qtiny/kiln-adapter` (Q —
+/// rows in llama.cpp's order —, V and gate projections of the tiny Llama) is, byte for byte,
+/// what llama.cpp's `convert_lora_to_gguf.py` makes of that PEFT folder
+/// (`scripts/gguf/lora_adapter_ref.py` → `tests/train/qtiny/kiln-adapter.gguf`); and
+/// `kiln train --adapter-format gguf` writes one beside PEFT's files.
+#[test]
+fn gguf_lora_adapters_are_what_llama_cpps_converter_writes() {
+    use kiln_runtime::adapters::gguf::{base_config, id_to_title};
+    use kiln_runtime::model::lora::Adapters;
+    let q = here().join("qtiny");
+    let model =
+        kiln_runtime::formats::load_model(&q.join("model"), DType::F32, &Device::Cpu, false)
+            .unwrap();
+    let a = Adapters::load_peft(&q.join("kiln-adapter"), &model).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("adapter.gguf");
+    a.save_gguf(
+        &out,
+        &base_config(&q.join("model")).unwrap(),
+        &id_to_title("kiln-adapter"),
+    )
+    .unwrap();
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(q.join("kiln-adapter.gguf")).unwrap(),
+        "kiln's adapter.gguf differs from convert_lora_to_gguf.py's"
+    );
+    // From training, over a quantized base (the config a GGUF base's metadata rebuilds).
+    let base = gguf(dir.path(), "q8-0");
+    let trained = dir.path().join("lora-gguf");
+    let mut c = config("sft", &base, &trained);
+    c.adapter_format = kiln_runtime::train::AdapterFormat::Gguf;
+    train(&c).unwrap();
+    assert!(trained.join("adapter_model.safetensors").is_file());
+    let f = kiln_runtime::formats::gguf::container::GgufFile::open(&trained.join("adapter.gguf"))
+        .unwrap();
+    assert_eq!(
+        f.metadata.get("general.type").and_then(|v| v.as_str()),
+        Some("adapter")
+    );
+    assert_eq!(f.tensors.len(), 2 * 2 * 7, "A and B of every Linear");
+}
+
+/// llama.cpp applies kiln's GGUF adapter as kiln does: `llama-perplexity --lora adapter.gguf`
+/// on the demo model's F32 GGUF (`scripts/gguf/lora_adapter_ref.py` →
+/// `tests/gguf/lora/llama-perplexity.json`, the adapter kiln trained in `tests/gguf/lora/adapter`)
+/// gives the perplexity `kiln eval --adapter` gives, to float rounding, with and without it.
+#[test]
+fn kiln_eval_with_an_adapter_matches_llama_perplexity_with_its_gguf_adapter() {
+    let refs_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf");
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(refs_dir.join("lora/llama-perplexity.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    kiln_runtime::demo::write_demo_model(&model, kiln_runtime::demo::DemoConfig::default())
+        .unwrap();
+    let eval = |adapter: Option<&Path>| -> f64 {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"));
+        cmd.args(["eval", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(refs_dir.join("imatrix/text.txt"))
+            .args(["--ctx", &refs["ctx"].to_string()])
+            .args(["--chunks", &refs["chunks"].to_string()])
+            .arg("--json");
+        if let Some(a) = adapter {
+            cmd.arg("--adapter").arg(a);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["perplexity"].as_f64().unwrap()
+    };
+    let (base, lora) = (eval(None), eval(Some(&refs_dir.join("lora/adapter"))));
+    let (want_base, want_lora) = (
+        refs["base_ppl"].as_f64().unwrap(),
+        refs["lora_ppl"].as_f64().unwrap(),
+    );
+    eprintln!(
+        "kiln {base} / {lora}, llama-perplexity {want_base} / {want_lora} (base / with the adapter)"
+    );
+    assert!(
+        (base - want_base).abs() < 1e-5 * want_base,
+        "{base} vs {want_base}"
+    );
+    assert!(
+        (lora - want_lora).abs() < 1e-5 * want_lora,
+        "{lora} vs {want_lora}"
+    );
+    assert!(
+        (lora - base).abs() > 1e-3 * base,
+        "the adapter changes the model"
+    );
+}

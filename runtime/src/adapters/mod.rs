@@ -3,6 +3,8 @@
 //! mlx-lm's (`adapters.safetensors`, `adapter_config.json`), read and written for
 //! [`Adapters`] (docs/TRAINING.md §4).
 
+pub mod gguf;
+
 use crate::model::lora::{Adapters, LoraSpec, linear_modules};
 use crate::model::{DecoderModel, ModelError};
 use candle_core::{DType, Tensor, Var};

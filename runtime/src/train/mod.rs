@@ -86,6 +86,9 @@ pub enum AdapterFormat {
     Peft,
     /// mlx-lm's `adapters.safetensors` + `adapter_config.json` (what `mlx_lm` loads).
     MlxLm,
+    /// llama.cpp's LoRA adapter `adapter.gguf` (what `llama-cli --lora` loads), beside PEFT's
+    /// files.
+    Gguf,
 }
 use std::collections::BTreeMap;
 use std::path::PathBuf;

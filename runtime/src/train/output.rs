@@ -115,3 +115,39 @@ pub fn merged_dir(dir: &Path) -> Result<PathBuf, TrainError> {
     })?;
     Ok(merged)
 }
+
+/// Writes adapter `a` of a run of `config` into `dir` in the run's adapter format: PEFT's
+/// files, mlx-lm's, or PEFT's with llama.cpp's `adapter.gguf` beside them (titled after the
+/// output folder, as `convert_lora_to_gguf.py` titles the folder it converts). `fin`: the final
+/// output (checkpoints keep PEFT's layout, which a resumed run reads). `modules`: the model's
+/// Linears; `layers`: its decoder layers.
+pub(crate) fn save_adapter(
+    a: &crate::model::lora::Adapters,
+    config: &crate::train::TrainConfig,
+    dir: &Path,
+    modules: &[(String, usize, usize)],
+    layers: usize,
+    fin: bool,
+) -> Result<(), TrainError> {
+    use crate::train::AdapterFormat;
+    let base = config.model.display().to_string();
+    match (config.adapter_format, fin) {
+        (AdapterFormat::MlxLm, true) => a.save_mlx_lm(dir, layers)?,
+        (AdapterFormat::Gguf, true) => {
+            a.save_peft_for(dir, modules, &base)?;
+            let name = config
+                .output
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "adapter".into());
+            let base_config = crate::adapters::gguf::base_config(&config.model)?;
+            a.save_gguf(
+                &dir.join("adapter.gguf"),
+                &base_config,
+                &crate::adapters::gguf::id_to_title(&name),
+            )?;
+        }
+        _ => a.save_peft_for(dir, modules, &base)?,
+    }
+    Ok(())
+}

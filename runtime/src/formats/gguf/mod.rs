@@ -204,6 +204,12 @@ impl Names {
         }
     }
 
+    /// llama.cpp's architecture name (`general.architecture`).
+    #[cfg_attr(not(feature = "exec"), allow(dead_code))]
+    pub(crate) fn arch(&self) -> &'static str {
+        self.family.arch()
+    }
+
     /// Where the Hugging Face tensor `hf` goes in the GGUF file, or `None` if it has no place.
     pub(crate) fn target(&self, hf: &str) -> Option<Target> {
         let t = |name: String| Target::Tensor {
@@ -288,7 +294,7 @@ impl Plan {
 
 /// llama.cpp's `LlamaModel.permute`: within each of `heads` heads, rows `[a0 a1 … b0 b1 …]`
 /// (the two rotary halves) become `[a0 b0 a1 b1 …]`.
-fn permute_rows<T: Copy>(v: &[T], rows: usize, heads: usize) -> Result<Vec<T>, String> {
+pub(crate) fn permute_rows<T: Copy>(v: &[T], rows: usize, heads: usize) -> Result<Vec<T>, String> {
     if heads == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(format!("{rows} rows are not {heads} heads of an even size"));
     }

@@ -403,25 +403,24 @@ impl super::driver::Stepper for CandleStepper<'_> {
 /// adapter under LoRA (and with `merge` the merged full checkpoint in `target/merged`), else
 /// the full checkpoint (f32) with the model's config and tokenizer files.
 pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainError> {
-    super::output::save_into(target, |dir| {
-        let base = setup.config.model.display().to_string();
-        match &setup.adapters {
-            Some(a) => {
-                match setup.config.adapter_format {
-                    super::AdapterFormat::Peft => a.save_peft(dir, &setup.model, &base)?,
-                    super::AdapterFormat::MlxLm => {
-                        a.save_mlx_lm(dir, setup.model.config().layers)?
-                    }
-                }
-                if setup.config.merge {
-                    let merged_dir = super::output::merged_dir(dir)?;
-                    let merged = a.merged(&setup.model)?;
-                    write_full(setup, &merged_dir, &merged)?;
-                }
-                Ok(())
+    super::output::save_into(target, |dir| match &setup.adapters {
+        Some(a) => {
+            super::output::save_adapter(
+                a,
+                &setup.config,
+                dir,
+                &crate::model::lora::linear_modules(&setup.model),
+                setup.model.config().layers,
+                true,
+            )?;
+            if setup.config.merge {
+                let merged_dir = super::output::merged_dir(dir)?;
+                let merged = a.merged(&setup.model)?;
+                write_full(setup, &merged_dir, &merged)?;
             }
-            None => write_full(setup, dir, &BTreeMap::new()),
+            Ok(())
         }
+        None => write_full(setup, dir, &BTreeMap::new()),
     })
 }
 

@@ -562,7 +562,6 @@ impl MlxStepper {
     /// output (a checkpoint writes PEFT's layout and no merge).
     fn write_result(&self, dir: &Path, fin: bool) -> Result<(), TrainError> {
         let setup = &self.setup;
-        let base = setup.config.model.display().to_string();
         match &setup.adapters {
             Some(a) => {
                 // The trained arrays back into the adapters' storage, then PEFT's files.
@@ -575,13 +574,15 @@ impl MlxStepper {
                     )?;
                     var.set(&t)?;
                 }
-                match (setup.config.adapter_format, fin) {
-                    // Checkpoints keep PEFT's layout (a resumed run reads its own arrays).
-                    (crate::train::AdapterFormat::MlxLm, true) => {
-                        a.save_mlx_lm(dir, setup.decoder.config().layers)?
-                    }
-                    _ => a.save_peft_for(dir, &setup.modules, &base)?,
-                }
+                // Checkpoints keep PEFT's layout (a resumed run reads its own arrays).
+                crate::train::output::save_adapter(
+                    a,
+                    &setup.config,
+                    dir,
+                    &setup.modules,
+                    setup.decoder.config().layers,
+                    fin,
+                )?;
                 if fin && setup.config.merge {
                     let merged_dir = crate::train::output::merged_dir(dir)?;
                     let (w, lora) = setup.parts(&self.params);
