@@ -7,6 +7,7 @@ pub mod amax;
 pub mod bnb;
 mod bnb_tables;
 pub mod fp8;
+pub mod fused;
 pub mod gguf;
 pub mod int;
 pub mod mlx;
@@ -18,4 +19,16 @@ pub mod packed_matmul;
 #[inline]
 pub fn round_half_even(x: f32) -> f32 {
     x.round_ties_even()
+}
+
+/// Deterministic test values shared by the kernels' unit tests.
+#[cfg(test)]
+pub(crate) mod test_values {
+    /// The next value of a 64-bit LCG in `[-1, 1)`.
+    pub(crate) fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
 }

@@ -1,12 +1,15 @@
 //! Matrix products with a weight that stays packed: QLoRA's frozen base. A quantized Linear's
 //! weight `W [n, k]` is held in its format's own layout ([`PackedRows`]); each product decodes
-//! it a tile of rows at a time into a small f32 buffer and multiplies that tile, so the f32
-//! weight never exists whole:
+//! it a tile of rows at a time into a bounded f32 buffer and multiplies that tile, so the f32
+//! copy of a large weight never exists whole:
 //!
-//! - [`matmul_wt`]: `y [m, n] = x [m, k] · Wᵀ` (the Linear's forward), tiles in parallel, each
-//!   writing its own columns of `y`;
-//! - [`matmul_w`]: `dx [m, k] = dy [m, n] · W` (its backward with respect to the input), tiles
-//!   in turn, each product threaded.
+//! - [`matmul_wt`]: `y [m, n] = x [m, k] · Wᵀ` (the Linear's forward), each tile writing its
+//!   own columns of `y`;
+//! - [`matmul_w`]: `dx [m, k] = dy [m, n] · W` (its backward with respect to the input), each
+//!   tile adding its rows' share.
+//!
+//! Tiles are as large as an 8 MiB buffer allows (most Linears are one tile), decoded in
+//! parallel pieces, and each product is one threaded GEMM.
 //!
 //! The values are exactly the format's decoded weights (the decode is the format's own, the
 //! products f32 GEMMs), so a packed Linear computes what the decoded dense one computes, up to
@@ -32,6 +35,13 @@ pub trait PackedRows: Send + Sync + std::fmt::Debug {
     fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), KernelError>;
     /// Bytes the packed weight holds.
     fn packed_bytes(&self) -> usize;
+    /// Runs `f` on the whole weight as row-major f32 `[rows, cols]` when the layout holds
+    /// exactly that (a frozen dense weight, LoRA's base) and says whether it did: the products
+    /// then run as one threaded GEMM instead of tile by tile.
+    fn with_dense(&self, f: &mut dyn FnMut(&[f32])) -> bool {
+        let _ = f;
+        false
+    }
 }
 
 /// A plain f32 matrix as [`PackedRows`] (tests, and weights a format leaves unquantized).
@@ -77,12 +87,100 @@ impl PackedRows for DenseRows {
     fn packed_bytes(&self) -> usize {
         self.values.len() * 4
     }
+    fn with_dense(&self, f: &mut dyn FnMut(&[f32])) -> bool {
+        f(&self.values);
+        true
+    }
 }
 
-/// Rows a tile decodes: about 64, a multiple of the layout's alignment.
+/// f32 values a tile holds at most (8 MiB): large enough that each product is one or a few
+/// big GEMMs, bounded whatever the model's size.
+const TILE_VALUES: usize = 2 << 20;
+
+/// Rows a tile decodes: as many as [`TILE_VALUES`] allows (at least 64), a multiple of the
+/// layout's alignment.
 fn tile_rows(w: &dyn PackedRows) -> usize {
     let a = w.row_align().max(1);
-    64usize.div_ceil(a) * a
+    let rows = (TILE_VALUES / w.cols().max(1)).max(64);
+    rows.div_ceil(a) * a
+}
+
+/// Rows `r0 ..` of `w` into `tile` (whole rows), decoded in parallel pieces of about 64 rows.
+fn decode_tile(w: &dyn PackedRows, r0: usize, tile: &mut [f32]) -> Result<(), KernelError> {
+    let k = w.cols();
+    let a = w.row_align().max(1);
+    let piece = 64usize.div_ceil(a) * a;
+    tile.par_chunks_mut(piece * k)
+        .enumerate()
+        .try_for_each(|(i, out)| w.decode_rows(r0 + i * piece, out))
+}
+
+/// `y[:, r0 .. r0 + tr] = x · tileᵀ`: `x [m, k]`, `y [m, n]`, `tile` rows `r0 .. r0 + tr` of
+/// `W` (`[tr, k]` row-major), one threaded GEMM.
+fn product_wt(x: &[f32], m: usize, k: usize, tile: &[f32], r0: usize, y: &mut [f32]) {
+    let tr = tile.len() / k;
+    let n = y.len() / m;
+    assert!(x.len() == m * k && r0 + tr <= n && tile.len() == tr * k);
+    // SAFETY: `y` is `[m, n]` and this writes its columns `r0 .. r0 + tr` (row stride n,
+    // asserted within it); `x` is read as `[m, k]` (row stride k) and the tile as `[k, tr]`
+    // (row stride 1, column stride k), both within their lengths (asserted).
+    unsafe {
+        gemm::gemm(
+            m,
+            tr,
+            k,
+            y.as_mut_ptr().add(r0),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            tile.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads().max(1)),
+        );
+    }
+}
+
+/// `dx (+)= dy[:, r0 .. r0 + tr] · tile`: `dy [m, n]`, `dx [m, k]`, `tile` rows `r0 .. r0 +
+/// tr` of `W`; `accumulate` adds to `dx`, else overwrites it. One threaded GEMM.
+fn product_w(dy: &[f32], m: usize, tile: &[f32], r0: usize, dx: &mut [f32], accumulate: bool) {
+    let k = dx.len() / m;
+    let tr = tile.len() / k;
+    let n = dy.len() / m;
+    assert!(dx.len() == m * k && r0 + tr <= n && tile.len() == tr * k);
+    // SAFETY: `dx` is `[m, k]`; `dy`'s columns `r0 .. r0 + tr` are read with row stride n and
+    // the tile as `[tr, k]` row-major, all within their lengths (asserted).
+    unsafe {
+        gemm::gemm(
+            m,
+            k,
+            tr,
+            dx.as_mut_ptr(),
+            1,
+            k as isize,
+            accumulate,
+            dy.as_ptr().add(r0),
+            1,
+            n as isize,
+            tile.as_ptr(),
+            1,
+            k as isize,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads().max(1)),
+        );
+    }
 }
 
 /// `y = x · Wᵀ`: `x [m, k]`, `y [m, n]`, both row-major f32.
@@ -103,44 +201,17 @@ pub fn matmul_wt(
         y.fill(0.0);
         return Ok(());
     }
-    let t = tile_rows(w);
-    let out = SharedOut(y.as_mut_ptr());
-    (0..n.div_ceil(t))
-        .into_par_iter()
-        .try_for_each(|tile| -> Result<(), KernelError> {
-            let r0 = tile * t;
-            let tr = t.min(n - r0);
-            let mut buf = vec![0f32; tr * k];
-            w.decode_rows(r0, &mut buf)?;
-            // SAFETY: `y` has `m · n` elements (checked above); this tile writes only columns
-            // `r0 .. r0 + tr` of it, which no other tile writes, and `y` outlives the loop. The
-            // operands are read as `[m, k]` (`x`, row stride k) and `[k, tr]` (the tile, row
-            // stride 1, column stride k), both within their lengths.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    tr,
-                    k,
-                    out.get().add(r0),
-                    1,
-                    n as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    k as isize,
-                    buf.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            Ok(())
-        })
+    if w.with_dense(&mut |wd| product_wt(x, m, k, wd, 0, y)) {
+        return Ok(());
+    }
+    let t = tile_rows(w).min(n);
+    let mut buf = vec![0f32; t * k];
+    for r0 in (0..n).step_by(t) {
+        let tile = &mut buf[..t.min(n - r0) * k];
+        decode_tile(w, r0, tile)?;
+        product_wt(x, m, k, tile, r0, y);
+    }
+    Ok(())
 }
 
 /// `dx = dy · W`: `dy [m, n]`, `dx [m, k]`, both row-major f32.
@@ -158,68 +229,24 @@ pub fn matmul_w(
     if m == 0 || n == 0 || k == 0 {
         return Ok(());
     }
-    let t = tile_rows(w);
-    let threads = rayon::current_num_threads().max(1);
+    if w.with_dense(&mut |wd| product_w(dy, m, wd, 0, dx, false)) {
+        return Ok(());
+    }
+    let t = tile_rows(w).min(n);
     let mut buf = vec![0f32; t * k];
     for r0 in (0..n).step_by(t) {
-        let tr = t.min(n - r0);
-        let tile = &mut buf[..tr * k];
-        w.decode_rows(r0, tile)?;
-        // SAFETY: `dx` is `[m, k]` (checked), `dy`'s columns `r0 .. r0 + tr` are read with row
-        // stride n, the tile as `[tr, k]` row-major; every pointer stays within its slice.
-        unsafe {
-            gemm::gemm(
-                m,
-                k,
-                tr,
-                dx.as_mut_ptr(),
-                1,
-                k as isize,
-                true,
-                dy.as_ptr().add(r0),
-                1,
-                n as isize,
-                tile.as_ptr(),
-                1,
-                k as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::Rayon(threads),
-            );
-        }
+        let tile = &mut buf[..t.min(n - r0) * k];
+        decode_tile(w, r0, tile)?;
+        product_w(dy, m, tile, r0, dx, r0 > 0);
     }
     Ok(())
 }
-
-/// A raw output pointer shared by tiles that write disjoint columns.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-// SAFETY: the pointer is only written through by tiles whose column ranges are disjoint
-// (see `matmul_wt`), and the slice it points into outlives every use.
-unsafe impl Send for SharedOut {}
-// SAFETY: as above; no two threads write the same element.
-unsafe impl Sync for SharedOut {}
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::ops::test_values::lcg;
 
     /// A dense matrix whose tiles must be whole pairs of rows (as ModelOpt's INT4).
     #[derive(Debug)]
@@ -246,6 +273,16 @@ mod tests {
         }
     }
 
+    /// The exact sum of `terms` and the sum of their magnitudes.
+    fn sum_and_size(terms: impl Iterator<Item = f64>) -> (f64, f64) {
+        terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()))
+    }
+
+    /// What an f32 dot product may be off by: a few ulps of the sum of magnitudes.
+    fn tol(size: f64) -> f64 {
+        4.0 * f64::from(f32::EPSILON) * (1.0 + size)
+    }
+
     #[test]
     fn packed_products_equal_the_textbook_ones() {
         for (m, n, k) in [
@@ -254,35 +291,45 @@ mod tests {
             (17, 64, 33),
             (5, 129, 64),
             (0, 4, 4),
+            // Two tiles (the first of 2 098 rows: the most an 8 MiB tile holds, rounded to
+            // the pairs), each decoded in pieces.
+            (3, 2100, 1000),
         ] {
             let mut seed = (m * 1000 + n * 10 + k) as u64;
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
             let dy: Vec<f32> = (0..m * n).map(|_| lcg(&mut seed)).collect();
-            let w = Paired(DenseRows::new(wv.clone(), n, k).unwrap());
+            let dense = DenseRows::new(wv.clone(), n, k).unwrap();
+            let w = Paired(dense.clone());
             let mut y = vec![f32::NAN; m * n];
             matmul_wt(&x, m, &w, &mut y).unwrap();
             let mut dx = vec![f32::NAN; m * k];
             matmul_w(&dy, m, &w, &mut dx).unwrap();
+            // The whole-matrix path (a dense weight) gives the same products.
+            let mut y2 = vec![f32::NAN; m * n];
+            matmul_wt(&x, m, &dense, &mut y2).unwrap();
+            let mut dx2 = vec![f32::NAN; m * k];
+            matmul_w(&dy, m, &dense, &mut dx2).unwrap();
+            for (a, b) in y.iter().zip(&y2).chain(dx.iter().zip(&dx2)) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+            }
             for i in 0..m {
                 for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|c| f64::from(x[i * k + c]) * f64::from(wv[j * k + c]))
-                        .sum();
+                    let terms = (0..k).map(|c| f64::from(x[i * k + c]) * f64::from(wv[j * k + c]));
+                    let (want, size) = sum_and_size(terms);
                     let got = f64::from(y[i * n + j]);
                     assert!(
-                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                        "y[{i},{j}]"
+                        (got - want).abs() <= tol(size),
+                        "y[{i},{j}]: {got} vs {want}"
                     );
                 }
                 for c in 0..k {
-                    let want: f64 = (0..n)
-                        .map(|j| f64::from(dy[i * n + j]) * f64::from(wv[j * k + c]))
-                        .sum();
+                    let terms = (0..n).map(|j| f64::from(dy[i * n + j]) * f64::from(wv[j * k + c]));
+                    let (want, size) = sum_and_size(terms);
                     let got = f64::from(dx[i * k + c]);
                     assert!(
-                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                        "dx[{i},{c}]"
+                        (got - want).abs() <= tol(size),
+                        "dx[{i},{c}]: {got} vs {want}"
                     );
                 }
             }

@@ -140,7 +140,7 @@ impl Resolver<'_> {
         let name = format!("{module}.weight");
         let weight = match self.weights.packed().get(&name) {
             Some(p) => LinearWeight::Packed(p.clone()),
-            None => LinearWeight::Dense(self.get(&name)?),
+            None => frozen_or_dense(self.weights, self.get(&name)?),
         };
         Ok(Linear {
             weight,
@@ -245,7 +245,7 @@ impl Resolver<'_> {
                 (
                     Linear {
                         name,
-                        weight: LinearWeight::Dense(weight),
+                        weight: frozen_or_dense(self.weights, weight),
                         bias: None,
                     },
                     true,
@@ -342,6 +342,21 @@ impl KvCache {
 }
 
 /// `x · Wᵀ (+ b)` for `x` of any rank (the last dimension is the input).
+/// A Linear's plain weight as the decoder runs it: a frozen one (LoRA's base, on the CPU)
+/// through the packed-Linear op, whose backward computes only the input's gradient (candle's
+/// matmul would also compute, and keep until the step ends, one for the frozen weight); a
+/// trained one through candle's matmul.
+fn frozen_or_dense(weights: &Weights, w: Tensor) -> LinearWeight {
+    match weights
+        .is_frozen()
+        .then(|| super::packed::FrozenRows::of(&w))
+        .flatten()
+    {
+        Some(rows) => LinearWeight::Packed(Arc::new(rows)),
+        None => LinearWeight::Dense(w),
+    }
+}
+
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor, ModelError> {
     let dims = x.dims().to_vec();
     let (inputs, outputs) = (dims[dims.len() - 1], w.dim(0)?);
@@ -357,8 +372,17 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     Ok(y.reshape(out)?)
 }
 
-/// transformers' RMSNorm over the last dimension: in f32, `w · x / sqrt(mean(x²) + eps)`.
+/// transformers' RMSNorm over the last dimension: in f32, `w · x / sqrt(mean(x²) + eps)` (fused
+/// on the CPU in f32, [`super::fused::rms_norm`]).
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
+    if super::fused::fusable(x) && w.dtype() == DType::F32 {
+        return Ok(super::fused::rms_norm(x, w, eps)?);
+    }
+    rms_norm_unfused(x, w, eps)
+}
+
+/// [`rms_norm`] as candle ops (other devices and dtypes; the fused op's reference).
+pub(crate) fn rms_norm_unfused(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
     let dtype = x.dtype();
     let x32 = x.to_dtype(DType::F32)?;
     let var = x32.sqr()?.mean_keepdim(D::Minus1)?;
@@ -367,7 +391,7 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
 }
 
 /// Softmax over the last dimension, from differentiable ops, in f32.
-fn softmax(x: &Tensor) -> Result<Tensor, ModelError> {
+pub(crate) fn softmax(x: &Tensor) -> Result<Tensor, ModelError> {
     let dtype = x.dtype();
     let x = x.to_dtype(DType::F32)?;
     let max = x.max_keepdim(D::Minus1)?;
@@ -379,6 +403,27 @@ fn softmax(x: &Tensor) -> Result<Tensor, ModelError> {
 /// `1 / (1 + e^−x)` from differentiable ops.
 fn sigmoid(x: &Tensor) -> Result<Tensor, ModelError> {
     Ok((x.neg()?.exp()? + 1.0)?.recip()?)
+}
+
+/// The causal mask's values `[tq, tk]` for `tq` new queries after `tk − tq` cached positions
+/// (−∞ where a key is later than the query and, with a sliding window, `window` or more
+/// positions back; 0 elsewhere).
+fn mask_values(tq: usize, tk: usize, window: Option<usize>) -> Vec<f32> {
+    let start = tk - tq;
+    (0..tq)
+        .flat_map(|i| {
+            let i = start + i;
+            (0..tk).map(move |j| {
+                let hidden = j > i || window.is_some_and(|w| i - j >= w);
+                if hidden { f32::NEG_INFINITY } else { 0.0 }
+            })
+        })
+        .collect()
+}
+
+/// RoPE as candle ops: `x · cos + rotate_half(x) · sin` (the fused op's reference).
+pub(crate) fn rope_unfused(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, ModelError> {
+    Ok((x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)?)?)
 }
 
 /// `[-x₂, x₁]` of the two halves of the last dimension.
@@ -807,7 +852,10 @@ impl DecoderModel {
                 Ok(y.transpose(1, 2)?.contiguous()?)
             };
         let rope = |x: Tensor| -> Result<Tensor, ModelError> {
-            Ok((x.broadcast_mul(cos)? + rotate_half(&x)?.broadcast_mul(sin)?)?)
+            if super::fused::fusable(&x) {
+                return Ok(super::fused::rope(&x, cos, sin)?);
+            }
+            rope_unfused(&x, cos, sin)
         };
         for l in [&a.q, &a.k, &a.v] {
             observer.linear_input(&l.name, x)?;
@@ -842,7 +890,20 @@ impl DecoderModel {
                 .reshape((b, nh, tk, hd))?)
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.contiguous()?.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let raw = q.contiguous()?.matmul(&k.t()?)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        if a.sinks.is_none() && super::fused::fusable(&raw) {
+            // Scale, masks and softmax in one op that keeps only the probabilities.
+            let causal = mask_values(t, tk, a.window);
+            let probs = super::fused::masked_softmax(&raw, scale, causal, key_mask)?;
+            let o = probs
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .reshape((b, t, nh * hd))?;
+            observer.linear_input(&a.o.name, &o)?;
+            return self.linear(&a.o, &o, true);
+        }
+        let scores = (raw * scale)?;
         let mask = self.mask(t, tk, a.window, scores.dtype())?;
         let scores = scores.broadcast_add(&mask)?;
         let scores = match key_mask {
@@ -878,16 +939,7 @@ impl DecoderModel {
         window: Option<usize>,
         dtype: DType,
     ) -> Result<Tensor, ModelError> {
-        let start = tk - tq;
-        let m: Vec<f32> = (0..tq)
-            .flat_map(|i| {
-                let i = start + i;
-                (0..tk).map(move |j| {
-                    let hidden = j > i || window.is_some_and(|w| i - j >= w);
-                    if hidden { f32::NEG_INFINITY } else { 0.0 }
-                })
-            })
-            .collect();
+        let m = mask_values(tq, tk, window);
         Ok(Tensor::from_vec(m, (tq, tk), &self.device)?.to_dtype(dtype)?)
     }
 
@@ -899,9 +951,13 @@ impl DecoderModel {
     ) -> Result<Tensor, ModelError> {
         observer.linear_input(&m.gate.name, x)?;
         observer.linear_input(&m.up.name, x)?;
-        let g = silu(&self.linear(&m.gate, x, true)?)?;
+        let g = self.linear(&m.gate, x, true)?;
         let u = self.linear(&m.up, x, true)?;
-        let gu = (g * u)?;
+        let gu = if super::fused::fusable(&g) && super::fused::fusable(&u) {
+            super::fused::swiglu(&g, &u)?
+        } else {
+            (silu(&g)? * u)?
+        };
         observer.linear_input(&m.down.name, &gu)?;
         self.linear(&m.down, &gu, true)
     }

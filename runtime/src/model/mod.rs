@@ -7,6 +7,7 @@ pub mod act_quant;
 mod config;
 mod decoder;
 pub mod eval;
+pub mod fused;
 pub mod generate;
 mod loaded;
 pub mod lora;
@@ -259,6 +260,11 @@ impl Weights {
                 .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
                 .collect(),
         );
+    }
+
+    /// Whether [`Weights::freeze`] took the weights out of autograd.
+    pub fn is_frozen(&self) -> bool {
+        self.frozen.is_some()
     }
 
     /// A copy of every weight in new storage (a frozen reference model for full fine-tuning,

@@ -33,6 +33,72 @@ fn f32_input<'a>(
     }
 }
 
+/// A frozen dense weight (LoRA's base) as [`PackedRows`]: the model's own f32 tensor, shared,
+/// not copied. Through [`packed_linear`] its products run as one GEMM each and its backward
+/// computes only the input's gradient, where candle's matmul would also compute (and keep) a
+/// gradient for the frozen weight.
+#[derive(Debug)]
+pub struct FrozenRows {
+    weight: Tensor,
+    rows: usize,
+    cols: usize,
+}
+
+impl FrozenRows {
+    /// `weight` `[rows, cols]`, f32 and contiguous on the CPU; `None` for any other tensor
+    /// (which then runs through candle's matmul).
+    pub fn of(weight: &Tensor) -> Option<Self> {
+        let (rows, cols) = weight.dims2().ok()?;
+        (weight.device().is_cpu() && weight.dtype() == DType::F32 && weight.is_contiguous()).then(
+            || FrozenRows {
+                weight: weight.clone(),
+                rows,
+                cols,
+            },
+        )
+    }
+}
+
+impl PackedRows for FrozenRows {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), kiln_kernels::KernelError> {
+        let mut done = false;
+        let cols = self.cols;
+        self.with_dense(&mut |w| {
+            if let Some(src) = w.get(start * cols..start * cols + out.len()) {
+                out.copy_from_slice(src);
+                done = true;
+            }
+        });
+        if done {
+            Ok(())
+        } else {
+            Err(kiln_kernels::KernelError::Parameter {
+                op: "FrozenRows::decode_rows",
+                what: format!("rows from {start} past {}", self.rows),
+            })
+        }
+    }
+    fn packed_bytes(&self) -> usize {
+        self.rows * self.cols * 4
+    }
+    fn with_dense(&self, f: &mut dyn FnMut(&[f32])) -> bool {
+        let (storage, layout) = self.weight.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) => {
+                f(&data[start..end]);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// `x [m, k] → x · Wᵀ [m, n]`.
 struct Forward(Packed);
 

@@ -15,12 +15,11 @@ impl TensorOps for CandleOps {
     type Error = candle_core::Error;
 
     fn token_logps(&self, logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = logits.to_dtype(DType::F32)?;
-        let max = logits.max_keepdim(D::Minus1)?.detach();
-        let shifted = logits.broadcast_sub(&max)?;
-        let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-        let picked = shifted.gather(&labels.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?;
-        (picked - lse)?.squeeze(D::Minus1)
+        // Fused on the CPU in f32: no second [batch, t, vocab] array kept for the backward.
+        if let Some(lp) = crate::model::fused::token_logps(logits, labels)? {
+            return Ok(lp);
+        }
+        token_logps_unfused(logits, labels)
     }
 
     fn token_entropy(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
@@ -127,6 +126,17 @@ impl TensorOps for CandleOps {
         let v: Vec<f32> = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         Ok(v.into_iter().map(f64::from).collect())
     }
+}
+
+/// `log_softmax(logits)[label]` per position as candle ops (other devices and dtypes; the
+/// fused op's reference).
+pub(crate) fn token_logps_unfused(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.gather(&labels.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?;
+    (picked - lse)?.squeeze(D::Minus1)
 }
 
 #[cfg(test)]

@@ -1,0 +1,685 @@
+//! Fused element-wise kernels of the decoder's training step, forward and backward: each is
+//! one pass over its rows (threaded over rows with rayon, the inner loops plain slices the
+//! compiler vectorises) where the unfused candle composition runs several ops, each
+//! allocating an output the backward pass then keeps. `runtime/src/model/fused.rs` wraps
+//! them as candle ops; they compute what the unfused ops compute, in the same order per
+//! element, so only the order of a row's sums can differ.
+//!
+//! - [`swiglu`]: `y = silu(g) · u` (the MLP's gate) and its backward;
+//! - [`rms_norm`]: transformers' RMSNorm `w · x / sqrt(mean(x²) + ε)` and its backward;
+//! - [`rope`]: `x · cos + rotate_half(x) · sin` per position and its backward;
+//! - [`masked_softmax`]: attention's `softmax(scale · s + causal + key mask)` and its backward;
+//! - [`token_logps`]: `log_softmax(logits)[label]` per row and its backward, which never holds
+//!   a second `[rows, vocab]` array.
+
+use crate::KernelError;
+use crate::error::check_len;
+use rayon::prelude::*;
+
+fn bad(op: &'static str, what: String) -> KernelError {
+    KernelError::Parameter { op, what }
+}
+
+/// Rows handed to one rayon task: enough work per task (about 16k values).
+fn rows_per_task(cols: usize) -> usize {
+    (16_384 / cols.max(1)).max(1)
+}
+
+/// The rows of `len` values of `cols` each, or an error naming `op`.
+fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize, KernelError> {
+    if cols == 0 || !len.is_multiple_of(cols) {
+        return Err(bad(op, format!("{len} values are not rows of {cols}")));
+    }
+    Ok(len / cols)
+}
+
+/// `1 / (1 + e^−g)`.
+#[inline]
+fn sigmoid(g: f32) -> f32 {
+    1.0 / ((-g).exp() + 1.0)
+}
+
+/// `silu(g) = g / (1 + e^−g)`, as candle's `silu` computes it.
+#[inline]
+fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
+}
+
+/// `y = silu(g) · u` element-wise.
+pub fn swiglu(g: &[f32], u: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+    let n = g.len();
+    check_len("swiglu", "u", u.len(), n, &[n])?;
+    check_len("swiglu", "y", y.len(), n, &[n])?;
+    y.par_chunks_mut(16_384)
+        .zip(g.par_chunks(16_384).zip(u.par_chunks(16_384)))
+        .for_each(|(y, (g, u))| {
+            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                *y = silu(g) * u;
+            }
+        });
+    Ok(())
+}
+
+/// The backward of [`swiglu`]: `dg = dy · u · σ(g)(1 + g(1 − σ(g)))`, `du = dy · silu(g)`.
+pub fn swiglu_backward(
+    g: &[f32],
+    u: &[f32],
+    dy: &[f32],
+    dg: &mut [f32],
+    du: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = g.len();
+    for (what, len) in [
+        ("u", u.len()),
+        ("dy", dy.len()),
+        ("dg", dg.len()),
+        ("du", du.len()),
+    ] {
+        check_len("swiglu_backward", what, len, n, &[n])?;
+    }
+    let c = 16_384;
+    dg.par_chunks_mut(c)
+        .zip(du.par_chunks_mut(c))
+        .zip(g.par_chunks(c).zip(u.par_chunks(c)).zip(dy.par_chunks(c)))
+        .for_each(|((dg, du), ((g, u), dy))| {
+            for i in 0..g.len() {
+                let s = sigmoid(g[i]);
+                du[i] = dy[i] * silu(g[i]);
+                dg[i] = dy[i] * u[i] * (s * (1.0 + g[i] * (1.0 - s)));
+            }
+        });
+    Ok(())
+}
+
+/// transformers' RMSNorm of each row of `cols` values of `x`: `y = w · x / sqrt(mean(x²) +
+/// eps)` (the mean as the row's sum times `1 / cols`); `rstd` gets each row's
+/// `1 / sqrt(mean(x²) + eps)` (for the backward).
+pub fn rms_norm(
+    x: &[f32],
+    w: &[f32],
+    cols: usize,
+    eps: f32,
+    y: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rms_norm";
+    let rows = rows_of(op, x.len(), cols)?;
+    check_len(op, "w", w.len(), cols, &[cols])?;
+    check_len(op, "y", y.len(), x.len(), &[rows, cols])?;
+    check_len(op, "rstd", rstd.len(), rows, &[rows])?;
+    let t = rows_per_task(cols);
+    y.par_chunks_mut(t * cols)
+        .zip(rstd.par_chunks_mut(t))
+        .zip(x.par_chunks(t * cols))
+        .for_each(|((y, rstd), x)| {
+            for ((y, r), x) in y.chunks_mut(cols).zip(rstd.iter_mut()).zip(x.chunks(cols)) {
+                let ss: f32 = x.iter().map(|v| v * v).sum();
+                let var = ss * (1.0 / cols as f32);
+                let d = (var + eps).sqrt();
+                *r = 1.0 / d;
+                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                    *y = x / d * w;
+                }
+            }
+        });
+    Ok(())
+}
+
+/// Each row's `1 / sqrt(mean(x²) + eps)`, as [`rms_norm`] computes it.
+pub fn rms_rstd(x: &[f32], cols: usize, eps: f32, rstd: &mut [f32]) -> Result<(), KernelError> {
+    let rows = rows_of("rms_rstd", x.len(), cols)?;
+    check_len("rms_rstd", "rstd", rstd.len(), rows, &[rows])?;
+    rstd.par_iter_mut()
+        .zip(x.par_chunks(cols))
+        .for_each(|(r, x)| {
+            let ss: f32 = x.iter().map(|v| v * v).sum();
+            *r = 1.0 / (ss * (1.0 / cols as f32) + eps).sqrt();
+        });
+    Ok(())
+}
+
+/// The backward of [`rms_norm`] given its `rstd`: `dx = rstd · (w·dy − x̂ · mean(w·dy·x̂))`
+/// with `x̂ = x · rstd`, and `dw = Σ_rows dy · x̂`.
+pub fn rms_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    cols: usize,
+    dx: &mut [f32],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rms_norm_backward";
+    let rows = rows_of(op, x.len(), cols)?;
+    check_len(op, "w", w.len(), cols, &[cols])?;
+    check_len(op, "rstd", rstd.len(), rows, &[rows])?;
+    check_len(op, "dy", dy.len(), x.len(), &[rows, cols])?;
+    check_len(op, "dx", dx.len(), x.len(), &[rows, cols])?;
+    check_len(op, "dw", dw.len(), cols, &[cols])?;
+    let t = rows_per_task(cols);
+    let partial: Vec<Vec<f32>> = dx
+        .par_chunks_mut(t * cols)
+        .zip(x.par_chunks(t * cols))
+        .zip(dy.par_chunks(t * cols).zip(rstd.par_chunks(t)))
+        .map(|((dx, x), (dy, rstd))| {
+            let mut dw = vec![0f32; cols];
+            for (((dx, x), dy), &r) in dx
+                .chunks_mut(cols)
+                .zip(x.chunks(cols))
+                .zip(dy.chunks(cols))
+                .zip(rstd)
+            {
+                let mut dot = 0f32;
+                for i in 0..cols {
+                    let xh = x[i] * r;
+                    dot += w[i] * dy[i] * xh;
+                    dw[i] += dy[i] * xh;
+                }
+                let mean = dot / cols as f32;
+                for i in 0..cols {
+                    dx[i] = r * (w[i] * dy[i] - x[i] * r * mean);
+                }
+            }
+            dw
+        })
+        .collect();
+    dw.fill(0.0);
+    for p in partial {
+        for (d, v) in dw.iter_mut().zip(p) {
+            *d += v;
+        }
+    }
+    Ok(())
+}
+
+/// RoPE on `x` `[rows, t, d]` (every head of every sequence; `rows` = batch · heads) with the
+/// tables `cos`, `sin` `[t, d]`: `y = x · cos + rotate_half(x) · sin`, `rotate_half([a, b]) =
+/// [−b, a]` over the halves of `d`. With `transpose`, the backward: `dx = dy · cos +
+/// rotate_halfᵀ(dy · sin)`, `rotate_halfᵀ([a, b]) = [b, −a]`.
+pub fn rope(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    t: usize,
+    d: usize,
+    transpose: bool,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rope";
+    let plane = t * d;
+    if d == 0 || !d.is_multiple_of(2) || plane == 0 || !x.len().is_multiple_of(plane) {
+        return Err(bad(
+            op,
+            format!(
+                "{} values are not rows of [{t}, {d}] with an even d",
+                x.len()
+            ),
+        ));
+    }
+    check_len(op, "cos", cos.len(), plane, &[t, d])?;
+    check_len(op, "sin", sin.len(), plane, &[t, d])?;
+    check_len(op, "y", y.len(), x.len(), &[x.len() / plane, t, d])?;
+    let h = d / 2;
+    y.par_chunks_mut(plane)
+        .zip(x.par_chunks(plane))
+        .for_each(|(y, x)| {
+            for p in 0..t {
+                let (x, y) = (&x[p * d..(p + 1) * d], &mut y[p * d..(p + 1) * d]);
+                let (c, s) = (&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]);
+                for i in 0..h {
+                    if transpose {
+                        // dx_i = dy_i c_i + dy_{i+h} s_{i+h};  dx_{i+h} = dy_{i+h} c_{i+h} − dy_i s_i.
+                        y[i] = x[i] * c[i] + x[i + h] * s[i + h];
+                        y[i + h] = x[i + h] * c[i + h] + -(x[i] * s[i]);
+                    } else {
+                        y[i] = x[i] * c[i] + -x[i + h] * s[i];
+                        y[i + h] = x[i + h] * c[i + h] + x[i] * s[i + h];
+                    }
+                }
+            }
+        });
+    Ok(())
+}
+
+/// The shapes of attention's scores for [`masked_softmax`]: `batch · heads · tq` rows of `tk`
+/// keys, the causal (and sliding-window) mask `[tq, tk]`, and optionally a key mask
+/// `[batch, tk]` (0 or a large negative value), added after `scale`.
+#[derive(Debug, Clone, Copy)]
+pub struct Scores<'a> {
+    /// Sequences.
+    pub batch: usize,
+    /// Heads per sequence.
+    pub heads: usize,
+    /// Queries.
+    pub tq: usize,
+    /// Keys.
+    pub tk: usize,
+    /// The factor on the raw scores (`1 / √head_dim`).
+    pub scale: f32,
+    /// `[tq, tk]`, added to every head of every sequence.
+    pub causal: &'a [f32],
+    /// `[batch, tk]`, added to every query of every head of its sequence.
+    pub keys: Option<&'a [f32]>,
+}
+
+impl Scores<'_> {
+    fn check(&self, op: &'static str, len: usize) -> Result<(), KernelError> {
+        let Scores {
+            batch,
+            heads,
+            tq,
+            tk,
+            ..
+        } = *self;
+        check_len(
+            op,
+            "scores",
+            len,
+            batch * heads * tq * tk,
+            &[batch, heads, tq, tk],
+        )?;
+        check_len(op, "causal", self.causal.len(), tq * tk, &[tq, tk])?;
+        if let Some(k) = self.keys {
+            check_len(op, "keys", k.len(), batch * tk, &[batch, tk])?;
+        }
+        Ok(())
+    }
+}
+
+/// `p = softmax(scale · s + causal + keys)` over each row of keys, as the unfused ops compute
+/// it (the sums in that order per element, the row's maximum subtracted before `exp`).
+pub fn masked_softmax(s: &[f32], shape: &Scores<'_>, p: &mut [f32]) -> Result<(), KernelError> {
+    shape.check("masked_softmax", s.len())?;
+    check_len("masked_softmax", "p", p.len(), s.len(), &[s.len()])?;
+    let Scores {
+        heads,
+        tq,
+        tk,
+        scale,
+        causal,
+        keys,
+        ..
+    } = *shape;
+    if tk == 0 {
+        return Ok(());
+    }
+    p.par_chunks_mut(tk)
+        .zip(s.par_chunks(tk))
+        .enumerate()
+        .for_each(|(row, (p, s))| {
+            let (q, b) = (row % tq, row / (tq * heads));
+            let m = &causal[q * tk..(q + 1) * tk];
+            let k = keys.map(|k| &k[b * tk..(b + 1) * tk]);
+            for j in 0..tk {
+                let v = s[j] * scale + m[j];
+                p[j] = match k {
+                    Some(k) => v + k[j],
+                    None => v,
+                };
+            }
+            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for v in p.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            for v in p.iter_mut() {
+                *v /= sum;
+            }
+        });
+    Ok(())
+}
+
+/// The backward of [`masked_softmax`] from its output `p`: `ds = scale · p · (dp − Σ dp·p)`.
+pub fn masked_softmax_backward(
+    p: &[f32],
+    dp: &[f32],
+    tk: usize,
+    scale: f32,
+    ds: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "masked_softmax_backward";
+    if tk == 0 || !p.len().is_multiple_of(tk) {
+        return Err(bad(op, format!("{} values are not rows of {tk}", p.len())));
+    }
+    check_len(op, "dp", dp.len(), p.len(), &[p.len()])?;
+    check_len(op, "ds", ds.len(), p.len(), &[p.len()])?;
+    ds.par_chunks_mut(tk)
+        .zip(p.par_chunks(tk).zip(dp.par_chunks(tk)))
+        .for_each(|(ds, (p, dp))| {
+            let dot: f32 = p.iter().zip(dp).map(|(a, b)| a * b).sum();
+            for j in 0..tk {
+                ds[j] = scale * (p[j] * (dp[j] - dot));
+            }
+        });
+    Ok(())
+}
+
+/// Where each row of a `[rows, vocab]` array starts (rows may be strided: the first `t − 1`
+/// positions of each of `batch` sequences of `t`).
+#[derive(Debug, Clone, Copy)]
+pub struct Rows {
+    /// Rows.
+    pub rows: usize,
+    /// Values per row.
+    pub vocab: usize,
+    /// Rows per group (a sequence's positions).
+    pub per_group: usize,
+    /// The offset between groups.
+    pub group_stride: usize,
+    /// The offset of the first row.
+    pub start: usize,
+}
+
+impl Rows {
+    fn at(&self, r: usize) -> usize {
+        self.start + (r / self.per_group) * self.group_stride + (r % self.per_group) * self.vocab
+    }
+
+    fn check(&self, op: &'static str, len: usize) -> Result<(), KernelError> {
+        if self.rows == 0 {
+            return Ok(());
+        }
+        if self.per_group == 0 || self.vocab == 0 {
+            return Err(bad(op, "empty rows".into()));
+        }
+        let last = self.at(self.rows - 1) + self.vocab;
+        if last > len {
+            return Err(bad(op, format!("rows reach {last} of {len} values")));
+        }
+        Ok(())
+    }
+}
+
+/// `out[r] = logits[r][labels[r]] − logsumexp(logits[r])`, the row's maximum subtracted first
+/// (as the unfused ops compute it); `lse` gets each row's `logsumexp`.
+pub fn token_logps(
+    logits: &[f32],
+    rows: &Rows,
+    labels: &[u32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "token_logps";
+    rows.check(op, logits.len())?;
+    check_len(op, "labels", labels.len(), rows.rows, &[rows.rows])?;
+    check_len(op, "out", out.len(), rows.rows, &[rows.rows])?;
+    check_len(op, "lse", lse.len(), rows.rows, &[rows.rows])?;
+    if let Some(l) = labels.iter().find(|&&l| l as usize >= rows.vocab) {
+        return Err(bad(
+            op,
+            format!("label {l} outside a vocabulary of {}", rows.vocab),
+        ));
+    }
+    out.par_iter_mut()
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .for_each(|(r, (o, lse))| {
+            let x = &logits[rows.at(r)..rows.at(r) + rows.vocab];
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = x.iter().map(|&v| (v - max).exp()).sum();
+            let l = sum.ln();
+            *lse = l + max;
+            *o = (x[labels[r] as usize] - max) - l;
+        });
+    Ok(())
+}
+
+/// The backward of [`token_logps`]: `dlogits[r] = g[r] · (onehot(label) − softmax(row))`,
+/// written contiguous `[rows, vocab]`.
+pub fn token_logps_backward(
+    logits: &[f32],
+    rows: &Rows,
+    labels: &[u32],
+    lse: &[f32],
+    g: &[f32],
+    dlogits: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "token_logps_backward";
+    rows.check(op, logits.len())?;
+    for (what, len) in [("labels", labels.len()), ("lse", lse.len()), ("g", g.len())] {
+        check_len(op, what, len, rows.rows, &[rows.rows])?;
+    }
+    let v = rows.vocab;
+    check_len(op, "dlogits", dlogits.len(), rows.rows * v, &[rows.rows, v])?;
+    dlogits.par_chunks_mut(v).enumerate().for_each(|(r, d)| {
+        let x = &logits[rows.at(r)..rows.at(r) + v];
+        for (d, &x) in d.iter_mut().zip(x) {
+            *d = -g[r] * (x - lse[r]).exp();
+        }
+        d[labels[r] as usize] += g[r];
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::ops::test_values::lcg;
+
+    fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n).map(|_| lcg(&mut s) * scale).collect()
+    }
+
+    fn close(a: f32, b: f64, tol: f64) -> bool {
+        (f64::from(a) - b).abs() <= tol * (1.0 + b.abs())
+    }
+
+    /// Each kernel against a textbook f64 computation of the same formula, and each backward
+    /// against central differences of that formula.
+    #[test]
+    fn swiglu_and_its_backward_match_f64() {
+        let (g, u, dy) = (
+            values(1000, 1, 6.0),
+            values(1000, 2, 2.0),
+            values(1000, 3, 1.0),
+        );
+        let mut y = vec![0.0; 1000];
+        swiglu(&g, &u, &mut y).unwrap();
+        let (mut dg, mut du) = (vec![0.0; 1000], vec![0.0; 1000]);
+        swiglu_backward(&g, &u, &dy, &mut dg, &mut du).unwrap();
+        let f = |g: f64, u: f64| g / (1.0 + (-g).exp()) * u;
+        for i in 0..1000 {
+            let (gi, ui, di) = (f64::from(g[i]), f64::from(u[i]), f64::from(dy[i]));
+            assert!(close(y[i], f(gi, ui), 1e-6), "y[{i}]");
+            let h = 1e-4;
+            let dg_want = di * (f(gi + h, ui) - f(gi - h, ui)) / (2.0 * h);
+            assert!(
+                close(dg[i], dg_want, 1e-5),
+                "dg[{i}]: {} vs {dg_want}",
+                dg[i]
+            );
+            assert!(close(du[i], di * f(gi, 1.0), 1e-6), "du[{i}]");
+        }
+    }
+
+    #[test]
+    fn rms_norm_and_its_backward_match_f64() {
+        let (rows, cols, eps) = (37, 96, 1e-5f32);
+        let (x, w, dy) = (
+            values(rows * cols, 4, 3.0),
+            values(cols, 5, 1.0),
+            values(rows * cols, 6, 1.0),
+        );
+        let (mut y, mut rstd) = (vec![0.0; rows * cols], vec![0.0; rows]);
+        rms_norm(&x, &w, cols, eps, &mut y, &mut rstd).unwrap();
+        let (mut dx, mut dw) = (vec![0.0; rows * cols], vec![0.0; cols]);
+        rms_norm_backward(&x, &w, &rstd, &dy, cols, &mut dx, &mut dw).unwrap();
+        // f(x) = Σ dy · w · x / sqrt(mean(x²) + eps): its gradient in x and w.
+        let loss = |x: &[f64], w: &[f64]| -> f64 {
+            x.chunks(cols)
+                .zip(dy.chunks(cols))
+                .map(|(x, dy)| {
+                    let d = (x.iter().map(|v| v * v).sum::<f64>() / cols as f64 + f64::from(eps))
+                        .sqrt();
+                    (0..cols)
+                        .map(|i| f64::from(dy[i]) * w[i] * x[i] / d)
+                        .sum::<f64>()
+                })
+                .sum()
+        };
+        let x64: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        let w64: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
+        for r in 0..rows {
+            let row = &x64[r * cols..(r + 1) * cols];
+            let d = (row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + f64::from(eps)).sqrt();
+            for i in 0..cols {
+                assert!(
+                    close(y[r * cols + i], w64[i] * row[i] / d, 1e-5),
+                    "y[{r},{i}]"
+                );
+            }
+        }
+        let h = 1e-5;
+        for idx in [0, 17, 95, 500, rows * cols - 1] {
+            let (mut a, mut b) = (x64.clone(), x64.clone());
+            a[idx] += h;
+            b[idx] -= h;
+            let want = (loss(&a, &w64) - loss(&b, &w64)) / (2.0 * h);
+            assert!(
+                close(dx[idx], want, 1e-4),
+                "dx[{idx}]: {} vs {want}",
+                dx[idx]
+            );
+        }
+        for i in [0, 50, 95] {
+            let (mut a, mut b) = (w64.clone(), w64.clone());
+            a[i] += h;
+            b[i] -= h;
+            let want = (loss(&x64, &a) - loss(&x64, &b)) / (2.0 * h);
+            assert!(close(dw[i], want, 1e-4), "dw[{i}]: {} vs {want}", dw[i]);
+        }
+    }
+
+    #[test]
+    fn rope_and_its_transpose_match_f64() {
+        let (rows, t, d) = (3, 5, 8);
+        let x = values(rows * t * d, 7, 1.0);
+        let (cos, sin) = (values(t * d, 8, 1.0), values(t * d, 9, 1.0));
+        let (mut y, mut back) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        rope(&x, &cos, &sin, t, d, false, &mut y).unwrap();
+        let dy = values(x.len(), 10, 1.0);
+        rope(&dy, &cos, &sin, t, d, true, &mut back).unwrap();
+        let h = d / 2;
+        // y = M x per position; the transpose gives <M x, dy> = <x, Mᵀ dy>.
+        let (mut lhs, mut rhs) = (0f64, 0f64);
+        for r in 0..rows {
+            for p in 0..t {
+                for i in 0..d {
+                    let at = (r * t + p) * d;
+                    let rot = if i < h { -x[at + i + h] } else { x[at + i - h] };
+                    let want = f64::from(x[at + i]) * f64::from(cos[p * d + i])
+                        + f64::from(rot) * f64::from(sin[p * d + i]);
+                    assert!(close(y[at + i], want, 1e-6), "y[{r},{p},{i}]");
+                    lhs += f64::from(y[at + i]) * f64::from(dy[at + i]);
+                    rhs += f64::from(x[at + i]) * f64::from(back[at + i]);
+                }
+            }
+        }
+        assert!(
+            (lhs - rhs).abs() < 1e-4 * (1.0 + lhs.abs()),
+            "{lhs} vs {rhs}"
+        );
+    }
+
+    #[test]
+    fn masked_softmax_and_its_backward_match_f64() {
+        let (batch, heads, tq, tk) = (2, 3, 4, 6);
+        let s = values(batch * heads * tq * tk, 11, 4.0);
+        let causal: Vec<f32> = (0..tq * tk)
+            .map(|i| {
+                if i % tk > i / tk + 2 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let keys: Vec<f32> = (0..batch * tk)
+            .map(|i| if i == 1 { f32::MIN } else { 0.0 })
+            .collect();
+        let shape = Scores {
+            batch,
+            heads,
+            tq,
+            tk,
+            scale: 0.5,
+            causal: &causal,
+            keys: Some(&keys),
+        };
+        let mut p = vec![0.0; s.len()];
+        masked_softmax(&s, &shape, &mut p).unwrap();
+        let dp = values(s.len(), 12, 1.0);
+        let mut ds = vec![0.0; s.len()];
+        masked_softmax_backward(&p, &dp, tk, 0.5, &mut ds).unwrap();
+        let soft = |row: usize, s: &[f64]| -> Vec<f64> {
+            let (q, b) = (row % tq, row / (tq * heads));
+            let v: Vec<f64> = (0..tk)
+                .map(|j| s[j] * 0.5 + f64::from(causal[q * tk + j]) + f64::from(keys[b * tk + j]))
+                .collect();
+            let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = v.iter().map(|x| (x - m).exp()).sum();
+            v.iter().map(|x| (x - m).exp() / z).collect()
+        };
+        for row in 0..batch * heads * tq {
+            let s64: Vec<f64> = s[row * tk..(row + 1) * tk]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect();
+            let want = soft(row, &s64);
+            for j in 0..tk {
+                assert!(close(p[row * tk + j], want[j], 1e-6), "p[{row},{j}]");
+                let h = 1e-4;
+                let (mut a, mut b) = (s64.clone(), s64.clone());
+                a[j] += h;
+                b[j] -= h;
+                let (pa, pb) = (soft(row, &a), soft(row, &b));
+                let g: f64 = (0..tk)
+                    .map(|i| f64::from(dp[row * tk + i]) * (pa[i] - pb[i]) / (2.0 * h))
+                    .sum();
+                assert!(
+                    close(ds[row * tk + j], g, 1e-4),
+                    "ds[{row},{j}]: {} vs {g}",
+                    ds[row * tk + j]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn token_logps_and_its_backward_match_f64_on_strided_rows() {
+        // Two sequences of 4 positions over a vocabulary of 7; the rows are the first 3
+        // positions of each (a narrowed view, as the shifted logits are).
+        let (batch, t, v) = (2, 4, 7);
+        let logits = values(batch * t * v, 13, 8.0);
+        let rows = Rows {
+            rows: batch * (t - 1),
+            vocab: v,
+            per_group: t - 1,
+            group_stride: t * v,
+            start: 0,
+        };
+        let labels = [0u32, 6, 3, 2, 2, 5];
+        let (mut out, mut lse) = (vec![0.0; 6], vec![0.0; 6]);
+        token_logps(&logits, &rows, &labels, &mut out, &mut lse).unwrap();
+        let g = values(6, 14, 1.0);
+        let mut d = vec![0.0; 6 * v];
+        token_logps_backward(&logits, &rows, &labels, &lse, &g, &mut d).unwrap();
+        for r in 0..6 {
+            let at = (r / 3) * t * v + (r % 3) * v;
+            let x: Vec<f64> = logits[at..at + v].iter().map(|&x| f64::from(x)).collect();
+            let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z = m + x.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            let l = labels[r] as usize;
+            assert!(close(out[r], x[l] - z, 1e-6), "out[{r}]");
+            for j in 0..v {
+                let want = f64::from(g[r]) * (f64::from(u8::from(j == l)) - (x[j] - z).exp());
+                assert!(close(d[r * v + j], want, 1e-6), "d[{r},{j}]");
+            }
+        }
+        let bad_label = [7u32, 0, 0, 0, 0, 0];
+        assert!(token_logps(&logits, &rows, &bad_label, &mut out, &mut lse).is_err());
+    }
+}
