@@ -1,11 +1,13 @@
 """kiln train beside PyTorch + TRL 0.29.1 on the same model, data and settings, one run each:
-step time, tokens/s and peak RSS for SFT and DPO.
+step time, tokens/s and peak RSS for SFT and DPO, full fine-tuning or LoRA.
 
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size small
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size 254m --steps 6
+    venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size 254m --steps 4 --lora
 
 Both sides: the demo Llama (`kiln demo-model --size ...`, bf16 on disk) trained in f32, full
-fine-tuning, per-device batch 8, the same synthetic examples (about 128 tokens each) in file
+fine-tuning (or with `--lora` LoRA r 16, α 32, dropout 0.05 on every Linear but lm_head:
+TRL's `ModelConfig` defaults, PEFT's `LoraConfig` on the PyTorch side), per-device batch 8, the same synthetic examples (about 128 tokens each) in file
 order, AdamW, linear schedule, gradient clipping 1, no gradient checkpointing, as many threads
 as cores. Each trainer runs in its own process under /usr/bin/time, so its peak RSS is its own.
 The time per step excludes loading and the first step (warm-up); tokens are the real (unpadded)
@@ -44,7 +46,7 @@ TRL = r'''
 import json, sys, time, torch
 from datasets import load_dataset
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-task, model_dir, data, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+task, model_dir, data, steps, mode = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
 tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
 model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -52,16 +54,23 @@ ds = load_dataset("json", data_files=data, split="train")
 common = dict(output_dir="/tmp/trl-bench", max_steps=steps, logging_steps=1, bf16=False, use_cpu=True,
               gradient_checkpointing=False, report_to=[], save_strategy="no", learning_rate=1e-5,
               per_device_train_batch_size=8, train_sampling_strategy="sequential")
+peft = {}
+if mode == "lora":
+    from peft import LoraConfig
+    peft = dict(peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                       task_type="CAUSAL_LM"))
 times = []
 class T(TrainerCallback):
     def on_step_begin(self, *a, **k): self.t = time.perf_counter()
     def on_step_end(self, *a, **k): times.append(time.perf_counter() - self.t)
 if task == "sft":
     from trl import SFTConfig, SFTTrainer
-    tr = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()])
+    tr = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()],
+                     **peft)
 else:
     from trl import DPOConfig, DPOTrainer
-    tr = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()])
+    tr = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()],
+                    **peft)
 tr.train()
 num = [l for l in tr.state.log_history if "num_tokens" in l]
 tokens = num[-1]["num_tokens"] - num[0]["num_tokens"]
@@ -74,12 +83,13 @@ def peak_kb(stderr):
     return int(m.group(1)) if m else None
 
 
-def run_kiln(kiln, task, model, data, steps, tmp):
+def run_kiln(kiln, task, model, data, steps, tmp, lora=False):
     m = os.path.join(tmp, f"kiln-{task}.jsonl")
+    adapter = ["--lora-r", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"] if lora else ["--lora-r", "0"]
     cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--model", model, "--data", data, "--out",
-           os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), "--lora-r", "0",
+           os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), *adapter,
            "--learning-rate", "1e-5", "--per-device-train-batch-size", "8", "--train-sampling-strategy",
-           "sequential", "--quiet"]
+           "sequential", "--quiet", "--force"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
     lines = [json.loads(l) for l in open(m)]
     # kiln logs each step's cumulative tokens; its run time is printed, per step below.
@@ -92,24 +102,28 @@ def main():
     ap.add_argument("--kiln", required=True)
     ap.add_argument("--size", default="small")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--lora", action="store_true", help="LoRA (TRL's defaults) instead of full fine-tuning")
+    ap.add_argument("--tasks", default="sft,dpo")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     model = os.path.join(tmp, "model")
     subprocess.run([args.kiln, "demo-model", "--size", args.size, "--out", model], check=True,
                    capture_output=True)
     write_data(tmp)
-    print(f"model {args.size}, {args.steps} steps, batch 8, f32, full fine-tuning, {os.cpu_count()} cores")
+    mode = "LoRA r 16" if args.lora else "full fine-tuning"
+    print(f"model {args.size}, {args.steps} steps, batch 8, f32, {mode}, {os.cpu_count()} cores")
     print("| task | trainer | s/step | tokens/s | peak RSS |")
     print("|---|---|---|---|---|")
-    for task in ["sft", "dpo"]:
+    for task in args.tasks.split(","):
         data = os.path.join(tmp, f"{task}.jsonl")
         # kiln: time per step from two runs (1 step and N steps), so loading and the first step cancel.
-        one = run_kiln(args.kiln, task, model, data, 1, tmp)
-        full = run_kiln(args.kiln, task, model, data, args.steps, tmp)
+        one = run_kiln(args.kiln, task, model, data, 1, tmp, args.lora)
+        full = run_kiln(args.kiln, task, model, data, args.steps, tmp, args.lora)
         step_s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
         toks = (full["tokens"] - one["tokens"]) / (args.steps - 1)
         print(f"| {task} | kiln | {step_s:.3f} | {toks / step_s:.0f} | {full['rss_kb'] / 1024:.0f} MB |", flush=True)
-        p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", TRL, task, model, data, str(args.steps)],
+        p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", TRL, task, model, data, str(args.steps),
+                            "lora" if args.lora else "full"],
                            capture_output=True, text=True, check=True)
         r = json.loads(p.stdout.strip().splitlines()[-1])
         print(f"| {task} | PyTorch + TRL | {r['step_s']:.3f} | {r['tokens_per_step'] / r['step_s']:.0f} | "

@@ -582,6 +582,34 @@ impl DecoderModel {
     /// export prescribes one (`quantized_input`), and a LoRA adapter when the model has one
     /// there.
     fn linear(&self, l: &Linear, x: &Tensor, quantized_input: bool) -> Result<Tensor, ModelError> {
+        let adapter = self
+            .adapters
+            .as_deref()
+            .and_then(|a| Some((a, a.get(&l.name)?)));
+        // LoRA over a packed or frozen weight, on the CPU in f32: one op for the Linear and its
+        // adapter (`packed::lora_linear`), which keeps nothing the size of the output beside it.
+        if let (LinearWeight::Packed(w), Some((a, adapter))) = (&l.weight, adapter)
+            && self.act.is_empty()
+            && super::fused::fusable(x)
+            && super::fused::fusable(adapter.a.as_tensor())
+            && super::fused::fusable(adapter.b.as_tensor())
+        {
+            let keep = a
+                .dropout_rng()
+                .filter(|_| adapter.dropout > 0.0)
+                .map(|rng| {
+                    let factor = (1.0 / (1.0 - adapter.dropout)) as f32;
+                    (rng.keep(x.elem_count(), adapter.dropout), factor)
+                });
+            return super::packed::lora_linear(
+                x,
+                w,
+                l.bias.as_ref(),
+                (adapter.a.as_tensor(), adapter.b.as_tensor()),
+                adapter.scale,
+                keep,
+            );
+        }
         let input = if quantized_input {
             self.act.input(&l.name, x)?
         } else {
@@ -597,11 +625,7 @@ impl DecoderModel {
                 }
             }
         };
-        match self
-            .adapters
-            .as_deref()
-            .and_then(|a| Some((a, a.get(&l.name)?)))
-        {
+        match adapter {
             Some((a, adapter)) => Ok((y + adapter.delta(x, a.dropout_rng())?)?),
             None => Ok(y),
         }

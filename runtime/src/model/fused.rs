@@ -411,7 +411,7 @@ pub fn token_logps(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Opti
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
@@ -427,19 +427,19 @@ mod tests {
             .collect()
     }
 
-    fn var(dims: &[usize], seed: u64, scale: f32) -> Var {
+    pub(crate) fn var(dims: &[usize], seed: u64, scale: f32) -> Var {
         let n = dims.iter().product();
         Var::from_tensor(&Tensor::from_vec(values(n, seed, scale), dims, &Device::Cpu).unwrap())
             .unwrap()
     }
 
-    fn host(t: &Tensor) -> Vec<f32> {
+    pub(crate) fn host(t: &Tensor) -> Vec<f32> {
         t.flatten_all().unwrap().to_vec1().unwrap()
     }
 
     /// `f` (fused) and `g` (the unfused composition) on the same inputs: the outputs, and the
     /// gradients of `Σ out · r` for a random `r`, agree to `tol` relative.
-    fn agree(
+    pub(crate) fn agree(
         inputs: &[Var],
         f: impl Fn(&[Tensor]) -> Tensor,
         g: impl Fn(&[Tensor]) -> Tensor,
