@@ -1087,3 +1087,50 @@ fn broken_adapters_are_named_errors() {
         assert!(err.contains(file), "names the file: {err}");
     }
 }
+
+/// LoRA keeps a bf16 checkpoint's frozen Linears in bf16 (`DecoderModel::load_frozen_base`,
+/// widened a tile at a time): every step's loss and gradient norm equal those of the same run
+/// over the weights loaded in f32 (what `--merge` loads, as it needs them dense).
+#[test]
+fn lora_over_a_bf16_base_kept_in_bf16_trains_as_over_its_f32_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("demo");
+    std::fs::create_dir_all(&model).unwrap();
+    kiln_runtime::demo::write_demo_model(&model, kiln_runtime::demo::DemoConfig::default())
+        .unwrap();
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(&model).unwrap();
+    assert!(
+        ck.tensors().any(|t| t.dtype == safetensors::Dtype::BF16),
+        "a bf16 checkpoint"
+    );
+    let run = |merge: bool| {
+        let mut c = TrainConfig::new(
+            "sft",
+            "candle",
+            &model,
+            dir.path().join(format!("out-{merge}")),
+        );
+        c.train_data = Some(here().join("data/sft.jsonl"));
+        c.hyper.max_steps = Some(3);
+        c.hyper.logging_steps = 1;
+        c.hyper.per_device_train_batch_size = 4;
+        c.hyper.learning_rate = 1e-3;
+        c.merge = merge;
+        let entry = kiln_runtime::resolve_trainer(&c).unwrap();
+        let mut seen = Collect::default();
+        entry.construct(&c).unwrap().train(&mut seen).unwrap();
+        seen.0
+    };
+    let (kept, f32_load) = (run(false), run(true));
+    assert_eq!(kept.len(), 3);
+    for (a, b) in kept.iter().zip(&f32_load) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-5 * b.loss.abs(),
+            "{} vs {}",
+            a.loss,
+            b.loss
+        );
+        let (ga, gb) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());
+        assert!((ga - gb).abs() <= 1e-4 * gb.abs(), "grad norm {ga} vs {gb}");
+    }
+}

@@ -93,6 +93,60 @@ impl PackedRows for DenseRows {
     }
 }
 
+/// A 16-bit float matrix (bf16 or f16, a frozen base kept in its checkpoint's dtype) as
+/// [`PackedRows`]: each tile widened to f32, exactly.
+#[derive(Debug, Clone)]
+pub struct HalfRows {
+    bits: Vec<u16>,
+    bf16: bool,
+    rows: usize,
+    cols: usize,
+}
+
+impl HalfRows {
+    /// `bits` row-major `[rows, cols]`: bf16 values (`bf16`) or f16.
+    pub fn new(bits: Vec<u16>, bf16: bool, rows: usize, cols: usize) -> Result<Self, KernelError> {
+        check_len("HalfRows", "bits", bits.len(), rows * cols, &[rows, cols])?;
+        Ok(HalfRows {
+            bits,
+            bf16,
+            rows,
+            cols,
+        })
+    }
+}
+
+impl PackedRows for HalfRows {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        let src = self
+            .bits
+            .get(start * self.cols..start * self.cols + out.len())
+            .ok_or_else(|| KernelError::Parameter {
+                op: "HalfRows::decode_rows",
+                what: format!("rows from {start} past {}", self.rows),
+            })?;
+        if self.bf16 {
+            for (o, &b) in out.iter_mut().zip(src) {
+                *o = f32::from_bits(u32::from(b) << 16);
+            }
+        } else {
+            for (o, &b) in out.iter_mut().zip(src) {
+                *o = half::f16::from_bits(b).to_f32();
+            }
+        }
+        Ok(())
+    }
+    fn packed_bytes(&self) -> usize {
+        self.bits.len() * 2
+    }
+}
+
 /// f32 values a tile holds at most (8 MiB): large enough that each product is one or a few
 /// big GEMMs, bounded whatever the model's size.
 const TILE_VALUES: usize = 2 << 20;
@@ -650,6 +704,35 @@ mod tests {
                     "db[{i}]"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn half_rows_widen_exactly() {
+        let values = [1.5f32, -0.0078125, 3.0e-3, 65504.0, -2.5, 1.0e-7];
+        for bf16 in [true, false] {
+            let bits: Vec<u16> = values
+                .iter()
+                .map(|&v| {
+                    if bf16 {
+                        half::bf16::from_f32(v).to_bits()
+                    } else {
+                        half::f16::from_f32(v).to_bits()
+                    }
+                })
+                .collect();
+            let w = HalfRows::new(bits.clone(), bf16, 3, 2).unwrap();
+            let mut out = [0f32; 4];
+            w.decode_rows(1, &mut out).unwrap();
+            for (i, o) in out.iter().enumerate() {
+                let want = if bf16 {
+                    half::bf16::from_bits(bits[2 + i]).to_f32()
+                } else {
+                    half::f16::from_bits(bits[2 + i]).to_f32()
+                };
+                assert_eq!(o.to_bits(), want.to_bits(), "{bf16} {i}");
+            }
+            assert!(w.decode_rows(2, &mut out).is_err());
         }
     }
 

@@ -469,6 +469,68 @@ impl DecoderModel {
         Self::build(loaded.config, loaded.weights, device, loaded.act, true)
     }
 
+    /// LoRA's frozen base on the CPU: the plain checkpoint `checkpoint` with every Linear
+    /// weight (`lm_head` included) kept in its stored dtype as a packed weight (bf16 and f16
+    /// widened to f32 a tile at a time, exactly, by [`kiln_kernels::ops::packed_matmul::HalfRows`];
+    /// f32 as it is) and the other tensors in f32, frozen: the values are those of an f32
+    /// load, the memory of the Linears half of it for a bf16 checkpoint.
+    pub fn load_frozen_base(checkpoint: &Checkpoint, device: &Device) -> Result<Self, ModelError> {
+        use kiln_kernels::ops::packed_matmul::{DenseRows, HalfRows};
+        use safetensors::Dtype;
+        let shapes: Vec<(String, Vec<usize>)> = checkpoint
+            .tensors()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        let linear: std::collections::BTreeSet<String> =
+            lora::linear_modules_of(shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
+                .into_iter()
+                .map(|(m, _, _)| format!("{m}.weight"))
+                .collect();
+        let mut weights =
+            super::load_plain_where(checkpoint, DType::F32, device, |n| !linear.contains(n))?;
+        let mut packed: std::collections::BTreeMap<String, super::packed::Packed> =
+            std::collections::BTreeMap::new();
+        for name in &linear {
+            let t = checkpoint.tensor(name).ok_or_else(|| ModelError::Tensor {
+                tensor: name.clone(),
+                message: "missing from the checkpoint".into(),
+            })?;
+            let [rows, cols] = t.shape[..] else {
+                continue;
+            };
+            let kernel = |e: kiln_kernels::KernelError| ModelError::Tensor {
+                tensor: name.clone(),
+                message: e.to_string(),
+            };
+            let rows_of: super::packed::Packed = match t.dtype {
+                Dtype::BF16 | Dtype::F16 => {
+                    let mut raw = Vec::new();
+                    checkpoint.read(name, &mut raw)?;
+                    let bits: Vec<u16> = raw
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect();
+                    Arc::new(
+                        HalfRows::new(bits, t.dtype == Dtype::BF16, rows, cols).map_err(kernel)?,
+                    )
+                }
+                _ => Arc::new(
+                    DenseRows::new(super::read_f32(checkpoint, t)?, rows, cols).map_err(kernel)?,
+                ),
+            };
+            packed.insert(name.clone(), rows_of);
+        }
+        weights = weights.with_packed(packed);
+        weights.freeze();
+        Self::build(
+            DecoderConfig::from_json(checkpoint.config().raw())?,
+            weights,
+            device,
+            act_quant::ActQuant::default(),
+            true,
+        )
+    }
+
     /// The model of `checkpoint` with only the weights `keep` accepts loaded (plain
     /// checkpoints): enough to run [`DecoderModel::embed`], one [`DecoderModel::layer`] or
     /// [`DecoderModel::head`] with bounded memory.

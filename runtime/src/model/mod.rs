@@ -344,12 +344,22 @@ pub fn load_plain(
     dtype: DType,
     device: &Device,
 ) -> Result<Weights, ModelError> {
+    load_plain_where(checkpoint, dtype, device, |_| true)
+}
+
+/// [`load_plain`] of the tensors whose names `keep` accepts.
+pub(crate) fn load_plain_where(
+    checkpoint: &Checkpoint,
+    dtype: DType,
+    device: &Device,
+    keep: impl Fn(&str) -> bool,
+) -> Result<Weights, ModelError> {
     if let Err(e @ crate::families::ResolveError::ModuleTree { .. }) =
         crate::families::resolve(checkpoint)
     {
         return Err(ModelError::Architecture(e.to_string()));
     }
-    Weights::load(checkpoint, dtype, device)
+    Weights::load_where(checkpoint, dtype, device, keep)
 }
 
 /// What marks `checkpoint` as a quantized export (`quantization_config`, `quantization`,

@@ -185,112 +185,6 @@ pub fn packed_linear(x: &Tensor, w: &Packed) -> Result<Tensor, ModelError> {
     Ok(y.reshape(out)?.to_dtype(x.dtype())?)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{Device, Var};
-    use kiln_kernels::ops::packed_matmul::DenseRows;
-
-    /// The fused LoRA Linear against the Linear plus PEFT's delta as candle ops (the decoder's
-    /// unfused path), values and the gradients of `x`, `A` and `B`, with a bias, with and
-    /// without dropout.
-    #[test]
-    fn the_lora_linear_op_equals_the_linear_plus_the_adapters_delta() {
-        use crate::model::fused::tests::{agree, host, var};
-        let (n, k, r) = (12, 10, 3);
-        let w = var(&[n, k], 21, 1.0).as_tensor().clone();
-        let packed: Packed = Arc::new(DenseRows::new(host(&w), n, k).unwrap());
-        let bias = var(&[n], 22, 1.0).as_tensor().clone();
-        let keep: Vec<f32> = (0..2 * 4 * k)
-            .map(|i| if i % 4 == 1 { 0.0 } else { 1.0 })
-            .collect();
-        let keep_t = Tensor::from_vec(keep.clone(), (2, 4, k), &Device::Cpu).unwrap();
-        for dropout in [false, true] {
-            let (x, a, b) = (
-                var(&[2, 4, k], 23, 2.0),
-                var(&[r, k], 24, 0.5),
-                var(&[n, r], 25, 0.5),
-            );
-            let mask = dropout.then(|| (keep.clone(), (1.0f64 / 0.75) as f32));
-            agree(
-                &[x, a, b],
-                |t| {
-                    lora_linear(
-                        &t[0],
-                        &packed,
-                        Some(&bias),
-                        (&t[1], &t[2]),
-                        0.75,
-                        mask.clone(),
-                    )
-                    .unwrap()
-                },
-                |t| {
-                    let y = super::super::linear(&t[0], &w, Some(&bias)).unwrap();
-                    let xd = if dropout {
-                        (&t[0] * &keep_t).unwrap().affine(1.0 / 0.75, 0.0).unwrap()
-                    } else {
-                        t[0].clone()
-                    };
-                    let h = super::super::linear(&xd, &t[1], None).unwrap();
-                    let d = super::super::linear(&h, &t[2], None)
-                        .unwrap()
-                        .affine(0.75, 0.0)
-                        .unwrap();
-                    (y + d).unwrap()
-                },
-                1e-5,
-            );
-        }
-    }
-
-    #[test]
-    fn the_packed_linear_and_its_gradient_equal_the_dense_ones() {
-        let dev = Device::Cpu;
-        let (n, k) = (70, 33);
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 97.0)
-            .collect();
-        let packed: Packed = Arc::new(DenseRows::new(w.clone(), n, k).unwrap());
-        let wt = Tensor::from_vec(w, (n, k), &dev).unwrap();
-        let x0: Vec<f32> = (0..2 * 5 * k)
-            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
-            .collect();
-        let x = Var::from_vec(x0, (2, 5, k), &dev).unwrap();
-        // A loss that weights every output differently.
-        let weights = Tensor::arange(0f32, (2 * 5 * n) as f32, &dev)
-            .unwrap()
-            .reshape((2, 5, n))
-            .unwrap();
-        let run = |y: Tensor| {
-            let loss = (y * &weights).unwrap().sum_all().unwrap();
-            let grads = loss.backward().unwrap();
-            (
-                loss.to_scalar::<f32>().unwrap(),
-                grads.get(&x).unwrap().clone(),
-            )
-        };
-        let (lp, gp) = run(packed_linear(x.as_tensor(), &packed).unwrap());
-        let (ld, gd) = run(super::super::linear(x.as_tensor(), &wt, None).unwrap());
-        assert!((lp - ld).abs() <= 1e-4 * ld.abs(), "{lp} vs {ld}");
-        let max = |t: Tensor| {
-            t.abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
-        let scale = max(gd.clone());
-        let diff = max((gp - gd).unwrap());
-        assert!(scale > 1.0, "a gradient worth comparing ({scale})");
-        assert!(
-            diff <= 1e-5 * scale,
-            "gradients differ by {diff} (largest {scale})"
-        );
-    }
-}
-
 /// PEFT's LoRA Linear over a packed (or frozen) weight as one op
 /// ([`packed_matmul::lora_forward`]): `x · Wᵀ (+ bias) + scale · (x_d · Aᵀ) · Bᵀ`, with the
 /// gradients of `x`, `A` and `B`; nothing the size of the output kept beside it.
@@ -429,4 +323,110 @@ pub fn lora_linear(
         *last = w.rows();
     }
     Ok(y.reshape(out)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use kiln_kernels::ops::packed_matmul::DenseRows;
+
+    /// The fused LoRA Linear against the Linear plus PEFT's delta as candle ops (the decoder's
+    /// unfused path), values and the gradients of `x`, `A` and `B`, with a bias, with and
+    /// without dropout.
+    #[test]
+    fn the_lora_linear_op_equals_the_linear_plus_the_adapters_delta() {
+        use crate::model::fused::tests::{agree, host, var};
+        let (n, k, r) = (12, 10, 3);
+        let w = var(&[n, k], 21, 1.0).as_tensor().clone();
+        let packed: Packed = Arc::new(DenseRows::new(host(&w), n, k).unwrap());
+        let bias = var(&[n], 22, 1.0).as_tensor().clone();
+        let keep: Vec<f32> = (0..2 * 4 * k)
+            .map(|i| if i % 4 == 1 { 0.0 } else { 1.0 })
+            .collect();
+        let keep_t = Tensor::from_vec(keep.clone(), (2, 4, k), &Device::Cpu).unwrap();
+        for dropout in [false, true] {
+            let (x, a, b) = (
+                var(&[2, 4, k], 23, 2.0),
+                var(&[r, k], 24, 0.5),
+                var(&[n, r], 25, 0.5),
+            );
+            let mask = dropout.then(|| (keep.clone(), (1.0f64 / 0.75) as f32));
+            agree(
+                &[x, a, b],
+                |t| {
+                    lora_linear(
+                        &t[0],
+                        &packed,
+                        Some(&bias),
+                        (&t[1], &t[2]),
+                        0.75,
+                        mask.clone(),
+                    )
+                    .unwrap()
+                },
+                |t| {
+                    let y = super::super::linear(&t[0], &w, Some(&bias)).unwrap();
+                    let xd = if dropout {
+                        (&t[0] * &keep_t).unwrap().affine(1.0 / 0.75, 0.0).unwrap()
+                    } else {
+                        t[0].clone()
+                    };
+                    let h = super::super::linear(&xd, &t[1], None).unwrap();
+                    let d = super::super::linear(&h, &t[2], None)
+                        .unwrap()
+                        .affine(0.75, 0.0)
+                        .unwrap();
+                    (y + d).unwrap()
+                },
+                1e-5,
+            );
+        }
+    }
+
+    #[test]
+    fn the_packed_linear_and_its_gradient_equal_the_dense_ones() {
+        let dev = Device::Cpu;
+        let (n, k) = (70, 33);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 97.0)
+            .collect();
+        let packed: Packed = Arc::new(DenseRows::new(w.clone(), n, k).unwrap());
+        let wt = Tensor::from_vec(w, (n, k), &dev).unwrap();
+        let x0: Vec<f32> = (0..2 * 5 * k)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
+            .collect();
+        let x = Var::from_vec(x0, (2, 5, k), &dev).unwrap();
+        // A loss that weights every output differently.
+        let weights = Tensor::arange(0f32, (2 * 5 * n) as f32, &dev)
+            .unwrap()
+            .reshape((2, 5, n))
+            .unwrap();
+        let run = |y: Tensor| {
+            let loss = (y * &weights).unwrap().sum_all().unwrap();
+            let grads = loss.backward().unwrap();
+            (
+                loss.to_scalar::<f32>().unwrap(),
+                grads.get(&x).unwrap().clone(),
+            )
+        };
+        let (lp, gp) = run(packed_linear(x.as_tensor(), &packed).unwrap());
+        let (ld, gd) = run(super::super::linear(x.as_tensor(), &wt, None).unwrap());
+        assert!((lp - ld).abs() <= 1e-4 * ld.abs(), "{lp} vs {ld}");
+        let max = |t: Tensor| {
+            t.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let scale = max(gd.clone());
+        let diff = max((gp - gd).unwrap());
+        assert!(scale > 1.0, "a gradient worth comparing ({scale})");
+        assert!(
+            diff <= 1e-5 * scale,
+            "gradients differ by {diff} (largest {scale})"
+        );
+    }
 }

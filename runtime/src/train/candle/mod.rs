@@ -90,7 +90,14 @@ impl Setup {
             DecoderModel::from_loaded(loaded, &device)?
         } else {
             let checkpoint = Checkpoint::open(&config.model).map_err(backend_err)?;
-            DecoderModel::load(&checkpoint, DType::F32, &device)?
+            let adapters_only = config.lora.is_some() || config.init_adapter.is_some();
+            if adapters_only && device.is_cpu() && !config.merge {
+                // LoRA: the frozen base's Linears stay in the checkpoint's dtype (bf16: half
+                // the memory of f32), widened a tile at a time; the same values as f32.
+                DecoderModel::load_frozen_base(&checkpoint, &device)?
+            } else {
+                DecoderModel::load(&checkpoint, DType::F32, &device)?
+            }
         };
         // A GGUF base may be the file itself: its folder holds the tokenizer.
         let tokenizer_dir = if config.model.is_file() {
