@@ -8,8 +8,9 @@ step time, tokens/s and peak RSS for SFT and DPO, full fine-tuning or LoRA.
 Both sides: the demo Llama (`kiln demo-model --size ...`, bf16 on disk) trained in f32, full
 fine-tuning (or with `--lora` LoRA r 16, α 32, dropout 0.05 on every Linear but lm_head:
 TRL's `ModelConfig` defaults, PEFT's `LoraConfig` on the PyTorch side), per-device batch 8, the same synthetic examples (about 128 tokens each) in file
-order, AdamW, linear schedule, gradient clipping 1, no gradient checkpointing, as many threads
-as cores. Each trainer runs in its own process under /usr/bin/time, so its peak RSS is its own.
+order, AdamW, linear schedule, gradient clipping 1, gradient checkpointing off on both sides
+(`--checkpointing on`: on on both, TRL's default), as many threads as cores. Each trainer runs
+in its own process under /usr/bin/time, so its peak RSS is its own.
 The time per step excludes loading and the first step (warm-up); tokens are the real (unpadded)
 tokens of the batch.
 """
@@ -46,13 +47,13 @@ TRL = r'''
 import json, sys, time, torch
 from datasets import load_dataset
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-task, model_dir, data, steps, mode = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+task, model_dir, data, steps, mode, ckpt = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6] == "on"
 torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
 tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
 model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 ds = load_dataset("json", data_files=data, split="train")
 common = dict(output_dir="/tmp/trl-bench", max_steps=steps, logging_steps=1, bf16=False, use_cpu=True,
-              gradient_checkpointing=False, report_to=[], save_strategy="no", learning_rate=1e-5,
+              gradient_checkpointing=ckpt, report_to=[], save_strategy="no", learning_rate=1e-5,
               per_device_train_batch_size=8, train_sampling_strategy="sequential")
 peft = {}
 if mode == "lora":
@@ -83,11 +84,12 @@ def peak_kb(stderr):
     return int(m.group(1)) if m else None
 
 
-def run_kiln(kiln, task, model, data, steps, tmp, lora=False):
+def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off"):
     m = os.path.join(tmp, f"kiln-{task}.jsonl")
     adapter = ["--lora-r", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"] if lora else ["--lora-r", "0"]
     cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--model", model, "--data", data, "--out",
            os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), *adapter,
+           "--gradient-checkpointing", "true" if ckpt == "on" else "false",
            "--learning-rate", "1e-5", "--per-device-train-batch-size", "8", "--train-sampling-strategy",
            "sequential", "--quiet", "--force"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -104,6 +106,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lora", action="store_true", help="LoRA (TRL's defaults) instead of full fine-tuning")
     ap.add_argument("--tasks", default="sft,dpo")
+    ap.add_argument("--checkpointing", default="off", choices=["off", "on"],
+                    help="gradient checkpointing on both sides (TRL's default is on)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     model = os.path.join(tmp, "model")
@@ -111,19 +115,20 @@ def main():
                    capture_output=True)
     write_data(tmp)
     mode = "LoRA r 16" if args.lora else "full fine-tuning"
-    print(f"model {args.size}, {args.steps} steps, batch 8, f32, {mode}, {os.cpu_count()} cores")
+    print(f"model {args.size}, {args.steps} steps, batch 8, f32, {mode}, gradient checkpointing "
+          f"{args.checkpointing}, {os.cpu_count()} cores")
     print("| task | trainer | s/step | tokens/s | peak RSS |")
     print("|---|---|---|---|---|")
     for task in args.tasks.split(","):
         data = os.path.join(tmp, f"{task}.jsonl")
         # kiln: time per step from two runs (1 step and N steps), so loading and the first step cancel.
-        one = run_kiln(args.kiln, task, model, data, 1, tmp, args.lora)
-        full = run_kiln(args.kiln, task, model, data, args.steps, tmp, args.lora)
+        one = run_kiln(args.kiln, task, model, data, 1, tmp, args.lora, args.checkpointing)
+        full = run_kiln(args.kiln, task, model, data, args.steps, tmp, args.lora, args.checkpointing)
         step_s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
         toks = (full["tokens"] - one["tokens"]) / (args.steps - 1)
         print(f"| {task} | kiln | {step_s:.3f} | {toks / step_s:.0f} | {full['rss_kb'] / 1024:.0f} MB |", flush=True)
         p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", TRL, task, model, data, str(args.steps),
-                            "lora" if args.lora else "full"],
+                            "lora" if args.lora else "full", args.checkpointing],
                            capture_output=True, text=True, check=True)
         r = json.loads(p.stdout.strip().splitlines()[-1])
         print(f"| {task} | PyTorch + TRL | {r['step_s']:.3f} | {r['tokens_per_step'] / r['step_s']:.0f} | "

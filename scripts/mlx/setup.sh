@@ -3,7 +3,10 @@
 # build there (mlx-c fetches MLX with git, Apple-only link lines, std::format, aarch64-only
 # half types, a mach clock). This script:
 #   1. installs cmake, libclang (bindgen) and {fmt} (std::format for g++ 12) from apt;
-#   2. takes MLX itself prebuilt from PyPI (mlx-cpu, the version mlx-c pins) into target/mlx/dist;
+#   2. takes MLX itself prebuilt from PyPI (mlx-cpu, the version mlx-c pins) into target/mlx/dist,
+#      and points the wheel's BLAS and LAPACK (netlib's reference code, about 7x slower than
+#      candle's GEMMs) at OpenBLAS (apt's libopenblas0-pthread, the same ABI); set
+#      KILN_MLX_BLAS=reference to keep the wheel's own;
 #   3. copies the registry's mlx-sys / mlx-rs sources into target/mlx/src and applies kiln's
 #      own patches (scripts/mlx/*.patch);
 #   4. writes target/mlx/cargo.toml: a cargo config that patches crates.io to those copies and
@@ -42,6 +45,9 @@ needed_packages() {
   command -v cmake >/dev/null && [ -z "$ROOT_FS" ] || echo cmake
   [ -e "$ROOT_FS/usr/include/fmt/format.h" ] || echo libfmt-dev
   has_libclang || echo libclang-dev
+  [ "${KILN_MLX_BLAS:-openblas}" = reference ] \
+    || [ -e "$ROOT_FS/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3" ] \
+    || echo libopenblas0-pthread
 }
 # `setup.sh --needs`: print the packages it would install, and stop (CI's self-test).
 if [ "${1:-}" = --needs ]; then
@@ -68,6 +74,22 @@ if [ ! -e "$OUT/dist/mlx/lib/libmlx.so" ]; then
   mkdir -p "$OUT/dist"
   "$PYTHON" -m zipfile -e "$OUT"/wheel/mlx_cpu-*.whl "$OUT/dist"
 fi
+
+# BLAS and LAPACK under MLX: the wheel's libmlx.so finds its bundled copies by rpath
+# (mlx_cpu.libs/libblas-*.so.*, liblapack-*.so.*); each becomes a link to OpenBLAS's library
+# of the same interface, the wheel's own kept beside it (*.reference) to switch back.
+OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread
+for lib in blas lapack; do
+  for f in "$OUT"/dist/mlx_cpu.libs/lib$lib-*.so.*; do
+    case "$f" in *.reference) continue ;; esac
+    [ -e "$f.reference" ] || { [ -L "$f" ] || cp "$f" "$f.reference"; }
+    if [ "${KILN_MLX_BLAS:-openblas}" = reference ]; then
+      rm -f "$f" && cp "$f.reference" "$f"
+    else
+      ln -sf "$OPENBLAS/lib$lib.so.3" "$f"
+    fi
+  done
+done
 
 # The registry sources (cargo fetch brings every locked package, the optional ones too).
 (cd "$ROOT" && cargo fetch -q)

@@ -258,6 +258,13 @@ struct CliObserver {
 
 impl TrainObserver for CliObserver {
     fn on_start(&mut self, plan: &TrainPlan) {
+        // What the backend does differently from the settings: said even under --quiet.
+        for note in &plan.notes {
+            match &self.bar {
+                Some(bar) => bar.println(format!("note: {note}")),
+                None => eprintln!("note: {note}"),
+            }
+        }
         if let Some(bar) = &self.bar {
             bar.set_length(plan.total_steps);
             bar.println(format!(

@@ -1134,3 +1134,74 @@ fn lora_over_a_bf16_base_kept_in_bf16_trains_as_over_its_f32_load() {
         assert!((ga - gb).abs() <= 1e-4 * gb.abs(), "grad norm {ga} vs {gb}");
     }
 }
+
+/// Gradient checkpointing (on by default, as in TRL) takes the same steps as keeping every
+/// activation — full fine-tuning, LoRA with dropout (the recomputation must draw the same
+/// masks), a preference task with a reference pass, a padded batch — and it is in effect:
+/// every decoder layer of every forward pass that trains is recomputed once per step.
+#[test]
+fn gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
+    use kiln_runtime::train::candle::{Candle, Setup, run as train_run};
+    use kiln_runtime::train::task::build;
+    let all = reference();
+    for (name, dropout) in [
+        ("sft-full", None),
+        ("sft-lora", Some(0.3)),
+        ("dpo-full", None),
+        ("kto-lora", Some(0.2)),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        let mut runs = Vec::new();
+        for on in [false, true] {
+            let mut cfg = config(name, &all[name], &out.path().join(format!("run-{on}")));
+            cfg.hyper.max_steps = Some(3);
+            if let Some(p) = dropout {
+                cfg.init_adapter = None;
+                cfg.lora = Some(kiln_runtime::train::LoraConfig {
+                    r: 4,
+                    lora_alpha: 8.0,
+                    lora_dropout: p,
+                    target_modules: vec!["all-linear".into()],
+                    use_rslora: false,
+                });
+                cfg.task_options
+                    .insert("disable_dropout".into(), Value::Bool(false));
+            }
+            if cfg.task == "sft" {
+                cfg.task_options.remove("disable_dropout");
+            }
+            cfg.task_options
+                .insert("gradient_checkpointing".into(), Value::Bool(on));
+            let setup = Setup::load(&cfg).unwrap();
+            assert_eq!(setup.model.grad_sink().is_some(), on, "{name}");
+            let mut task = build::<Candle>(&cfg.task, &cfg, &setup).unwrap();
+            let mut seen = Collect::default();
+            train_run(&setup, &mut *task, &mut seen).unwrap();
+            if let Some(sink) = setup.model.grad_sink() {
+                let layers = setup.model.config().layers;
+                assert!(
+                    sink.recomputed() >= 3 * layers,
+                    "{name}: {} layers recomputed in 3 steps of {layers} layers",
+                    sink.recomputed()
+                );
+            }
+            runs.push(seen.0);
+        }
+        assert_eq!(runs[0].len(), 3, "{name}");
+        for (a, b) in runs[0].iter().zip(&runs[1]) {
+            assert!(
+                close(b.loss, a.loss, 1e-5, 1e-7),
+                "{name} step {}: loss {} checkpointed vs {}",
+                a.step,
+                b.loss,
+                a.loss
+            );
+            let (ga, gb) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());
+            assert!(
+                close(gb, ga, 1e-5, 1e-9),
+                "{name} step {}: grad_norm {gb} checkpointed vs {ga}",
+                a.step
+            );
+        }
+    }
+}

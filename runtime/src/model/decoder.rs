@@ -287,6 +287,9 @@ pub struct DecoderModel {
     act: act_quant::ActQuant,
     /// LoRA adapters on Linear layers, by module path (training, or a PEFT adapter loaded).
     adapters: Option<Arc<lora::Adapters>>,
+    /// Gradient checkpointing: where the layers' parameter gradients go (`None`: every
+    /// activation is kept for the backward pass).
+    checkpoint: Option<Arc<super::checkpoint::GradSink>>,
 }
 
 /// One attention layer's cached keys and values `[batch, kv_heads, positions, head_dim]`.
@@ -564,6 +567,7 @@ impl DecoderModel {
             device: device.clone(),
             act,
             adapters: None,
+            checkpoint: None,
         })
     }
 
@@ -593,6 +597,7 @@ impl DecoderModel {
             whole,
         )?;
         m.adapters = self.adapters.clone();
+        m.checkpoint = self.checkpoint.clone();
         Ok(m)
     }
 
@@ -632,6 +637,24 @@ impl DecoderModel {
             adapters,
             ..self.clone()
         }
+    }
+
+    /// The same model with gradient checkpointing (`Some`: each decoder layer of a forward pass
+    /// that builds a graph keeps only its input and is run again in the backward pass, its
+    /// parameters' gradients left in `sink`; `None`: off). See [`super::checkpoint`].
+    pub fn with_gradient_checkpointing(
+        &self,
+        sink: Option<Arc<super::checkpoint::GradSink>>,
+    ) -> Self {
+        DecoderModel {
+            checkpoint: sink,
+            ..self.clone()
+        }
+    }
+
+    /// Where checkpointed layers leave their parameters' gradients, when checkpointing is on.
+    pub fn grad_sink(&self) -> Option<&Arc<super::checkpoint::GradSink>> {
+        self.checkpoint.as_ref()
     }
 
     /// The LoRA adapters the model runs with, if any.
@@ -705,7 +728,7 @@ impl DecoderModel {
         ids: &Tensor,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
-        self.forward_inner(ids, None, observer)
+        self.forward_inner(ids, None, observer, false)
     }
 
     /// [`DecoderModel::forward`] of a right-padded batch: row `i` holds `lengths[i]` real
@@ -743,7 +766,7 @@ impl DecoderModel {
             .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
             .collect();
         let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
-        self.forward_inner(ids, Some(&mask), &mut NoObserver)
+        self.forward_inner(ids, Some(&mask), &mut NoObserver, true)
     }
 
     /// An empty key/value cache for [`DecoderModel::forward_cached`].
@@ -781,16 +804,54 @@ impl DecoderModel {
         self.net.embed.as_ref().map_or(DType::F32, Tensor::dtype)
     }
 
+    /// The logits of `ids`; with `checkpoint` and checkpointing on, each layer of a pass that
+    /// builds a graph (a tracked input, or adapters) is checkpointed.
     fn forward_inner(
         &self,
         ids: &Tensor,
         key_mask: Option<&Tensor>,
         observer: &mut dyn Observer,
+        checkpoint: bool,
     ) -> Result<Tensor, ModelError> {
         let mut h = self.embed(ids)?;
         let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
+        let sink = self.checkpoint.as_ref().filter(|sink| {
+            let trained = |a: &lora::Adapters| a.layers.values().any(|l| sink.wants(&l.a));
+            checkpoint && (h.track_op() || self.adapters.as_deref().is_some_and(trained))
+        });
+        let Some(sink) = sink else {
+            for layer in 0..self.config.layers {
+                h = self.run_layer(&h, self.layer_at(layer)?, &rope, key_mask, None, observer)?;
+            }
+            return self.head(&h, observer);
+        };
+        // The model each recomputation runs (its adapters set per layer, below).
+        let base = Arc::new(self.with_gradient_checkpointing(None));
         for layer in 0..self.config.layers {
-            h = self.run_layer(&h, self.layer_at(layer)?, &rope, key_mask, None, observer)?;
+            // The recomputation draws LoRA's dropout masks from where this layer's forward
+            // starts drawing them, on a stream of its own.
+            let recompute: super::checkpoint::Recompute = {
+                let (base, rope, key_mask) = (base.clone(), rope.clone(), key_mask.cloned());
+                let adapters = self
+                    .adapters
+                    .as_ref()
+                    .map(|a| (a.clone(), a.dropout_rng().map(|r| r.state())));
+                Box::new(move |x: &Tensor| {
+                    let model = match &adapters {
+                        Some((a, Some(state))) => {
+                            base.with_adapters(Some(Arc::new(a.with_dropout_state(*state))))
+                        }
+                        Some((a, None)) => base.with_adapters(Some(a.clone())),
+                        None => base.with_adapters(None),
+                    };
+                    let l = model.layer_at(layer)?;
+                    model.run_layer(x, l, &rope, key_mask.as_ref(), None, &mut NoObserver)
+                })
+            };
+            let forward = |x: &Tensor| {
+                self.run_layer(x, self.layer_at(layer)?, &rope, key_mask, None, observer)
+            };
+            h = super::checkpoint::layer(&h, forward, recompute, sink)?;
         }
         self.head(&h, observer)
     }

@@ -4,6 +4,7 @@
 //! ([`Observer`], [`MaxCalibrator`]).
 
 pub mod act_quant;
+pub mod checkpoint;
 mod config;
 mod decoder;
 pub mod eval;

@@ -21,6 +21,11 @@ pub trait Stepper {
     fn backend(&self) -> &'static str;
     /// Training examples.
     fn examples(&self) -> usize;
+    /// Settings this backend does not honour as asked, each named with what it does instead
+    /// ([`super::TrainPlan::notes`]).
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// Examples come in groups of this many consecutive indices that stay together when the
     /// data is shuffled (GRPO: one prompt's completions).
     fn group(&self) -> usize {
@@ -219,6 +224,7 @@ pub fn drive(
         total_steps: total,
         examples: n as u64,
         trainable_parameters: s.trainable_parameters(),
+        notes: s.notes(),
     });
     let mut report = TrainReport::new(s.task(), s.backend());
     let mut epoch = 0u64;

@@ -357,6 +357,12 @@ pub const FIELDS: &[Field] = &[
         "Batch size of the reference pass with precompute_ref_log_probs [per_device_train_batch_size]",
     ),
     f(
+        "gradient_checkpointing",
+        Kind::Bool,
+        &[],
+        "Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~1/3 more compute, the same numbers) [true]",
+    ),
+    f(
         "disable_dropout",
         Kind::Bool,
         DROPOUT,

@@ -150,14 +150,13 @@ pub const DECISIONS: &[Decision] = &[
     ),
     d(
         &[
-            "gradient_checkpointing",
             "gradient_checkpointing_kwargs",
             "activation_checkpointing",
             "activation_checkpointing_kwargs",
             "activation_offloading",
         ],
         AnyValue,
-        "memory only, the numbers are the same; kiln keeps every activation for the backward pass (gradient checkpointing is not built yet)",
+        "memory only, the numbers are the same; kiln's gradient_checkpointing recomputes each decoder layer (PyTorch's non-reentrant checkpoint) and offloads nothing",
     ),
     d(
         &[

@@ -19,6 +19,7 @@ use super::ops::TensorOps;
 use super::task::{Backend, Host, Task};
 use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use crate::checkpoint::Checkpoint;
+use crate::model::checkpoint::GradSink;
 use crate::model::lora::{Adapters, LoraSpec};
 use crate::model::{DecoderModel, ModelError};
 use candle_core::{DType, Tensor, Var};
@@ -149,6 +150,10 @@ impl Setup {
             // Dropout while training, unless the task disables it (TRL's disable_dropout).
             let dropout = !config.disable_dropout()?;
             model = model.with_adapters(Some(Arc::new(a.set_training(dropout))));
+        }
+        if config.gradient_checkpointing()? {
+            let sink = GradSink::new(trainable.iter().map(|(_, v)| v));
+            model = model.with_gradient_checkpointing(Some(Arc::new(sink)));
         }
         Ok(Setup {
             config: config.clone(),
@@ -364,12 +369,21 @@ impl super::driver::Stepper for CandleStepper<'_> {
             loss
         };
         let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-        let store = loss.backward()?;
+        // With gradient checkpointing, the layers' parameter gradients arrive in the model's
+        // sink during the backward pass, the rest (embeddings, head) in candle's store.
+        let sink = self.setup.model.grad_sink();
+        let store = loss.backward().inspect_err(|_| {
+            sink.inspect(|s| s.clear());
+        })?;
         for (g, (_, var)) in self.grads.iter_mut().zip(&self.setup.trainable) {
-            if let Some(new) = store.get(var.as_tensor()) {
+            let parts = [
+                store.get(var.as_tensor()).cloned(),
+                sink.and_then(|s| s.take(var)),
+            ];
+            for new in parts.into_iter().flatten() {
                 *g = Some(match g.take() {
                     Some(old) => (old + new)?,
-                    None => new.clone(),
+                    None => new,
                 });
             }
         }

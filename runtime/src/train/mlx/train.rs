@@ -397,6 +397,18 @@ impl Stepper for MlxStepper {
     fn examples(&self) -> usize {
         self.task.examples()
     }
+    fn notes(&self) -> Vec<String> {
+        // TRL's default is on; the MLX backend has no checkpointed layer yet.
+        match self.setup.config.gradient_checkpointing() {
+            Ok(true) => vec![
+                "gradient_checkpointing: not built on the mlx backend; every activation is kept \
+                 for the backward pass (the numbers are the same; set \
+                 --gradient-checkpointing false to silence this)"
+                    .into(),
+            ],
+            _ => Vec::new(),
+        }
+    }
     fn trainable_parameters(&self) -> u64 {
         self.params
             .iter()

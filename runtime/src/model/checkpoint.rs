@@ -1,0 +1,327 @@
+//! Gradient checkpointing (TRL's `gradient_checkpointing`, transformers'
+//! `gradient_checkpointing_enable()`): each decoder layer's forward keeps only its input for the
+//! backward pass; the backward pass runs the layer again from that input and takes its
+//! gradients from the recomputed graph.
+//!
+//! candle has no checkpoint of its own, so the layer is wrapped in a custom op on its input
+//! ([`layer`]): the forward computes the layer, detaches the result (which frees every
+//! intermediate of the layer) and hands a copy of it to the op; the op's backward recomputes
+//! the layer on a fresh variable holding the saved input, back-propagates the incoming
+//! gradient through it and returns the input's gradient. The gradients of the layer's
+//! trainable parameters (LoRA's `A` and `B`, or the layer's weights under full fine-tuning)
+//! cannot leave a candle op's backward, so they go into the model's [`GradSink`], from which the
+//! training step takes them after `loss.backward()` ([`GradSink::take`]).
+//!
+//! The recomputation is the same arithmetic in the same order on the same input, and LoRA's
+//! dropout draws the same masks (the layer's stream position is saved with it), so the
+//! forward is bit for bit the un-checkpointed one; the gradients agree to float rounding (the
+//! order in which candle sums a tensor's gradient contributions differs). Tested against the
+//! un-checkpointed pass (this file's tests) and by TRL parity (`tests/it/train.rs`, where it is
+//! on, as TRL's default is).
+
+use super::ModelError;
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Shape, Storage, Tensor, TensorId, Var,
+};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Where a checkpointed layer's backward pass leaves the gradients of the parameters it
+/// trains: one per model being trained, shared by its copies, read by the training step.
+#[derive(Debug, Default)]
+pub struct GradSink {
+    /// The trainable parameters whose gradients are kept (every other one is dropped).
+    wanted: HashSet<TensorId>,
+    grads: Mutex<HashMap<TensorId, Tensor>>,
+    /// Layers recomputed so far (what the tests check checkpointing by).
+    recomputed: AtomicUsize,
+}
+
+impl GradSink {
+    /// A sink for the gradients of `trainable`.
+    pub fn new<'a>(trainable: impl IntoIterator<Item = &'a Var>) -> Self {
+        GradSink {
+            wanted: trainable.into_iter().map(|v| v.as_tensor().id()).collect(),
+            grads: Mutex::new(HashMap::new()),
+            recomputed: AtomicUsize::new(0),
+        }
+    }
+
+    /// How many layers the backward passes have recomputed so far.
+    pub fn recomputed(&self) -> usize {
+        self.recomputed.load(Ordering::Relaxed)
+    }
+
+    /// Whether `var`'s gradient is wanted (it is being trained).
+    pub fn wants(&self, var: &Var) -> bool {
+        self.wanted.contains(&var.as_tensor().id())
+    }
+
+    fn add(&self, id: TensorId, grad: &Tensor) -> candle_core::Result<()> {
+        let mut grads = self.grads.lock().unwrap_or_else(|e| e.into_inner());
+        let sum = match grads.remove(&id) {
+            Some(old) => (old + grad)?,
+            None => grad.clone(),
+        };
+        grads.insert(id, sum);
+        Ok(())
+    }
+
+    /// Takes the gradient of `var` collected since the last take (summed over every
+    /// checkpointed layer that used it), leaving none behind.
+    pub fn take(&self, var: &Var) -> Option<Tensor> {
+        self.grads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&var.as_tensor().id())
+    }
+
+    /// Drops whatever was collected (a step that failed half-way).
+    pub fn clear(&self) {
+        self.grads.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// A layer's forward from its input, run again in the backward pass.
+pub type Recompute = Box<dyn Fn(&Tensor) -> Result<Tensor, ModelError> + Send + Sync>;
+
+struct Checkpointed {
+    /// The layer's output, detached; taken by the op's forward.
+    out: Mutex<Option<Tensor>>,
+    recompute: Recompute,
+    /// Whether the layer's input carries a gradient of its own (else only the parameters'
+    /// gradients are wanted, and the op's input is a stand-in variable).
+    input_tracked: bool,
+    sink: Arc<GradSink>,
+}
+
+fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("gradient checkpointing: {e}"))
+}
+
+impl Checkpointed {
+    /// The detached output's storage, once (the op's forward).
+    fn output(&self) -> candle_core::Result<Tensor> {
+        let out = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| op_err("the layer's output was taken twice"))?;
+        // A contiguous tensor at offset 0: what a custom op returns (a layer's output is a
+        // fresh tensor, so this copies nothing).
+        if out.is_contiguous() && out.layout().start_offset() == 0 {
+            Ok(out)
+        } else {
+            out.copy()
+        }
+    }
+}
+
+impl Checkpointed {
+    /// The op's result: the layer's output, on the device `pick` takes.
+    fn stored<S: BackendStorage>(
+        &self,
+        pick: impl Fn(&Storage) -> Option<&S>,
+    ) -> candle_core::Result<(S, Shape)> {
+        let out = self.output()?;
+        let (s, l) = out.storage_and_layout();
+        let s = pick(&s).ok_or_else(|| op_err("the layer ran on another device than its input"))?;
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+}
+
+impl CustomOp1 for Checkpointed {
+    fn name(&self) -> &'static str {
+        "checkpointed-layer"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.stored(|s| match s {
+            Storage::Cpu(c) => Some(c),
+            _ => None,
+        })
+    }
+
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        self.stored(|s| match s {
+            Storage::Cuda(c) => Some(c),
+            _ => None,
+        })
+    }
+
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(MetalStorage, Shape)> {
+        self.stored(|s| match s {
+            Storage::Metal(c) => Some(c),
+            _ => None,
+        })
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        // The layer again, on a variable holding the saved input (a plain tensor when only the
+        // parameters' gradients are wanted).
+        let x = if self.input_tracked {
+            Var::from_tensor(&arg.detach())?.as_tensor().clone()
+        } else {
+            arg.detach()
+        };
+        let y = (self.recompute)(&x).map_err(op_err)?;
+        self.sink.recomputed.fetch_add(1, Ordering::Relaxed);
+        // d/dy Σ y · g = g exactly: the incoming gradient, back-propagated through the layer.
+        let store = (y * grad.detach())?.sum_all()?.backward()?;
+        for id in store.get_ids() {
+            if self.sink.wanted.contains(id)
+                && let Some(g) = store.get_id(*id)
+            {
+                self.sink.add(*id, g)?;
+            }
+        }
+        Ok(if self.input_tracked {
+            store.get(&x).cloned()
+        } else {
+            None
+        })
+    }
+}
+
+/// `layer(h)` with its activations recomputed in the backward pass instead of kept: the value
+/// is `forward(h)`'s; the gradient reaching `h` is the layer's input gradient, and the layer's
+/// parameter gradients go to `sink`. `recompute` must compute what `forward` did (LoRA's
+/// dropout masks drawn from the stream position `forward` started at).
+pub fn layer(
+    h: &Tensor,
+    forward: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>,
+    recompute: Recompute,
+    sink: &Arc<GradSink>,
+) -> Result<Tensor, ModelError> {
+    let input_tracked = h.track_op();
+    // Detached: the layer's intermediates are freed with its output's graph, here.
+    let out = forward(&h.detach())?.detach();
+    let op = Checkpointed {
+        out: Mutex::new(Some(out)),
+        recompute,
+        input_tracked,
+        sink: sink.clone(),
+    };
+    // An input without a graph (frozen embeddings under LoRA) would hide the op from candle's
+    // backward pass: the op then hangs off a stand-in variable, whose gradient is not computed.
+    let arg = if input_tracked {
+        h.clone()
+    } else {
+        Var::from_tensor(h)?.as_tensor().clone()
+    };
+    Ok(arg.apply_op1(op)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn close(a: &Tensor, b: &Tensor, tol: f32) {
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "element {i}: {x} vs {y}"
+            );
+        }
+    }
+
+    /// A two-parameter "layer": h + tanh(h · W) · s, twice, with the input tracked or not.
+    #[test]
+    fn checkpointed_layers_give_the_plain_values_and_gradients() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.3, (8, 8), &dev).unwrap()).unwrap();
+        let s = Var::from_tensor(&Tensor::randn(0f32, 1.0, 8, &dev).unwrap()).unwrap();
+        let f = {
+            let (w, s) = (w.clone(), s.clone());
+            move |h: &Tensor| -> Result<Tensor, ModelError> {
+                let y = h.broadcast_matmul(w.as_tensor())?.tanh()?;
+                Ok((h + y.broadcast_mul(s.as_tensor())?)?)
+            }
+        };
+        for tracked in [false, true] {
+            let x0 = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev).unwrap();
+            let xv = Var::from_tensor(&x0).unwrap();
+            let x = if tracked {
+                xv.as_tensor().clone()
+            } else {
+                x0.clone()
+            };
+            // Plain.
+            let plain = f(&f(&x).unwrap()).unwrap();
+            let lp = plain.sqr().unwrap().sum_all().unwrap();
+            let gp = lp.backward().unwrap();
+            // Checkpointed.
+            let sink = Arc::new(GradSink::new([&w, &s]));
+            let h1 = layer(&x, &f, Box::new(f.clone()), &sink).unwrap();
+            let h2 = layer(&h1, &f, Box::new(f.clone()), &sink).unwrap();
+            close(&h2, &plain, 0.0);
+            assert_eq!(
+                sink.recomputed(),
+                0,
+                "nothing recomputed before the backward pass"
+            );
+            let lc = h2.sqr().unwrap().sum_all().unwrap();
+            let gc = lc.backward().unwrap();
+            assert_eq!(sink.recomputed(), 2, "each layer recomputed once");
+            for v in [&w, &s] {
+                assert!(
+                    gc.get(v.as_tensor()).is_none(),
+                    "layer params stay in the op"
+                );
+                close(&sink.take(v).unwrap(), gp.get(v.as_tensor()).unwrap(), 1e-5);
+                assert!(sink.take(v).is_none(), "taken once");
+            }
+            if tracked {
+                close(
+                    gc.get(xv.as_tensor()).unwrap(),
+                    gp.get(xv.as_tensor()).unwrap(),
+                    1e-5,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_unwanted_parameter_is_dropped_and_clear_empties() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::ones((4, 4), DType::F32, &dev).unwrap()).unwrap();
+        let sink = Arc::new(GradSink::new(std::iter::empty()));
+        let f = {
+            let w = w.clone();
+            move |h: &Tensor| -> Result<Tensor, ModelError> {
+                Ok(h.broadcast_matmul(w.as_tensor())?)
+            }
+        };
+        let x = Tensor::ones((1, 4), DType::F32, &dev).unwrap();
+        let y = layer(&x, &f, Box::new(f.clone()), &sink).unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+        assert!(sink.take(&w).is_none());
+        let sink = Arc::new(GradSink::new([&w]));
+        let f = {
+            let w = w.clone();
+            move |h: &Tensor| -> Result<Tensor, ModelError> {
+                Ok(h.broadcast_matmul(w.as_tensor())?)
+            }
+        };
+        let y = layer(&x, &f, Box::new(f.clone()), &sink).unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+        sink.clear();
+        assert!(sink.take(&w).is_none());
+    }
+}
