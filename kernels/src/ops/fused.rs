@@ -10,7 +10,9 @@
 //! - [`rope`]: `x · cos + rotate_half(x) · sin` per position and its backward;
 //! - [`masked_softmax`]: attention's `softmax(scale · s + causal + key mask)` and its backward;
 //! - [`token_logps`]: `log_softmax(logits)[label]` per row and its backward, which never holds
-//!   a second `[rows, vocab]` array.
+//!   a second `[rows, vocab]` array;
+//! - [`token_entropy`]: the entropy of `softmax(logits)` per row (a logged figure, no
+//!   backward), one pass where the unfused ops hold four `[rows, vocab]` arrays.
 
 use crate::KernelError;
 use crate::error::check_len;
@@ -452,6 +454,28 @@ pub fn token_logps_backward(
     Ok(())
 }
 
+/// `out[r]` = the entropy of `softmax(logits[r])`: with `e = exp(x − max)` and `Z = Σ e`,
+/// `H = ln Z − Σ e·(x − max) / Z` (the unfused ops' `ln Z − Σ p·(x − max)`, the division
+/// moved out of the sum).
+pub fn token_entropy(logits: &[f32], rows: &Rows, out: &mut [f32]) -> Result<(), KernelError> {
+    let op = "token_entropy";
+    rows.check(op, logits.len())?;
+    check_len(op, "out", out.len(), rows.rows, &[rows.rows])?;
+    out.par_iter_mut().enumerate().for_each(|(r, o)| {
+        let x = &logits[rows.at(r)..rows.at(r) + rows.vocab];
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (mut z, mut s) = (0f32, 0f32);
+        for &v in x {
+            let d = v - max;
+            let e = d.exp();
+            z += e;
+            s += e * d;
+        }
+        *o = z.ln() - s / z;
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -681,5 +705,41 @@ mod tests {
         }
         let bad_label = [7u32, 0, 0, 0, 0, 0];
         assert!(token_logps(&logits, &rows, &bad_label, &mut out, &mut lse).is_err());
+    }
+
+    #[test]
+    fn token_entropy_matches_f64_on_strided_rows() {
+        // Two sequences of 5 positions over a vocabulary of 9, the first 4 of each; one row
+        // nearly one-hot (entropy near 0), one flat (entropy ln 9).
+        let (batch, t, v) = (2, 5, 9);
+        let mut logits = values(batch * t * v, 15, 6.0);
+        logits[..v].iter_mut().for_each(|x| *x = 0.0);
+        logits[v] = 80.0;
+        let rows = Rows {
+            rows: batch * (t - 1),
+            vocab: v,
+            per_group: t - 1,
+            group_stride: t * v,
+            start: 0,
+        };
+        let mut out = vec![0.0; 8];
+        token_entropy(&logits, &rows, &mut out).unwrap();
+        for (r, &got) in out.iter().enumerate() {
+            let at = (r / 4) * t * v + (r % 4) * v;
+            let x: Vec<f64> = logits[at..at + v].iter().map(|&x| f64::from(x)).collect();
+            let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
+            let h: f64 = -x
+                .iter()
+                .map(|v| {
+                    let p = (v - m).exp() / z;
+                    if p > 0.0 { p * p.ln() } else { 0.0 }
+                })
+                .sum::<f64>();
+            assert!(close(got, h, 1e-5), "row {r}: {got} vs {h}");
+        }
+        assert!(close(out[0], 9f64.ln(), 1e-6), "the flat row");
+        assert!(out[1].abs() < 1e-6, "the one-hot row: {}", out[1]);
+        assert!(token_entropy(&logits, &rows, &mut [0.0; 7]).is_err());
     }
 }

@@ -340,6 +340,19 @@ fn f32_data(storage: &CpuStorage) -> candle_core::Result<&[f32]> {
     }
 }
 
+/// One value per position of `[batch, t, vocab]` logits: `f` fills them from the rows.
+fn per_position(
+    storage: &CpuStorage,
+    layout: &Layout,
+    f: impl FnOnce(&[f32], &k::Rows, &mut [f32]) -> Result<(), kiln_kernels::KernelError>,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let rows = rows_of(layout)?;
+    let mut o = vec![0f32; rows.rows];
+    f(f32_data(storage)?, &rows, &mut o).map_err(op_err)?;
+    let (b, t, _) = layout.shape().dims3()?;
+    Ok((CpuStorage::F32(o), Shape::from((b, t))))
+}
+
 impl CustomOp1 for TokenLogps {
     fn name(&self) -> &'static str {
         "fused-token-logps"
@@ -349,14 +362,12 @@ impl CustomOp1 for TokenLogps {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let rows = rows_of(layout)?;
-        let mut o = vec![0f32; rows.rows];
-        let mut lse = vec![0f32; rows.rows];
-        k::token_logps(f32_data(storage)?, &rows, &self.labels, &mut o, &mut lse)
-            .map_err(op_err)?;
-        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
-        let (b, t, _) = layout.shape().dims3()?;
-        Ok((CpuStorage::F32(o), Shape::from((b, t))))
+        per_position(storage, layout, |x, rows, o| {
+            let mut lse = vec![0f32; rows.rows];
+            k::token_logps(x, rows, &self.labels, o, &mut lse)?;
+            *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
+            Ok(())
+        })
     }
     fn bwd(
         &self,
@@ -391,6 +402,31 @@ impl CustomOp2 for TokenLogpsGrad<'_> {
         let (b, t, v) = l1.shape().dims3()?;
         Ok((CpuStorage::F32(d), Shape::from((b, t, v))))
     }
+}
+
+struct TokenEntropy;
+
+impl CustomOp1 for TokenEntropy {
+    fn name(&self) -> &'static str {
+        "fused-token-entropy"
+    }
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        per_position(storage, layout, k::token_entropy)
+    }
+}
+
+/// The entropy of `softmax(logits)` per position of `logits` `[batch, t, vocab]` (f32 on the
+/// CPU, the last dimension contiguous; detached: a logged figure), without the unfused ops'
+/// four `[batch, t, vocab]` temporaries; `None` for a layout it does not take.
+pub fn token_entropy(logits: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if !fusable(logits) || logits.rank() != 3 || rows_of(logits.layout()).is_err() {
+        return Ok(None);
+    }
+    Ok(Some(logits.detach().apply_op1_no_bwd(&TokenEntropy)?))
 }
 
 /// `log_softmax(logits)[label]` per position of `logits` `[batch, t, vocab]` (f32 on the CPU;
@@ -561,5 +597,27 @@ pub(crate) mod tests {
             .unwrap();
         let l = Tensor::zeros((5, 2), DType::U32, &Device::Cpu).unwrap();
         assert!(token_logps(&t, &l).unwrap().is_none());
+    }
+
+    #[test]
+    fn token_entropy_equals_the_unfused_ops_on_shifted_logits() {
+        let logits = var(&[2, 5, 11], 10, 6.0);
+        let shifted = logits.as_tensor().narrow(1, 0, 4).unwrap();
+        let fused = token_entropy(&shifted).unwrap().expect("a fusable layout");
+        let unfused = crate::train::candle::ops::token_entropy_unfused(&shifted).unwrap();
+        assert_eq!(fused.dims(), &[2, 4]);
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            fused.flatten_all().unwrap().to_vec1().unwrap(),
+            unfused.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{i}: {x} vs {y}");
+        }
+        assert!(!fused.track_op(), "a logged figure: no gradient");
+        let t = Tensor::zeros((11, 2, 5), DType::F32, &Device::Cpu)
+            .unwrap()
+            .transpose(0, 2)
+            .unwrap();
+        assert!(token_entropy(&t).unwrap().is_none());
     }
 }

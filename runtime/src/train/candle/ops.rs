@@ -23,14 +23,11 @@ impl TensorOps for CandleOps {
     }
 
     fn token_entropy(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
-        let x = logits.detach().to_dtype(DType::F32)?;
-        let max = x.max_keepdim(D::Minus1)?;
-        let shifted = x.broadcast_sub(&max)?;
-        let e = shifted.exp()?;
-        let z = e.sum_keepdim(D::Minus1)?;
-        let p = e.broadcast_div(&z)?;
-        // H = log Z − Σ p·(x − max).
-        z.log()?.squeeze(D::Minus1)? - (p * shifted)?.sum(D::Minus1)?
+        // Fused on the CPU in f32: one pass per row, no [batch, t, vocab] temporaries.
+        if let Some(h) = crate::model::fused::token_entropy(logits)? {
+            return Ok(h);
+        }
+        token_entropy_unfused(logits)
     }
 
     fn argmax(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
@@ -130,6 +127,19 @@ impl TensorOps for CandleOps {
 
 /// `log_softmax(logits)[label]` per position as candle ops (other devices and dtypes; the
 /// fused op's reference).
+/// The entropy of `softmax(logits)` over the last dimension, as separate candle ops (any
+/// device or dtype; the fused op's reference).
+pub(crate) fn token_entropy_unfused(logits: &Tensor) -> candle_core::Result<Tensor> {
+    let x = logits.detach().to_dtype(DType::F32)?;
+    let max = x.max_keepdim(D::Minus1)?;
+    let shifted = x.broadcast_sub(&max)?;
+    let e = shifted.exp()?;
+    let z = e.sum_keepdim(D::Minus1)?;
+    let p = e.broadcast_div(&z)?;
+    // H = log Z − Σ p·(x − max).
+    z.log()?.squeeze(D::Minus1)? - (p * shifted)?.sum(D::Minus1)?
+}
+
 pub(crate) fn token_logps_unfused(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
     let logits = logits.to_dtype(DType::F32)?;
     let max = logits.max_keepdim(D::Minus1)?.detach();
