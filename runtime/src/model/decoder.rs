@@ -1028,25 +1028,31 @@ impl DecoderModel {
             None => (k, v),
         };
         let tk = k.dim(2)?;
-        let repeat = |x: Tensor| -> Result<Tensor, ModelError> {
-            if nh == nkv {
-                return Ok(x);
-            }
-            Ok(x.unsqueeze(2)?
-                .expand((b, nkv, nh / nkv, tk, hd))?
-                .reshape((b, nh, tk, hd))?)
+        // GQA without copying keys and values per head: the `group` query heads that share a
+        // key/value head (transformers' `repeat_kv` order: head h reads kv head h / group)
+        // are one matrix of group·t rows against that head's keys, and their probabilities one
+        // matrix against its values.
+        let group = nh / nkv;
+        let raw = q
+            .contiguous()?
+            .reshape((b, nkv, group * t, hd))?
+            .matmul(&k.t()?)?
+            .reshape((b, nh, t, tk))?;
+        let attend = |probs: &Tensor| -> Result<Tensor, ModelError> {
+            Ok(probs
+                .contiguous()?
+                .reshape((b, nkv, group * t, tk))?
+                .matmul(&v)?
+                .reshape((b, nh, t, hd))?
+                .transpose(1, 2)?
+                .reshape((b, t, nh * hd))?)
         };
-        let (k, v) = (repeat(k)?, repeat(v)?);
-        let raw = q.contiguous()?.matmul(&k.t()?)?;
         let scale = 1.0 / (hd as f64).sqrt();
         if a.sinks.is_none() && super::fused::fusable(&raw) {
             // Scale, masks and softmax in one op that keeps only the probabilities.
             let causal = mask_values(t, tk, a.window);
             let probs = super::fused::masked_softmax(&raw, scale, causal, key_mask)?;
-            let o = probs
-                .matmul(&v)?
-                .transpose(1, 2)?
-                .reshape((b, t, nh * hd))?;
+            let o = attend(&probs)?;
             observer.linear_input(&a.o.name, &o)?;
             return self.linear(&a.o, &o, true);
         }
@@ -1068,10 +1074,7 @@ impl DecoderModel {
             }
             None => softmax(&scores)?,
         };
-        let o = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((b, t, nh * hd))?;
+        let o = attend(&probs)?;
         observer.linear_input(&a.o.name, &o)?;
         self.linear(&a.o, &o, true)
     }
