@@ -6,7 +6,7 @@ chunks (BENCHMARKS.md §Training, "Forward").
 Both: the model in f32 on the CPU, every core; llama-perplexity's protocol (non-overlapping chunks
 of `--ctx` tokens, a BOS first, the second half scored), one chunk at a time; the time is the
 chunks' forward passes and scoring only (kiln's `seconds`, transformers' timed loop), not
-loading. Each side runs in its own process under /usr/bin/time, so its peak RSS is its own.
+loading; each chunk's first token becomes BOS where the tokenizer adds one (llama-perplexity). Each side runs in its own process under /usr/bin/time, so its peak RSS is its own.
 Both perplexities are printed: they must agree.
 
     .venv-trl/bin/python benches/peers/forward_peer.py --kiln target/release/kiln \\
@@ -26,7 +26,8 @@ torch.set_num_threads(len(os.sched_getaffinity(0)))
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 ids = tok(open(text).read(), add_special_tokens=False)["input_ids"]
-bos = tok.bos_token_id
+# llama-perplexity's protocol: the chunk's first token becomes BOS where the tokenizer adds one.
+bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None
 nll, n = 0.0, 0
 t0 = time.perf_counter()
 with torch.no_grad():

@@ -259,9 +259,10 @@ struct CliObserver {
 impl TrainObserver for CliObserver {
     fn on_start(&mut self, plan: &TrainPlan) {
         // What the backend does differently from the settings: said even under --quiet.
+        // (On standard error, around the bar: a hidden bar's `println` prints nothing.)
         for note in &plan.notes {
             match &self.bar {
-                Some(bar) => bar.println(format!("note: {note}")),
+                Some(bar) => bar.suspend(|| eprintln!("note: {note}")),
                 None => eprintln!("note: {note}"),
             }
         }

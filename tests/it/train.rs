@@ -1205,3 +1205,42 @@ fn gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
         }
     }
 }
+
+/// The MLX backend does not checkpoint yet: a run that asks for it (TRL's default) is told so
+/// at its start, by the setting's name; one that turns it off is told nothing.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_says_it_does_not_checkpoint() {
+    #[derive(Default)]
+    struct Notes(Vec<String>);
+    impl TrainObserver for Notes {
+        fn on_start(&mut self, plan: &kiln_runtime::train::TrainPlan) {
+            self.0.extend(plan.notes.iter().cloned());
+        }
+    }
+    let all = reference();
+    for on in [true, false] {
+        let out = tempfile::tempdir().unwrap();
+        let mut cfg = config("sft-full", &all["sft-full"], &out.path().join("run"));
+        cfg.backend = "mlx".into();
+        cfg.hyper.max_steps = Some(1);
+        cfg.task_options
+            .insert("gradient_checkpointing".into(), Value::Bool(on));
+        let mut trainer = kiln_runtime::resolve_trainer(&cfg)
+            .unwrap()
+            .construct(&cfg)
+            .unwrap();
+        let mut notes = Notes::default();
+        trainer.train(&mut notes).unwrap();
+        if on {
+            assert_eq!(notes.0.len(), 1, "{:?}", notes.0);
+            assert!(
+                notes.0[0].starts_with("gradient_checkpointing:"),
+                "{}",
+                notes.0[0]
+            );
+        } else {
+            assert!(notes.0.is_empty(), "{:?}", notes.0);
+        }
+    }
+}

@@ -183,8 +183,12 @@ pub(crate) fn stages<'c>(
     device: &'c candle_core::Device,
     samples: &[Vec<u32>],
 ) -> Result<Stages<'c>, ModelError> {
-    let part =
-        move |keep: &dyn Fn(&str) -> bool| DecoderModel::load_part(checkpoint, dtype, device, keep);
+    // Out of autograd: a calibration differentiates nothing, so no forward builds a graph.
+    let part = move |keep: &dyn Fn(&str) -> bool| {
+        let mut m = DecoderModel::load_part(checkpoint, dtype, device, keep)?;
+        m.freeze()?;
+        Ok::<_, ModelError>(m)
+    };
     let layers = crate::model::DecoderConfig::from_json(checkpoint.config().raw())?.layers;
     let embed = part(&|n: &str| n == "model.embed_tokens.weight")?;
     // One sample at a time: batching samples of one length would pack each weight once per

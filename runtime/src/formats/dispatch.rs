@@ -107,14 +107,17 @@ pub fn load_packed(path: &Path, device: &Device) -> Result<Loaded, ModelError> {
     })
 }
 
-/// The model at `path` ([`load`]), ready to run.
+/// The model at `path` ([`load`]), ready to run: its weights out of autograd (inference:
+/// a forward pass builds no graph; the storage is not copied).
 pub fn load_model(
     path: &Path,
     dtype: DType,
     device: &Device,
     activations: bool,
 ) -> Result<DecoderModel, ModelError> {
-    DecoderModel::from_loaded(load(path, dtype, device, activations)?, device)
+    let mut model = DecoderModel::from_loaded(load(path, dtype, device, activations)?, device)?;
+    model.freeze()?;
+    Ok(model)
 }
 
 /// The weights at `path`, decoded ([`load`] without activation quantizers).

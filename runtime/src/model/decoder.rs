@@ -307,6 +307,16 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// Whether any cached key or value carries an autograd graph (it never should).
+    #[cfg(test)]
+    pub(crate) fn holds_graph(&self) -> bool {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.k, &l.v])
+            .flatten()
+            .any(Tensor::track_op)
+    }
+
     /// Positions held.
     pub fn len(&self) -> usize {
         self.len
@@ -721,6 +731,28 @@ impl DecoderModel {
         self.forward_observed(ids, &mut NoObserver)
     }
 
+    /// [`DecoderModel::forward`] for inference (evaluation): the same logits, but no graph is
+    /// kept — each layer's output is detached, so a model whose weights or adapters are
+    /// variables holds one layer's intermediates at a time instead of every layer's until the
+    /// logits are dropped.
+    pub fn forward_inference(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
+        let mut h = self.embed(ids)?.detach();
+        let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
+        for layer in 0..self.config.layers {
+            h = self
+                .run_layer(
+                    &h,
+                    self.layer_at(layer)?,
+                    &rope,
+                    None,
+                    None,
+                    &mut NoObserver,
+                )?
+                .detach();
+        }
+        Ok(self.head(&h, &mut NoObserver)?.detach())
+    }
+
     /// [`DecoderModel::forward`], showing `observer` every Linear's input and every
     /// attention's keys and values (calibration).
     pub fn forward_observed(
@@ -1021,8 +1053,11 @@ impl DecoderModel {
                     }
                     _ => (k, v),
                 };
-                cache.k = Some(k.clone());
-                cache.v = Some(v.clone());
+                // Generation never differentiates through the cache: kept detached, the cached
+                // keys and values hold no graph (which would keep every earlier step's
+                // intermediates alive when the weights or adapters are variables).
+                cache.k = Some(k.detach());
+                cache.v = Some(v.detach());
                 (k, v)
             }
             None => (k, v),

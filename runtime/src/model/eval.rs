@@ -39,7 +39,7 @@ pub fn perplexity(model: &DecoderModel, samples: &[Vec<u32>]) -> Result<Perplexi
         }
         let ids = Tensor::from_vec(s.clone(), (1, s.len()), model.device())?;
         let logits: Vec<Vec<f32>> = model
-            .forward(&ids)?
+            .forward_inference(&ids)?
             .to_dtype(DType::F32)?
             .squeeze(0)?
             .to_vec2()?;
@@ -110,7 +110,7 @@ fn scored_log_probs(model: &DecoderModel, chunk: &[u32]) -> Result<Vec<Vec<f64>>
     let ctx = chunk.len();
     let ids = Tensor::from_vec(chunk.to_vec(), (1, ctx), model.device())?;
     let logits = model
-        .forward(&ids)?
+        .forward_inference(&ids)?
         .to_dtype(DType::F32)?
         .squeeze(0)?
         .narrow(0, ctx / 2, ctx - 1 - ctx / 2)?;

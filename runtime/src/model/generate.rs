@@ -262,6 +262,57 @@ mod tests {
         );
     }
 
+    /// Inference keeps no graph: a model as `kiln eval` / `kiln generate` load it has its
+    /// weights out of autograd; `forward_inference` over trainable weights and adapters (whose
+    /// B is nonzero) gives `forward`'s logits untracked; the KV cache holds no graph.
+    #[test]
+    fn inference_keeps_no_graph() {
+        use crate::model::lora::{Adapters, LoraSpec};
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/train/tiny/model");
+        let dev = candle_core::Device::Cpu;
+        let loaded = crate::formats::load_model(&dir, DType::F32, &dev, false).unwrap();
+        let ids = Tensor::from_vec(vec![1u32, 40, 41, 42, 43], (1, 5), &dev).unwrap();
+        assert!(
+            !loaded.forward(&ids).unwrap().track_op(),
+            "load_model: frozen"
+        );
+
+        let ck = crate::checkpoint::Checkpoint::open(&dir).unwrap();
+        let model = DecoderModel::load(&ck, DType::F32, &dev).unwrap();
+        let spec = LoraSpec {
+            r: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            rslora: false,
+            target_modules: vec!["all-linear".into()],
+        };
+        let adapters = Adapters::new(&model, &spec, 5).unwrap();
+        for l in adapters.layers.values() {
+            l.b.set(
+                &Tensor::ones(l.b.dims(), DType::F32, &dev)
+                    .unwrap()
+                    .affine(0.01, 0.0)
+                    .unwrap(),
+            )
+            .unwrap();
+        }
+        let model = model.with_adapters(Some(std::sync::Arc::new(adapters)));
+        let tracked = model.forward(&ids).unwrap();
+        assert!(tracked.track_op(), "trainable weights build a graph");
+        let inference = model.forward_inference(&ids).unwrap();
+        assert!(!inference.track_op());
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            tracked.flatten_all().unwrap().to_vec1().unwrap(),
+            inference.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert_eq!(a, b, "the same logits");
+        let mut cache = model.new_cache();
+        model.forward_cached(&ids, &mut cache).unwrap();
+        assert_eq!(cache.len(), 5);
+        assert!(!cache.holds_graph());
+    }
+
     #[test]
     fn greedy_takes_the_largest_and_top_k_one_is_greedy() {
         let logits = [0.5f32, 3.0, -1.0, 2.9];
