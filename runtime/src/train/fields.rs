@@ -360,7 +360,7 @@ pub const FIELDS: &[Field] = &[
         "gradient_checkpointing",
         Kind::Bool,
         &[],
-        "Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~1/3 more compute, the same numbers) [true]",
+        "Recompute each layer's activations in the backward pass instead of keeping them (less memory, one more forward of every layer, the same numbers) [true]",
     ),
     f(
         "disable_dropout",

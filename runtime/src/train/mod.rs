@@ -192,7 +192,7 @@ impl TrainConfig {
 
     /// TRL's `gradient_checkpointing` (every TRL 0.29 config defaults it to true): each decoder
     /// layer keeps only its input for the backward pass and is recomputed there — less memory,
-    /// about a third more compute, the same numbers.
+    /// one more forward pass of every layer, the same numbers.
     pub fn gradient_checkpointing(&self) -> Result<bool, TrainError> {
         Ok(self
             .option::<bool>("gradient_checkpointing")?
