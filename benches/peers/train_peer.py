@@ -1,5 +1,6 @@
 """kiln train beside PyTorch + TRL 0.29.1 on the same model, data and settings, one run each:
-step time, tokens/s and peak RSS for SFT and DPO, full fine-tuning or LoRA.
+step time, tokens/s and peak RSS for SFT, DPO and GRPO (`--tasks grpo`: one prompt a step, 8
+completions of up to 16 tokens, an exact-match reward), full fine-tuning or LoRA.
 
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size small
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size 254m --steps 6
@@ -30,14 +31,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def write_data(d, n=64):
     rng = random.Random(3)
     words = ["alpha", "beta", "gamma", "delta", "kiln", "model", "train", "data", "token", "layer"]
-    sft, dpo = [], []
+    sft, dpo, grpo = [], [], []
     for _ in range(n):
         prompt = " ".join(rng.choice(words) for _ in range(12)) + ": "
         comp = " ".join(rng.choice(words) for _ in range(10))
         other = " ".join(rng.choice(words) for _ in range(10))
         sft.append({"prompt": prompt, "completion": comp})
         dpo.append({"prompt": prompt, "chosen": comp, "rejected": other})
-    for name, rows in [("sft.jsonl", sft), ("dpo.jsonl", dpo)]:
+        grpo.append({"prompt": prompt, "answer": comp.split()[0]})
+    for name, rows in [("sft.jsonl", sft), ("dpo.jsonl", dpo), ("grpo.jsonl", grpo)]:
         with open(os.path.join(d, name), "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
@@ -68,6 +70,13 @@ if task == "sft":
     from trl import SFTConfig, SFTTrainer
     tr = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()],
                      **peft)
+elif task == "grpo":
+    from trl import GRPOConfig, GRPOTrainer
+    def exact_match(completions, answer, **kwargs):
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+    args = GRPOConfig(**common, num_generations=8, max_completion_length=16, shuffle_dataset=False)
+    tr = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=ds, processing_class=tok,
+                     callbacks=[T()], **peft)
 else:
     from trl import DPOConfig, DPOTrainer
     tr = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()],
@@ -87,6 +96,9 @@ def peak_kb(stderr):
 def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off"):
     m = os.path.join(tmp, f"kiln-{task}.jsonl")
     adapter = ["--lora-r", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"] if lora else ["--lora-r", "0"]
+    if task == "grpo":
+        # One prompt a step, 8 completions of up to 16 tokens, rewarded by exact match.
+        adapter += ["--num-generations", "8", "--max-completion-length", "16", "--reward-funcs", "exact_match"]
     cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--model", model, "--data", data, "--out",
            os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), *adapter,
            "--gradient-checkpointing", "true" if ckpt == "on" else "false",
