@@ -118,9 +118,7 @@ impl Checkpointed {
             out.copy()
         }
     }
-}
 
-impl Checkpointed {
     /// The op's result: the layer's output, on the device `pick` takes.
     fn stored<S: BackendStorage>(
         &self,
@@ -301,7 +299,6 @@ mod tests {
     fn an_unwanted_parameter_is_dropped_and_clear_empties() {
         let dev = Device::Cpu;
         let w = Var::from_tensor(&Tensor::ones((4, 4), DType::F32, &dev).unwrap()).unwrap();
-        let sink = Arc::new(GradSink::new(std::iter::empty()));
         let f = {
             let w = w.clone();
             move |h: &Tensor| -> Result<Tensor, ModelError> {
@@ -309,18 +306,28 @@ mod tests {
             }
         };
         let x = Tensor::ones((1, 4), DType::F32, &dev).unwrap();
-        let y = layer(&x, &f, Box::new(f.clone()), &sink).unwrap();
-        y.sum_all().unwrap().backward().unwrap();
-        assert!(sink.take(&w).is_none());
-        let sink = Arc::new(GradSink::new([&w]));
-        let f = {
-            let w = w.clone();
-            move |h: &Tensor| -> Result<Tensor, ModelError> {
-                Ok(h.broadcast_matmul(w.as_tensor())?)
-            }
+        let step = |sink: &Arc<GradSink>| {
+            let y = layer(&x, &f, Box::new(f.clone()), sink).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
         };
-        let y = layer(&x, &f, Box::new(f.clone()), &sink).unwrap();
-        y.sum_all().unwrap().backward().unwrap();
+        // Not wanted: recomputed, but its gradient is not kept.
+        let unwanted = Arc::new(GradSink::new(std::iter::empty()));
+        step(&unwanted);
+        assert_eq!(unwanted.recomputed(), 1);
+        assert!(unwanted.take(&w).is_none());
+        // Wanted: kept (d Σ x·W / dW = ones), summed over two passes, then cleared.
+        let sink = Arc::new(GradSink::new([&w]));
+        step(&sink);
+        step(&sink);
+        let g: Vec<f32> = sink
+            .take(&w)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(g, vec![2.0; 16], "two passes' gradients summed");
+        step(&sink);
         sink.clear();
         assert!(sink.take(&w).is_none());
     }

@@ -372,9 +372,16 @@ impl super::driver::Stepper for CandleStepper<'_> {
         // With gradient checkpointing, the layers' parameter gradients arrive in the model's
         // sink during the backward pass, the rest (embeddings, head) in candle's store.
         let sink = self.setup.model.grad_sink();
-        let store = loss.backward().inspect_err(|_| {
-            sink.inspect(|s| s.clear());
-        })?;
+        let store = match loss.backward() {
+            Ok(store) => store,
+            Err(e) => {
+                // A failed backward pass leaves no half-collected gradients behind.
+                if let Some(s) = sink {
+                    s.clear();
+                }
+                return Err(e.into());
+            }
+        };
         for (g, (_, var)) in self.grads.iter_mut().zip(&self.setup.trainable) {
             let parts = [
                 store.get(var.as_tensor()).cloned(),
