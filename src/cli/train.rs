@@ -45,11 +45,16 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         "grpo.jsonl",
         include_str!("../../examples/data/grpo.jsonl"),
     ),
+    (
+        "reward",
+        "dpo.jsonl",
+        include_str!("../../examples/data/dpo.jsonl"),
+    ),
 ];
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The task: sft, dpo, orpo, simpo, kto, grpo (and plugin tasks); `kiln registry
+    /// The task: sft, dpo, orpo, simpo, kto, grpo, reward (and plugin tasks); `kiln registry
     /// trainers` lists them.
     #[arg(long)]
     task: String,
@@ -442,6 +447,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "sft" => &["mean_token_accuracy"],
             "grpo" => &["reward", "reward_std", "completions/mean_length"],
+            "reward" => &["accuracy", "margin"],
             _ => &[],
         },
     };

@@ -120,7 +120,8 @@ impl TrainObserver for Collect {
 /// The kiln configuration of reference run `name`: TRL's settings, spelled as kiln takes them.
 fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
     let task = run["task"].as_str().unwrap();
-    let mut c = TrainConfig::new(task, "candle", here().join("tiny/model"), out);
+    let model = run["model_dir"].as_str().unwrap_or("tiny/model");
+    let mut c = TrainConfig::new(task, "candle", here().join(model), out);
     c.train_data = Some(here().join(run["data"].as_str().unwrap()));
     c.hyper.max_steps = Some(6);
     c.hyper.logging_steps = 1;
@@ -180,7 +181,8 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             | "cpo_alpha"
             | "label_smoothing"
             | "desirable_weight"
-            | "undesirable_weight" => {
+            | "undesirable_weight"
+            | "center_rewards_coefficient" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -464,6 +466,60 @@ fn cpo_sigmoid_with_label_smoothing_matches_trl() {
 #[test]
 fn simpo_with_truncated_completions_and_no_nll_matches_trl() {
     check("simpo-short");
+}
+
+/// TRL's RewardTrainer from the same sequence classifier (tiny/reward-model): explicit prompts;
+/// implicit prompts with margins, center_rewards_coefficient and gradient accumulation;
+/// conversations; pairs left out by max_length; an evaluation set.
+#[test]
+fn reward_modelling_matches_trl() {
+    for name in [
+        "reward-full",
+        "reward-margin-center",
+        "reward-chat",
+        "reward-short",
+        "reward-eval",
+    ] {
+        check(name);
+    }
+}
+
+/// A reward model's output is what transformers loads as `LlamaForSequenceClassification`:
+/// a `score` head and no `lm_head`, the config naming the architecture, one label and the pad
+/// id; started from a causal LM, the new head is said by name.
+#[test]
+fn reward_model_output_is_a_sequence_classifier() {
+    let all = reference();
+    let out = tempfile::tempdir().unwrap();
+    for (model, new_head) in [("tiny/reward-model", false), ("tiny/model", true)] {
+        let mut cfg = config("reward-full", &all["reward-full"], &out.path().join(model));
+        cfg.model = here().join(model);
+        cfg.hyper.max_steps = Some(1);
+        let setup = kiln_runtime::train::candle::Setup::load(&cfg).unwrap();
+        assert_eq!(
+            setup.notes.iter().any(|n| n.starts_with("score.weight: ")),
+            new_head,
+            "{model}: {:?}",
+            setup.notes
+        );
+        let entry = kiln_runtime::resolve_trainer(&cfg).unwrap();
+        let mut trainer = entry.construct(&cfg).unwrap();
+        let report = trainer.train(&mut Collect::default()).unwrap();
+        let dir = report.output.unwrap();
+        let ck = kiln_runtime::checkpoint::Checkpoint::open(&dir).unwrap();
+        let score = ck.tensor("score.weight").expect("score.weight");
+        assert_eq!(score.shape, vec![1, 32]);
+        assert!(ck.tensor("lm_head.weight").is_none(), "{model}: lm_head kept");
+        let c: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(
+            c["architectures"],
+            serde_json::json!(["LlamaForSequenceClassification"])
+        );
+        assert_eq!(c["id2label"], serde_json::json!({"0": "LABEL_0"}));
+        assert_eq!(c["pad_token_id"], 3);
+    }
 }
 
 #[test]

@@ -104,6 +104,25 @@ def build_model():
     return random_llama(os.path.join(TINY, "model"))
 
 
+def build_reward_model(model_dir):
+    """The tiny model as a sequence classifier with one label (what TRL's RewardTrainer trains),
+    its `score` head seeded here so that kiln starts from the same one, saved as transformers
+    saves it (`LlamaForSequenceClassification`, no lm_head)."""
+    from transformers import LlamaForSequenceClassification
+
+    out = os.path.join(TINY, "reward-model")
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    model = LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.3)
+    model.config.pad_token_id = 3
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out)
+    return out
+
+
 def build_adapter(model_dir, out=None):
     """A shared initial LoRA adapter with non-zero A and B (init_lora_weights=False), so the
     first step already moves both."""
@@ -177,6 +196,11 @@ def write_data():
             f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
                                 "completion": [{"role": "assistant", "content": r["completion"]}],
                                 "label": r["label"]}) + "\n")
+    # Reward data with an implicit prompt (part of both sides) and a margin per pair.
+    with open(os.path.join(DATA, "reward-margin.jsonl"), "w") as f:
+        for i, r in enumerate(dpo):
+            f.write(json.dumps({"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"],
+                                "margin": 0.25 * (i % 4)}) + "\n")
     for name, rows in [("sft-eval.jsonl", [{"prompt": f"{a}+{b}=", "completion": str(a + b)}
                                              for a, b in [(2, 5), (6, 1), (3, 0), (4, 2)]]),
                        ("dpo-eval.jsonl", [{"prompt": f"Q: {a}+{b}? A: ", "chosen": str(a + b), "rejected": str(a + b + 2)}
@@ -226,7 +250,11 @@ def run(task, model_dir, data, adapter=None, **overrides):
         overrides.update(eval_strategy="steps")
     eval_ds = load_dataset("json", data_files=eval_file, split="train") if eval_file else None
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if task == "reward":
+        from transformers import LlamaForSequenceClassification
+        model = LlamaForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     common = dict(output_dir=tempfile.mkdtemp(), max_steps=6, logging_steps=1, bf16=False, use_cpu=True,
@@ -275,6 +303,10 @@ def run(task, model_dir, data, adapter=None, **overrides):
         trainer._generate_single_turn = record
         trainer.train()
         return ((rec.logs, rec.eval_logs) if eval_file else rec.logs), {"train": generated, "eval": eval_generated}
+    elif task == "reward":
+        from trl import RewardConfig, RewardTrainer
+        trainer = RewardTrainer(model=model, args=RewardConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
+                                processing_class=tok, callbacks=[rec])
     elif task == "kto":
         from trl.experimental.kto import KTOConfig, KTOTrainer
         trainer = KTOTrainer(model=model, args=KTOConfig(**common), train_dataset=ds, eval_dataset=eval_ds, processing_class=tok,
@@ -307,8 +339,14 @@ def main():
         model_dir = build_model()
         adapter = build_adapter(model_dir)
         write_data()
+        build_reward_model(model_dir)
     dropout = dropout_adapter(adapter)
+    reward_model = os.path.join(TINY, "reward-model")
+    if not os.path.isdir(reward_model):
+        build_reward_model(model_dir)
     d = lambda n: os.path.join(DATA, n)
+    if not os.path.exists(d("reward-margin.jsonl")):
+        write_data()
     runs = {
         "sft-full": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2)),
         "sft-text": ("sft", d("sft-text.jsonl"), None, dict(learning_rate=1e-3, lr_scheduler_type="cosine",
@@ -398,6 +436,14 @@ def main():
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",
             max_steps=4)),
+        # Reward models (TRL's RewardTrainer) from tiny/reward-model, a sequence classifier.
+        "reward-full": ("reward", d("dpo.jsonl"), None, dict(learning_rate=1e-3)),
+        "reward-margin-center": ("reward", d("reward-margin.jsonl"), None, dict(
+            learning_rate=1e-3, center_rewards_coefficient=0.01, gradient_accumulation_steps=2)),
+        "reward-chat": ("reward", d("dpo-chat.jsonl"), None, dict(learning_rate=1e-3)),
+        "reward-short": ("reward", d("dpo.jsonl"), None, dict(learning_rate=1e-3, max_length=14)),
+        "reward-eval": ("reward", d("dpo.jsonl"), None, dict(learning_rate=1e-3, eval_data=d("dpo-eval.jsonl"),
+                                                             eval_steps=3, per_device_eval_batch_size=3)),
     }
     out = {}
     if only and os.path.exists(os.path.join(HERE, "reference.json")):
@@ -405,11 +451,13 @@ def main():
     for name, (task, data, ad, over) in runs.items():
         if only and name not in only:
             continue
-        logs, generated = run(task, model_dir, data, ad, **dict(over))
+        mdir = reward_model if task == "reward" else model_dir
+        logs, generated = run(task, mdir, data, ad, **dict(over))
         eval_logs = None
         if isinstance(logs, tuple):
             logs, eval_logs = logs
         out[name] = {"task": task, "data": os.path.relpath(data, HERE), "adapter": ad is not None,
+                     "model_dir": os.path.relpath(mdir, HERE),
                      "adapter_dir": os.path.relpath(ad, HERE) if ad else None,
                      "settings": {k: os.path.relpath(v, HERE) if k == "eval_data" else v for k, v in over.items()},
                      "logs": logs}

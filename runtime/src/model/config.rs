@@ -81,6 +81,9 @@ pub struct DecoderConfig {
     pub sliding_windows: Vec<Option<usize>>,
     /// MoE routing, for models with experts.
     pub moe: Option<MoeRouting>,
+    /// `initializer_range`: the standard deviation transformers draws new weights from (a
+    /// reward model's new `score` head), when config.json gives it.
+    pub initializer_range: Option<f64>,
 }
 
 fn field<'a>(raw: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
@@ -263,6 +266,7 @@ impl DecoderConfig {
                 .unwrap_or(false),
             sliding_windows,
             moe,
+            initializer_range: f64_of(raw, "initializer_range")?,
         })
     }
 

@@ -14,7 +14,7 @@
 use super::observe::{NoObserver, Observer};
 use super::{DecoderConfig, ModelError, MoeRouting, Weights, act_quant, lora};
 use crate::checkpoint::Checkpoint;
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{D, DType, Device, Tensor, Var};
 use std::sync::Arc;
 
 /// One Linear layer, resolved at load: `y = x · Wᵀ (+ b)`.
@@ -117,6 +117,9 @@ struct Net {
     layers: Vec<Option<Layer>>,
     head: Option<Head>,
 }
+
+/// The weight of a sequence classifier's head (transformers' `*ForSequenceClassification`).
+pub const SCORE: &str = "score.weight";
 
 /// Resolves tensors of `weights` by name (once, at load).
 struct Resolver<'a> {
@@ -239,6 +242,10 @@ impl Resolver<'_> {
             let norm = self.get("model.norm.weight")?;
             let (lm_head, tied) = if self.has("lm_head.weight") {
                 (self.linear("lm_head".into())?, false)
+            } else if self.has(SCORE) {
+                // A sequence classifier (transformers' `*ForSequenceClassification`, a
+                // reward model): its `score` head in place of the vocabulary's.
+                (self.linear("score".into())?, false)
             } else if config.tie_word_embeddings {
                 let weight = self.get(EMBED)?;
                 let name = "lm_head".into();
@@ -439,6 +446,35 @@ pub(crate) fn rope_unfused(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
     Ok((x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)?)?)
 }
 
+/// A new `score` head `[1, hidden]` for a model without one (every backend draws the same
+/// values from `seed`): N(0, `initializer_range`²) as transformers initialises the head
+/// `AutoModelForSequenceClassification` adds, and the note that says so by name.
+pub fn new_score_head(config: &DecoderConfig, seed: u64) -> (Vec<f32>, String) {
+    let (std, from) = match config.initializer_range {
+        Some(r) => (r, "config.json's initializer_range"),
+        None => (
+            0.02,
+            "transformers' default initializer_range 0.02; config.json has none",
+        ),
+    };
+    let hidden = config.hidden;
+    let mut rng = crate::rng::SplitMix64(seed ^ 0x7363_6f72_65);
+    let values = (0..hidden)
+        .map(|_| (std * normal(&mut rng)) as f32)
+        .collect();
+    let note = format!(
+        "score.weight: the model has no sequence-classification head; a new one [1, {hidden}] is drawn from N(0, {std}²) ({from}), as AutoModelForSequenceClassification adds one"
+    );
+    (values, note)
+}
+
+/// A standard normal draw (Box–Muller over two uniforms).
+fn normal(rng: &mut crate::rng::SplitMix64) -> f64 {
+    let u1 = 1.0 - rng.uniform();
+    let u2 = rng.uniform();
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
 /// `[-x₂, x₁]` of the two halves of the last dimension.
 fn rotate_half(x: &Tensor) -> Result<Tensor, ModelError> {
     let half = x.dim(D::Minus1)? / 2;
@@ -609,6 +645,40 @@ impl DecoderModel {
         m.adapters = self.adapters.clone();
         m.checkpoint = self.checkpoint.clone();
         Ok(m)
+    }
+
+    /// Whether the head is a sequence classifier's `score` (a reward model) rather than the
+    /// vocabulary's `lm_head`.
+    pub fn is_classifier(&self) -> bool {
+        self.net
+            .head
+            .as_ref()
+            .is_some_and(|h| h.lm_head.name == "score")
+    }
+
+    /// The model as transformers' `AutoModelForSequenceClassification(num_labels=1)` loads it
+    /// (TRL's reward model): the decoder and final norm with a `score` head `[1, hidden]`, no
+    /// bias, in place of `lm_head`. A model that has one keeps it; otherwise the head is new,
+    /// drawn from N(0, `initializer_range`²) as transformers initialises it (`initializer_range`
+    /// from config.json), and the second value says so by name.
+    pub fn with_score_head(&self, seed: u64) -> Result<(Self, Option<String>), ModelError> {
+        if self.is_classifier() {
+            return Ok((self.clone(), None));
+        }
+        let hidden = self.config.hidden;
+        let (values, note) = new_score_head(&self.config, seed);
+        let var = Var::from_tensor(&Tensor::from_vec(values, (1, hidden), &self.device)?)?;
+        let weights = self.weights.with_head(SCORE, var);
+        let mut m = Self::build(
+            self.config.clone(),
+            weights,
+            &self.device,
+            self.act.clone(),
+            true,
+        )?;
+        m.adapters = self.adapters.clone();
+        m.checkpoint = self.checkpoint.clone();
+        Ok((m, Some(note)))
     }
 
     /// Takes every weight out of autograd (LoRA training: only the adapters learn); the

@@ -18,7 +18,7 @@ pub mod packed;
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
 pub(crate) use decoder::linear;
-pub use decoder::{DecoderModel, KvCache, LayerCache};
+pub use decoder::{DecoderModel, KvCache, LayerCache, SCORE, new_score_head};
 pub use loaded::Loaded;
 pub use observe::{MaxCalibrator, NoObserver, Observer};
 
@@ -261,6 +261,28 @@ impl Weights {
                 .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
                 .collect(),
         );
+    }
+
+    /// These weights with the head `name` (a new trainable variable, tracked even when the
+    /// rest is frozen) in place of `lm_head.weight` (a reward model's `score`).
+    pub fn with_head(&self, name: &str, var: Var) -> Self {
+        let mut w = self.clone();
+        w.vars.remove("lm_head.weight");
+        w.packed.remove("lm_head.weight");
+        if let Some(f) = &mut w.frozen {
+            f.remove("lm_head.weight");
+            f.insert(name.to_string(), var.as_tensor().clone());
+        }
+        w.vars.insert(name.to_string(), var);
+        w
+    }
+
+    /// Puts the weight `name` back into autograd after [`Weights::freeze`] (a reward model's
+    /// `score` head, trained beside LoRA adapters as PEFT's `modules_to_save`).
+    pub fn thaw(&mut self, name: &str) {
+        if let (Some(f), Some(v)) = (&mut self.frozen, self.vars.get(name)) {
+            f.insert(name.to_string(), v.as_tensor().clone());
+        }
     }
 
     /// Whether [`Weights::freeze`] took the weights out of autograd.

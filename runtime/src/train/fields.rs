@@ -43,7 +43,8 @@ const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo"];
 const LOSS: &[&str] = &["sft", "dpo", "simpo", "kto", "grpo"];
 const DPO: &[&str] = &["dpo"];
 const SMOOTH: &[&str] = &["dpo", "simpo"];
-const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo"];
+const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "reward"];
+const REWARD: &[&str] = &["reward"];
 const REF: &[&str] = &["dpo", "kto"];
 const KTO: &[&str] = &["kto"];
 const GRPO: &[&str] = &["grpo"];
@@ -399,6 +400,12 @@ pub const FIELDS: &[Field] = &[
         "Weight of the chosen NLL term; 0 = pure SimPO [1]",
     ),
     f(
+        "center_rewards_coefficient",
+        Kind::Float,
+        REWARD,
+        "Weight of mean((r_chosen + r_rejected)²) in the loss, pulling rewards toward zero mean (0.01 is recommended) [off]",
+    ),
+    f(
         "label_smoothing",
         Kind::Float,
         SMOOTH,
@@ -442,6 +449,7 @@ pub fn defaults_for(config: &mut TrainConfig) {
     let h = &mut config.hyper;
     h.learning_rate = match config.task.as_str() {
         "sft" => 2e-5,
+        "reward" => 1e-4,
         _ => 1e-6,
     };
     h.num_train_epochs = 3.0;
@@ -671,7 +679,7 @@ mod tests {
     /// transformers') field and the reason — never "task does not take it".
     #[test]
     fn every_trl_field_is_implemented_or_refused_by_name() {
-        let tasks = ["sft", "dpo", "simpo", "orpo", "kto", "grpo"];
+        let tasks = ["sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward"];
         let mut checked = 0;
         let mut failures = Vec::new();
         for task in tasks {

@@ -604,6 +604,55 @@ impl KtoLoss {
     }
 }
 
+/// A reward model's Bradley–Terry loss (TRL's `RewardTrainer.compute_loss`):
+/// `mean(−log σ(r_c − r_r − margin))`, plus `center · mean((r_c + r_r)²)` with
+/// `center_rewards_coefficient`. `rewards` are `[2n]`: the `n` chosen sequences' scores, then
+/// the `n` rejected ones'. Logs `min_reward`, `mean_reward`, `max_reward` (over all `2n`),
+/// `accuracy` (the fraction with `r_c > r_r`) and `margin` (the mean `r_c − r_r`, without the
+/// data's margins), as TRL does.
+pub fn reward<O: TensorOps>(
+    ops: &O,
+    rewards: &O::T,
+    margins: Option<&[f64]>,
+    center: Option<f64>,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let (chosen, rejected) = ops.halves(rewards)?;
+    let mut diff = ops.sub(&chosen, &rejected)?;
+    if let Some(m) = margins {
+        diff = ops.sub(&diff, &ops.tensor(m, &[m.len()])?)?;
+    }
+    let mut loss = ops.affine(&ops.mean_all(&ops.log_sigmoid(&diff)?)?, -1.0, 0.0)?;
+    if let Some(c) = center {
+        let sum = ops.sqr(&ops.add(&chosen, &rejected)?)?;
+        loss = ops.add(&loss, &ops.affine(&ops.mean_all(&sum)?, c, 0.0)?)?;
+    }
+    let all = ops.to_f64(&ops.detach(rewards))?;
+    let n = all.len() / 2;
+    let (c, r) = all.split_at(n);
+    let total = all.len().max(1) as f64;
+    let pairs = n.max(1) as f64;
+    let metrics = BTreeMap::from([
+        (
+            "min_reward".to_string(),
+            all.iter().copied().fold(f64::INFINITY, f64::min),
+        ),
+        ("mean_reward".to_string(), all.iter().sum::<f64>() / total),
+        (
+            "max_reward".to_string(),
+            all.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ),
+        (
+            "accuracy".to_string(),
+            c.iter().zip(r).filter(|(a, b)| a > b).count() as f64 / pairs,
+        ),
+        (
+            "margin".to_string(),
+            c.iter().zip(r).map(|(a, b)| a - b).sum::<f64>() / pairs,
+        ),
+    ]);
+    Ok(LossOutput { loss, metrics })
+}
+
 /// KTO (TRL's `KTOTrainer.kto_loss`): per example `w · (1 − σ(β(ρ − z)))` for desirable
 /// completions and `w · (1 − σ(β(z − ρ)))` for undesirable ones, with `ρ` the policy/reference
 /// log-ratio and `z = max(0, kl)` the detached KL estimate (APO-zero: `z = 0` and

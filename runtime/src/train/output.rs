@@ -64,6 +64,50 @@ pub fn write_full(
     Ok(())
 }
 
+/// Rewrites `dir/config.json` (a full checkpoint's, as [`write_full`] wrote it) as the config
+/// of transformers' sequence classifier with one label (TRL's reward model):
+/// `architectures` `*ForSequenceClassification`, `id2label` / `label2id` of `LABEL_0`, and
+/// `pad_token_id` (the classifier reads each sequence at its last non-pad token).
+pub fn classifier_config(dir: &Path, pad_id: u32) -> Result<(), TrainError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| TrainError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| TrainError::Data {
+            path: path.clone(),
+            line: None,
+            message: e.to_string(),
+        })?;
+    if let Some(o) = cfg.as_object_mut() {
+        let archs: Vec<serde_json::Value> = o
+            .get("architectures")
+            .and_then(serde_json::Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .filter_map(serde_json::Value::as_str)
+            .map(|a| {
+                let stem = a
+                    .strip_suffix("ForCausalLM")
+                    .or_else(|| a.strip_suffix("ForSequenceClassification"))
+                    .unwrap_or(a);
+                format!("{stem}ForSequenceClassification").into()
+            })
+            .collect();
+        o.insert("architectures".into(), archs.into());
+        o.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
+        o.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
+        o.insert("pad_token_id".into(), pad_id.into());
+    }
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&cfg).expect("JSON") + "\n",
+    )
+    .map_err(|source| TrainError::Io { path, source })
+}
+
 /// Writes a run's result into `target` through a temporary folder beside it (`write` fills
 /// it), renamed at the end; the run's resumable checkpoints in `target` move along.
 pub fn save_into(

@@ -116,12 +116,50 @@ pub trait Runner: Sample {
         ids: &[Vec<u32>],
         attention: &[Vec<bool>],
     ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
+    /// The scores `[batch]` of the sequences `seqs` under a sequence classifier `model` (a
+    /// reward model: its `score` head has one output), right-padded with the pad id, each read
+    /// at its last non-pad token ([`last_non_pad`]) as transformers does.
+    fn forward_scores(
+        &self,
+        model: &Self::Model,
+        seqs: &[Vec<u32>],
+    ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
     /// Right-pads `seqs`, runs `model` and shifts.
     fn forward_shifted(
         &self,
         model: &Self::Model,
         seqs: &[(Vec<u32>, Vec<u8>)],
     ) -> Result<Shifted<<Self::Ops as TensorOps>::T>, TrainError>;
+}
+
+/// `seqs` right-padded with `pad` to the longest, and each row's length (an empty batch, or
+/// one whose sequences are all empty, is an error).
+pub fn pad_ids(seqs: &[Vec<u32>], pad: u32) -> Result<(Vec<Vec<u32>>, Vec<usize>), TrainError> {
+    let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
+    if len == 0 {
+        return Err(TrainError::Config {
+            field: "max_length".into(),
+            message: "a batch of empty sequences: nothing to score".into(),
+        });
+    }
+    let ids = seqs
+        .iter()
+        .map(|s| {
+            let mut r = s.clone();
+            r.resize(len, pad);
+            r
+        })
+        .collect();
+    Ok((ids, seqs.iter().map(Vec::len).collect()))
+}
+
+/// The position of each row's last token that is not `pad` (0 when every token is): where
+/// transformers' `*ForSequenceClassification` reads a sequence's score
+/// (`(arange(len) * (ids != pad)).argmax(-1)`).
+pub fn last_non_pad(ids: &[Vec<u32>], pad: u32) -> Vec<usize> {
+    ids.iter()
+        .map(|r| r.iter().rposition(|&t| t != pad).unwrap_or(0))
+        .collect()
 }
 
 /// A backend's error as a training error (`?` in code written for every backend).

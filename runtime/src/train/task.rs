@@ -9,12 +9,12 @@ use super::data::TextTokenizer;
 use super::driver::Window;
 use super::grpo::GrpoTask;
 use super::runner::Runner;
-use super::tasks::{DpoTask, KtoTask, MicroBatch, ScoredPairTask, SftTask, TensorOf};
+use super::tasks::{DpoTask, KtoTask, MicroBatch, RewardTask, ScoredPairTask, SftTask, TensorOf};
 use super::{TrainConfig, TrainError};
 use std::collections::BTreeMap;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 6] = ["sft", "dpo", "orpo", "simpo", "kto", "grpo"];
+pub const TASKS: [&str; 7] = ["sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward"];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
 /// for every task in one line.
@@ -26,6 +26,7 @@ macro_rules! for_each_task {
         $m!(simpo, "simpo");
         $m!(kto, "kto");
         $m!(grpo, "grpo");
+        $m!(reward, "reward");
     };
 }
 pub(crate) use for_each_task;
@@ -50,6 +51,11 @@ pub trait TaskInfo: Send {
     /// micro-batches reported it (default: the mean).
     fn window(&self, totals: &Window) -> BTreeMap<String, f64> {
         mean_window(totals)
+    }
+    /// What the task did to the data that the user did not ask for by name (examples left
+    /// out by `max_length`), for [`super::TrainPlan::notes`].
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
     }
     /// What a resumed run needs of the task's own state (random streams, counters).
     fn state(&self) -> serde_json::Value {
@@ -146,6 +152,7 @@ pub fn build<B: Backend>(
             Box::new(host.with_runner(|r| KtoTask::new(config, tok, r, reference))?)
         }
         "grpo" => Box::new(GrpoTask::new(config, tok, || host.reference())?),
+        "reward" => Box::new(RewardTask::new(config, tok)?),
         other => {
             return Err(TrainError::Config {
                 field: "task".into(),
@@ -293,6 +300,24 @@ impl<M: Send, R: Runner<Model = M>> Task<R> for GrpoTask<M> {
     fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
         GrpoTask::begin_step(self, r, micro_batches)
     }
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl TaskInfo for RewardTask {
+    fn name(&self) -> &'static str {
+        "reward"
+    }
+    fn examples(&self) -> usize {
+        RewardTask::examples(self)
+    }
+    fn notes(&self) -> Vec<String> {
+        RewardTask::notes(self)
+    }
+}
+
+impl<R: Runner> Task<R> for RewardTask {
     fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
         self.loss(r, indices)
     }

@@ -63,6 +63,9 @@ pub struct Setup {
     pub tokenizer: TextTokenizer,
     /// The loss operations on the model's device.
     pub ops: CandleOps,
+    /// What the run substitutes for something the model lacks, by name (a reward model's new
+    /// `score` head).
+    pub notes: Vec<String>,
 }
 
 impl Setup {
@@ -111,6 +114,15 @@ impl Setup {
             config.model.clone()
         };
         let tokenizer = TextTokenizer::from_model_dir(&tokenizer_dir)?;
+        let mut notes = Vec::new();
+        let reward = config.task == "reward";
+        if reward {
+            // A reward model: transformers' sequence classifier, its `score` head new unless
+            // the checkpoint has one.
+            let (m, note) = model.with_score_head(config.hyper.seed)?;
+            model = m;
+            notes.extend(note);
+        }
         let (adapters, trainable) = match (&config.lora, &config.init_adapter) {
             (None, None) => {
                 let trainable = model
@@ -142,7 +154,16 @@ impl Setup {
                     }
                 };
                 let adapters = adapters.with_dropout_state(config.hyper.seed ^ 0x6472_6f70);
-                let trainable = adapters.vars();
+                let mut trainable = adapters.vars();
+                if reward {
+                    // The head trains in full beside the adapters (PEFT's SEQ_CLS task puts
+                    // `score` in `modules_to_save`).
+                    let mut w = model.weights().clone();
+                    w.thaw(crate::model::SCORE);
+                    model = model.with_weights(w)?;
+                    let var = model.weights().vars()[crate::model::SCORE].clone();
+                    trainable.push((crate::model::SCORE.to_string(), var));
+                }
                 (Some(Arc::new(adapters)), trainable)
             }
         };
@@ -162,6 +183,7 @@ impl Setup {
             trainable,
             tokenizer,
             ops: CandleOps { device },
+            notes,
         })
     }
 
@@ -259,6 +281,27 @@ impl super::runner::Runner for Setup {
     ) -> Result<Shifted, TrainError> {
         forward_shifted(model, &self.ops, seqs, self.tokenizer.pad_id)
     }
+    fn forward_scores(&self, model: &DecoderModel, seqs: &[Vec<u32>]) -> Result<Tensor, TrainError> {
+        let pad = self.tokenizer.pad_id;
+        let (ids, lengths) = super::runner::pad_ids(seqs, pad)?;
+        let (b, len) = (ids.len(), lengths.iter().copied().max().unwrap_or(0));
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        let t = Tensor::from_vec(flat, (b, len), &self.ops.device)?;
+        let logits = model.forward_padded(&t, &lengths)?;
+        let outputs = logits.dim(2)?;
+        if outputs != 1 || !model.is_classifier() {
+            return Err(config_err(
+                "model",
+                format!("scoring needs a sequence classifier with one output (`score` [1, hidden]); this model's head has {outputs}"),
+            ));
+        }
+        let at: Vec<u32> = super::runner::last_non_pad(&ids, pad)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect();
+        let at = Tensor::from_vec(at, (b, 1), &self.ops.device)?;
+        Ok(logits.squeeze(2)?.gather(&at, 1)?.squeeze(1)?)
+    }
 }
 
 /// A task as the candle backend runs it: any of [`super::task`]'s, on [`Setup`].
@@ -346,6 +389,11 @@ impl super::driver::Stepper for CandleStepper<'_> {
     }
     fn sequential(&self) -> bool {
         self.objective.sequential()
+    }
+    fn notes(&self) -> Vec<String> {
+        let mut n = self.setup.notes.clone();
+        n.extend(self.objective.notes());
+        n
     }
     fn trainable_parameters(&self) -> u64 {
         self.setup
@@ -448,7 +496,13 @@ pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainErr
             }
             Ok(())
         }
-        None => write_full(setup, dir, &BTreeMap::new()),
+        None => {
+            write_full(setup, dir, &BTreeMap::new())?;
+            if setup.model.is_classifier() {
+                super::output::classifier_config(dir, setup.tokenizer.pad_id)?;
+            }
+            Ok(())
+        }
     })
 }
 

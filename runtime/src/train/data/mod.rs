@@ -21,6 +21,9 @@ pub enum DataFormat {
     Messages,
     /// `{"prompt", "chosen", "rejected"}`.
     Preference,
+    /// `{"chosen", "rejected"}`: a preference pair whose prompt is part of both sides (TRL's
+    /// implicit prompt).
+    ImplicitPreference,
     /// `{"prompt", "completion", "label"}`: an unpaired completion marked desirable or not.
     Unpaired,
     /// `{"prompt", …}`: a prompt alone (GRPO samples the completions); the other columns
@@ -36,6 +39,7 @@ impl DataFormat {
             DataFormat::PromptCompletion => &["prompt", "completion"],
             DataFormat::Messages => &["messages"],
             DataFormat::Preference => &["prompt", "chosen", "rejected"],
+            DataFormat::ImplicitPreference => &["chosen", "rejected"],
             DataFormat::Unpaired => &["prompt", "completion", "label"],
             DataFormat::Prompt => &["prompt"],
         }
@@ -43,7 +47,9 @@ impl DataFormat {
 
     fn detect(obj: &serde_json::Map<String, Value>) -> Option<Self> {
         let has = |k| obj.contains_key(k);
-        Some(if has("chosen") && has("rejected") {
+        Some(if has("chosen") && has("rejected") && !has("prompt") {
+            DataFormat::ImplicitPreference
+        } else if has("chosen") && has("rejected") {
             DataFormat::Preference
         } else if has("prompt") && has("completion") && has("label") {
             DataFormat::Unpaired

@@ -14,12 +14,14 @@ use std::collections::BTreeMap;
 mod dpo;
 pub mod grpo;
 mod kto;
+mod reward;
 mod scored;
 mod sft;
 
 pub use super::data::LmExample;
 pub use dpo::{DpoTask, PairExample, dpo_settings, pair_examples};
 pub use kto::{KtoTask, UnpairedExample, unpaired_examples};
+pub use reward::{RewardPair, RewardTask, reward_pairs};
 pub use scored::{ScoredLoss, ScoredPair, ScoredPairTask, scored_pairs};
 pub use sft::{SftTask, sft_examples, sft_examples_with};
 
