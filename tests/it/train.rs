@@ -470,13 +470,15 @@ fn simpo_with_truncated_completions_and_no_nll_matches_trl() {
 
 /// TRL's RewardTrainer from the same sequence classifier (tiny/reward-model): explicit prompts;
 /// implicit prompts with margins, center_rewards_coefficient and gradient accumulation;
-/// conversations; pairs left out by max_length; an evaluation set.
+/// conversations; LoRA continuing a PEFT SEQ_CLS adapter (its head trained in full); pairs
+/// left out by max_length; an evaluation set.
 #[test]
 fn reward_modelling_matches_trl() {
     for name in [
         "reward-full",
         "reward-margin-center",
         "reward-chat",
+        "reward-lora",
         "reward-short",
         "reward-eval",
     ] {
@@ -509,7 +511,10 @@ fn reward_model_output_is_a_sequence_classifier() {
         let ck = kiln_runtime::checkpoint::Checkpoint::open(&dir).unwrap();
         let score = ck.tensor("score.weight").expect("score.weight");
         assert_eq!(score.shape, vec![1, 32]);
-        assert!(ck.tensor("lm_head.weight").is_none(), "{model}: lm_head kept");
+        assert!(
+            ck.tensor("lm_head.weight").is_none(),
+            "{model}: lm_head kept"
+        );
         let c: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
                 .unwrap();
@@ -520,6 +525,57 @@ fn reward_model_output_is_a_sequence_classifier() {
         assert_eq!(c["id2label"], serde_json::json!({"0": "LABEL_0"}));
         assert_eq!(c["pad_token_id"], 3);
     }
+    // LoRA: PEFT's SEQ_CLS adapter, the head beside the adapters; merged, a classifier again.
+    let mut cfg = config("reward-full", &all["reward-full"], &out.path().join("lora"));
+    cfg.model = here().join("tiny/model");
+    cfg.hyper.max_steps = Some(1);
+    cfg.lora = Some(kiln_runtime::train::LoraConfig {
+        r: 2,
+        lora_alpha: 4.0,
+        lora_dropout: 0.0,
+        target_modules: vec!["all-linear".into()],
+        use_rslora: false,
+    });
+    cfg.merge = true;
+    let entry = kiln_runtime::resolve_trainer(&cfg).unwrap();
+    let report = entry
+        .construct(&cfg)
+        .unwrap()
+        .train(&mut Collect::default())
+        .unwrap();
+    let dir = report.output.unwrap();
+    let a: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(a["task_type"], "SEQ_CLS");
+    assert_eq!(
+        a["modules_to_save"],
+        serde_json::json!(["classifier", "score"])
+    );
+    assert!(
+        !a["target_modules"].to_string().contains("score"),
+        "all-linear leaves the head out: {}",
+        a["target_modules"]
+    );
+    let head = kiln_runtime::adapters::peft_classifier_head(&dir)
+        .unwrap()
+        .expect("the adapter holds the head");
+    assert_eq!(head.0, vec![1, 32]);
+    let merged = kiln_runtime::checkpoint::Checkpoint::open(dir.join("merged")).unwrap();
+    assert!(merged.tensor("score.weight").is_some());
+    assert!(merged.tensor("lm_head.weight").is_none());
+    // Only PEFT's layout holds the head.
+    cfg.adapter_format = kiln_runtime::train::AdapterFormat::MlxLm;
+    cfg.merge = false;
+    cfg.output = out.path().join("lora-mlx");
+    let e = kiln_runtime::resolve_trainer(&cfg)
+        .unwrap()
+        .construct(&cfg)
+        .unwrap()
+        .train(&mut Collect::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--adapter-format peft"), "{e}");
 }
 
 #[test]
@@ -875,6 +931,24 @@ fn mlx_grpo_matches_trl() {
         "grpo-dr",
         "grpo-iterations",
         "grpo-eval",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// Reward modelling on MLX, TRL's RewardTrainer from the same sequence classifier: text and
+/// conversational pairs, margins and centring, a PEFT SEQ_CLS adapter with its head, pairs
+/// left out by max_length, evaluation.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_reward_modelling_matches_trl() {
+    for name in [
+        "reward-full",
+        "reward-margin-center",
+        "reward-chat",
+        "reward-lora",
+        "reward-short",
+        "reward-eval",
     ] {
         check_on(name, "mlx");
     }

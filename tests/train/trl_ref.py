@@ -123,6 +123,26 @@ def build_reward_model(model_dir):
     return out
 
 
+def build_reward_adapter(reward_model):
+    """An initial LoRA adapter of the reward model (PEFT's SEQ_CLS task: its `score` head
+    trained in full, as `modules_to_save`), non-zero A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(3)
+    model = LlamaForSequenceClassification.from_pretrained(reward_model, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                     init_lora_weights=False, task_type="SEQ_CLS")
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.3)
+    out = os.path.join(TINY, "reward-adapter")
+    peft_model.save_pretrained(out)
+    return out
+
+
 def build_adapter(model_dir, out=None):
     """A shared initial LoRA adapter with non-zero A and B (init_lora_weights=False), so the
     first step already moves both."""
@@ -339,11 +359,14 @@ def main():
         model_dir = build_model()
         adapter = build_adapter(model_dir)
         write_data()
-        build_reward_model(model_dir)
+        build_reward_adapter(build_reward_model(model_dir))
     dropout = dropout_adapter(adapter)
     reward_model = os.path.join(TINY, "reward-model")
     if not os.path.isdir(reward_model):
         build_reward_model(model_dir)
+    reward_adapter = os.path.join(TINY, "reward-adapter")
+    if not os.path.isdir(reward_adapter):
+        build_reward_adapter(reward_model)
     d = lambda n: os.path.join(DATA, n)
     if not os.path.exists(d("reward-margin.jsonl")):
         write_data()
@@ -441,6 +464,7 @@ def main():
         "reward-margin-center": ("reward", d("reward-margin.jsonl"), None, dict(
             learning_rate=1e-3, center_rewards_coefficient=0.01, gradient_accumulation_steps=2)),
         "reward-chat": ("reward", d("dpo-chat.jsonl"), None, dict(learning_rate=1e-3)),
+        "reward-lora": ("reward", d("dpo.jsonl"), reward_adapter, dict(learning_rate=1e-2)),
         "reward-short": ("reward", d("dpo.jsonl"), None, dict(learning_rate=1e-3, max_length=14)),
         "reward-eval": ("reward", d("dpo.jsonl"), None, dict(learning_rate=1e-3, eval_data=d("dpo-eval.jsonl"),
                                                              eval_steps=3, per_device_eval_batch_size=3)),

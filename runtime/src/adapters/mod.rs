@@ -24,7 +24,7 @@ fn read_pairs(
     (a_name, b_name): (&str, &str),
     transposed: bool,
     device: &candle_core::Device,
-    split: impl Fn(&str) -> Result<(String, usize), String>,
+    split: impl Fn(&str) -> Result<Option<(String, usize)>, String>,
 ) -> Result<BTreeMap<String, (Var, Var)>, ModelError> {
     let st_err = |m: String| ModelError::file(path, m);
     let bytes = std::fs::read(path).map_err(|e| st_err(e.to_string()))?;
@@ -35,7 +35,9 @@ fn read_pairs(
         .collect();
     let mut halves: BTreeMap<String, (Option<Var>, Option<Var>)> = BTreeMap::new();
     for (name, view) in st.tensors() {
-        let (module, which) = split(&name).map_err(&st_err)?;
+        let Some((module, which)) = split(&name).map_err(&st_err)? else {
+            continue;
+        };
         let &(inputs, outputs) = shapes.get(module.as_str()).ok_or_else(|| {
             st_err(format!(
                 "tensor `{name}`: the model has no Linear `{module}`"
@@ -133,6 +135,19 @@ impl Adapters {
         }
     }
 
+    /// [`Adapters::save_peft_for`] of a sequence classifier (a reward model): the `score` head
+    /// trained in full beside the adapters, written as PEFT's `SEQ_CLS` task writes it
+    /// (`base_model.model.score.weight`, `modules_to_save` `["classifier", "score"]`).
+    pub fn save_peft_classifier(
+        &self,
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        base_model: &str,
+        score: &Tensor,
+    ) -> Result<(), ModelError> {
+        self.save_peft_with(dir, modules, base_model, Some(score))
+    }
+
     /// Writes PEFT's `adapter_model.safetensors` and `adapter_config.json` into `dir`.
     pub fn save_peft(
         &self,
@@ -150,10 +165,28 @@ impl Adapters {
         modules: &[(String, usize, usize)],
         base_model: &str,
     ) -> Result<(), ModelError> {
+        self.save_peft_with(dir, modules, base_model, None)
+    }
+
+    fn save_peft_with(
+        &self,
+        dir: &Path,
+        modules: &[(String, usize, usize)],
+        base_model: &str,
+        score: Option<&Tensor>,
+    ) -> Result<(), ModelError> {
         let mut tensors = Vec::new();
         for (name, var) in self.vars() {
             let t = var.as_tensor().to_dtype(DType::F32)?;
             tensors.push((name, t.dims().to_vec(), t.flatten_all()?.to_vec1()?));
+        }
+        if let Some(t) = score {
+            let t = t.to_dtype(DType::F32)?;
+            tensors.push((
+                format!("base_model.model.{}", crate::model::SCORE),
+                t.dims().to_vec(),
+                t.flatten_all()?.to_vec1()?,
+            ));
         }
         let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         write_f32(
@@ -175,13 +208,13 @@ impl Adapters {
             "layers_to_transform": null,
             "lora_alpha": s.alpha,
             "lora_dropout": s.dropout,
-            "modules_to_save": null,
+            "modules_to_save": score.map(|_| json!(["classifier", "score"])),
             "peft_type": "LORA",
             "r": s.r,
             "rank_pattern": {},
             "revision": null,
             "target_modules": self.peft_target_modules(modules),
-            "task_type": "CAUSAL_LM",
+            "task_type": if score.is_some() { "SEQ_CLS" } else { "CAUSAL_LM" },
             "use_dora": false,
             "use_rslora": s.rslora,
         });
@@ -311,9 +344,9 @@ impl Adapters {
             device,
             |name| {
                 if let Some(m) = name.strip_suffix(".lora_a") {
-                    Ok((m.to_string(), 0))
+                    Ok(Some((m.to_string(), 0)))
                 } else if let Some(m) = name.strip_suffix(".lora_b") {
-                    Ok((m.to_string(), 1))
+                    Ok(Some((m.to_string(), 1)))
                 } else {
                     Err(format!(
                         "tensor `{name}` is not an mlx-lm LoRA tensor (lora_a / lora_b)"
@@ -401,6 +434,7 @@ impl Adapters {
                 .unwrap_or(false),
             target_modules: targets,
         };
+        let classifier = cfg.get("task_type").and_then(Value::as_str) == Some("SEQ_CLS");
         let pairs = read_pairs(
             &dir.join("adapter_model.safetensors"),
             modules,
@@ -413,9 +447,13 @@ impl Adapters {
                     .strip_prefix("base_model.model.")
                     .ok_or_else(|| format!("tensor `{name}` is not a PEFT LoRA tensor"))?;
                 if let Some(m) = rest.strip_suffix(".lora_A.weight") {
-                    Ok((m.to_string(), 0))
+                    Ok(Some((m.to_string(), 0)))
                 } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
-                    Ok((m.to_string(), 1))
+                    Ok(Some((m.to_string(), 1)))
+                } else if rest == crate::model::SCORE && classifier {
+                    // A sequence classifier's head, trained in full (`modules_to_save`):
+                    // read by `peft_classifier_head`.
+                    Ok(None)
                 } else {
                     Err(format!(
                         "tensor `{name}` is not a LoRA A/B weight (only LoRA on Linear layers is supported)"
@@ -425,6 +463,33 @@ impl Adapters {
         )?;
         Ok(Adapters::of_pairs(pairs, spec))
     }
+}
+
+/// A tensor on the host: its shape and f32 values.
+pub type HostHead = (Vec<usize>, Vec<f32>);
+
+/// The `score` head a PEFT adapter of a sequence classifier (`task_type` `SEQ_CLS`) holds
+/// beside its LoRA tensors (`base_model.model.score.weight`, PEFT's `modules_to_save`), as
+/// `(shape, values)`; `None` when the folder has no such head.
+pub fn peft_classifier_head(dir: &Path) -> Result<Option<HostHead>, ModelError> {
+    let path = dir.join("adapter_model.safetensors");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let err = |m: String| ModelError::file(&path, m);
+    let bytes = std::fs::read(&path).map_err(|e| err(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
+    let name = format!("base_model.model.{}", crate::model::SCORE);
+    let Ok(view) = st.tensor(&name) else {
+        return Ok(None);
+    };
+    let data = crate::checkpoint::floats::to_f32(view.dtype(), view.data()).ok_or_else(|| {
+        err(format!(
+            "tensor `{name}` has dtype {:?} (expected F32, BF16 or F16)",
+            view.dtype()
+        ))
+    })?;
+    Ok(Some((view.shape().to_vec(), data)))
 }
 
 /// The full-precision checkpoint `base` with the PEFT adapter at `adapter` merged into its

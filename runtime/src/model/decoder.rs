@@ -367,8 +367,8 @@ impl KvCache {
 /// matmul would also compute, and keep until the step ends, one for the frozen weight); a
 /// trained one through candle's matmul.
 fn frozen_or_dense(weights: &Weights, w: Tensor) -> LinearWeight {
-    match weights
-        .is_frozen()
+    // A weight thawed after freezing (a classifier's head under LoRA) stays in autograd.
+    match (weights.is_frozen() && !w.is_variable())
         .then(|| super::packed::FrozenRows::of(&w))
         .flatten()
     {
@@ -458,7 +458,7 @@ pub fn new_score_head(config: &DecoderConfig, seed: u64) -> (Vec<f32>, String) {
         ),
     };
     let hidden = config.hidden;
-    let mut rng = crate::rng::SplitMix64(seed ^ 0x7363_6f72_65);
+    let mut rng = crate::rng::SplitMix64(seed ^ 0x0073_636f_7265);
     let values = (0..hidden)
         .map(|_| (std * normal(&mut rng)) as f32)
         .collect();
@@ -534,6 +534,8 @@ impl DecoderModel {
             lora::linear_modules_of(shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
                 .into_iter()
                 .map(|(m, _, _)| format!("{m}.weight"))
+                // A classifier's head trains in full beside the adapters: a variable.
+                .filter(|n| n != SCORE)
                 .collect();
         let mut weights =
             super::load_plain_where(checkpoint, DType::F32, device, |n| !linear.contains(n))?;

@@ -21,7 +21,7 @@ pub struct LoraSpec {
     /// `use_rslora`: scale by `α/√r` instead of `α/r`.
     pub rslora: bool,
     /// Module names as PEFT takes them: a name matches a module whose path is it or ends in
-    /// `.<name>`; `all-linear` takes every Linear but the output layer; a name with `*`
+    /// `.<name>`; `all-linear` takes every Linear but the output layer (`lm_head`, a classifier's `score`); a name with `*`
     /// is a glob over the whole module path (`model.layers.*.self_attn.q_proj`).
     pub target_modules: Vec<String>,
 }
@@ -40,7 +40,8 @@ impl LoraSpec {
     pub fn targets(&self, module: &str) -> bool {
         self.target_modules.iter().any(|t| {
             if t == "all-linear" {
-                module != "lm_head"
+                // PEFT leaves out the output layer (and a classifier's head, trained in full).
+                module != "lm_head" && module != "score"
             } else if crate::glob::is_pattern(t) {
                 crate::glob::matches(t, module)
             } else {

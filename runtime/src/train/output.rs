@@ -74,12 +74,11 @@ pub fn classifier_config(dir: &Path, pad_id: u32) -> Result<(), TrainError> {
         path: path.clone(),
         source,
     })?;
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| TrainError::Data {
-            path: path.clone(),
-            line: None,
-            message: e.to_string(),
-        })?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::Data {
+        path: path.clone(),
+        line: None,
+        message: e.to_string(),
+    })?;
     if let Some(o) = cfg.as_object_mut() {
         let archs: Vec<serde_json::Value> = o
             .get("architectures")
@@ -164,7 +163,8 @@ pub fn merged_dir(dir: &Path) -> Result<PathBuf, TrainError> {
 /// files, mlx-lm's, or PEFT's with llama.cpp's `adapter.gguf` beside them (titled after the
 /// output folder, as `convert_lora_to_gguf.py` titles the folder it converts). `fin`: the final
 /// output (checkpoints keep PEFT's layout, which a resumed run reads). `modules`: the model's
-/// Linears; `layers`: its decoder layers.
+/// Linears; `layers`: its decoder layers; `score`: a reward model's head, trained in full
+/// beside the adapters (PEFT's `SEQ_CLS` layout, the only one that holds it).
 pub(crate) fn save_adapter(
     a: &crate::model::lora::Adapters,
     config: &crate::train::TrainConfig,
@@ -172,9 +172,20 @@ pub(crate) fn save_adapter(
     modules: &[(String, usize, usize)],
     layers: usize,
     fin: bool,
+    score: Option<&candle_core::Tensor>,
 ) -> Result<(), TrainError> {
     use crate::train::AdapterFormat;
     let base = config.model.display().to_string();
+    if let Some(score) = score {
+        if fin && config.adapter_format != AdapterFormat::Peft {
+            return Err(super::config_err(
+                "adapter_format",
+                "a reward model's adapter carries its trained `score` head, which only PEFT's layout holds (--adapter-format peft)",
+            ));
+        }
+        a.save_peft_classifier(dir, modules, &base, score)?;
+        return Ok(());
+    }
     match (config.adapter_format, fin) {
         (AdapterFormat::MlxLm, true) => a.save_mlx_lm(dir, layers)?,
         (AdapterFormat::Gguf, true) => {

@@ -71,7 +71,13 @@ pub fn save(
         &moments,
         |dir| match &setup.adapters {
             Some(a) => {
-                Ok(a.save_peft(dir, &setup.model, &setup.config.model.display().to_string())?)
+                let base = setup.config.model.display().to_string();
+                let modules = crate::model::lora::linear_modules(&setup.model);
+                match setup.score() {
+                    Some(s) => a.save_peft_classifier(dir, &modules, &base, s)?,
+                    None => a.save_peft_for(dir, &modules, &base)?,
+                }
+                Ok(())
             }
             None => super::write_full(setup, dir, &BTreeMap::new()),
         },

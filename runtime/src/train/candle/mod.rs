@@ -157,11 +157,36 @@ impl Setup {
                 let mut trainable = adapters.vars();
                 if reward {
                     // The head trains in full beside the adapters (PEFT's SEQ_CLS task puts
-                    // `score` in `modules_to_save`).
+                    // `score` in `modules_to_save`); a continued adapter brings its own.
                     let mut w = model.weights().clone();
                     w.thaw(crate::model::SCORE);
                     model = model.with_weights(w)?;
                     let var = model.weights().vars()[crate::model::SCORE].clone();
+                    if let Some(dir) = init
+                        && let Some((dims, values)) = crate::adapters::peft_classifier_head(dir)?
+                    {
+                        let t = Tensor::from_vec(values, dims.as_slice(), model.device()).map_err(
+                            |e| {
+                                crate::model::ModelError::file(
+                                    dir,
+                                    format!("`base_model.model.score.weight`: {e}"),
+                                )
+                            },
+                        )?;
+                        if t.dims() != var.as_tensor().dims() {
+                            return Err(config_err(
+                                "init_adapter",
+                                format!(
+                                    "{}: `base_model.model.score.weight` has shape {:?}, the model's head {:?}",
+                                    dir.display(),
+                                    t.dims(),
+                                    var.as_tensor().dims()
+                                ),
+                            ));
+                        }
+                        var.set(&t)?;
+                        notes.retain(|n| !n.starts_with("score.weight: "));
+                    }
                     trainable.push((crate::model::SCORE.to_string(), var));
                 }
                 (Some(Arc::new(adapters)), trainable)
@@ -185,6 +210,16 @@ impl Setup {
             ops: CandleOps { device },
             notes,
         })
+    }
+
+    /// A reward model's `score` head under LoRA (trained in full beside the adapters).
+    pub fn score(&self) -> Option<&Tensor> {
+        self.adapters.as_ref()?;
+        self.model
+            .weights()
+            .vars()
+            .get(crate::model::SCORE)
+            .map(Var::as_tensor)
     }
 
     /// The run as evaluation sees it: the same weights (shared, so it follows training), the
@@ -281,7 +316,11 @@ impl super::runner::Runner for Setup {
     ) -> Result<Shifted, TrainError> {
         forward_shifted(model, &self.ops, seqs, self.tokenizer.pad_id)
     }
-    fn forward_scores(&self, model: &DecoderModel, seqs: &[Vec<u32>]) -> Result<Tensor, TrainError> {
+    fn forward_scores(
+        &self,
+        model: &DecoderModel,
+        seqs: &[Vec<u32>],
+    ) -> Result<Tensor, TrainError> {
         let pad = self.tokenizer.pad_id;
         let (ids, lengths) = super::runner::pad_ids(seqs, pad)?;
         let (b, len) = (ids.len(), lengths.iter().copied().max().unwrap_or(0));
@@ -292,7 +331,9 @@ impl super::runner::Runner for Setup {
         if outputs != 1 || !model.is_classifier() {
             return Err(config_err(
                 "model",
-                format!("scoring needs a sequence classifier with one output (`score` [1, hidden]); this model's head has {outputs}"),
+                format!(
+                    "scoring needs a sequence classifier with one output (`score` [1, hidden]); this model's head has {outputs}"
+                ),
             ));
         }
         let at: Vec<u32> = super::runner::last_non_pad(&ids, pad)
@@ -488,6 +529,7 @@ pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainErr
                 &crate::model::lora::linear_modules(&setup.model),
                 setup.model.config().layers,
                 true,
+                setup.score(),
             )?;
             if setup.config.merge {
                 let merged_dir = super::output::merged_dir(dir)?;
@@ -496,13 +538,7 @@ pub fn save(setup: &Setup, target: &Path) -> Result<std::path::PathBuf, TrainErr
             }
             Ok(())
         }
-        None => {
-            write_full(setup, dir, &BTreeMap::new())?;
-            if setup.model.is_classifier() {
-                super::output::classifier_config(dir, setup.tokenizer.pad_id)?;
-            }
-            Ok(())
-        }
+        None => write_full(setup, dir, &BTreeMap::new()),
     })
 }
 
@@ -518,7 +554,11 @@ pub(crate) fn write_full(
         let data: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         Ok((name.clone(), t.dims().to_vec(), data))
     });
-    super::output::write_full(&setup.config.model, dir, tensors)
+    super::output::write_full(&setup.config.model, dir, tensors)?;
+    if setup.model.is_classifier() {
+        super::output::classifier_config(dir, setup.tokenizer.pad_id)?;
+    }
+    Ok(())
 }
 
 /// The candle backend, as the tasks see it.

@@ -108,6 +108,9 @@ pub struct MlxDecoder {
     config: DecoderConfig,
     layers: Vec<LayerNames>,
     tied: bool,
+    /// The output layer's module: `lm_head`, or a sequence classifier's `score` (a reward
+    /// model, transformers' `*ForSequenceClassification`).
+    head: String,
     /// QLoRA: the modules kept packed (mlx-lm's layout: `weight` as `uint32` words beside
     /// `scales` and `biases`), run with MLX's `quantized_matmul` (Linears) and `dequantize`
     /// (embedding rows).
@@ -227,7 +230,9 @@ impl MlxDecoder {
         let maybe = |name: String| weights.contains_key(&name).then_some(name);
         need("model.embed_tokens.weight".into())?;
         need("model.norm.weight".into())?;
-        let tied = !weights.contains_key("lm_head.weight");
+        let classifier =
+            !weights.contains_key("lm_head.weight") && weights.contains_key(crate::model::SCORE);
+        let tied = !weights.contains_key("lm_head.weight") && !classifier;
         if tied && !config.tie_word_embeddings {
             return Err(ModelError::Tensor {
                 tensor: "lm_head.weight".into(),
@@ -260,8 +265,44 @@ impl MlxDecoder {
             config,
             layers,
             tied,
+            head: if classifier { "score" } else { "lm_head" }.into(),
             quantized: BTreeMap::new(),
         })
+    }
+
+    /// Whether the output layer is a sequence classifier's `score` (a reward model).
+    pub fn is_classifier(&self) -> bool {
+        self.head == "score"
+    }
+
+    /// The decoder as transformers' `AutoModelForSequenceClassification(num_labels=1)` loads
+    /// it: a `score` head `[1, hidden]` in place of `lm_head` in `weights` — kept when there,
+    /// else new (the candle backend's draw, [`crate::model::new_score_head`]), with the note
+    /// that says so.
+    pub fn with_score_head(
+        mut self,
+        weights: &mut MlxWeights,
+        seed: u64,
+    ) -> Result<(Self, Option<String>), ModelError> {
+        if self.is_classifier() {
+            return Ok((self, None));
+        }
+        let (values, note) = crate::model::new_score_head(&self.config, seed);
+        if self.quantized.contains_key("lm_head") {
+            return Err(ModelError::Config(
+                "a reward model's head over a quantized lm_head: train it with --backend candle"
+                    .into(),
+            ));
+        }
+        weights.remove("lm_head.weight");
+        weights.remove("lm_head.bias");
+        weights.insert(
+            crate::model::SCORE.into(),
+            f32_array(&values, &[1, self.config.hidden]),
+        );
+        self.head = "score".into();
+        self.tied = false;
+        Ok((self, Some(note)))
     }
 
     /// The configuration.
@@ -418,7 +459,7 @@ impl MlxDecoder {
                 None => ops::matmul(&h, table.t()),
             }
         } else {
-            self.linear(ctx, "lm_head", &h)
+            self.linear(ctx, &self.head, &h)
         }
     }
 

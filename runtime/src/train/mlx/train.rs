@@ -48,6 +48,11 @@ pub struct MlxSetup {
     names: Vec<String>,
     /// The model's tokenizer.
     pub tokenizer: TextTokenizer,
+    /// A reward model under LoRA: the last trainable array is its `score` head, trained in
+    /// full beside the adapters.
+    head_param: bool,
+    /// What the run substitutes for something the model lacks, by name.
+    notes: Vec<String>,
 }
 
 impl MlxSetup {
@@ -77,8 +82,36 @@ impl MlxSetup {
             ));
         }
         let checkpoint = Checkpoint::open(&config.model).map_err(crate::model::ModelError::from)?;
-        let (decoder, base) = MlxDecoder::load(&checkpoint)?;
+        let (mut decoder, mut base) = MlxDecoder::load(&checkpoint)?;
         let tokenizer = TextTokenizer::from_model_dir(&config.model)?;
+        let mut notes = Vec::new();
+        let reward = config.task == "reward";
+        if reward {
+            // A reward model: transformers' sequence classifier, its `score` head new unless
+            // the checkpoint has one.
+            let (d, note) = decoder.with_score_head(&mut base, config.hyper.seed)?;
+            decoder = d;
+            notes.extend(note);
+            if let Some(dir) = &config.init_adapter
+                && let Some((dims, values)) = crate::adapters::peft_classifier_head(dir)?
+            {
+                let want = [1, decoder.config().hidden];
+                if dims != want {
+                    return Err(config_err(
+                        "init_adapter",
+                        format!(
+                            "{}: `base_model.model.score.weight` has shape {dims:?}, the model's head {want:?}",
+                            dir.display()
+                        ),
+                    ));
+                }
+                base.insert(
+                    crate::model::SCORE.into(),
+                    Array::from_slice(&values, &[1, want[1] as i32]),
+                );
+                notes.retain(|n| !n.starts_with("score.weight: "));
+            }
+        }
         let shapes: Vec<(String, Vec<usize>)> = base
             .iter()
             .map(|(n, a)| (n.clone(), decoder.logical_shape(n, a)))
@@ -106,6 +139,7 @@ impl MlxSetup {
             a.with_dropout_state(config.hyper.seed ^ 0x6472_6f70)
                 .set_training(dropout)
         });
+        let adapters_on = adapters.is_some();
         let (names, params) = match &adapters {
             Some(a) => {
                 let mut names = Vec::new();
@@ -113,6 +147,10 @@ impl MlxSetup {
                 for (name, var) in a.vars() {
                     params.push(to_array(var.as_tensor())?);
                     names.push(name);
+                }
+                if reward {
+                    params.push(base[crate::model::SCORE].clone());
+                    names.push(crate::model::SCORE.into());
                 }
                 (names, params)
             }
@@ -127,6 +165,8 @@ impl MlxSetup {
                 modules,
                 names,
                 tokenizer,
+                head_param: reward && adapters_on,
+                notes,
             },
             params,
         ))
@@ -148,7 +188,13 @@ impl MlxSetup {
                         },
                     );
                 }
-                (self.base.clone(), lora)
+                let mut w = self.base.clone();
+                if self.head_param
+                    && let Some(score) = params.last()
+                {
+                    w.insert(crate::model::SCORE.into(), score.clone());
+                }
+                (w, lora)
             }
             None => {
                 let w = self
@@ -254,6 +300,34 @@ impl Runner for MlxRunner<'_> {
                 Some(attention),
             )
             .map_err(mlx_err)?)
+    }
+    fn forward_scores(&self, model: &MlxModel, seqs: &[Vec<u32>]) -> Result<Array, TrainError> {
+        let pad = self.setup.tokenizer.pad_id;
+        let (ids, lengths) = crate::train::runner::pad_ids(seqs, pad)?;
+        if !self.setup.decoder.is_classifier() {
+            return Err(config_err(
+                "model",
+                "scoring needs a sequence classifier with one output (`score` [1, hidden])",
+            ));
+        }
+        let len = lengths.iter().copied().max().unwrap_or(0);
+        let attention: Vec<Vec<bool>> = lengths
+            .iter()
+            .map(|&n| (0..len).map(|j| j < n).collect())
+            .collect();
+        let at: Vec<i32> = crate::train::runner::last_non_pad(&ids, pad)
+            .into_iter()
+            .map(|i| i as i32)
+            .collect();
+        let b = ids.len() as i32;
+        let logits = self.forward_masked(model, &ids, &attention)?;
+        let go = || -> Result<Array, Exception> {
+            let scores = logits.reshape(&[b, len as i32])?;
+            scores
+                .take_along_axis(Array::from_slice(&at, &[b, 1]), 1)?
+                .reshape(&[b])
+        };
+        go().map_err(|e| backend_err(e.to_string()))
     }
     fn forward_shifted(
         &self,
@@ -398,16 +472,18 @@ impl Stepper for MlxStepper {
         self.task.examples()
     }
     fn notes(&self) -> Vec<String> {
+        let mut notes = self.setup.notes.clone();
+        notes.extend(self.task.notes());
         // TRL's default is on; the MLX backend has no checkpointed layer yet.
-        match self.setup.config.gradient_checkpointing() {
-            Ok(true) => vec![
+        if let Ok(true) = self.setup.config.gradient_checkpointing() {
+            notes.push(
                 "gradient_checkpointing: not built on the mlx backend; every activation is kept \
                  for the backward pass (the numbers are the same; set \
                  --gradient-checkpointing false to silence this)"
                     .into(),
-            ],
-            _ => Vec::new(),
+            );
         }
+        notes
     }
     fn trainable_parameters(&self) -> u64 {
         self.params
@@ -586,6 +662,14 @@ impl MlxStepper {
                     )?;
                     var.set(&t)?;
                 }
+                let score = match (setup.head_param, self.params.last()) {
+                    (true, Some(p)) => Some(candle_core::Tensor::from_vec(
+                        host(p)?,
+                        (1, setup.decoder.config().hidden),
+                        &candle_core::Device::Cpu,
+                    )?),
+                    _ => None,
+                };
                 // Checkpoints keep PEFT's layout (a resumed run reads its own arrays).
                 crate::train::output::save_adapter(
                     a,
@@ -594,6 +678,7 @@ impl MlxStepper {
                     &setup.modules,
                     setup.decoder.config().layers,
                     fin,
+                    score.as_ref(),
                 )?;
                 if fin && setup.config.merge {
                     let merged_dir = crate::train::output::merged_dir(dir)?;
@@ -611,6 +696,12 @@ impl MlxStepper {
                         Ok((name.clone(), dims, host(&arr)?))
                     });
                     crate::train::output::write_full(&setup.config.model, &merged_dir, tensors)?;
+                    if setup.decoder.is_classifier() {
+                        crate::train::output::classifier_config(
+                            &merged_dir,
+                            setup.tokenizer.pad_id,
+                        )?;
+                    }
                 }
                 Ok(())
             }
@@ -619,7 +710,11 @@ impl MlxStepper {
                     let dims = p.shape().iter().map(|&d| d as usize).collect();
                     Ok((name.clone(), dims, host(p)?))
                 });
-                crate::train::output::write_full(&setup.config.model, dir, tensors)
+                crate::train::output::write_full(&setup.config.model, dir, tensors)?;
+                if setup.decoder.is_classifier() {
+                    crate::train::output::classifier_config(dir, setup.tokenizer.pad_id)?;
+                }
+                Ok(())
             }
         }
     }

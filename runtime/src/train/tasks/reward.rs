@@ -39,8 +39,9 @@ pub fn reward_pairs(data: &Dataset, tok: &TextTokenizer) -> Result<Vec<RewardPai
                 line: Some(r.line),
                 message: m,
             };
-            let margin = if with_margin {
-                Some(
+            let margin =
+                if with_margin {
+                    Some(
                     r.fields
                         .get("margin")
                         .and_then(Value::as_f64)
@@ -49,9 +50,9 @@ pub fn reward_pairs(data: &Dataset, tok: &TextTokenizer) -> Result<Vec<RewardPai
                                 .into())
                         })?,
                 )
-            } else {
-                None
-            };
+                } else {
+                    None
+                };
             let conversational = r.fields.get("chosen").is_some_and(Value::is_array);
             let side = |k: &str| -> Result<Vec<u32>, TrainError> {
                 if conversational {
