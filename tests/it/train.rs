@@ -159,10 +159,22 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
                 c.hyper.per_device_train_batch_size = v.as_u64().unwrap() as usize
             }
             "max_steps" => c.hyper.max_steps = Some(v.as_u64().unwrap()),
+            // A reward model's folder is relative to tests/train.
+            "reward_funcs" => {
+                let funcs: Vec<Value> = v
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|f| match f.as_str().unwrap() {
+                        n if n.contains('/') => here().join(n).display().to_string().into(),
+                        _ => f.clone(),
+                    })
+                    .collect();
+                c.task_options.insert(k.clone(), funcs.into());
+            }
             "num_generations"
             | "max_completion_length"
             | "temperature"
-            | "reward_funcs"
             | "reward_weights"
             | "scale_rewards"
             | "num_iterations"
@@ -613,6 +625,14 @@ fn dr_grpo_unscaled_matches_trl() {
     check("grpo-dr");
 }
 
+/// GRPO rewarded by a trained reward model (TRL loads the folder as
+/// AutoModelForSequenceClassification) beside a function: the model's scores, TRL's
+/// `rewards/<folder>/mean` figures, the same steps.
+#[test]
+fn grpo_with_a_reward_model_matches_trl() {
+    check("grpo-reward-model");
+}
+
 /// The f32 tensor `name` of a safetensors file.
 fn f32_tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
     let bytes = std::fs::read(path).unwrap();
@@ -931,6 +951,7 @@ fn mlx_grpo_matches_trl() {
         "grpo-dr",
         "grpo-iterations",
         "grpo-eval",
+        "grpo-reward-model",
     ] {
         check_on(name, "mlx");
     }

@@ -305,7 +305,9 @@ def run(task, model_dir, data, adapter=None, **overrides):
         names = common.pop("reward_funcs")
         trainer = GRPOTrainer(model=model, args=GRPOConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
                               processing_class=tok,
-                              reward_funcs=[funcs[n] for n in names], callbacks=[rec])
+                              # A name not among the functions is a reward model's folder.
+                              reward_funcs=[funcs.get(n) or os.path.join(HERE, n) for n in names],
+                              callbacks=[rec])
         generated, eval_generated = [], []
         original = trainer._generate_single_turn
 
@@ -455,6 +457,9 @@ def main():
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
             shuffle_dataset=False, reward_funcs=["count_digits", "exact_match"], max_steps=4,
             eval_data=d("grpo-eval.jsonl"), eval_steps=2, per_device_eval_batch_size=4)),
+        "grpo-reward-model": ("grpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+            shuffle_dataset=False, reward_funcs=["tiny/reward-model", "count_digits"], max_steps=4)),
         "grpo-dr": ("grpo", d("grpo.jsonl"), None, dict(
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",

@@ -117,7 +117,7 @@ pub const FIELDS: &[Field] = &[
         "reward_funcs",
         Kind::List,
         GRPO,
-        "Reward functions by name; `kiln registry rewards` lists them [exact_match]",
+        "Reward functions by name (`kiln registry rewards` lists them) or reward models by folder (`kiln train --task reward` output) [exact_match]",
     ),
     f(
         "reward_weights",

@@ -24,6 +24,8 @@ pub mod optim;
 #[cfg(feature = "exec")]
 pub mod output;
 pub mod registry;
+#[cfg(feature = "exec")]
+pub mod reward_model;
 pub mod reward_registry;
 pub mod rewards;
 #[cfg(feature = "exec")]

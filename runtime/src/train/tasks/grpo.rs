@@ -71,6 +71,12 @@ impl CompletionSource for Sampled {
     }
 }
 
+/// A reward: a registered function (`#[reward]`) or a trained reward model.
+enum Scorer {
+    Func(crate::train::reward_registry::RewardFn),
+    Model(std::sync::Arc<crate::train::reward_model::RewardModel>),
+}
+
 /// Per-token log-probs, the completion mask (device and host) and the entropies of a GRPO
 /// micro-batch.
 type CompletionLogps<T> = (T, T, Vec<Vec<f32>>, T);
@@ -95,7 +101,7 @@ pub struct GrpoTask<M> {
     records: Vec<serde_json::Map<String, serde_json::Value>>,
     options: serde_json::Map<String, serde_json::Value>,
     g: usize,
-    rewards: Vec<(String, crate::train::reward_registry::RewardFn)>,
+    rewards: Vec<(String, Scorer)>,
     weights: Vec<f64>,
     scale_rewards: String,
     settings: GrpoSettings,
@@ -186,19 +192,28 @@ impl<M> GrpoTask<M> {
         let registry = crate::train::reward_registry::RewardRegistry::try_global()
             .map_err(|e| config_err("reward_funcs", e.to_string()))?;
         let mut rewards = Vec::with_capacity(names.len());
+        let mut function_names = Vec::with_capacity(names.len());
         for n in &names {
-            let e = registry.get(n).ok_or_else(|| {
-                config_err(
+            // A registered name first; else a reward model's folder, as TRL takes a model id.
+            if let Some(e) = registry.get(n) {
+                rewards.push((n.clone(), Scorer::Func(e.func)));
+                function_names.push(n.clone());
+                continue;
+            }
+            let dir = std::path::Path::new(n);
+            if !crate::train::reward_model::RewardModel::is_model_dir(dir) {
+                return Err(config_err(
                     "reward_funcs",
                     format!(
-                        "no reward function `{n}` (registered: {})",
+                        "no reward function `{n}` (registered: {}) and no reward model folder (with config.json) there",
                         registry.names().join(", ")
                     ),
-                )
-            })?;
-            rewards.push((n.clone(), e.func));
+                ));
+            }
+            let m = crate::train::reward_model::RewardModel::load(dir)?;
+            rewards.push((m.name.clone(), Scorer::Model(std::sync::Arc::new(m))));
         }
-        crate::train::rewards::check_options(&names, &config.task_options)
+        crate::train::rewards::check_options(&function_names, &config.task_options)
             .map_err(|m| config_err("reward_funcs", m))?;
         if names.iter().any(|n| n == "exact_match") {
             let col = crate::train::rewards::answer_column(&config.task_options);
@@ -263,11 +278,14 @@ impl<M> GrpoTask<M> {
         let mut prompts = Vec::with_capacity(data.records.len());
         let mut texts = Vec::with_capacity(data.records.len());
         for r in &data.records {
-            let text = r
-                .fields
-                .get("prompt")
-                .and_then(|v| v.as_str())
-                .unwrap_or_default();
+            let Some(text) = r.fields.get("prompt").and_then(|v| v.as_str()) else {
+                return Err(TrainError::Data {
+                    path: data.path.clone(),
+                    line: Some(r.line),
+                    message: "grpo takes text prompts; conversational prompts are not built yet"
+                        .into(),
+                });
+            };
             prompts.push(tok.encode(text).map_err(|m| TrainError::Data {
                 path: data.path.clone(),
                 line: Some(r.line),
@@ -489,6 +507,7 @@ impl<M> GrpoTask<M> {
         let tok = r.tokenizer();
         let mut per_func: Vec<Vec<f64>> = Vec::with_capacity(all.len());
         let mut rows = Vec::with_capacity(all.len());
+        let mut texts = Vec::with_capacity(all.len());
         for (k, &p) in prompt_idx.iter().enumerate() {
             for c in &completions[k] {
                 let text = tok.decode(c).map_err(backend_err)?;
@@ -502,10 +521,22 @@ impl<M> GrpoTask<M> {
                 per_func.push(
                     self.rewards
                         .iter()
-                        .map(|(_, f)| f(&input).unwrap_or(f64::NAN))
+                        .map(|(_, s)| match s {
+                            Scorer::Func(f) => f(&input).unwrap_or(f64::NAN),
+                            Scorer::Model(_) => f64::NAN,
+                        })
                         .collect(),
                 );
+                // A reward model reads `prompt + completion` (TRL's text case).
+                texts.push(format!("{}{text}", self.texts[p]));
                 rows.push((p, c.clone()));
+            }
+        }
+        for (f, (_, s)) in self.rewards.iter().enumerate() {
+            if let Scorer::Model(m) = s {
+                for (row, score) in per_func.iter_mut().zip(m.score(&texts)?) {
+                    row[f] = score;
+                }
             }
         }
         let (adv, stds) =
