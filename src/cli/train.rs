@@ -46,6 +46,11 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         include_str!("../../examples/data/grpo.jsonl"),
     ),
     (
+        "rloo",
+        "grpo.jsonl",
+        include_str!("../../examples/data/grpo.jsonl"),
+    ),
+    (
         "reward",
         "dpo.jsonl",
         include_str!("../../examples/data/dpo.jsonl"),
@@ -54,7 +59,7 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The task: sft, dpo, orpo, simpo, kto, grpo, reward (and plugin tasks); `kiln registry
+    /// The task: sft, dpo, orpo, simpo, kto, grpo, rloo, reward (and plugin tasks); `kiln registry
     /// trainers` lists them.
     #[arg(long)]
     task: String,
@@ -446,7 +451,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         key: match args.task.as_str() {
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "sft" => &["mean_token_accuracy"],
-            "grpo" => &["reward", "reward_std", "completions/mean_length"],
+            "grpo" | "rloo" => &["reward", "reward_std", "completions/mean_length"],
             "reward" => &["accuracy", "margin"],
             _ => &[],
         },

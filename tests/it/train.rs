@@ -194,7 +194,9 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             | "label_smoothing"
             | "desirable_weight"
             | "undesirable_weight"
-            | "center_rewards_coefficient" => {
+            | "center_rewards_coefficient"
+            | "normalize_advantages"
+            | "reward_clip_range" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -235,7 +237,7 @@ fn check_on(name: &str, backend: &str) {
     cfg.backend = backend.to_string();
     let mut seen = Collect::default();
     #[cfg(feature = "mlx")]
-    if backend == "mlx" && run["task"] == "grpo" {
+    if backend == "mlx" && matches!(run["task"].as_str(), Some("grpo" | "rloo")) {
         use kiln_runtime::Trainer;
         let replay = Replay(
             serde_json::from_value(run["completions"].clone()).expect("completions"),
@@ -251,7 +253,7 @@ fn check_on(name: &str, backend: &str) {
         let report = trainer.train(&mut seen).unwrap();
         return compare(name, run, backend, &seen, &report);
     }
-    let report = if run["task"] == "grpo" {
+    let report = if matches!(run["task"].as_str(), Some("grpo" | "rloo")) {
         // TRL's sampled completions, replayed: GRPO's numbers given the same completions.
         use kiln_runtime::train::candle::{Setup, grpo_with_source, run as train_run};
         let setup = Setup::load(&cfg).unwrap();
@@ -295,9 +297,14 @@ fn compare(
         let step = got.step;
         let w = |k: &str| want[k].as_f64().unwrap_or_else(|| panic!("{name}: no {k}"));
         let loss_tol = if step == 1 { 1e-5 } else { 1e-3 };
-        // GRPO's loss is a sum of advantages that cancel within a group: near zero, so an
-        // absolute floor (f32 rounding of that cancellation).
-        let floor = if run["task"] == "grpo" { 1e-6 } else { 0.0 };
+        // GRPO's and RLOO's losses are sums of advantages that cancel within a group: near
+        // zero, so an absolute floor (f32 rounding of that cancellation; RLOO's advantages are
+        // raw reward differences, up to a few units, so its rounding is larger).
+        let floor = match run["task"].as_str() {
+            Some("grpo") => 1e-6,
+            Some("rloo") => 1e-5,
+            _ => 0.0,
+        };
         assert!(
             close(got.loss, w("loss"), loss_tol, floor),
             "{name} step {step}: loss {} vs TRL {}",
@@ -329,7 +336,7 @@ fn compare(
             }
             same_figure(name, step, k, got.extra.get(k), v);
         }
-        if run["task"] == "grpo" {
+        if matches!(run["task"].as_str(), Some("grpo" | "rloo")) {
             // Nor does kiln log what TRL does not (a step reusing a generation batch logs no
             // generation figures).
             for k in got.extra.keys() {
@@ -623,6 +630,21 @@ fn grpo_lora_bnpo_with_batch_scaled_rewards_matches_trl() {
 #[test]
 fn dr_grpo_unscaled_matches_trl() {
     check("grpo-dr");
+}
+
+/// RLOO (TRL's RLOOTrainer) on TRL's own completions: its default β (the sequence KL taken off
+/// the rewards) with two weighted rewards; normalised, clipped advantages over two iterations
+/// (sequence-level ratios clipped); LoRA continuing an adapter; a reward model.
+#[test]
+fn rloo_matches_trl() {
+    for name in [
+        "rloo-kl",
+        "rloo-normalize-clip",
+        "rloo-lora",
+        "rloo-reward-model",
+    ] {
+        check(name);
+    }
 }
 
 /// GRPO rewarded by a trained reward model (TRL loads the folder as
@@ -939,8 +961,8 @@ fn mlx_orpo_simpo_kto_match_trl() {
     }
 }
 
-/// GRPO on MLX on TRL's own completions: every loss variant, KL to the reference, LoRA,
-/// two iterations per generation (clipped ratios), evaluation.
+/// GRPO and RLOO on MLX on TRL's own completions: every loss variant, KL to the reference,
+/// LoRA, two iterations per generation (clipped ratios), evaluation, a reward model.
 #[cfg(feature = "mlx")]
 #[test]
 fn mlx_grpo_matches_trl() {
@@ -952,6 +974,10 @@ fn mlx_grpo_matches_trl() {
         "grpo-iterations",
         "grpo-eval",
         "grpo-reward-model",
+        "rloo-kl",
+        "rloo-normalize-clip",
+        "rloo-lora",
+        "rloo-reward-model",
     ] {
         check_on(name, "mlx");
     }

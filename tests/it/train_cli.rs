@@ -221,11 +221,11 @@ fn mistakes_are_refused_by_name() {
     let cases: &[(&[&str], &str)] = &[
         (
             &["--task", "sft", "--beta", "0.1"],
-            "task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo)",
+            "task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo)",
         ),
         (
             &["--task", "ppo"],
-            "backend 'candle' does not support task 'ppo'. Supported: dpo, grpo, kto, orpo, reward, sft, simpo.",
+            "backend 'candle' does not support task 'ppo'. Supported: dpo, grpo, kto, orpo, reward, rloo, sft, simpo.",
         ),
         (&["--task", "sft", "--backend", "mlx"], "mlx"),
         (

@@ -1,6 +1,7 @@
 //! The trainers end to end on a small random Llama: SFT learns a task it can be checked on
-//! (held-out prompts answered right), DPO and a reward model rank held-out pairs right, GRPO raises the mean
-//! reward of a verifiable task (the sum of two digits) well above where it started.
+//! (held-out prompts answered right), DPO and a reward model rank held-out pairs right, GRPO
+//! and RLOO raise the mean reward of a verifiable task (the sum of two digits) well above where
+//! it started.
 
 use kiln_runtime::checkpoint::Checkpoint;
 use kiln_runtime::demo::{DemoConfig, write_demo_model};
@@ -253,6 +254,19 @@ const TEMPERATURE: f64 = 0.7;
 
 #[test]
 fn grpo_raises_the_reward_of_two_digit_sums() {
+    raises_the_reward_of_two_digit_sums("grpo");
+}
+
+/// RLOO (its leave-one-out baseline, the KL to the warm-up model in its rewards at TRL's β
+/// 0.05) does the same.
+#[test]
+fn rloo_raises_the_reward_of_two_digit_sums() {
+    raises_the_reward_of_two_digit_sums("rloo");
+}
+
+/// An SFT warm-up, then `task` (grpo or rloo) with the exact-match reward on every sum of two
+/// digits: the mean sampled reward rises well above the warm-up's.
+fn raises_the_reward_of_two_digit_sums(task: &str) {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     std::fs::create_dir(&model).unwrap();
@@ -282,7 +296,7 @@ fn grpo_raises_the_reward_of_two_digit_sums() {
             .map(|(a, b)| serde_json::json!({"prompt": format!("{a}+{b}="), "answer": (a + b).to_string()})),
     );
     // Both the warm model's tokenizer files and weights: the warm-up output is a full folder.
-    let mut g = TrainConfig::new("grpo", "candle", &warm, dir.path().join("rl"));
+    let mut g = TrainConfig::new(task, "candle", &warm, dir.path().join("rl"));
     g.train_data = Some(prompts);
     g.hyper.learning_rate = 3e-4;
     g.hyper.per_device_train_batch_size = 32;
@@ -307,7 +321,7 @@ fn grpo_raises_the_reward_of_two_digit_sums() {
             )
         })
         .collect();
-    eprintln!("grpo: logged reward by 10 steps {}", traj.join(" "));
+    eprintln!("{task}: logged reward by 10 steps {}", traj.join(" "));
     // The mean reward over every prompt, 8 samples each at the run's temperature, before and
     // after.
     let tok = TextTokenizer::from_model_dir(&model).unwrap();
@@ -332,7 +346,7 @@ fn grpo_raises_the_reward_of_two_digit_sums() {
         mean_reward(&load(&warm)),
         mean_reward(&load(&dir.path().join("rl"))),
     );
-    eprintln!("grpo: mean reward {start:.3} → {end:.3}");
-    // Measured: 0.286 → 0.562.
+    eprintln!("{task}: mean reward {start:.3} → {end:.3}");
+    // Measured: grpo 0.286 → 0.599, rloo 0.286 → 0.514.
     assert!(end > start + 0.15 && end > 1.5 * start, "{start} → {end}");
 }

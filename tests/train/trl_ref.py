@@ -325,6 +325,25 @@ def run(task, model_dir, data, adapter=None, **overrides):
         trainer._generate_single_turn = record
         trainer.train()
         return ((rec.logs, rec.eval_logs) if eval_file else rec.logs), {"train": generated, "eval": eval_generated}
+    elif task == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+        funcs = {"exact_match": exact_match, "count_digits": count_digits}
+        names = common.pop("reward_funcs")
+        trainer = RLOOTrainer(model=model, args=RLOOConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
+                              processing_class=tok,
+                              reward_funcs=[funcs.get(n) or os.path.join(HERE, n) for n in names],
+                              callbacks=[rec])
+        generated = []
+        original = trainer._generate_single_turn
+
+        def record(prompt_ids, images, multimodal_fields):
+            out = original(prompt_ids, images, multimodal_fields)
+            generated.append([list(map(int, c)) for c in out])
+            return out
+
+        trainer._generate_single_turn = record
+        trainer.train()
+        return rec.logs, {"train": generated, "eval": []}
     elif task == "reward":
         from trl import RewardConfig, RewardTrainer
         trainer = RewardTrainer(model=model, args=RewardConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
@@ -464,6 +483,23 @@ def main():
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",
             max_steps=4)),
+        # RLOO (TRL's RLOOTrainer): its default β 0.05 (the KL in the rewards) with a reward model
+        # and a function, weighted; normalised, clipped advantages over two iterations; LoRA; a
+        # reward model alone.
+        "rloo-kl": ("rloo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
+            temperature=0.7, shuffle_dataset=False, reward_funcs=["tiny/reward-model", "count_digits"],
+            reward_weights=[1.0, 0.5], max_steps=4)),
+        "rloo-normalize-clip": ("rloo", d("grpo.jsonl"), None, dict(
+            learning_rate=3e-2, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
+            shuffle_dataset=False, reward_funcs=["count_digits"], beta=0.0, normalize_advantages=True,
+            reward_clip_range=[0.0, 1.5], num_iterations=2, epsilon=0.1, epsilon_high=0.15, max_steps=6)),
+        "rloo-lora": ("rloo", d("grpo.jsonl"), adapter, dict(
+            learning_rate=1e-2, num_generations=2, per_device_train_batch_size=4, max_completion_length=6,
+            shuffle_dataset=False, reward_funcs=["count_digits"], max_steps=4)),
+        "rloo-reward-model": ("rloo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+            shuffle_dataset=False, reward_funcs=["tiny/reward-model"], beta=0.0, max_steps=4)),
         # Reward models (TRL's RewardTrainer) from tiny/reward-model, a sequence classifier.
         "reward-full": ("reward", d("dpo.jsonl"), None, dict(learning_rate=1e-3)),
         "reward-margin-center": ("reward", d("reward-margin.jsonl"), None, dict(

@@ -81,6 +81,9 @@ pub struct DecoderConfig {
     pub sliding_windows: Vec<Option<usize>>,
     /// MoE routing, for models with experts.
     pub moe: Option<MoeRouting>,
+    /// `pad_token_id`: transformers' embedding `padding_idx` — that row of the table gets no
+    /// gradient from the tokens that use it.
+    pub padding_idx: Option<u32>,
     /// `initializer_range`: the standard deviation transformers draws new weights from (a
     /// reward model's new `score` head), when config.json gives it.
     pub initializer_range: Option<f64>,
@@ -267,6 +270,9 @@ impl DecoderConfig {
             sliding_windows,
             moe,
             initializer_range: f64_of(raw, "initializer_range")?,
+            padding_idx: field(raw, "pad_token_id")
+                .and_then(Value::as_u64)
+                .and_then(|v| u32::try_from(v).ok()),
         })
     }
 

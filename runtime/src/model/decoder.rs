@@ -992,9 +992,26 @@ impl DecoderModel {
                 "token id {biggest} is outside the vocabulary ({vocab} tokens)"
             )));
         }
-        Ok(table
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, self.config.hidden))?)
+        let flat = ids.flatten_all()?;
+        let mut rows = table.index_select(&flat, 0)?;
+        // transformers' `nn.Embedding(padding_idx=pad_token_id)`: the pad row's value is used
+        // but gets no gradient from the positions holding it (a sampled completion may).
+        if let Some(pad) = self.config.padding_idx
+            && table.is_variable()
+        {
+            let hits: Vec<u8> = flat
+                .to_vec1::<u32>()?
+                .iter()
+                .map(|&i| u8::from(i == pad))
+                .collect();
+            if hits.contains(&1) {
+                let n = hits.len();
+                let mask =
+                    Tensor::from_vec(hits, (n, 1), table.device())?.broadcast_as(rows.shape())?;
+                rows = mask.where_cond(&rows.detach(), &rows)?;
+            }
+        }
+        Ok(rows.reshape((b, t, self.config.hidden))?)
     }
 
     /// Decoder layer `layer` on hidden states `h` (needs only that layer's weights), with the

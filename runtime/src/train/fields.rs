@@ -39,15 +39,18 @@ pub struct Field {
 }
 
 const SFT: &[&str] = &["sft"];
-const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo"];
+const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "rloo"];
 const LOSS: &[&str] = &["sft", "dpo", "simpo", "kto", "grpo"];
 const DPO: &[&str] = &["dpo"];
 const SMOOTH: &[&str] = &["dpo", "simpo"];
-const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "reward"];
+const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo"];
+const RLOO: &[&str] = &["rloo"];
 const REWARD: &[&str] = &["reward"];
 const REF: &[&str] = &["dpo", "kto"];
 const KTO: &[&str] = &["kto"];
 const GRPO: &[&str] = &["grpo"];
+/// The tasks that sample completions and score them with rewards.
+const SAMPLED: &[&str] = &["grpo", "rloo"];
 const SIMPO: &[&str] = &["simpo"];
 
 /// Every setting `kiln train` takes.
@@ -55,50 +58,50 @@ pub const FIELDS: &[Field] = &[
     f(
         "num_generations",
         Kind::Int,
-        GRPO,
-        "Completions sampled per prompt [8]",
+        SAMPLED,
+        "Completions sampled per prompt [8; rloo: 2]",
     ),
     f(
         "max_completion_length",
         Kind::Int,
-        GRPO,
+        SAMPLED,
         "Most tokens per completion [256]",
     ),
     f(
         "temperature",
         Kind::Float,
-        GRPO,
+        SAMPLED,
         "Sampling temperature (also divides the logits in the loss) [1]",
     ),
-    f("top_p", Kind::Float, GRPO, "Nucleus sampling mass [1]"),
+    f("top_p", Kind::Float, SAMPLED, "Nucleus sampling mass [1]"),
     f(
         "top_k",
         Kind::Int,
-        GRPO,
+        SAMPLED,
         "Sample among the k most likely tokens; 0 = all [0]",
     ),
     f(
         "min_p",
         Kind::Float,
-        GRPO,
+        SAMPLED,
         "Drop tokens less likely than this times the most likely [off]",
     ),
     f(
         "repetition_penalty",
         Kind::Float,
-        GRPO,
+        SAMPLED,
         "Penalty on tokens already present [1]",
     ),
     f(
         "epsilon",
         Kind::Float,
-        GRPO,
+        SAMPLED,
         "Lower clip of the probability ratio [0.2]",
     ),
     f(
         "epsilon_high",
         Kind::Float,
-        GRPO,
+        SAMPLED,
         "Upper clip of the ratio [= epsilon]",
     ),
     f(
@@ -116,49 +119,49 @@ pub const FIELDS: &[Field] = &[
     f(
         "reward_funcs",
         Kind::List,
-        GRPO,
+        SAMPLED,
         "Reward functions by name (`kiln registry rewards` lists them) or reward models by folder (`kiln train --task reward` output) [exact_match]",
     ),
     f(
         "reward_weights",
         Kind::Numbers,
-        GRPO,
+        SAMPLED,
         "One weight per reward function [1 each]",
     ),
     f(
         "num_generations_eval",
         Kind::Int,
-        GRPO,
+        SAMPLED,
         "Completions per prompt when evaluating [= num_generations]",
     ),
     f(
         "num_iterations",
         Kind::Int,
-        GRPO,
+        SAMPLED,
         "Optimisation steps on each generation batch (ratios move off 1 after the first) [1]",
     ),
     f(
         "mask_truncated_completions",
         Kind::Bool,
-        GRPO,
+        SAMPLED,
         "Leave completions that hit the length limit out of the loss [false]",
     ),
     f(
         "answer_column",
         Kind::Text,
-        GRPO,
+        SAMPLED,
         "The column exact_match compares with [answer]",
     ),
     f(
         "reward_regex",
         Kind::Text,
-        GRPO,
+        SAMPLED,
         "The pattern of the `regex` reward",
     ),
     f(
         "reward_length_target",
         Kind::Int,
-        GRPO,
+        SAMPLED,
         "Completion tokens the `length` reward allows before its penalty [128]",
     ),
     f(
@@ -307,7 +310,7 @@ pub const FIELDS: &[Field] = &[
         "beta",
         Kind::Float,
         BETA,
-        "The preference loss's beta [0.1]",
+        "The KL / preference strength beta [0.1; grpo: 0; rloo: 0.05]",
     ),
     f(
         "loss_type",
@@ -398,6 +401,18 @@ pub const FIELDS: &[Field] = &[
         Kind::Float,
         SIMPO,
         "Weight of the chosen NLL term; 0 = pure SimPO [1]",
+    ),
+    f(
+        "normalize_advantages",
+        Kind::Bool,
+        RLOO,
+        "Normalise the leave-one-out advantages over the batch (mean 0, std 1) [false]",
+    ),
+    f(
+        "reward_clip_range",
+        Kind::Numbers,
+        RLOO,
+        "Clamp each completion's weighted reward to [low, high] before the KL penalty [off]",
     ),
     f(
         "center_rewards_coefficient",
@@ -519,7 +534,7 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
             return Err(bad(name, format!("expected a folder, found {value}")));
         }
         // GRPO's sampler shuffles the prompts (TRL's RepeatSampler) unless this is false.
-        ("shuffle_dataset", "grpo") => {
+        ("shuffle_dataset", "grpo" | "rloo") => {
             let on = value
                 .as_bool()
                 .ok_or_else(|| bad(name, format!("expected true or false, found {value}")))?;
@@ -679,7 +694,9 @@ mod tests {
     /// transformers') field and the reason — never "task does not take it".
     #[test]
     fn every_trl_field_is_implemented_or_refused_by_name() {
-        let tasks = ["sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward"];
+        let tasks = [
+            "sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward", "rloo",
+        ];
         let mut checked = 0;
         let mut failures = Vec::new();
         for task in tasks {
@@ -693,7 +710,8 @@ mod tests {
                 let implemented = field(name)
                     .is_some_and(|f| f.tasks.is_empty() || f.tasks.contains(&task))
                     || name == "output_dir"
-                    || (name, task) == ("shuffle_dataset", "grpo");
+                    || (name, task) == ("shuffle_dataset", "grpo")
+                    || (name, task) == ("shuffle_dataset", "rloo");
                 let decided = trl_fields::decision(name);
                 assert!(
                     implemented || decided.is_some(),
@@ -795,7 +813,7 @@ mod tests {
         let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo)"
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo)"
         );
         let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
         assert_eq!(

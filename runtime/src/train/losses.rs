@@ -905,6 +905,82 @@ pub fn grpo<O: TensorOps>(
     Ok(LossOutput { loss, metrics })
 }
 
+/// RLOO's loss (TRL's `RLOOTrainer._compute_loss`): sequence-level importance sampling —
+/// per completion `ρ = e^{Σ log π − Σ log π_old}` over its masked tokens, the loss
+/// `−min(ρ·A, clip(ρ, 1 − ε, 1 + ε_high)·A)` averaged over the completions (the KL is in the
+/// rewards, not here). Logs the clipping fractions over completions as TRL does.
+pub fn rloo<O: TensorOps>(
+    ops: &O,
+    (epsilon, epsilon_high): (f64, f64),
+    x: &GrpoInputs<'_, O::T>,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let rows = x.advantages.len();
+    let seq = ops.sum_last(&ops.mul(x.logps, x.mask)?)?;
+    let old = match x.old_logps {
+        Some(o) => ops.sum_last(&ops.mul(o, x.mask)?)?,
+        None => ops.detach(&seq),
+    };
+    let coef1 = ops.exp(&ops.sub(&seq, &old)?)?;
+    let coef2 = ops.clamp(&coef1, 1.0 - epsilon, 1.0 + epsilon_high)?;
+    let adv = ops.tensor(x.advantages, &[rows])?;
+    let per = ops.minimum(&ops.mul(&coef1, &adv)?, &ops.mul(&coef2, &adv)?)?;
+    let loss = ops.affine(&ops.mean_all(&per)?, -1.0, 0.0)?;
+    let c1 = ops.to_f64(&ops.detach(&coef1))?;
+    let (mut low, mut high, mut region) = (0f64, 0f64, 0f64);
+    for (c, a) in c1.iter().zip(x.advantages) {
+        let is_low = *c < 1.0 - epsilon && *a < 0.0;
+        let is_high = *c > 1.0 + epsilon_high && *a > 0.0;
+        low += f64::from(u8::from(is_low));
+        high += f64::from(u8::from(is_high));
+        region += f64::from(u8::from(is_low || is_high));
+    }
+    let n = rows.max(1) as f64;
+    let metrics = BTreeMap::from([
+        ("clip_ratio/low_mean".to_string(), low / n),
+        ("clip_ratio/low_min".to_string(), low / n),
+        ("clip_ratio/high_mean".to_string(), high / n),
+        ("clip_ratio/high_max".to_string(), high / n),
+        ("clip_ratio/region_mean".to_string(), region / n),
+    ]);
+    Ok(LossOutput { loss, metrics })
+}
+
+/// RLOO's advantages (TRL's `RLOOTrainer._generate_and_score_completions`): each completion's
+/// reward (already weighted, clipped and KL-penalised) minus the mean of the other completions
+/// of its prompt, optionally normalised over the batch (`(A − mean) / (std + 1e-4)`); and each
+/// group's standard deviation of the rewards (for `frac_reward_zero_std`).
+pub fn rloo_advantages(rewards: &[f64], group: usize, normalize: bool) -> (Vec<f64>, Vec<f64>) {
+    let std = |v: &[f64]| -> f64 {
+        if v.len() < 2 {
+            return 0.0;
+        }
+        let n = v.len() as f64;
+        let m = v.iter().sum::<f64>() / n;
+        (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1.0)).sqrt()
+    };
+    let mut adv = Vec::with_capacity(rewards.len());
+    let mut stds = Vec::with_capacity(rewards.len());
+    for g in rewards.chunks(group.max(1)) {
+        let sum: f64 = g.iter().sum();
+        let sd = std(g);
+        for &r in g {
+            adv.push(if g.len() > 1 {
+                r - (sum - r) / (g.len() - 1) as f64
+            } else {
+                0.0
+            });
+            stds.push(sd);
+        }
+    }
+    if normalize {
+        let n = adv.len() as f64;
+        let m = adv.iter().sum::<f64>() / n;
+        let sd = std(&adv);
+        adv.iter_mut().for_each(|a| *a = (*a - m) / (sd + 1e-4));
+    }
+    (adv, stds)
+}
+
 /// GRPO's advantages (TRL's `sum_then_normalize`): each completion's weighted reward sum
 /// minus its group's mean, over the group's standard deviation (unbiased) + 1e-4 with
 /// `scale_rewards = "group"`, over the whole batch's with `"batch"`, not divided with

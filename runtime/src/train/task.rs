@@ -14,7 +14,9 @@ use super::{TrainConfig, TrainError};
 use std::collections::BTreeMap;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 7] = ["sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward"];
+pub const TASKS: [&str; 8] = [
+    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo",
+];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
 /// for every task in one line.
@@ -27,6 +29,7 @@ macro_rules! for_each_task {
         $m!(kto, "kto");
         $m!(grpo, "grpo");
         $m!(reward, "reward");
+        $m!(rloo, "rloo");
     };
 }
 pub(crate) use for_each_task;
@@ -151,7 +154,7 @@ pub fn build<B: Backend>(
             let reference = host.base_reference()?;
             Box::new(host.with_runner(|r| KtoTask::new(config, tok, r, reference))?)
         }
-        "grpo" => Box::new(GrpoTask::new(config, tok, || host.reference())?),
+        "grpo" | "rloo" => Box::new(GrpoTask::new(config, tok, || host.reference())?),
         "reward" => Box::new(RewardTask::new(config, tok)?),
         other => {
             return Err(TrainError::Config {
@@ -271,7 +274,7 @@ impl<M: Send, R: Runner<Model = M>> Task<R> for KtoTask<M> {
 
 impl<M: Send> TaskInfo for GrpoTask<M> {
     fn name(&self) -> &'static str {
-        "grpo"
+        GrpoTask::name(self)
     }
     fn examples(&self) -> usize {
         GrpoTask::examples(self)

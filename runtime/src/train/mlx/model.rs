@@ -408,7 +408,17 @@ impl MlxDecoder {
         let idx = Array::from_slice(&flat, &[(b * t) as i32]);
         let embed = "model.embed_tokens";
         let table = &w["model.embed_tokens.weight"];
-        let rows = table.take_axis(&idx, 0)?;
+        let mut rows = table.take_axis(&idx, 0)?;
+        // transformers' `nn.Embedding(padding_idx=pad_token_id)`: the pad row gets no gradient
+        // from the positions holding it.
+        if let Some(pad) = c.padding_idx
+            && flat.contains(&(pad as i32))
+            && !self.quantized.contains_key(embed)
+        {
+            let hits: Vec<bool> = flat.iter().map(|&i| i == pad as i32).collect();
+            let mask = Array::from_slice(&hits, &[(b * t) as i32, 1]);
+            rows = ops::r#where(&mask, &mlx_rs::stop_gradient(&rows)?, &rows)?;
+        }
         let rows = match self.quantized.get(embed) {
             Some(q) => ops::dequantize(
                 &rows,

@@ -120,6 +120,18 @@ pub struct GrpoTask<M> {
     cycle: usize,
     /// Whether this step generated (its generation figures and tokens are reported).
     fresh: bool,
+    /// RLOO (TRL's `RLOOTrainer`) rather than GRPO: leave-one-out advantages, the KL in the
+    /// rewards, sequence-level ratios.
+    rloo: Option<Rloo>,
+}
+
+/// What RLOO does differently (TRL's `RLOOConfig`).
+#[derive(Debug, Clone, Copy)]
+struct Rloo {
+    /// `normalize_advantages`.
+    normalize: bool,
+    /// `reward_clip_range`.
+    clip: Option<(f64, f64)>,
 }
 
 impl<M> GrpoTask<M> {
@@ -168,8 +180,31 @@ impl<M> GrpoTask<M> {
         source: Box<dyn CompletionSource>,
     ) -> Result<Self, TrainError> {
         let data = read_data(config, &[DataFormat::Prompt])?;
+        let rloo = if config.task == "rloo" {
+            let clip = match config.option::<Vec<f64>>("reward_clip_range")? {
+                None => None,
+                Some(v) if v.len() == 2 && v[0] <= v[1] => Some((v[0], v[1])),
+                Some(v) => {
+                    return Err(config_err(
+                        "reward_clip_range",
+                        format!("{v:?} is not two numbers, low then high"),
+                    ));
+                }
+            };
+            Some(Rloo {
+                normalize: config
+                    .option::<bool>("normalize_advantages")?
+                    .unwrap_or(false),
+                clip,
+            })
+        } else {
+            None
+        };
         let temperature = config.option::<f64>("temperature")?.unwrap_or(1.0);
-        let g = config.option::<usize>("num_generations")?.unwrap_or(8);
+        // TRL's defaults: GRPO 8 completions per prompt and no KL; RLOO 2 and β 0.05.
+        let g = config
+            .option::<usize>("num_generations")?
+            .unwrap_or(if rloo.is_some() { 2 } else { 8 });
         if g < 2 {
             return Err(config_err(
                 "num_generations",
@@ -269,7 +304,9 @@ impl<M> GrpoTask<M> {
             epsilon,
             epsilon_high: config.option::<f64>("epsilon_high")?.unwrap_or(epsilon),
             delta: config.option::<f64>("delta")?,
-            beta: config.option::<f64>("beta")?.unwrap_or(0.0),
+            beta: config
+                .option::<f64>("beta")?
+                .unwrap_or(if rloo.is_some() { 0.05 } else { 0.0 }),
             max_completion_length: config
                 .option::<usize>("max_completion_length")?
                 .unwrap_or(256),
@@ -320,6 +357,7 @@ impl<M> GrpoTask<M> {
             iterations,
             cycle: 0,
             fresh: false,
+            rloo,
         })
     }
 
@@ -389,6 +427,61 @@ impl<M> GrpoTask<M> {
 }
 
 impl<M> GrpoTask<M> {
+    /// RLOO's per-completion KL to the reference, `Σ_t (log π_old − log π_ref)` over each
+    /// completion of the generation batch `all` (in `micro_batches`' order of passes), and its
+    /// masked token mean (TRL's `kl` figure). The policy's log-probs are kept as the
+    /// completions' old log-probs.
+    fn sequence_kl<R: Runner<Model = M>>(
+        &mut self,
+        r: &R,
+        micro_batches: &[Vec<usize>],
+        all: &[usize],
+    ) -> Result<(Vec<f64>, f64), TrainError> {
+        let ops = r.ops();
+        let reference = self
+            .reference
+            .as_ref()
+            .ok_or_else(|| config_err("beta", "a KL penalty needs the reference model"))?;
+        let mut per_seq: BTreeMap<usize, f64> = BTreeMap::new();
+        let (mut sum, mut count) = (0f64, 0f64);
+        for indices in micro_batches {
+            let rows: Vec<&Rollout> = indices.iter().map(|i| &self.rollouts[i]).collect();
+            let (logps, _, mask_host, _) = self.completion_logps(r, r.policy(), &rows)?;
+            let (ref_logps, _, _, _) = self.completion_logps(r, reference, &rows)?;
+            let pol = ops.to_f64(&ops.detach(&logps)).tr()?;
+            let rf = ops.to_f64(&ops.detach(&ref_logps)).tr()?;
+            let width = mask_host.first().map_or(0, Vec::len);
+            let mut olds = Vec::with_capacity(indices.len());
+            for (k, &i) in indices.iter().enumerate() {
+                let mut kl = 0f64;
+                for t in 0..width {
+                    let m = f64::from(mask_host[k][t]);
+                    kl += m * (pol[k * width + t] - rf[k * width + t]);
+                    count += m;
+                }
+                sum += kl;
+                per_seq.insert(i, kl);
+                let n = rows[k].completion.len();
+                olds.push((
+                    i,
+                    pol[k * width..k * width + n]
+                        .iter()
+                        .map(|&v| v as f32)
+                        .collect(),
+                ));
+            }
+            for (i, old) in olds {
+                self.rollouts.get_mut(&i).expect("just made").old_logps = Some(old);
+            }
+        }
+        let kl: Vec<f64> = all.iter().map(|i| per_seq[i]).collect();
+        Ok((kl, sum / count.max(1.0)))
+    }
+
+    /// `grpo`, or `rloo`.
+    pub fn name(&self) -> &'static str {
+        if self.rloo.is_some() { "rloo" } else { "grpo" }
+    }
     /// Examples: `num_generations` completions of every prompt.
     pub fn examples(&self) -> usize {
         self.prompts.len() * self.g
@@ -462,7 +555,7 @@ impl<M> GrpoTask<M> {
     }
     /// See the candle `Objective` of the same name.
     pub fn divide_by_accumulation(&self) -> bool {
-        self.settings.kind != GrpoLoss::Dapo
+        self.rloo.is_some() || self.settings.kind != GrpoLoss::Dapo
     }
     /// Generates and scores the step's completions (or reuses the generation batch's).
     ///
@@ -539,21 +632,52 @@ impl<M> GrpoTask<M> {
                 }
             }
         }
-        let (adv, stds) =
-            losses::grpo_advantages(&per_func, &self.weights, self.g, &self.scale_rewards);
         self.rollouts.clear();
-        for ((&i, (p, c)), a) in all.iter().zip(rows).zip(&adv) {
+        for (&i, (p, c)) in all.iter().zip(&rows) {
             self.rollouts.insert(
                 i,
                 Rollout {
-                    prompt: self.prompts[p].clone(),
-                    completion: c,
-                    advantage: *a,
+                    prompt: self.prompts[*p].clone(),
+                    completion: c.clone(),
+                    advantage: 0.0,
                     old_logps: None,
                 },
             );
         }
-        if self.iterations > 1 {
+        let mut kl_figure = None;
+        let (adv, stds) = match self.rloo {
+            None => losses::grpo_advantages(&per_func, &self.weights, self.g, &self.scale_rewards),
+            Some(rl) => {
+                let mut rewards: Vec<f64> = per_func
+                    .iter()
+                    .map(|r| {
+                        r.iter()
+                            .zip(&self.weights)
+                            .map(|(v, w)| v * w)
+                            .filter(|v| !v.is_nan())
+                            .sum()
+                    })
+                    .collect();
+                if let Some((lo, hi)) = rl.clip {
+                    rewards.iter_mut().for_each(|v| *v = v.clamp(lo, hi));
+                }
+                if self.settings.beta != 0.0 {
+                    // The sequence KL to the reference, Σ (log π_old − log π_ref) over the
+                    // completion, comes off each reward (TRL computes both with the training
+                    // model before any update, in micro-batches).
+                    let (kl, mean) = self.sequence_kl(r, micro_batches, &all)?;
+                    for (v, k) in rewards.iter_mut().zip(kl) {
+                        *v -= self.settings.beta * k;
+                    }
+                    kl_figure = Some(mean);
+                }
+                losses::rloo_advantages(&rewards, self.g, rl.normalize)
+            }
+        };
+        for (i, a) in all.iter().zip(&adv) {
+            self.rollouts.get_mut(i).expect("just made").advantage = *a;
+        }
+        if self.iterations > 1 && self.rollouts.values().any(|r| r.old_logps.is_none()) {
             // The sampling policy's log-probs, for the ratios of the later steps (TRL computes
             // them with the training model, in micro-batches, before any update).
             for indices in micro_batches {
@@ -591,6 +715,9 @@ impl<M> GrpoTask<M> {
             (m, sd)
         };
         let mut m = BTreeMap::new();
+        if let Some(kl) = kl_figure {
+            m.insert("kl".into(), kl);
+        }
         for (f, (name, _)) in self.rewards.iter().enumerate() {
             let col: Vec<f64> = per_func.iter().map(|r| r[f]).collect();
             let (mean, sd) = stat(&col);
@@ -656,9 +783,10 @@ impl<M> GrpoTask<M> {
             })
             .collect::<Result<_, _>>()?;
         let (logps, mask, mask_host, entropy) = self.completion_logps(r, r.policy(), &rows)?;
-        let ref_logps = match &self.reference {
-            Some(m) => Some(ops.detach(&self.completion_logps(r, m, &rows)?.0)),
-            None => None,
+        // RLOO's KL is in its rewards: the loss needs no reference pass.
+        let ref_logps = match (&self.reference, self.rloo) {
+            (Some(m), None) => Some(ops.detach(&self.completion_logps(r, m, &rows)?.0)),
+            _ => None,
         };
         let advantages: Vec<f64> = rows.iter().map(|r| r.advantage).collect();
         let old_logps = match rows
@@ -677,18 +805,22 @@ impl<M> GrpoTask<M> {
             }
             None => None,
         };
-        let out = losses::grpo(
-            ops,
-            self.settings,
-            &GrpoInputs {
-                logps: &logps,
-                old_logps: old_logps.as_ref(),
-                ref_logps: ref_logps.as_ref(),
-                mask: &mask,
-                mask_host: &mask_host,
-                advantages: &advantages,
-            },
-        )
+        let inputs = GrpoInputs {
+            logps: &logps,
+            old_logps: old_logps.as_ref(),
+            ref_logps: ref_logps.as_ref(),
+            mask: &mask,
+            mask_host: &mask_host,
+            advantages: &advantages,
+        };
+        let out = match self.rloo {
+            Some(_) => losses::rloo(
+                ops,
+                (self.settings.epsilon, self.settings.epsilon_high),
+                &inputs,
+            ),
+            None => losses::grpo(ops, self.settings, &inputs),
+        }
         .tr()?;
         let mut m = out.metrics;
         let h = ops.to_f64(&entropy).tr()?;
