@@ -417,7 +417,7 @@ impl MlxDecoder {
         {
             let hits: Vec<bool> = flat.iter().map(|&i| i == pad as i32).collect();
             let mask = Array::from_slice(&hits, &[(b * t) as i32, 1]);
-            rows = ops::r#where(&mask, &mlx_rs::stop_gradient(&rows)?, &rows)?;
+            rows = ops::select(&mask, &mlx_rs::stop_gradient(&rows)?, &rows)?;
         }
         let rows = match self.quantized.get(embed) {
             Some(q) => ops::dequantize(
