@@ -46,6 +46,11 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         include_str!("../../examples/data/grpo.jsonl"),
     ),
     (
+        "pretrain",
+        "pretrain.jsonl",
+        include_str!("../../examples/data/pretrain.jsonl"),
+    ),
+    (
         "rloo",
         "grpo.jsonl",
         include_str!("../../examples/data/grpo.jsonl"),
@@ -59,7 +64,7 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The task: sft, dpo, orpo, simpo, kto, grpo, rloo, reward (and plugin tasks); `kiln registry
+    /// The task: sft, pretrain, dpo, orpo, simpo, kto, grpo, rloo, reward (and plugin tasks); `kiln registry
     /// trainers` lists them.
     #[arg(long)]
     task: String,
@@ -450,7 +455,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         checkpoint: None,
         key: match args.task.as_str() {
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
-            "sft" => &["mean_token_accuracy"],
+            "sft" | "pretrain" => &["mean_token_accuracy"],
             "grpo" | "rloo" => &["reward", "reward_std", "completions/mean_length"],
             "reward" => &["accuracy", "margin"],
             _ => &[],

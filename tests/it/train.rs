@@ -196,7 +196,11 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             | "undesirable_weight"
             | "center_rewards_coefficient"
             | "normalize_advantages"
-            | "reward_clip_range" => {
+            | "reward_clip_range"
+            | "packing"
+            | "packing_strategy"
+            | "eval_packing"
+            | "dataset_text_field" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -632,6 +636,23 @@ fn dr_grpo_unscaled_matches_trl() {
     check("grpo-dr");
 }
 
+/// Packing as TRL packs (SFTConfig.packing): best-fit bins whose sequences attend only to
+/// themselves with positions from 0; the overflow re-queued under completion-only labels;
+/// kiln's pretrain (raw text, packed) cutting one stream, from another column and from a plain
+/// text file under LoRA; an unpacked evaluation set.
+#[test]
+fn packing_and_pretraining_match_trl() {
+    for name in [
+        "sft-pack-bfd",
+        "sft-pack-requeue",
+        "pretrain-wrapped",
+        "pretrain-txt",
+        "sft-pack-eval",
+    ] {
+        check(name);
+    }
+}
+
 /// RLOO (TRL's RLOOTrainer) on TRL's own completions: its default β (the sequence KL taken off
 /// the rewards) with two weighted rewards; normalised, clipped advantages over two iterations
 /// (sequence-level ratios clipped); LoRA continuing an adapter; a reward model.
@@ -978,6 +999,21 @@ fn mlx_grpo_matches_trl() {
         "rloo-normalize-clip",
         "rloo-lora",
         "rloo-reward-model",
+    ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// Packing and pretraining on MLX, as on candle.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_packing_and_pretraining_match_trl() {
+    for name in [
+        "sft-pack-bfd",
+        "sft-pack-requeue",
+        "pretrain-wrapped",
+        "pretrain-txt",
+        "sft-pack-eval",
     ] {
         check_on(name, "mlx");
     }

@@ -216,6 +216,15 @@ def write_data():
             f.write(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
                                 "completion": [{"role": "assistant", "content": r["completion"]}],
                                 "label": r["label"]}) + "\n")
+    # Raw text for pretraining: a `content` column, and a plain text file (one example per line).
+    lines = ["In the beginning was the word.", "The quick brown fox jumps over the lazy dog.",
+             "A stitch in time saves nine.", "All that glitters is not gold.", "",
+             "Where there is smoke there is fire, and where there is fire there is heat."]
+    with open(os.path.join(DATA, "pretrain.jsonl"), "w") as f:
+        for l in lines:
+            f.write(json.dumps({"content": l}) + "\n")
+    with open(os.path.join(DATA, "pretrain.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
     # Reward data with an implicit prompt (part of both sides) and a margin per pair.
     with open(os.path.join(DATA, "reward-margin.jsonl"), "w") as f:
         for i, r in enumerate(dpo):
@@ -264,7 +273,8 @@ def run(task, model_dir, data, adapter=None, **overrides):
     from datasets import load_dataset
     from peft import PeftModel
 
-    ds = load_dataset("json", data_files=data, split="train")
+    # A plain text file is read as datasets' text loader reads it: one example per line.
+    ds = load_dataset("text" if data.endswith(".txt") else "json", data_files=data, split="train")
     eval_file = overrides.pop("eval_data", None)
     if eval_file:
         overrides.update(eval_strategy="steps")
@@ -282,6 +292,10 @@ def run(task, model_dir, data, adapter=None, **overrides):
                   train_sampling_strategy="sequential", per_device_train_batch_size=2)
     common.update(overrides)
     rec = Record()
+    if task == "pretrain":
+        # kiln's pretrain: TRL's SFTTrainer on raw text, packed by default.
+        task = "sft"
+        common.setdefault("packing", True)
     if task == "sft":
         from trl import SFTConfig, SFTTrainer
         trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=ds, eval_dataset=eval_ds, processing_class=tok,
@@ -389,7 +403,7 @@ def main():
     if not os.path.isdir(reward_adapter):
         build_reward_adapter(reward_model)
     d = lambda n: os.path.join(DATA, n)
-    if not os.path.exists(d("reward-margin.jsonl")):
+    if not os.path.exists(d("reward-margin.jsonl")) or not os.path.exists(d("pretrain.txt")):
         write_data()
     runs = {
         "sft-full": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2)),
@@ -483,6 +497,20 @@ def main():
             learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, max_completion_length=8,
             shuffle_dataset=False, reward_funcs=["count_digits"], loss_type="dr_grpo", scale_rewards="none",
             max_steps=4)),
+        # Packing (SFTConfig.packing): best-fit bins whose sequences attend only to themselves,
+        # positions reset (TRL's padding-free collator); the overflow re-queued, with
+        # completion-only labels; kiln's pretrain task (SFT on raw text, packed) cutting one
+        # stream (wrapped), from another column and from a plain text file; evaluation unpacked.
+        "sft-pack-bfd": ("sft", d("sft-text.jsonl"), None, dict(learning_rate=1e-3, packing=True, max_length=40)),
+        "sft-pack-requeue": ("sft", d("sft.jsonl"), None, dict(
+            learning_rate=1e-3, packing=True, packing_strategy="bfd-requeue", max_length=6,
+            gradient_accumulation_steps=2)),
+        "pretrain-wrapped": ("pretrain", d("pretrain.jsonl"), None, dict(
+            learning_rate=1e-3, packing_strategy="wrapped", max_length=16, dataset_text_field="content")),
+        "pretrain-txt": ("pretrain", d("pretrain.txt"), adapter, dict(learning_rate=1e-2, max_length=32)),
+        "sft-pack-eval": ("sft", d("sft.jsonl"), None, dict(
+            learning_rate=1e-3, packing=True, max_length=16, eval_data=d("sft-eval.jsonl"), eval_steps=3,
+            per_device_eval_batch_size=3, eval_packing=False)),
         # RLOO (TRL's RLOOTrainer): its default β 0.05 (the KL in the rewards) with a reward model
         # and a function, weighted; normalised, clipped advantages over two iterations; LoRA; a
         # reward model alone.

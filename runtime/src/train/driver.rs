@@ -211,6 +211,9 @@ pub fn drive(
     };
     let repeats = s.repeats().max(1);
     let per_epoch = (n.div_ceil(bs).div_ceil(ga) * repeats) as u64;
+    // transformers' epoch counts micro-batches: a short last step of an epoch (fewer than
+    // gradient_accumulation_steps micro-batches left) is a fraction of a step.
+    let micro_per_epoch = (n.div_ceil(bs) * repeats) as f64;
     let total = match h.max_steps {
         Some(m) if m > 0 => m,
         _ => ((h.num_train_epochs * per_epoch as f64).ceil() as u64).max(1),
@@ -292,7 +295,10 @@ pub fn drive(
             }
             let metrics = StepMetrics {
                 step,
-                epoch: step as f64 / per_epoch as f64,
+                epoch: epoch as f64
+                    + (micro_per_epoch
+                        - steps.as_slice().iter().map(Vec::len).sum::<usize>() as f64)
+                        / micro_per_epoch,
                 loss: window_loss.0 / window_loss.1 as f64,
                 // transformers logs the rate the step ran with.
                 learning_rate: lr,

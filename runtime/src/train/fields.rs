@@ -38,9 +38,9 @@ pub struct Field {
     pub help: &'static str,
 }
 
-const SFT: &[&str] = &["sft"];
+const SFT: &[&str] = &["sft", "pretrain"];
 const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "rloo"];
-const LOSS: &[&str] = &["sft", "dpo", "simpo", "kto", "grpo"];
+const LOSS: &[&str] = &["sft", "pretrain", "dpo", "simpo", "kto", "grpo"];
 const DPO: &[&str] = &["dpo"];
 const SMOOTH: &[&str] = &["dpo", "simpo"];
 const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo"];
@@ -403,6 +403,36 @@ pub const FIELDS: &[Field] = &[
         "Weight of the chosen NLL term; 0 = pure SimPO [1]",
     ),
     f(
+        "packing",
+        Kind::Bool,
+        SFT,
+        "Pack sequences into examples of max_length tokens, each sequence attending only to itself [false; pretrain: true]",
+    ),
+    f(
+        "packing_strategy",
+        Kind::Text,
+        SFT,
+        "bfd (best fit, overflow dropped), bfd-requeue (overflow packed too) or wrapped (one stream cut every max_length) [bfd]",
+    ),
+    f(
+        "eval_packing",
+        Kind::Bool,
+        SFT,
+        "Pack the evaluation set [= packing]",
+    ),
+    f(
+        "padding_free",
+        Kind::Bool,
+        SFT,
+        "TRL's padding-free batches: kiln always runs each sequence as its own row (the same numbers, true or false) [false]",
+    ),
+    f(
+        "dataset_text_field",
+        Kind::Text,
+        SFT,
+        "The column language-modelling text is read from [text]",
+    ),
+    f(
         "normalize_advantages",
         Kind::Bool,
         RLOO,
@@ -463,7 +493,7 @@ pub fn nearest(name: &str) -> Option<&'static str> {
 pub fn defaults_for(config: &mut TrainConfig) {
     let h = &mut config.hyper;
     h.learning_rate = match config.task.as_str() {
-        "sft" => 2e-5,
+        "sft" | "pretrain" => 2e-5,
         "reward" => 1e-4,
         _ => 1e-6,
     };
@@ -760,11 +790,13 @@ mod tests {
             c.option::<String>("loss_type").unwrap().as_deref(),
             Some("dft")
         );
-        let e = apply(&mut c, "packing", &Value::from(true)).unwrap_err();
+        apply(&mut c, "packing", &Value::from(true)).unwrap();
+        assert_eq!(c.option::<bool>("packing").unwrap(), Some(true));
+        let e = apply(&mut c, "pad_to_multiple_of", &Value::from(8)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `packing`: TRL's `SFTConfig.packing` = true: packing is not built yet; \
-             kiln pads each batch to its longest sequence; kiln takes only TRL's default, false"
+            "config field `pad_to_multiple_of`: TRL's `SFTConfig.pad_to_multiple_of` = 8: kiln \
+             pads to the longest sequence of the batch; kiln takes only TRL's default, null"
         );
         let e = apply(&mut c, "bf16", &Value::from(true)).unwrap_err();
         assert!(e.to_string().contains("kiln trains in f32"), "{e}");

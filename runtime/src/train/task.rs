@@ -14,8 +14,8 @@ use super::{TrainConfig, TrainError};
 use std::collections::BTreeMap;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 8] = [
-    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo",
+pub const TASKS: [&str; 9] = [
+    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "pretrain",
 ];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
@@ -30,6 +30,7 @@ macro_rules! for_each_task {
         $m!(grpo, "grpo");
         $m!(reward, "reward");
         $m!(rloo, "rloo");
+        $m!(pretrain, "pretrain");
     };
 }
 pub(crate) use for_each_task;
@@ -143,7 +144,7 @@ pub fn build<B: Backend>(
 ) -> Result<BoxedTask<B>, TrainError> {
     let tok = host.tokenizer();
     Ok(match task {
-        "sft" => Box::new(SftTask::new(config, tok)?),
+        "sft" | "pretrain" => Box::new(SftTask::new(config, tok)?),
         "dpo" => {
             let reference = host.reference()?;
             Box::new(host.with_runner(|r| DpoTask::new(config, tok, r, reference))?)
@@ -201,10 +202,13 @@ pub fn with_eval<T: TaskInfo + ?Sized>(
 
 impl TaskInfo for SftTask {
     fn name(&self) -> &'static str {
-        "sft"
+        SftTask::name(self)
     }
     fn examples(&self) -> usize {
         SftTask::examples(self)
+    }
+    fn for_evaluation(&mut self, config: &TrainConfig) -> Result<(), TrainError> {
+        SftTask::for_evaluation(self, config)
     }
     fn divide_by_accumulation(&self) -> bool {
         false

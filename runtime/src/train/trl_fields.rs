@@ -224,7 +224,6 @@ pub const DECISIONS: &[Decision] = &[
             "metric_for_best_model",
             "greater_is_better",
             "generate_during_eval",
-            "eval_packing",
         ],
         AtDefault,
         "kiln evaluates every eval_steps steps and logs eval_loss and the task's eval_ figures; no best-model selection",
@@ -267,11 +266,6 @@ pub const DECISIONS: &[Decision] = &[
         "kiln takes the chat template from the model's tokenizer_config.json",
     ),
     d(
-        &["dataset_text_field"],
-        AtDefault,
-        "kiln reads language-modelling data from the `text` column",
-    ),
-    d(
         &["dataset_kwargs"],
         AtDefault,
         "kiln prepares the data itself; no dataset arguments",
@@ -287,9 +281,9 @@ pub const DECISIONS: &[Decision] = &[
         "kiln does not shuffle the dataset before training (SFT's default); the sampler's order is train_sampling_strategy",
     ),
     d(
-        &["packing", "packing_strategy", "padding_free"],
+        &["padding_free"],
         AtDefault,
-        "packing is not built yet; kiln pads each batch to its longest sequence",
+        "kiln runs each sequence of a batch as its own row, padded to the longest",
     ),
     d(
         &["pad_to_multiple_of"],

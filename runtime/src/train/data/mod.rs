@@ -2,6 +2,7 @@
 //! 0.29.1 does it (docs/TRAINING.md §1): the format is detected from the first line and every
 //! line is checked against it; a bad line is an error naming the file and line.
 
+pub mod pack;
 mod tokenizer;
 
 pub use tokenizer::TextTokenizer;
@@ -85,6 +86,9 @@ pub struct Dataset {
     pub format: DataFormat,
     /// Every non-blank line.
     pub records: Vec<Record>,
+    /// The file's column of language-modelling text (TRL's `dataset_text_field`), read into
+    /// each record's `text`.
+    pub text_field: String,
 }
 
 impl Dataset {
@@ -93,6 +97,17 @@ impl Dataset {
     ///
     /// Long on purpose: format detection and every per-line check, each naming the file and line.
     pub fn read(path: &Path, accepted: &[DataFormat]) -> Result<Self, TrainError> {
+        Self::read_with(path, accepted, "text")
+    }
+
+    /// [`Dataset::read`] with language-modelling text in the column `text_field` (TRL's
+    /// `dataset_text_field`), and plain text files (`.txt`) read as `datasets`' text loader
+    /// reads them: one example per line.
+    pub fn read_with(
+        path: &Path,
+        accepted: &[DataFormat],
+        text_field: &str,
+    ) -> Result<Self, TrainError> {
         let err = |line: Option<usize>, message: String| TrainError::Data {
             path: path.to_path_buf(),
             line,
@@ -102,6 +117,31 @@ impl Dataset {
             path: path.to_path_buf(),
             source,
         })?;
+        if path.extension().is_some_and(|e| e == "txt") {
+            if !accepted.contains(&DataFormat::Text) {
+                return Err(err(
+                    None,
+                    "a plain text file is language-modelling data (text), which this task does not take".into(),
+                ));
+            }
+            let records: Vec<Record> = text
+                .lines()
+                .enumerate()
+                .map(|(i, l)| Record {
+                    line: i + 1,
+                    fields: serde_json::Map::from_iter([("text".to_string(), Value::from(l))]),
+                })
+                .collect();
+            if records.is_empty() {
+                return Err(err(None, "holds no examples".into()));
+            }
+            return Ok(Dataset {
+                path: path.to_path_buf(),
+                format: DataFormat::Text,
+                records,
+                text_field: "text".into(),
+            });
+        }
         let mut format = None;
         let mut records = Vec::new();
         for (i, raw) in text.lines().enumerate() {
@@ -111,9 +151,14 @@ impl Dataset {
             }
             let v: Value = serde_json::from_str(raw)
                 .map_err(|e| err(Some(line), format!("not valid JSON: {e}")))?;
-            let Value::Object(fields) = v else {
+            let Value::Object(mut fields) = v else {
                 return Err(err(Some(line), "expected a JSON object".into()));
             };
+            if text_field != "text"
+                && let Some(t) = fields.remove(text_field)
+            {
+                fields.insert("text".into(), t);
+            }
             let f = match format {
                 Some(f) => f,
                 None => {
@@ -194,6 +239,7 @@ impl Dataset {
             path: path.to_path_buf(),
             format,
             records,
+            text_field: text_field.into(),
         })
     }
 }
@@ -275,6 +321,7 @@ pub fn apply_chat_template(data: &Dataset, tok: &TextTokenizer) -> Result<Datase
         path: data.path.clone(),
         format: data.format,
         records,
+        text_field: data.text_field.clone(),
     })
 }
 
@@ -306,6 +353,7 @@ pub fn unpair(data: &Dataset) -> Dataset {
         path: data.path.clone(),
         format: DataFormat::Unpaired,
         records,
+        text_field: data.text_field.clone(),
     }
 }
 

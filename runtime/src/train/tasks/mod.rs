@@ -37,5 +37,8 @@ pub fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Datase
         .train_data
         .as_ref()
         .ok_or_else(|| config_err("train_data", "required (a JSONL file)"))?;
-    Dataset::read(path, accepted)
+    let text_field = config
+        .option::<String>("dataset_text_field")?
+        .unwrap_or_else(|| "text".into());
+    Dataset::read_with(path, accepted, &text_field)
 }
