@@ -56,6 +56,11 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         include_str!("../../examples/data/grpo.jsonl"),
     ),
     (
+        "distill",
+        "chat.jsonl",
+        include_str!("../../examples/data/chat.jsonl"),
+    ),
+    (
         "reward",
         "dpo.jsonl",
         include_str!("../../examples/data/dpo.jsonl"),
@@ -64,7 +69,8 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The task: sft, pretrain, dpo, orpo, simpo, kto, grpo, rloo, reward (and plugin tasks); `kiln registry
+    /// The task: sft, pretrain, dpo, orpo, simpo, kto, grpo, rloo, reward, distill (and plugin
+    /// tasks); `kiln registry
     /// trainers` lists them.
     #[arg(long)]
     task: String,

@@ -159,6 +159,10 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
                 c.hyper.per_device_train_batch_size = v.as_u64().unwrap() as usize
             }
             "max_steps" => c.hyper.max_steps = Some(v.as_u64().unwrap()),
+            "teacher_model_name_or_path" => {
+                let path = here().join(v.as_str().unwrap()).display().to_string();
+                c.task_options.insert(k.clone(), path.into());
+            }
             // A reward model's folder is relative to tests/train.
             "reward_funcs" => {
                 let funcs: Vec<Value> = v
@@ -200,7 +204,8 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             | "packing"
             | "packing_strategy"
             | "eval_packing"
-            | "dataset_text_field" => {
+            | "dataset_text_field"
+            | "lmbda" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -653,6 +658,17 @@ fn packing_and_pretraining_match_trl() {
     }
 }
 
+/// Distillation as TRL's GKDTrainer computes it, from a wider teacher (offline: on-policy
+/// samples come from each side's own random stream): the generalized JSD, forward KL under
+/// gradient accumulation (TRL does not divide GKD's loss by the steps), reverse KL under LoRA,
+/// evaluation.
+#[test]
+fn distillation_matches_trl() {
+    for name in ["distill-jsd", "distill-kl", "distill-lora", "distill-eval"] {
+        check(name);
+    }
+}
+
 /// RLOO (TRL's RLOOTrainer) on TRL's own completions: its default β (the sequence KL taken off
 /// the rewards) with two weighted rewards; normalised, clipped advantages over two iterations
 /// (sequence-level ratios clipped); LoRA continuing an adapter; a reward model.
@@ -1000,6 +1016,15 @@ fn mlx_grpo_matches_trl() {
         "rloo-lora",
         "rloo-reward-model",
     ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// Distillation on MLX (the teacher on candle), as on candle.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_distillation_matches_trl() {
+    for name in ["distill-jsd", "distill-kl", "distill-lora", "distill-eval"] {
         check_on(name, "mlx");
     }
 }

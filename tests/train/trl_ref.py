@@ -123,6 +123,15 @@ def build_reward_model(model_dir):
     return out
 
 
+def build_teacher():
+    """A wider random Llama with the same tokenizer: GKD's teacher."""
+    out = os.path.join(TINY, "teacher")
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    random_llama(out, hidden=64, intermediate=128)
+    return out
+
+
 def build_reward_adapter(reward_model):
     """An initial LoRA adapter of the reward model (PEFT's SEQ_CLS task: its `score` head
     trained in full, as `modules_to_save`), non-zero A and B."""
@@ -358,6 +367,12 @@ def run(task, model_dir, data, adapter=None, **overrides):
         trainer._generate_single_turn = record
         trainer.train()
         return rec.logs, {"train": generated, "eval": []}
+    elif task == "distill":
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+        teacher = LlamaForCausalLM.from_pretrained(os.path.join(HERE, common.pop("teacher_model_name_or_path")),
+                                                   dtype=torch.float32)
+        trainer = GKDTrainer(model=model, teacher_model=teacher, args=GKDConfig(**common), train_dataset=ds,
+                             eval_dataset=eval_ds, processing_class=tok, callbacks=[rec])
     elif task == "reward":
         from trl import RewardConfig, RewardTrainer
         trainer = RewardTrainer(model=model, args=RewardConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
@@ -395,10 +410,13 @@ def main():
         adapter = build_adapter(model_dir)
         write_data()
         build_reward_adapter(build_reward_model(model_dir))
+        build_teacher()
     dropout = dropout_adapter(adapter)
     reward_model = os.path.join(TINY, "reward-model")
     if not os.path.isdir(reward_model):
         build_reward_model(model_dir)
+    if not os.path.isdir(os.path.join(TINY, "teacher")):
+        build_teacher()
     reward_adapter = os.path.join(TINY, "reward-adapter")
     if not os.path.isdir(reward_adapter):
         build_reward_adapter(reward_model)
@@ -511,6 +529,19 @@ def main():
         "sft-pack-eval": ("sft", d("sft.jsonl"), None, dict(
             learning_rate=1e-3, packing=True, max_length=16, eval_data=d("sft-eval.jsonl"), eval_steps=3,
             per_device_eval_batch_size=3, eval_packing=False)),
+        # GKD (TRL's GKDTrainer) from a wider teacher, offline (lmbda 0: on-policy samples come
+        # from each side's own random stream): the JSD, forward KL under accumulation, reverse
+        # KL under LoRA, evaluation.
+        "distill-jsd": ("distill", d("sft-chat.jsonl"), None, dict(
+            learning_rate=1e-3, lmbda=0.0, teacher_model_name_or_path="tiny/teacher")),
+        "distill-kl": ("distill", d("sft-chat.jsonl"), None, dict(
+            learning_rate=1e-3, lmbda=0.0, beta=0.0, gradient_accumulation_steps=2,
+            teacher_model_name_or_path="tiny/teacher")),
+        "distill-lora": ("distill", d("sft-chat.jsonl"), adapter, dict(
+            learning_rate=1e-2, lmbda=0.0, beta=1.0, teacher_model_name_or_path="tiny/teacher")),
+        "distill-eval": ("distill", d("sft-chat.jsonl"), None, dict(
+            learning_rate=1e-3, lmbda=0.0, beta=0.3, teacher_model_name_or_path="tiny/teacher",
+            eval_data=d("sft-chat.jsonl"), eval_steps=3, per_device_eval_batch_size=3)),
         # RLOO (TRL's RLOOTrainer): its default β 0.05 (the KL in the rewards) with a reward model
         # and a function, weighted; normalised, clipped advantages over two iterations; LoRA; a
         # reward model alone.

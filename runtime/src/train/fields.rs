@@ -39,11 +39,16 @@ pub struct Field {
 }
 
 const SFT: &[&str] = &["sft", "pretrain"];
-const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "rloo"];
+const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "rloo", "distill"];
 const LOSS: &[&str] = &["sft", "pretrain", "dpo", "simpo", "kto", "grpo"];
 const DPO: &[&str] = &["dpo"];
 const SMOOTH: &[&str] = &["dpo", "simpo"];
-const DROPOUT: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo"];
+const DROPOUT: &[&str] = &[
+    "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "distill",
+];
+const DISTILL: &[&str] = &["distill"];
+/// The tasks that sample at a temperature.
+const TEMPERATURE: &[&str] = &["grpo", "rloo", "distill"];
 const RLOO: &[&str] = &["rloo"];
 const REWARD: &[&str] = &["reward"];
 const REF: &[&str] = &["dpo", "kto"];
@@ -70,7 +75,7 @@ pub const FIELDS: &[Field] = &[
     f(
         "temperature",
         Kind::Float,
-        SAMPLED,
+        TEMPERATURE,
         "Sampling temperature (also divides the logits in the loss) [1]",
     ),
     f("top_p", Kind::Float, SAMPLED, "Nucleus sampling mass [1]"),
@@ -403,6 +408,30 @@ pub const FIELDS: &[Field] = &[
         "Weight of the chosen NLL term; 0 = pure SimPO [1]",
     ),
     f(
+        "teacher_model_name_or_path",
+        Kind::Text,
+        DISTILL,
+        "The teacher: any model kiln reads (a quantized export saves memory) [required]",
+    ),
+    f(
+        "lmbda",
+        Kind::Float,
+        DISTILL,
+        "Probability that a micro-batch's completions are the student's own samples (on-policy) [0.5]",
+    ),
+    f(
+        "seq_kd",
+        Kind::Bool,
+        DISTILL,
+        "Train on the teacher's sampled completions (sequence-level KD) [false]",
+    ),
+    f(
+        "max_new_tokens",
+        Kind::Int,
+        DISTILL,
+        "Most tokens sampled per completion [128]",
+    ),
+    f(
         "packing",
         Kind::Bool,
         SFT,
@@ -493,7 +522,7 @@ pub fn nearest(name: &str) -> Option<&'static str> {
 pub fn defaults_for(config: &mut TrainConfig) {
     let h = &mut config.hyper;
     h.learning_rate = match config.task.as_str() {
-        "sft" | "pretrain" => 2e-5,
+        "sft" | "pretrain" | "distill" => 2e-5,
         "reward" => 1e-4,
         _ => 1e-6,
     };
@@ -725,7 +754,7 @@ mod tests {
     #[test]
     fn every_trl_field_is_implemented_or_refused_by_name() {
         let tasks = [
-            "sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward", "rloo",
+            "sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill",
         ];
         let mut checked = 0;
         let mut failures = Vec::new();
@@ -845,7 +874,7 @@ mod tests {
         let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo)"
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill)"
         );
         let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
         assert_eq!(

@@ -604,6 +604,55 @@ impl KtoLoss {
     }
 }
 
+/// GKD's generalized Jensen–Shannon divergence (TRL's `GKDTrainer.generalized_jsd_loss`, as
+/// its `compute_loss` calls it: temperature 1) between the student's and the teacher's
+/// next-token distributions, summed over the vocabulary and averaged over the `count` masked
+/// positions: with `M = log((1 − β)·p_s + β·p_t)`, `β·KL(p_t ‖ M) + (1 − β)·KL(p_s ‖ M)`;
+/// β = 0 is `KL(p_t ‖ p_s)` and β = 1 `KL(p_s ‖ p_t)`. `student` and `teacher` are logits
+/// `[batch, tokens, vocab]` (the teacher's outside the graph), `mask` `[batch, tokens]`.
+pub fn generalized_jsd<O: TensorOps>(
+    ops: &O,
+    student: &O::T,
+    teacher: &O::T,
+    mask: &O::T,
+    count: f64,
+    beta: f64,
+) -> Result<O::T, O::Error> {
+    let s = ops.log_softmax(student)?;
+    let t = ops.detach(&ops.log_softmax(teacher)?);
+    // `F.kl_div(input, target, log_target=True)`: e^target · (target − input).
+    let kl = |target: &O::T, input: &O::T| -> Result<O::T, O::Error> {
+        ops.mul(&ops.exp(target)?, &ops.sub(target, input)?)
+    };
+    let per_vocab = if beta == 0.0 {
+        kl(&t, &s)?
+    } else if beta == 1.0 {
+        kl(&s, &t)?
+    } else {
+        // The mixture's log, as torch.logsumexp computes it (shifted by the larger, which is
+        // outside the graph: the value and gradient do not depend on the shift).
+        let a = ops.affine(&s, 1.0, (1.0 - beta).ln())?;
+        let b = ops.affine(&t, 1.0, beta.ln())?;
+        let neg_max = ops.minimum(&ops.affine(&a, -1.0, 0.0)?, &ops.affine(&b, -1.0, 0.0)?)?;
+        let max = ops.detach(&ops.affine(&neg_max, -1.0, 0.0)?);
+        let sum = ops.add(
+            &ops.exp(&ops.sub(&a, &max)?)?,
+            &ops.exp(&ops.sub(&b, &max)?)?,
+        )?;
+        let m = ops.add(&max, &ops.log(&sum)?)?;
+        ops.add(
+            &ops.affine(&kl(&t, &m)?, beta, 0.0)?,
+            &ops.affine(&kl(&s, &m)?, 1.0 - beta, 0.0)?,
+        )?
+    };
+    let per_token = ops.sum_last(&per_vocab)?;
+    ops.affine(
+        &ops.sum_all(&ops.mul(&per_token, mask)?)?,
+        1.0 / count.max(1.0),
+        0.0,
+    )
+}
+
 /// A reward model's Bradley–Terry loss (TRL's `RewardTrainer.compute_loss`):
 /// `mean(−log σ(r_c − r_r − margin))`, plus `center · mean((r_c + r_r)²)` with
 /// `center_rewards_coefficient`. `rewards` are `[2n]`: the `n` chosen sequences' scores, then

@@ -16,6 +16,11 @@ pub trait TensorOps {
     /// `log softmax(logits)[label]` per position: logits `[batch, tokens, vocab]`, labels
     /// `[batch, tokens]` (integer ids) → `[batch, tokens]`, in f32.
     fn token_logps(&self, logits: &Self::T, labels: &Self::T) -> Result<Self::T, Self::Error>;
+    /// `log softmax(logits)` over the last dimension, in f32 (`[batch, tokens, vocab]`; GKD's
+    /// divergences between whole distributions).
+    fn log_softmax(&self, logits: &Self::T) -> Result<Self::T, Self::Error>;
+    /// `ln a`.
+    fn log(&self, a: &Self::T) -> Result<Self::T, Self::Error>;
     /// The entropy of `softmax(logits)` per position, `[batch, tokens]` (no gradient).
     fn token_entropy(&self, logits: &Self::T) -> Result<Self::T, Self::Error>;
     /// The arg-max over the last dimension (`[batch, tokens]`, as f32 ids; no gradient).
@@ -73,6 +78,13 @@ pub trait TensorOps {
     fn detach(&self, a: &Self::T) -> Self::T;
     /// A tensor of `values` with `shape`, f32, on the backend's device.
     fn tensor(&self, values: &[f64], shape: &[usize]) -> Result<Self::T, Self::Error>;
+    /// A tensor of f32 `values` with `shape` on the backend's device (a teacher's logits).
+    fn tensor_f32(&self, values: &[f32], shape: &[usize]) -> Result<Self::T, Self::Error> {
+        let v: Vec<f64> = values.iter().map(|&x| f64::from(x)).collect();
+        self.tensor(&v, shape)
+    }
+    /// The shape of `a`.
+    fn dims(&self, a: &Self::T) -> Vec<usize>;
     /// Every element, in row-major order, as f64.
     fn to_f64(&self, a: &Self::T) -> Result<Vec<f64>, Self::Error>;
 }

@@ -9,13 +9,15 @@ use super::data::TextTokenizer;
 use super::driver::Window;
 use super::grpo::GrpoTask;
 use super::runner::Runner;
-use super::tasks::{DpoTask, KtoTask, MicroBatch, RewardTask, ScoredPairTask, SftTask, TensorOf};
+use super::tasks::{
+    DistillTask, DpoTask, KtoTask, MicroBatch, RewardTask, ScoredPairTask, SftTask, TensorOf,
+};
 use super::{TrainConfig, TrainError};
 use std::collections::BTreeMap;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 9] = [
-    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "pretrain",
+pub const TASKS: [&str; 10] = [
+    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill",
 ];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
@@ -31,6 +33,7 @@ macro_rules! for_each_task {
         $m!(reward, "reward");
         $m!(rloo, "rloo");
         $m!(pretrain, "pretrain");
+        $m!(distill, "distill");
     };
 }
 pub(crate) use for_each_task;
@@ -157,6 +160,7 @@ pub fn build<B: Backend>(
         }
         "grpo" | "rloo" => Box::new(GrpoTask::new(config, tok, || host.reference())?),
         "reward" => Box::new(RewardTask::new(config, tok)?),
+        "distill" => Box::new(DistillTask::new(config, tok)?),
         other => {
             return Err(TrainError::Config {
                 field: "task".into(),
@@ -325,6 +329,39 @@ impl TaskInfo for RewardTask {
 }
 
 impl<R: Runner> Task<R> for RewardTask {
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl TaskInfo for DistillTask {
+    fn name(&self) -> &'static str {
+        "distill"
+    }
+    fn examples(&self) -> usize {
+        DistillTask::examples(self)
+    }
+    // TRL's GKD loss is each micro-batch's mean, and transformers does not divide it by the
+    // accumulation steps (the model takes loss kwargs and the batch has labels).
+    fn divide_by_accumulation(&self) -> bool {
+        false
+    }
+    fn state(&self) -> serde_json::Value {
+        DistillTask::state(self)
+    }
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        DistillTask::restore(self, state)
+    }
+    fn for_evaluation(&mut self, _: &TrainConfig) -> Result<(), TrainError> {
+        DistillTask::for_evaluation(self);
+        Ok(())
+    }
+}
+
+impl<R: Runner> Task<R> for DistillTask {
+    fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        DistillTask::begin_step(self, r, micro_batches)
+    }
     fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
         self.loss(r, indices)
     }

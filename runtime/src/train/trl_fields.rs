@@ -281,6 +281,20 @@ pub const DECISIONS: &[Decision] = &[
         "kiln does not shuffle the dataset before training (SFT's default); the sampler's order is train_sampling_strategy",
     ),
     d(
+        &[
+            "dataset_text_field",
+            "packing",
+            "packing_strategy",
+            "eval_packing",
+            "completion_only_loss",
+            "assistant_only_loss",
+            "loss_type",
+            "teacher_model_init_kwargs",
+        ],
+        AtDefault,
+        "distill reads `messages` conversations whole, unpacked, and learns every completion token by the generalized JSD to a teacher kiln loads itself (TRL's GKD collator and loss)",
+    ),
+    d(
         &["padding_free"],
         AtDefault,
         "kiln runs each sequence of a batch as its own row, padded to the longest",

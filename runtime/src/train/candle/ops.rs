@@ -22,6 +22,16 @@ impl TensorOps for CandleOps {
         token_logps_unfused(logits, labels)
     }
 
+    fn log_softmax(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = logits.to_dtype(DType::F32)?;
+        let max = logits.max_keepdim(D::Minus1)?.detach();
+        let shifted = logits.broadcast_sub(&max)?;
+        let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+        shifted.broadcast_sub(&lse)
+    }
+    fn log(&self, a: &Tensor) -> candle_core::Result<Tensor> {
+        a.log()
+    }
     fn token_entropy(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
         // Fused on the CPU in f32: one pass per row, no [batch, t, vocab] temporaries.
         if let Some(h) = crate::model::fused::token_entropy(logits)? {
@@ -118,6 +128,12 @@ impl TensorOps for CandleOps {
     fn tensor(&self, values: &[f64], shape: &[usize]) -> candle_core::Result<Tensor> {
         let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
         Tensor::from_vec(v, shape, &self.device)
+    }
+    fn dims(&self, a: &Tensor) -> Vec<usize> {
+        a.dims().to_vec()
+    }
+    fn tensor_f32(&self, values: &[f32], shape: &[usize]) -> candle_core::Result<Tensor> {
+        Tensor::from_slice(values, shape, &self.device)
     }
     fn to_f64(&self, a: &Tensor) -> candle_core::Result<Vec<f64>> {
         let v: Vec<f32> = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

@@ -4,6 +4,9 @@ use super::super::TrainError;
 use serde_json::Value;
 use std::path::Path;
 
+/// Token ids and each token's byte offsets `(start, end)` in the text.
+pub type IdsAndOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
 /// The model's tokenizer with the special tokens TRL uses (`tokenizer.json` +
 /// `tokenizer_config.json`).
 #[derive(Clone)]
@@ -96,6 +99,15 @@ impl TextTokenizer {
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| e.to_string())
+    }
+
+    /// [`TextTokenizer::encode_plain`] with each token's byte offsets in `text`.
+    pub fn encode_plain_offsets(&self, text: &str) -> Result<IdsAndOffsets, String> {
+        let e = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| e.to_string())?;
+        Ok((e.get_ids().to_vec(), e.get_offsets().to_vec()))
     }
 
     /// `apply_chat_template(messages, tokenize=True)`: the rendered conversation's ids

@@ -67,6 +67,16 @@ impl TensorOps for MlxOps {
         ops::subtract(&picked, &lse)?.squeeze_axes(&[-1])
     }
 
+    fn log_softmax(&self, logits: &Array) -> Result<Array, Exception> {
+        let logits = logits.as_type::<f32>()?;
+        let max = stop(&logits.max_axis(-1, true)?)?;
+        let shifted = ops::subtract(&logits, &max)?;
+        let lse = ops::log(&ops::exp(&shifted)?.sum_axis(-1, true)?)?;
+        ops::subtract(&shifted, &lse)
+    }
+    fn log(&self, a: &Array) -> Result<Array, Exception> {
+        ops::log(a)
+    }
     fn token_entropy(&self, logits: &Array) -> Result<Array, Exception> {
         let x = stop(&logits.as_type::<f32>()?)?;
         let max = x.max_axis(-1, true)?;
@@ -167,6 +177,13 @@ impl TensorOps for MlxOps {
         let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
         let shape: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
         Ok(Array::from_slice(&v, &shape))
+    }
+    fn dims(&self, a: &Array) -> Vec<usize> {
+        a.shape().iter().map(|&d| d as usize).collect()
+    }
+    fn tensor_f32(&self, values: &[f32], shape: &[usize]) -> Result<Array, Exception> {
+        let shape: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+        Ok(Array::from_slice(values, &shape))
     }
     fn to_f64(&self, a: &Array) -> Result<Vec<f64>, Exception> {
         let a = a.as_type::<f32>()?.contiguous()?;

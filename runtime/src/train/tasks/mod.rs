@@ -11,6 +11,7 @@ use super::ops::TensorOps;
 use super::runner::Runner;
 use std::collections::BTreeMap;
 
+mod distill;
 mod dpo;
 pub mod grpo;
 mod kto;
@@ -19,6 +20,7 @@ mod scored;
 mod sft;
 
 pub use super::data::LmExample;
+pub use distill::{Conversation, DistillTask, conversations};
 pub use dpo::{DpoTask, PairExample, dpo_settings, pair_examples};
 pub use kto::{KtoTask, UnpairedExample, unpaired_examples};
 pub use reward::{RewardPair, RewardTask, reward_pairs};
