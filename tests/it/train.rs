@@ -658,6 +658,16 @@ fn packing_and_pretraining_match_trl() {
     }
 }
 
+/// BCO as TRL's BCOTrainer computes it: the running reward shift, LoRA, paired data unpaired
+/// with an evaluation reading the training's shift, precomputed reference log-probs under
+/// gradient accumulation.
+#[test]
+fn bco_matches_trl() {
+    for name in ["bco-full", "bco-lora", "bco-paired-eval", "bco-precompute"] {
+        check(name);
+    }
+}
+
 /// Distillation as TRL's GKDTrainer computes it, from a wider teacher (offline: on-policy
 /// samples come from each side's own random stream): the generalized JSD, forward KL under
 /// gradient accumulation (TRL does not divide GKD's loss by the steps), reverse KL under LoRA,
@@ -1016,6 +1026,15 @@ fn mlx_grpo_matches_trl() {
         "rloo-lora",
         "rloo-reward-model",
     ] {
+        check_on(name, "mlx");
+    }
+}
+
+/// BCO on MLX, as on candle.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_bco_matches_trl() {
+    for name in ["bco-full", "bco-lora", "bco-paired-eval", "bco-precompute"] {
         check_on(name, "mlx");
     }
 }

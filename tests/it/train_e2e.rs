@@ -199,6 +199,62 @@ fn dpo_ranks_held_out_pairs_right() {
     assert!(acc > 0.9, "held-out reward accuracy {acc}");
 }
 
+/// BCO on the pairs' sides as unpaired examples ranks held-out pairs right by its implicit
+/// reward (the policy's log-ratio to the reference).
+#[test]
+fn bco_ranks_held_out_pairs_right() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    small_model(&model);
+    let (train_words, held) = words();
+    let mut rng = Lcg(13);
+    let mut wrong = |w: &str| loop {
+        let c = (b'a' + rng.below(8) as u8) as char;
+        if !w.starts_with(c) {
+            return c.to_string();
+        }
+    };
+    let data = dir.path().join("bco.jsonl");
+    write_lines(
+        &data,
+        train_words.iter().flat_map(|w| {
+            let bad = wrong(w);
+            [
+                serde_json::json!({"prompt": format!("{w}="), "completion": &w[..1], "label": true}),
+                serde_json::json!({"prompt": format!("{w}="), "completion": bad, "label": false}),
+            ]
+        }),
+    );
+    let held_pairs: Vec<(String, String, String)> = held
+        .iter()
+        .map(|w| (format!("{w}="), w[..1].to_string(), wrong(w)))
+        .collect();
+    let mut c = TrainConfig::new("bco", "candle", &model, dir.path().join("out"));
+    c.train_data = Some(data);
+    c.hyper.learning_rate = 3e-3;
+    c.hyper.per_device_train_batch_size = 16;
+    c.hyper.max_steps = Some(100);
+    c.hyper.logging_steps = 10;
+    let m = train(&c);
+    let (policy, reference) = (load(&dir.path().join("out")), load(&model));
+    let tok = TextTokenizer::from_model_dir(&model).unwrap();
+    let right = held_pairs
+        .iter()
+        .filter(|(p, good, bad)| {
+            let reward = |x: &str| logp(&policy, &tok, p, x) - logp(&reference, &tok, p, x);
+            reward(good) > reward(bad)
+        })
+        .count();
+    let acc = right as f64 / held_pairs.len() as f64;
+    eprintln!(
+        "bco: loss {:.3} → {:.3}, held-out reward accuracy {acc:.3}",
+        m[0].loss,
+        m.last().unwrap().loss
+    );
+    assert!(acc > 0.9, "held-out reward accuracy {acc}");
+}
+
 /// A reward model trained from the causal demo model (a new `score` head) ranks held-out pairs
 /// right: its evaluation accuracy is still low after a quarter of the run and ends above 0.9.
 #[test]

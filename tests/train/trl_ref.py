@@ -367,6 +367,10 @@ def run(task, model_dir, data, adapter=None, **overrides):
         trainer._generate_single_turn = record
         trainer.train()
         return rec.logs, {"train": generated, "eval": []}
+    elif task == "bco":
+        from trl.experimental.bco import BCOConfig, BCOTrainer
+        trainer = BCOTrainer(model=model, args=BCOConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
+                             processing_class=tok, callbacks=[rec])
     elif task == "distill":
         from trl.experimental.gkd import GKDConfig, GKDTrainer
         teacher = LlamaForCausalLM.from_pretrained(os.path.join(HERE, common.pop("teacher_model_name_or_path")),
@@ -529,6 +533,15 @@ def main():
         "sft-pack-eval": ("sft", d("sft.jsonl"), None, dict(
             learning_rate=1e-3, packing=True, max_length=16, eval_data=d("sft-eval.jsonl"), eval_steps=3,
             per_device_eval_batch_size=3, eval_packing=False)),
+        # BCO (TRL's BCOTrainer): the running reward shift; LoRA; paired data unpaired, with an
+        # evaluation that reads the training's shift; precomputed reference log-probs under
+        # accumulation.
+        "bco-full": ("bco", d("kto.jsonl"), None, dict(learning_rate=1e-3)),
+        "bco-lora": ("bco", d("kto.jsonl"), adapter, dict(learning_rate=1e-2, beta=0.2)),
+        "bco-paired-eval": ("bco", d("dpo.jsonl"), None, dict(
+            learning_rate=1e-3, eval_data=d("kto-eval.jsonl"), eval_steps=3)),
+        "bco-precompute": ("bco", d("kto.jsonl"), None, dict(
+            learning_rate=1e-3, precompute_ref_log_probs=True, gradient_accumulation_steps=2)),
         # GKD (TRL's GKDTrainer) from a wider teacher, offline (lmbda 0: on-policy samples come
         # from each side's own random stream): the JSD, forward KL under accumulation, reverse
         # KL under LoRA, evaluation.

@@ -39,19 +39,21 @@ pub struct Field {
 }
 
 const SFT: &[&str] = &["sft", "pretrain"];
-const BETA: &[&str] = &["dpo", "orpo", "simpo", "kto", "grpo", "rloo", "distill"];
+const BETA: &[&str] = &[
+    "dpo", "orpo", "simpo", "kto", "grpo", "rloo", "distill", "bco",
+];
 const LOSS: &[&str] = &["sft", "pretrain", "dpo", "simpo", "kto", "grpo"];
 const DPO: &[&str] = &["dpo"];
 const SMOOTH: &[&str] = &["dpo", "simpo"];
 const DROPOUT: &[&str] = &[
-    "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "distill",
+    "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "distill", "bco",
 ];
 const DISTILL: &[&str] = &["distill"];
 /// The tasks that sample at a temperature.
 const TEMPERATURE: &[&str] = &["grpo", "rloo", "distill"];
 const RLOO: &[&str] = &["rloo"];
 const REWARD: &[&str] = &["reward"];
-const REF: &[&str] = &["dpo", "kto"];
+const REF: &[&str] = &["dpo", "kto", "bco"];
 const KTO: &[&str] = &["kto"];
 const GRPO: &[&str] = &["grpo"];
 /// The tasks that sample completions and score them with rewards.
@@ -524,6 +526,7 @@ pub fn defaults_for(config: &mut TrainConfig) {
     h.learning_rate = match config.task.as_str() {
         "sft" | "pretrain" | "distill" => 2e-5,
         "reward" => 1e-4,
+        "bco" => 5e-7,
         _ => 1e-6,
     };
     h.num_train_epochs = 3.0;
@@ -755,6 +758,7 @@ mod tests {
     fn every_trl_field_is_implemented_or_refused_by_name() {
         let tasks = [
             "sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill",
+            "bco",
         ];
         let mut checked = 0;
         let mut failures = Vec::new();
@@ -874,7 +878,7 @@ mod tests {
         let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill)"
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill, bco)"
         );
         let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
         assert_eq!(

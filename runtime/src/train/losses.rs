@@ -588,6 +588,9 @@ pub enum KtoLoss {
     Kto,
     /// APO-zero, unpaired (no KL term).
     ApoZeroUnpaired,
+    /// BCO (TRL's `BCOTrainer`, task `bco`): binary classification of the implicit rewards
+    /// around their running mean ([`bco`]).
+    Bco,
 }
 
 impl KtoLoss {
@@ -602,6 +605,92 @@ impl KtoLoss {
             _ => return None,
         })
     }
+}
+
+/// BCO's running moments of the implicit rewards (TRL's `RunningMoments`): the reward shift
+/// `δ` is their mean over every training micro-batch so far.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RunningMoments {
+    /// The running mean (`δ`).
+    pub mean: f64,
+    /// The running (population) variance.
+    pub var: f64,
+    /// Values seen (starts at 1e-24, as TRL's).
+    pub count: f64,
+}
+
+impl Default for RunningMoments {
+    fn default() -> Self {
+        RunningMoments {
+            mean: 0.0,
+            var: 1.0,
+            count: 1e-24,
+        }
+    }
+}
+
+impl RunningMoments {
+    /// Folds the batch `xs` in (Chan et al.'s parallel update, as TRL's `update`).
+    pub fn update(&mut self, xs: &[f64]) {
+        let n = xs.len() as f64;
+        if xs.is_empty() {
+            return;
+        }
+        let mean = xs.iter().sum::<f64>() / n;
+        let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
+        let delta = mean - self.mean;
+        let total = self.count + n;
+        let old_sum = self.var * self.count + delta * delta * self.count * n / total;
+        self.mean += delta * n / total;
+        self.var = (old_sum + var * n) / total;
+        self.count = total;
+    }
+}
+
+/// BCO (TRL's `BCOTrainer.bco_loss`, without the underlying-distribution matching): rewards
+/// `r = β·logratio`; `running` folds in this micro-batch's rewards first (training only), then
+/// `δ` = its mean; per example `−log σ(r − δ)` for desirable and `−log σ(−(r − δ))` for
+/// undesirable completions, averaged. Logs `delta` and the per-side sums TRL averages at
+/// logging time (as [`kto`]).
+pub fn bco<O: TensorOps>(
+    ops: &O,
+    beta: f64,
+    logratios: &O::T,
+    logps: &O::T,
+    labels: &[bool],
+    running: &mut RunningMoments,
+    train: bool,
+) -> Result<LossOutput<O::T>, O::Error> {
+    let n = labels.len();
+    let rho = ops.to_f64(&ops.detach(logratios))?;
+    let rewards: Vec<f64> = rho.iter().map(|r| beta * r).collect();
+    if train {
+        // TRL concatenates the chosen rewards, then the rejected: the same moments.
+        running.update(&rewards);
+    }
+    let delta = running.mean;
+    let sign: Vec<f64> = labels.iter().map(|&l| if l { 1.0 } else { -1.0 }).collect();
+    let shifted = ops.affine(logratios, beta, -delta)?;
+    let signed = ops.mul(&shifted, &ops.tensor(&sign, &[n])?)?;
+    let loss = ops.affine(&ops.mean_all(&ops.log_sigmoid(&signed)?)?, -1.0, 0.0)?;
+    let lp = ops.to_f64(&ops.detach(logps))?;
+    let mut metrics = BTreeMap::from([("delta".to_string(), delta)]);
+    for (side, want) in [("chosen", true), ("rejected", false)] {
+        let rows: Vec<usize> = (0..n).filter(|&i| labels[i] == want).collect();
+        if rows.is_empty() {
+            continue;
+        }
+        metrics.insert(
+            format!("rewards/{side}_sum"),
+            rows.iter().map(|&i| rewards[i]).sum(),
+        );
+        metrics.insert(
+            format!("logps/{side}_sum"),
+            rows.iter().map(|&i| lp[i]).sum(),
+        );
+        metrics.insert(format!("count/{side}"), rows.len() as f64);
+    }
+    Ok(LossOutput { loss, metrics })
 }
 
 /// GKD's generalized Jensen–Shannon divergence (TRL's `GKDTrainer.generalized_jsd_loss`, as
@@ -723,7 +812,7 @@ pub fn kto<O: TensorOps>(
     let n = labels.len();
     let z = match kind {
         KtoLoss::Kto => kl.max(0.0),
-        KtoLoss::ApoZeroUnpaired => 0.0,
+        KtoLoss::ApoZeroUnpaired | KtoLoss::Bco => 0.0,
     };
     // 1 − σ(β(ρ − z)) = σ(−β(ρ − z)); 1 − σ(β(z − ρ)) = σ(β(ρ − z)): one sign per row.
     let sign: Vec<f64> = labels.iter().map(|&l| if l { -1.0 } else { 1.0 }).collect();

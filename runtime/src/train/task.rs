@@ -13,11 +13,13 @@ use super::tasks::{
     DistillTask, DpoTask, KtoTask, MicroBatch, RewardTask, ScoredPairTask, SftTask, TensorOf,
 };
 use super::{TrainConfig, TrainError};
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 10] = [
-    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill",
+pub const TASKS: [&str; 11] = [
+    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill", "bco",
 ];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
@@ -34,6 +36,7 @@ macro_rules! for_each_task {
         $m!(rloo, "rloo");
         $m!(pretrain, "pretrain");
         $m!(distill, "distill");
+        $m!(bco, "bco");
     };
 }
 pub(crate) use for_each_task;
@@ -77,6 +80,15 @@ pub trait TaskInfo: Send {
     /// data is shuffled (GRPO: the completions of one prompt).
     fn group(&self) -> usize {
         1
+    }
+    /// What the evaluation set's task shares with the training's (BCO's running reward
+    /// shift, which evaluation reads), if anything.
+    fn shared(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        None
+    }
+    /// Takes the training task's [`TaskInfo::shared`] state (the evaluation set's task).
+    fn adopt(&mut self, shared: Arc<dyn Any + Send + Sync>) {
+        let _ = shared;
     }
     /// Makes this task (built from the evaluation data) the evaluation's: what differs from
     /// training (GRPO: `num_generations_eval`, one step per generation).
@@ -154,7 +166,7 @@ pub fn build<B: Backend>(
         }
         "orpo" => Box::new(ScoredPairTask::orpo(config, tok)?),
         "simpo" => Box::new(ScoredPairTask::simpo(config, tok)?),
-        "kto" => {
+        "kto" | "bco" => {
             let reference = host.base_reference()?;
             Box::new(host.with_runner(|r| KtoTask::new(config, tok, r, reference))?)
         }
@@ -194,6 +206,9 @@ pub fn with_eval<T: TaskInfo + ?Sized>(
             let mut c = config.clone();
             c.train_data = Some(path.clone());
             let mut e = make(&c)?;
+            if let Some(shared) = task.shared() {
+                e.adopt(shared);
+            }
             e.for_evaluation(&c)?;
             Some(e)
         }
@@ -261,7 +276,21 @@ impl<R: Runner> Task<R> for ScoredPairTask {
 
 impl<M: Send> TaskInfo for KtoTask<M> {
     fn name(&self) -> &'static str {
-        "kto"
+        KtoTask::name(self)
+    }
+    fn state(&self) -> serde_json::Value {
+        KtoTask::state(self)
+    }
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        KtoTask::restore(self, state)
+    }
+    fn shared(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        Some(self.running())
+    }
+    fn adopt(&mut self, shared: Arc<dyn Any + Send + Sync>) {
+        if let Ok(r) = shared.downcast::<std::sync::Mutex<super::losses::RunningMoments>>() {
+            self.evaluate_with(r);
+        }
     }
     fn examples(&self) -> usize {
         KtoTask::examples(self)

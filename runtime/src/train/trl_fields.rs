@@ -295,6 +295,15 @@ pub const DECISIONS: &[Decision] = &[
         "distill reads `messages` conversations whole, unpacked, and learns every completion token by the generalized JSD to a teacher kiln loads itself (TRL's GKD collator and loss)",
     ),
     d(
+        &[
+            "prompt_sample_size",
+            "min_density_ratio",
+            "max_density_ratio",
+        ],
+        AtDefault,
+        "BCO's underlying-distribution matching (a prompt classifier over embeddings) is not built; kiln's bco weighs every example alike",
+    ),
+    d(
         &["padding_free"],
         AtDefault,
         "kiln runs each sequence of a batch as its own row, padded to the longest",

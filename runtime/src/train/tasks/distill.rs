@@ -331,7 +331,10 @@ impl DistillTask {
         let student = r.forward_masked(r.policy(), &ids, &attention)?;
         let student = ops.narrow(&student, 1, p_max - 1, width).tr()?;
         let teacher = self.teacher_logits(&ids, &attention, p_max - 1, width)?;
-        let (sv, tv) = (ops.dims(&student).last().copied(), teacher.1.last().copied());
+        let (sv, tv) = (
+            ops.dims(&student).last().copied(),
+            teacher.1.last().copied(),
+        );
         if sv != tv {
             return Err(config_err(
                 "teacher_model_name_or_path",

@@ -7,10 +7,12 @@ use crate::train::config_err;
 use crate::train::data::{
     DataFormat, Dataset, LmExample, TextTokenizer, apply_chat_template, field, py_head, unpair,
 };
+use crate::train::losses::RunningMoments;
 use crate::train::losses::{self, KtoLoss};
 use crate::train::ops::TensorOps;
 use crate::train::runner::{OrTrain, Runner};
 use serde_json::Value;
+use std::sync::{Arc, Mutex};
 
 /// An unpaired example as TRL's KTO trainer tokenizes it (`_tokenize` + `_process_tokens`).
 #[derive(Debug, Clone, PartialEq)]
@@ -135,6 +137,11 @@ pub struct KtoTask<M> {
     reference: Option<M>,
     /// Reference log-probs of each completion and KL sequence, computed before training.
     precomputed: Option<Vec<(f64, f64)>>,
+    /// BCO's running moments of the rewards (shared with the evaluation set's task, which
+    /// reads the training's shift without updating it).
+    running: Arc<Mutex<RunningMoments>>,
+    /// Whether micro-batches update `running` (training, not evaluation).
+    update_running: bool,
 }
 
 impl<M> KtoTask<M> {
@@ -148,15 +155,19 @@ impl<M> KtoTask<M> {
         runner: &R,
         reference: M,
     ) -> Result<Self, TrainError> {
-        let name = config
-            .option::<String>("loss_type")?
-            .unwrap_or_else(|| "kto".into());
-        let kind = KtoLoss::parse(&name).ok_or_else(|| {
-            config_err(
-                "loss_type",
-                format!("`{name}` is not one of {}", KtoLoss::NAMES.join(", ")),
-            )
-        })?;
+        let kind = if config.task == "bco" {
+            KtoLoss::Bco
+        } else {
+            let name = config
+                .option::<String>("loss_type")?
+                .unwrap_or_else(|| "kto".into());
+            KtoLoss::parse(&name).ok_or_else(|| {
+                config_err(
+                    "loss_type",
+                    format!("`{name}` is not one of {}", KtoLoss::NAMES.join(", ")),
+                )
+            })?
+        };
         let bs = config.hyper.per_device_train_batch_size;
         if kind == KtoLoss::Kto && bs <= 1 {
             return Err(config_err(
@@ -180,6 +191,8 @@ impl<M> KtoTask<M> {
             ),
             reference: Some(reference),
             precomputed: None,
+            running: Arc::new(Mutex::new(RunningMoments::default())),
+            update_running: true,
         };
         if config
             .option::<bool>("precompute_ref_log_probs")?
@@ -206,6 +219,46 @@ impl<M> KtoTask<M> {
     /// Examples in the set.
     pub fn examples(&self) -> usize {
         self.examples.len()
+    }
+
+    /// `kto`, or `bco`.
+    pub fn name(&self) -> &'static str {
+        if self.kind == KtoLoss::Bco {
+            "bco"
+        } else {
+            "kto"
+        }
+    }
+
+    /// BCO's running moments, to share with the evaluation set's task.
+    pub fn running(&self) -> Arc<Mutex<RunningMoments>> {
+        self.running.clone()
+    }
+
+    /// The evaluation set's task: BCO's shift is the training's, read and not updated.
+    pub fn evaluate_with(&mut self, running: Arc<Mutex<RunningMoments>>) {
+        self.running = running;
+        self.update_running = false;
+    }
+
+    /// BCO's running moments, for a resumed run.
+    pub fn state(&self) -> serde_json::Value {
+        match self.kind {
+            KtoLoss::Bco => serde_json::json!({
+                "running": *self.running.lock().unwrap_or_else(|e| e.into_inner())
+            }),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    /// Restores [`KtoTask::state`].
+    pub fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        if let Some(r) = state.get("running") {
+            let r: RunningMoments = serde_json::from_value(r.clone())
+                .map_err(|e| config_err("resume", format!("trainer_state.json `running`: {e}")))?;
+            *self.running.lock().unwrap_or_else(|e| e.into_inner()) = r;
+        }
+        Ok(())
     }
 
     /// Summed completion log-probs of `model` over the completions (or the KL sequences).
@@ -277,16 +330,30 @@ impl<M> KtoTask<M> {
         };
         let logratios = ops.sub(&logps, &ops.tensor(&ref_logps, &[n]).tr()?).tr()?;
         let labels: Vec<bool> = indices.iter().map(|&i| self.examples[i].label).collect();
-        let out = losses::kto(
-            ops,
-            self.kind,
-            self.beta,
-            &logratios,
-            &logps,
-            &labels,
-            kl,
-            self.weights,
-        )
+        let out = match self.kind {
+            KtoLoss::Bco => {
+                let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+                losses::bco(
+                    ops,
+                    self.beta,
+                    &logratios,
+                    &logps,
+                    &labels,
+                    &mut running,
+                    self.update_running,
+                )
+            }
+            _ => losses::kto(
+                ops,
+                self.kind,
+                self.beta,
+                &logratios,
+                &logps,
+                &labels,
+                kl,
+                self.weights,
+            ),
+        }
         .tr()?;
         let mut m = out.metrics;
         // TRL: the sum of every logit of each side's rows (all positions, padding included).
