@@ -56,6 +56,11 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         include_str!("../../examples/data/grpo.jsonl"),
     ),
     (
+        "online_dpo",
+        "grpo.jsonl",
+        include_str!("../../examples/data/grpo.jsonl"),
+    ),
+    (
         "bco",
         "kto.jsonl",
         include_str!("../../examples/data/kto.jsonl"),
@@ -74,8 +79,8 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The task: sft, pretrain, dpo, orpo, simpo, kto, bco, grpo, rloo, reward, distill (and
-    /// plugin tasks); `kiln registry
+    /// The task: sft, pretrain, dpo, online_dpo, orpo, simpo, kto, bco, grpo, rloo, reward,
+    /// distill (and plugin tasks); `kiln registry
     /// trainers` lists them.
     #[arg(long)]
     task: String,
@@ -467,6 +472,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
         key: match args.task.as_str() {
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "bco" => &["rewards/margins", "delta"],
+            "online_dpo" => &["objective/scores", "rewards/margins"],
             "sft" | "pretrain" => &["mean_token_accuracy"],
             "grpo" | "rloo" => &["reward", "reward_std", "completions/mean_length"],
             "reward" => &["accuracy", "margin"],

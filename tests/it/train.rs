@@ -205,7 +205,10 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
             | "packing_strategy"
             | "eval_packing"
             | "dataset_text_field"
-            | "lmbda" => {
+            | "lmbda"
+            | "missing_eos_penalty"
+            | "max_new_tokens"
+            | "loss_type_online" => {
                 c.task_options.insert(k.clone(), v.clone());
             }
             other => panic!("{name}: setting `{other}` is not mapped"),
@@ -246,7 +249,7 @@ fn check_on(name: &str, backend: &str) {
     cfg.backend = backend.to_string();
     let mut seen = Collect::default();
     #[cfg(feature = "mlx")]
-    if backend == "mlx" && matches!(run["task"].as_str(), Some("grpo" | "rloo")) {
+    if backend == "mlx" && matches!(run["task"].as_str(), Some("grpo" | "rloo" | "online_dpo")) {
         use kiln_runtime::Trainer;
         let replay = Replay(
             serde_json::from_value(run["completions"].clone()).expect("completions"),
@@ -262,7 +265,16 @@ fn check_on(name: &str, backend: &str) {
         let report = trainer.train(&mut seen).unwrap();
         return compare(name, run, backend, &seen, &report);
     }
-    let report = if matches!(run["task"].as_str(), Some("grpo" | "rloo")) {
+    let report = if run["task"] == "online_dpo" {
+        use kiln_runtime::train::candle::{Setup, online_dpo_with_source, run as train_run};
+        let setup = Setup::load(&cfg).unwrap();
+        let replay = Replay(
+            serde_json::from_value(run["completions"].clone()).expect("completions"),
+            0,
+        );
+        let mut objective = online_dpo_with_source(&cfg, &setup, Box::new(replay)).unwrap();
+        train_run(&setup, &mut *objective, &mut seen).unwrap()
+    } else if matches!(run["task"].as_str(), Some("grpo" | "rloo")) {
         // TRL's sampled completions, replayed: GRPO's numbers given the same completions.
         use kiln_runtime::train::candle::{Setup, grpo_with_source, run as train_run};
         let setup = Setup::load(&cfg).unwrap();
@@ -312,6 +324,8 @@ fn compare(
         let floor = match run["task"].as_str() {
             Some("grpo") => 1e-6,
             Some("rloo") => 1e-5,
+            // TRL's online DPO logs its loss rounded to four decimals.
+            Some("online_dpo") => 5e-5,
             _ => 0.0,
         };
         assert!(
@@ -664,6 +678,16 @@ fn packing_and_pretraining_match_trl() {
 #[test]
 fn bco_matches_trl() {
     for name in ["bco-full", "bco-lora", "bco-paired-eval", "bco-precompute"] {
+        check(name);
+    }
+}
+
+/// Online DPO as TRL's OnlineDPOTrainer computes it, on TRL's own samples: a reward model
+/// ranking each pair; a reward function with IPO, the missing-EOS penalty and gradient
+/// accumulation (each micro-batch's loss back-propagated whole, logged divided); LoRA.
+#[test]
+fn online_dpo_matches_trl() {
+    for name in ["online-dpo-rm", "online-dpo-ipo", "online-dpo-lora"] {
         check(name);
     }
 }
@@ -1035,6 +1059,15 @@ fn mlx_grpo_matches_trl() {
 #[test]
 fn mlx_bco_matches_trl() {
     for name in ["bco-full", "bco-lora", "bco-paired-eval", "bco-precompute"] {
+        check_on(name, "mlx");
+    }
+}
+
+/// Online DPO on MLX, as on candle.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_online_dpo_matches_trl() {
+    for name in ["online-dpo-rm", "online-dpo-ipo", "online-dpo-lora"] {
         check_on(name, "mlx");
     }
 }

@@ -221,7 +221,7 @@ fn mistakes_are_refused_by_name() {
     let cases: &[(&[&str], &str)] = &[
         (
             &["--task", "sft", "--beta", "0.1"],
-            "task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill, bco)",
+            "task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill, bco, online_dpo)",
         ),
         (
             &["--task", "ppo"],

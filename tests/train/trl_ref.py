@@ -367,6 +367,29 @@ def run(task, model_dir, data, adapter=None, **overrides):
         trainer._generate_single_turn = record
         trainer.train()
         return rec.logs, {"train": generated, "eval": []}
+    elif task == "online_dpo":
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+        funcs = {"exact_match": exact_match, "count_digits": count_digits}
+        names = common.pop("reward_funcs")
+        trainer = OnlineDPOTrainer(model=model, args=OnlineDPOConfig(**common), train_dataset=ds,
+                                   processing_class=tok,
+                                   reward_funcs=[funcs.get(n) or os.path.join(HERE, n) for n in names],
+                                   callbacks=[rec])
+        generated = []
+        original = trainer._generate
+
+        def record(model_, prompts, images=None):
+            out = original(model_, prompts, images)
+            ids, mask = out[2], out[3]
+            rows = [[int(t) for t, m in zip(r, k) if m] for r, k in zip(ids.tolist(), mask.tolist())]
+            b = len(rows) // 2
+            # Per prompt its two samples (TRL's rows: every first sample, then every second).
+            generated.append([rows[i + j * b] for i in range(b) for j in range(2)])
+            return out
+
+        trainer._generate = record
+        trainer.train()
+        return rec.logs, {"train": generated, "eval": []}
     elif task == "bco":
         from trl.experimental.bco import BCOConfig, BCOTrainer
         trainer = BCOTrainer(model=model, args=BCOConfig(**common), train_dataset=ds, eval_dataset=eval_ds,
@@ -533,6 +556,16 @@ def main():
         "sft-pack-eval": ("sft", d("sft.jsonl"), None, dict(
             learning_rate=1e-3, packing=True, max_length=16, eval_data=d("sft-eval.jsonl"), eval_steps=3,
             per_device_eval_batch_size=3, eval_packing=False)),
+        # Online DPO (TRL's OnlineDPOTrainer) on its own samples: a reward model ranking the
+        # pairs; a function with IPO, the missing-EOS penalty and accumulation (each
+        # micro-batch's loss back-propagated whole); LoRA.
+        "online-dpo-rm": ("online_dpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, max_new_tokens=6, reward_funcs=["tiny/reward-model"], max_steps=4)),
+        "online-dpo-ipo": ("online_dpo", d("grpo.jsonl"), None, dict(
+            learning_rate=1e-3, max_new_tokens=6, reward_funcs=["count_digits"], loss_type="ipo", beta=[0.3],
+            missing_eos_penalty=1.0, gradient_accumulation_steps=2, max_steps=3)),
+        "online-dpo-lora": ("online_dpo", d("grpo.jsonl"), adapter, dict(
+            learning_rate=1e-2, max_new_tokens=5, reward_funcs=["tiny/reward-model"], max_steps=4)),
         # BCO (TRL's BCOTrainer): the running reward shift; LoRA; paired data unpaired, with an
         # evaluation that reads the training's shift; precomputed reference log-probs under
         # accumulation.

@@ -40,17 +40,43 @@ pub struct Field {
 
 const SFT: &[&str] = &["sft", "pretrain"];
 const BETA: &[&str] = &[
-    "dpo", "orpo", "simpo", "kto", "grpo", "rloo", "distill", "bco",
+    "dpo",
+    "orpo",
+    "simpo",
+    "kto",
+    "grpo",
+    "rloo",
+    "distill",
+    "bco",
+    "online_dpo",
 ];
-const LOSS: &[&str] = &["sft", "pretrain", "dpo", "simpo", "kto", "grpo"];
+const LOSS: &[&str] = &[
+    "sft",
+    "pretrain",
+    "dpo",
+    "simpo",
+    "kto",
+    "grpo",
+    "online_dpo",
+];
 const DPO: &[&str] = &["dpo"];
 const SMOOTH: &[&str] = &["dpo", "simpo"];
 const DROPOUT: &[&str] = &[
-    "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "distill", "bco",
+    "dpo",
+    "orpo",
+    "simpo",
+    "kto",
+    "grpo",
+    "reward",
+    "rloo",
+    "distill",
+    "bco",
+    "online_dpo",
 ];
 const DISTILL: &[&str] = &["distill"];
 /// The tasks that sample at a temperature.
-const TEMPERATURE: &[&str] = &["grpo", "rloo", "distill"];
+const TEMPERATURE: &[&str] = &["grpo", "rloo", "distill", "online_dpo"];
+const NEW_TOKENS: &[&str] = &["distill", "online_dpo"];
 const RLOO: &[&str] = &["rloo"];
 const REWARD: &[&str] = &["reward"];
 const REF: &[&str] = &["dpo", "kto", "bco"];
@@ -58,6 +84,11 @@ const KTO: &[&str] = &["kto"];
 const GRPO: &[&str] = &["grpo"];
 /// The tasks that sample completions and score them with rewards.
 const SAMPLED: &[&str] = &["grpo", "rloo"];
+/// The tasks that rank or score sampled completions by rewards.
+const REWARDED: &[&str] = &["grpo", "rloo", "online_dpo"];
+/// The tasks that sample with the usual filters (top-p, top-k, min-p, repetition penalty).
+const FILTERED: &[&str] = &["grpo", "rloo", "online_dpo"];
+const ONLINE: &[&str] = &["online_dpo"];
 const SIMPO: &[&str] = &["simpo"];
 
 /// Every setting `kiln train` takes.
@@ -80,23 +111,23 @@ pub const FIELDS: &[Field] = &[
         TEMPERATURE,
         "Sampling temperature (also divides the logits in the loss) [1]",
     ),
-    f("top_p", Kind::Float, SAMPLED, "Nucleus sampling mass [1]"),
+    f("top_p", Kind::Float, FILTERED, "Nucleus sampling mass [1]"),
     f(
         "top_k",
         Kind::Int,
-        SAMPLED,
+        FILTERED,
         "Sample among the k most likely tokens; 0 = all [0]",
     ),
     f(
         "min_p",
         Kind::Float,
-        SAMPLED,
+        FILTERED,
         "Drop tokens less likely than this times the most likely [off]",
     ),
     f(
         "repetition_penalty",
         Kind::Float,
-        SAMPLED,
+        FILTERED,
         "Penalty on tokens already present [1]",
     ),
     f(
@@ -126,13 +157,13 @@ pub const FIELDS: &[Field] = &[
     f(
         "reward_funcs",
         Kind::List,
-        SAMPLED,
+        REWARDED,
         "Reward functions by name (`kiln registry rewards` lists them) or reward models by folder (`kiln train --task reward` output) [exact_match]",
     ),
     f(
         "reward_weights",
         Kind::Numbers,
-        SAMPLED,
+        REWARDED,
         "One weight per reward function [1 each]",
     ),
     f(
@@ -430,8 +461,20 @@ pub const FIELDS: &[Field] = &[
     f(
         "max_new_tokens",
         Kind::Int,
-        DISTILL,
-        "Most tokens sampled per completion [128]",
+        NEW_TOKENS,
+        "Most tokens sampled per completion [128; online_dpo: 64]",
+    ),
+    f(
+        "missing_eos_penalty",
+        Kind::Float,
+        ONLINE,
+        "Subtracted from the reward of a completion that never ends (no EOS) [off]",
+    ),
+    f(
+        "reward_model_path",
+        Kind::Text,
+        ONLINE,
+        "A reward model's folder, scored beside reward_funcs [off]",
     ),
     f(
         "packing",
@@ -526,7 +569,7 @@ pub fn defaults_for(config: &mut TrainConfig) {
     h.learning_rate = match config.task.as_str() {
         "sft" | "pretrain" | "distill" => 2e-5,
         "reward" => 1e-4,
-        "bco" => 5e-7,
+        "bco" | "online_dpo" => 5e-7,
         _ => 1e-6,
     };
     h.num_train_epochs = 3.0;
@@ -594,6 +637,21 @@ pub fn apply(config: &mut TrainConfig, name: &str, value: &Value) -> Result<(), 
                 return Ok(());
             }
             return Err(bad(name, format!("expected a folder, found {value}")));
+        }
+        // Online DPO's beta is a list in TRL (one value per epoch): kiln takes one value.
+        ("beta", "online_dpo") if value.is_array() => {
+            let one = value
+                .as_array()
+                .filter(|a| a.len() == 1)
+                .and_then(|a| a[0].as_f64())
+                .ok_or_else(|| {
+                    bad(
+                        name,
+                        format!("{value}: kiln takes one beta (TRL's per-epoch list is not built)"),
+                    )
+                })?;
+            config.task_options.insert(name.into(), Value::from(one));
+            return Ok(());
         }
         // GRPO's sampler shuffles the prompts (TRL's RepeatSampler) unless this is false.
         ("shuffle_dataset", "grpo" | "rloo") => {
@@ -757,8 +815,18 @@ mod tests {
     #[test]
     fn every_trl_field_is_implemented_or_refused_by_name() {
         let tasks = [
-            "sft", "dpo", "simpo", "orpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill",
+            "sft",
+            "dpo",
+            "simpo",
+            "orpo",
+            "kto",
+            "grpo",
+            "reward",
+            "rloo",
+            "pretrain",
+            "distill",
             "bco",
+            "online_dpo",
         ];
         let mut checked = 0;
         let mut failures = Vec::new();
@@ -878,7 +946,7 @@ mod tests {
         let e = apply(&mut s, "beta", &Value::from(0.1)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill, bco)"
+            "config field `beta`: task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill, bco, online_dpo)"
         );
         let e = apply(&mut s, "max_steps", &Value::from("ten")).unwrap_err();
         assert_eq!(

@@ -185,12 +185,12 @@ impl TrainConfig {
     }
 
     /// TRL's `disable_dropout`: no dropout in the policy while training, LoRA's included
-    /// (TRL sets every `nn.Dropout` to 0). TRL's default: on for dpo, orpo, simpo, kto, bco,
-    /// reward and distill, off for grpo and rloo; SFT has no such field and keeps its dropout.
+    /// (TRL sets every `nn.Dropout` to 0). TRL's default: on for dpo, online_dpo, orpo, simpo,
+    /// kto, bco, reward and distill, off for grpo and rloo; SFT has no such field and keeps its dropout.
     pub fn disable_dropout(&self) -> Result<bool, TrainError> {
         let default = matches!(
             self.task.as_str(),
-            "dpo" | "orpo" | "simpo" | "kto" | "reward" | "distill" | "bco"
+            "dpo" | "orpo" | "simpo" | "kto" | "reward" | "distill" | "bco" | "online_dpo"
         );
         Ok(self.option::<bool>("disable_dropout")?.unwrap_or(default))
     }

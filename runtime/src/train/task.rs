@@ -10,7 +10,8 @@ use super::driver::Window;
 use super::grpo::GrpoTask;
 use super::runner::Runner;
 use super::tasks::{
-    DistillTask, DpoTask, KtoTask, MicroBatch, RewardTask, ScoredPairTask, SftTask, TensorOf,
+    DistillTask, DpoTask, KtoTask, MicroBatch, OnlineDpoTask, RewardTask, ScoredPairTask, SftTask,
+    TensorOf,
 };
 use super::{TrainConfig, TrainError};
 use std::any::Any;
@@ -18,8 +19,19 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 11] = [
-    "sft", "dpo", "orpo", "simpo", "kto", "grpo", "reward", "rloo", "pretrain", "distill", "bco",
+pub const TASKS: [&str; 12] = [
+    "sft",
+    "dpo",
+    "orpo",
+    "simpo",
+    "kto",
+    "grpo",
+    "reward",
+    "rloo",
+    "pretrain",
+    "distill",
+    "bco",
+    "online_dpo",
 ];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
@@ -37,6 +49,7 @@ macro_rules! for_each_task {
         $m!(pretrain, "pretrain");
         $m!(distill, "distill");
         $m!(bco, "bco");
+        $m!(online_dpo, "online_dpo");
     };
 }
 pub(crate) use for_each_task;
@@ -51,6 +64,12 @@ pub trait TaskInfo: Send {
     /// (transformers does unless the loss is already normalised over the whole step).
     fn divide_by_accumulation(&self) -> bool {
         true
+    }
+    /// Whether the logged loss is the micro-batches' mean where the gradient is not divided
+    /// (TRL's online DPO back-propagates each micro-batch's loss whole but logs it divided
+    /// by `gradient_accumulation_steps`).
+    fn divide_logged_loss(&self) -> bool {
+        self.divide_by_accumulation()
     }
     /// Whether examples are always taken in file order (TRL's KTO trainer ignores shuffling:
     /// its KL pairs are built over consecutive examples).
@@ -173,6 +192,7 @@ pub fn build<B: Backend>(
         "grpo" | "rloo" => Box::new(GrpoTask::new(config, tok, || host.reference())?),
         "reward" => Box::new(RewardTask::new(config, tok)?),
         "distill" => Box::new(DistillTask::new(config, tok)?),
+        "online_dpo" => Box::new(OnlineDpoTask::new(config, tok, host.reference()?)?),
         other => {
             return Err(TrainError::Config {
                 field: "task".into(),
@@ -390,6 +410,36 @@ impl TaskInfo for DistillTask {
 impl<R: Runner> Task<R> for DistillTask {
     fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
         DistillTask::begin_step(self, r, micro_batches)
+    }
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl<M: Send> TaskInfo for OnlineDpoTask<M> {
+    fn name(&self) -> &'static str {
+        "online_dpo"
+    }
+    fn examples(&self) -> usize {
+        OnlineDpoTask::examples(self)
+    }
+    fn divide_by_accumulation(&self) -> bool {
+        false
+    }
+    fn divide_logged_loss(&self) -> bool {
+        true
+    }
+    fn state(&self) -> serde_json::Value {
+        OnlineDpoTask::state(self)
+    }
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        OnlineDpoTask::restore(self, state)
+    }
+}
+
+impl<M: Send, R: Runner<Model = M>> Task<R> for OnlineDpoTask<M> {
+    fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        OnlineDpoTask::begin_step(self, r, micro_batches)
     }
     fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
         self.loss(r, indices)

@@ -304,6 +304,11 @@ pub const DECISIONS: &[Decision] = &[
         "BCO's underlying-distribution matching (a prompt classifier over embeddings) is not built; kiln's bco weighs every example alike",
     ),
     d(
+        &["judge"],
+        AtDefault,
+        "judges (PairRM, API models) are not built; online_dpo ranks each pair by reward_funcs (functions or reward models)",
+    ),
+    d(
         &["padding_free"],
         AtDefault,
         "kiln runs each sequence of a batch as its own row, padded to the longest",

@@ -457,7 +457,12 @@ impl super::driver::Stepper for CandleStepper<'_> {
         } else {
             loss
         };
-        let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let mut value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        if self.objective.divide_logged_loss() && !self.objective.divide_by_accumulation() {
+            // TRL's online DPO logs `loss / gradient_accumulation_steps` (the setting, also
+            // on an epoch's short last step).
+            value /= self.setup.config.hyper.gradient_accumulation_steps.max(1) as f64;
+        }
         // With gradient checkpointing, the layers' parameter gradients arrive in the model's
         // sink during the backward pass, the rest (embeddings, head) in candle's store.
         let sink = self.setup.model.grad_sink();
@@ -661,6 +666,21 @@ pub fn grpo_with_source(
         config,
         &setup.tokenizer,
         || setup.reference(),
+        source,
+    )?))
+}
+
+/// Online DPO on candle with completions from `source` instead of sampling (another run's
+/// completions replayed, as the parity tests replay TRL's).
+pub fn online_dpo_with_source(
+    config: &TrainConfig,
+    setup: &Setup,
+    source: Box<dyn CompletionSource>,
+) -> Result<Box<CandleTask>, TrainError> {
+    Ok(Box::new(super::tasks::OnlineDpoTask::with_source(
+        config,
+        &setup.tokenizer,
+        Host::<Candle>::reference(setup)?,
         source,
     )?))
 }

@@ -539,7 +539,11 @@ impl Stepper for MlxStepper {
                 None => g,
             });
         }
-        let loss = f64::from(host(&value[0])?[0]);
+        let mut loss = f64::from(host(&value[0])?[0]);
+        if self.task.divide_logged_loss() && !self.task.divide_by_accumulation() {
+            // TRL's online DPO logs `loss / gradient_accumulation_steps` (the setting).
+            loss /= self.setup.config.hyper.gradient_accumulation_steps.max(1) as f64;
+        }
         let (figures, tokens) = side
             .into_inner()
             .ok_or_else(|| backend_err("the loss did not run"))?;
@@ -753,7 +757,7 @@ fn assemble(
     })
 }
 
-/// GRPO on MLX with completions from `train` (and, with evaluation data, `eval`) instead of
+/// GRPO, RLOO and online DPO on MLX with completions from `train` (and, with evaluation data, `eval`) instead of
 /// sampling: another run's completions replayed, as the parity tests replay TRL's.
 pub fn grpo_with_sources(
     config: &TrainConfig,
@@ -770,6 +774,18 @@ pub fn grpo_with_sources(
                 "replaying completions needs an evaluation source too",
             )
         })?;
+        if c.task == "online_dpo" {
+            let host = MlxHost {
+                setup: &setup,
+                initial: &params,
+            };
+            return Ok(Box::new(crate::train::tasks::OnlineDpoTask::with_source(
+                c,
+                &setup.tokenizer,
+                Host::<Mlx>::reference(&host)?,
+                source,
+            )?));
+        }
         Ok(Box::new(GrpoTask::with_source(
             c,
             &setup.tokenizer,

@@ -72,9 +72,102 @@ impl CompletionSource for Sampled {
 }
 
 /// A reward: a registered function (`#[reward]`) or a trained reward model.
-enum Scorer {
+pub(crate) enum Scorer {
     Func(crate::train::reward_registry::RewardFn),
     Model(std::sync::Arc<crate::train::reward_model::RewardModel>),
+}
+
+/// Rewards by the names TRL logs them under.
+pub(crate) type Rewards = Vec<(String, Scorer)>;
+
+/// The rewards `reward_funcs` names (`default` when it names none), each a registered
+/// function or a reward model's folder, with the names TRL logs them under; the data is
+/// checked for what the functions read (`exact_match`'s answer column).
+pub(crate) fn load_rewards(
+    config: &TrainConfig,
+    data: &crate::train::data::Dataset,
+    default: Vec<String>,
+) -> Result<(Vec<String>, Rewards), TrainError> {
+    let names: Vec<String> = config
+        .option::<Vec<String>>("reward_funcs")?
+        .unwrap_or(default);
+    let registry = crate::train::reward_registry::RewardRegistry::try_global()
+        .map_err(|e| config_err("reward_funcs", e.to_string()))?;
+    let mut rewards = Vec::with_capacity(names.len());
+    let mut function_names = Vec::with_capacity(names.len());
+    for n in &names {
+        // A registered name first; else a reward model's folder, as TRL takes a model id.
+        if let Some(e) = registry.get(n) {
+            rewards.push((n.clone(), Scorer::Func(e.func)));
+            function_names.push(n.clone());
+            continue;
+        }
+        let dir = std::path::Path::new(n);
+        if !crate::train::reward_model::RewardModel::is_model_dir(dir) {
+            return Err(config_err(
+                "reward_funcs",
+                format!(
+                    "no reward function `{n}` (registered: {}) and no reward model folder (with config.json) there",
+                    registry.names().join(", ")
+                ),
+            ));
+        }
+        let m = crate::train::reward_model::RewardModel::load(dir)?;
+        rewards.push((m.name.clone(), Scorer::Model(std::sync::Arc::new(m))));
+    }
+    crate::train::rewards::check_options(&function_names, &config.task_options)
+        .map_err(|m| config_err("reward_funcs", m))?;
+    if names.iter().any(|n| n == "exact_match") {
+        let col = crate::train::rewards::answer_column(&config.task_options);
+        if let Some(r) = data.records.iter().find(|r| {
+            !matches!(
+                r.fields.get(&col),
+                Some(serde_json::Value::String(_) | serde_json::Value::Number(_))
+            )
+        }) {
+            return Err(TrainError::Data {
+                path: data.path.clone(),
+                line: Some(r.line),
+                message: format!(
+                    "reward `exact_match` needs the answer column `{col}` (a string or number)"
+                ),
+            });
+        }
+    }
+    Ok((names, rewards))
+}
+
+/// Every reward of every completion (`per_func[row][reward]`, NaN where a function declines),
+/// each row's prompt text, completion text and ids, example and options as `inputs`; a reward
+/// model reads `prompt + completion` (TRL's text case).
+pub(crate) fn score(
+    rewards: &[(String, Scorer)],
+    inputs: &[crate::train::reward_registry::RewardInput<'_>],
+) -> Result<Vec<Vec<f64>>, TrainError> {
+    let mut per_func: Vec<Vec<f64>> = inputs
+        .iter()
+        .map(|input| {
+            rewards
+                .iter()
+                .map(|(_, s)| match s {
+                    Scorer::Func(f) => f(input).unwrap_or(f64::NAN),
+                    Scorer::Model(_) => f64::NAN,
+                })
+                .collect()
+        })
+        .collect();
+    let texts: Vec<String> = inputs
+        .iter()
+        .map(|i| format!("{}{}", i.prompt, i.completion))
+        .collect();
+    for (f, (_, s)) in rewards.iter().enumerate() {
+        if let Scorer::Model(m) = s {
+            for (row, v) in per_func.iter_mut().zip(m.score(&texts)?) {
+                row[f] = v;
+            }
+        }
+    }
+    Ok(per_func)
 }
 
 /// Per-token log-probs, the completion mask (device and host) and the entropies of a GRPO
@@ -221,52 +314,7 @@ impl<M> GrpoTask<M> {
                 ),
             ));
         }
-        let names: Vec<String> = config
-            .option::<Vec<String>>("reward_funcs")?
-            .unwrap_or_else(|| vec!["exact_match".into()]);
-        let registry = crate::train::reward_registry::RewardRegistry::try_global()
-            .map_err(|e| config_err("reward_funcs", e.to_string()))?;
-        let mut rewards = Vec::with_capacity(names.len());
-        let mut function_names = Vec::with_capacity(names.len());
-        for n in &names {
-            // A registered name first; else a reward model's folder, as TRL takes a model id.
-            if let Some(e) = registry.get(n) {
-                rewards.push((n.clone(), Scorer::Func(e.func)));
-                function_names.push(n.clone());
-                continue;
-            }
-            let dir = std::path::Path::new(n);
-            if !crate::train::reward_model::RewardModel::is_model_dir(dir) {
-                return Err(config_err(
-                    "reward_funcs",
-                    format!(
-                        "no reward function `{n}` (registered: {}) and no reward model folder (with config.json) there",
-                        registry.names().join(", ")
-                    ),
-                ));
-            }
-            let m = crate::train::reward_model::RewardModel::load(dir)?;
-            rewards.push((m.name.clone(), Scorer::Model(std::sync::Arc::new(m))));
-        }
-        crate::train::rewards::check_options(&function_names, &config.task_options)
-            .map_err(|m| config_err("reward_funcs", m))?;
-        if names.iter().any(|n| n == "exact_match") {
-            let col = crate::train::rewards::answer_column(&config.task_options);
-            if let Some(r) = data.records.iter().find(|r| {
-                !matches!(
-                    r.fields.get(&col),
-                    Some(serde_json::Value::String(_) | serde_json::Value::Number(_))
-                )
-            }) {
-                return Err(TrainError::Data {
-                    path: data.path.clone(),
-                    line: Some(r.line),
-                    message: format!(
-                        "reward `exact_match` needs the answer column `{col}` (a string or number)"
-                    ),
-                });
-            }
-        }
+        let (names, rewards) = load_rewards(config, &data, vec!["exact_match".into()])?;
         let weights = config
             .option::<Vec<f64>>("reward_weights")?
             .unwrap_or_else(|| vec![1.0; names.len()]);
@@ -598,40 +646,29 @@ impl<M> GrpoTask<M> {
             ));
         }
         let tok = r.tokenizer();
-        let mut per_func: Vec<Vec<f64>> = Vec::with_capacity(all.len());
         let mut rows = Vec::with_capacity(all.len());
-        let mut texts = Vec::with_capacity(all.len());
+        let mut decoded = Vec::with_capacity(all.len());
         for (k, &p) in prompt_idx.iter().enumerate() {
             for c in &completions[k] {
-                let text = tok.decode(c).map_err(backend_err)?;
-                let input = crate::train::reward_registry::RewardInput {
-                    prompt: &self.texts[p],
-                    completion: &text,
-                    completion_ids: c,
-                    example: &self.records[p],
-                    options: &self.options,
-                };
-                per_func.push(
-                    self.rewards
-                        .iter()
-                        .map(|(_, s)| match s {
-                            Scorer::Func(f) => f(&input).unwrap_or(f64::NAN),
-                            Scorer::Model(_) => f64::NAN,
-                        })
-                        .collect(),
-                );
-                // A reward model reads `prompt + completion` (TRL's text case).
-                texts.push(format!("{}{text}", self.texts[p]));
+                decoded.push(tok.decode(c).map_err(backend_err)?);
                 rows.push((p, c.clone()));
             }
         }
-        for (f, (_, s)) in self.rewards.iter().enumerate() {
-            if let Scorer::Model(m) = s {
-                for (row, score) in per_func.iter_mut().zip(m.score(&texts)?) {
-                    row[f] = score;
-                }
-            }
-        }
+        let inputs: Vec<crate::train::reward_registry::RewardInput<'_>> = rows
+            .iter()
+            .zip(&decoded)
+            .map(
+                |((p, c), text)| crate::train::reward_registry::RewardInput {
+                    prompt: &self.texts[*p],
+                    completion: text,
+                    completion_ids: c,
+                    example: &self.records[*p],
+                    options: &self.options,
+                },
+            )
+            .collect();
+        let per_func = score(&self.rewards, &inputs)?;
+        drop(inputs);
         self.rollouts.clear();
         for (&i, (p, c)) in all.iter().zip(&rows) {
             self.rollouts.insert(
