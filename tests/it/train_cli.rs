@@ -225,7 +225,7 @@ fn mistakes_are_refused_by_name() {
         ),
         (
             &["--task", "ppo"],
-            "backend 'candle' does not support task 'ppo'. Supported: dpo, grpo, kto, orpo, pretrain, reward, rloo, sft, simpo.",
+            "backend 'candle' does not support task 'ppo'. Supported: bco, distill, dpo, grpo, kto, online_dpo, orpo, pretrain, reward, rloo, sft, simpo.",
         ),
         (&["--task", "sft", "--backend", "mlx"], "mlx"),
         (

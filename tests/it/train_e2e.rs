@@ -53,6 +53,42 @@ fn words() -> (Vec<String>, Vec<String>) {
     (all, held)
 }
 
+/// Preference pairs over [`words`]: the prompt `"<word>="`, the word's first letter (chosen)
+/// and another letter (rejected, drawn from `seed`); training pairs and held-out pairs.
+#[allow(clippy::type_complexity)]
+fn word_pairs(seed: u64) -> (Vec<(String, String, String)>, Vec<(String, String, String)>) {
+    let (train_words, held) = words();
+    let mut rng = Lcg(seed);
+    let mut pair = |w: &String| loop {
+        let c = (b'a' + rng.below(8) as u8) as char;
+        if !w.starts_with(c) {
+            return (format!("{w}="), w[..1].to_string(), c.to_string());
+        }
+    };
+    let train = train_words.iter().map(&mut pair).collect();
+    let held = held.iter().map(&mut pair).collect();
+    (train, held)
+}
+
+/// The fraction of `pairs` whose chosen side has the higher implicit reward (the trained
+/// model's log-probability minus the starting model's) under the model in `trained`.
+fn implicit_reward_accuracy(
+    start: &Path,
+    trained: &Path,
+    pairs: &[(String, String, String)],
+) -> f64 {
+    let (policy, reference) = (load(trained), load(start));
+    let tok = TextTokenizer::from_model_dir(start).unwrap();
+    let right = pairs
+        .iter()
+        .filter(|(p, good, bad)| {
+            let reward = |x: &str| logp(&policy, &tok, p, x) - logp(&reference, &tok, p, x);
+            reward(good) > reward(bad)
+        })
+        .count();
+    right as f64 / pairs.len() as f64
+}
+
 fn write_lines(path: &Path, lines: impl IntoIterator<Item = serde_json::Value>) {
     let text: String = lines.into_iter().map(|v| format!("{v}\n")).collect();
     std::fs::write(path, text).unwrap();
@@ -155,25 +191,14 @@ fn dpo_ranks_held_out_pairs_right() {
     let model = dir.path().join("model");
     std::fs::create_dir(&model).unwrap();
     small_model(&model);
-    let (train_words, held) = words();
-    let mut rng = Lcg(9);
-    let mut wrong = |w: &str| loop {
-        let c = (b'a' + rng.below(8) as u8) as char;
-        if !w.starts_with(c) {
-            return c.to_string();
-        }
-    };
+    let (train_pairs, held_pairs) = word_pairs(9);
     let data = dir.path().join("dpo.jsonl");
     write_lines(
         &data,
-        train_words.iter().map(|w| {
-            serde_json::json!({"prompt": format!("{w}="), "chosen": &w[..1], "rejected": wrong(w)})
-        }),
+        train_pairs.iter().map(
+            |(p, good, bad)| serde_json::json!({"prompt": p, "chosen": good, "rejected": bad}),
+        ),
     );
-    let held_pairs: Vec<(String, String, String)> = held
-        .iter()
-        .map(|w| (format!("{w}="), w[..1].to_string(), wrong(w)))
-        .collect();
     let mut c = TrainConfig::new("dpo", "candle", &model, dir.path().join("out"));
     c.train_data = Some(data);
     c.hyper.learning_rate = 3e-3;
@@ -181,16 +206,7 @@ fn dpo_ranks_held_out_pairs_right() {
     c.hyper.max_steps = Some(100);
     c.hyper.logging_steps = 10;
     let m = train(&c);
-    let (policy, reference) = (load(&dir.path().join("out")), load(&model));
-    let tok = TextTokenizer::from_model_dir(&model).unwrap();
-    let right = held_pairs
-        .iter()
-        .filter(|(p, good, bad)| {
-            let reward = |x: &str| logp(&policy, &tok, p, x) - logp(&reference, &tok, p, x);
-            reward(good) > reward(bad)
-        })
-        .count();
-    let acc = right as f64 / held_pairs.len() as f64;
+    let acc = implicit_reward_accuracy(&model, &dir.path().join("out"), &held_pairs);
     eprintln!(
         "dpo: loss {:.3} → {:.3}, held-out reward accuracy {acc:.3}",
         m[0].loss,
@@ -207,29 +223,17 @@ fn bco_ranks_held_out_pairs_right() {
     let model = dir.path().join("model");
     std::fs::create_dir(&model).unwrap();
     small_model(&model);
-    let (train_words, held) = words();
-    let mut rng = Lcg(13);
-    let mut wrong = |w: &str| loop {
-        let c = (b'a' + rng.below(8) as u8) as char;
-        if !w.starts_with(c) {
-            return c.to_string();
-        }
-    };
+    let (train_pairs, held_pairs) = word_pairs(13);
     let data = dir.path().join("bco.jsonl");
     write_lines(
         &data,
-        train_words.iter().flat_map(|w| {
-            let bad = wrong(w);
+        train_pairs.iter().flat_map(|(p, good, bad)| {
             [
-                serde_json::json!({"prompt": format!("{w}="), "completion": &w[..1], "label": true}),
-                serde_json::json!({"prompt": format!("{w}="), "completion": bad, "label": false}),
+                serde_json::json!({"prompt": p, "completion": good, "label": true}),
+                serde_json::json!({"prompt": p, "completion": bad, "label": false}),
             ]
         }),
     );
-    let held_pairs: Vec<(String, String, String)> = held
-        .iter()
-        .map(|w| (format!("{w}="), w[..1].to_string(), wrong(w)))
-        .collect();
     let mut c = TrainConfig::new("bco", "candle", &model, dir.path().join("out"));
     c.train_data = Some(data);
     c.hyper.learning_rate = 3e-3;
@@ -237,16 +241,7 @@ fn bco_ranks_held_out_pairs_right() {
     c.hyper.max_steps = Some(100);
     c.hyper.logging_steps = 10;
     let m = train(&c);
-    let (policy, reference) = (load(&dir.path().join("out")), load(&model));
-    let tok = TextTokenizer::from_model_dir(&model).unwrap();
-    let right = held_pairs
-        .iter()
-        .filter(|(p, good, bad)| {
-            let reward = |x: &str| logp(&policy, &tok, p, x) - logp(&reference, &tok, p, x);
-            reward(good) > reward(bad)
-        })
-        .count();
-    let acc = right as f64 / held_pairs.len() as f64;
+    let acc = implicit_reward_accuracy(&model, &dir.path().join("out"), &held_pairs);
     eprintln!(
         "bco: loss {:.3} → {:.3}, held-out reward accuracy {acc:.3}",
         m[0].loss,
@@ -271,23 +266,15 @@ fn reward_model_ranks_held_out_pairs_right() {
     let model = dir.path().join("model");
     std::fs::create_dir(&model).unwrap();
     small_model(&model);
-    let (train_words, held) = words();
-    let mut rng = Lcg(11);
-    let mut wrong = |w: &str| loop {
-        let c = (b'a' + rng.below(8) as u8) as char;
-        if !w.starts_with(c) {
-            return c.to_string();
-        }
-    };
-    let mut pairs = |words: &[String]| -> Vec<serde_json::Value> {
-        words
-            .iter()
-            .map(|w| serde_json::json!({"prompt": format!("{w}="), "chosen": &w[..1], "rejected": wrong(w)}))
+    let (train_pairs, held_pairs) = word_pairs(11);
+    let pairs = |ps: &[(String, String, String)]| -> Vec<serde_json::Value> {
+        ps.iter()
+            .map(|(p, good, bad)| serde_json::json!({"prompt": p, "chosen": good, "rejected": bad}))
             .collect()
     };
     let (data, eval) = (dir.path().join("pref.jsonl"), dir.path().join("held.jsonl"));
-    write_lines(&data, pairs(&train_words));
-    write_lines(&eval, pairs(&held));
+    write_lines(&data, pairs(&train_pairs));
+    write_lines(&eval, pairs(&held_pairs));
     let mut c = TrainConfig::new("reward", "candle", &model, dir.path().join("out"));
     c.train_data = Some(data);
     c.eval_data = Some(eval);

@@ -77,6 +77,34 @@ pub(crate) enum Scorer {
     Model(std::sync::Arc<crate::train::reward_model::RewardModel>),
 }
 
+/// The sampling settings of a task that samples from the policy (TRL's generation fields):
+/// `temperature` (`temperature` by default; positive), `top_p` 1, `top_k` 0 (off), `min_p`,
+/// `repetition_penalty` 1, and the length limit under the task's own name and default.
+pub(crate) fn sampling(
+    config: &TrainConfig,
+    tok: &TextTokenizer,
+    temperature: f64,
+    (length_field, length): (&str, usize),
+) -> Result<SamplingConfig, TrainError> {
+    let o = |k: &str| config.option::<f64>(k);
+    let temperature = o("temperature")?.unwrap_or(temperature);
+    if temperature <= 0.0 {
+        return Err(config_err(
+            "temperature",
+            format!("must be positive ({} samples)", config.task),
+        ));
+    }
+    Ok(SamplingConfig {
+        temperature,
+        top_p: o("top_p")?.unwrap_or(1.0),
+        top_k: config.option::<usize>("top_k")?.unwrap_or(0),
+        min_p: o("min_p")?,
+        repetition_penalty: o("repetition_penalty")?.unwrap_or(1.0),
+        max_new_tokens: config.option::<usize>(length_field)?.unwrap_or(length),
+        eos: vec![tok.eos_id],
+    })
+}
+
 /// Rewards by the names TRL logs them under.
 pub(crate) type Rewards = Vec<(String, Scorer)>;
 
@@ -239,22 +267,7 @@ impl<M> GrpoTask<M> {
         tok: &TextTokenizer,
         reference: impl FnOnce() -> Result<M, TrainError>,
     ) -> Result<Self, TrainError> {
-        let o = |k: &str| config.option::<f64>(k);
-        let temperature = o("temperature")?.unwrap_or(1.0);
-        if temperature <= 0.0 {
-            return Err(config_err("temperature", "must be positive (GRPO samples)"));
-        }
-        let sampling = SamplingConfig {
-            temperature,
-            top_p: o("top_p")?.unwrap_or(1.0),
-            top_k: config.option::<usize>("top_k")?.unwrap_or(0),
-            min_p: o("min_p")?,
-            repetition_penalty: o("repetition_penalty")?.unwrap_or(1.0),
-            max_new_tokens: config
-                .option::<usize>("max_completion_length")?
-                .unwrap_or(256),
-            eos: vec![tok.eos_id],
-        };
+        let sampling = sampling(config, tok, 1.0, ("max_completion_length", 256))?;
         let source = Box::new(Sampled {
             config: sampling,
             rng: Rng(config.hyper.seed ^ 0x6772_706f),

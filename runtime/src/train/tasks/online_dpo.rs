@@ -2,9 +2,9 @@
 //! each prompt sampled from the policy, ranked by the rewards (reward functions or reward
 //! models), and the DPO loss on the pair against the frozen reference.
 
-use super::grpo::{CompletionSource, Sampled, Scorer, load_rewards, score};
+use super::grpo::{CompletionSource, Sampled, Scorer, load_rewards, sampling, score};
 use super::{MicroBatch, TensorOf, read_data};
-use crate::model::generate::{Rng, SamplingConfig};
+use crate::model::generate::Rng;
 use crate::train::TrainConfig;
 use crate::train::TrainError;
 use crate::train::config_err;
@@ -51,23 +51,7 @@ impl<M> OnlineDpoTask<M> {
         tok: &TextTokenizer,
         reference: M,
     ) -> Result<Self, TrainError> {
-        let o = |k: &str| config.option::<f64>(k);
-        let temperature = o("temperature")?.unwrap_or(0.9);
-        if temperature <= 0.0 {
-            return Err(config_err(
-                "temperature",
-                "must be positive (online DPO samples)",
-            ));
-        }
-        let sampling = SamplingConfig {
-            temperature,
-            top_p: o("top_p")?.unwrap_or(1.0),
-            top_k: config.option::<usize>("top_k")?.unwrap_or(0),
-            min_p: o("min_p")?,
-            repetition_penalty: o("repetition_penalty")?.unwrap_or(1.0),
-            max_new_tokens: config.option::<usize>("max_new_tokens")?.unwrap_or(64),
-            eos: vec![tok.eos_id],
-        };
+        let sampling = sampling(config, tok, 0.9, ("max_new_tokens", 64))?;
         let source = Box::new(Sampled {
             config: sampling,
             rng: Rng(config.hyper.seed ^ 0x6f64_706f),
