@@ -359,7 +359,7 @@ fn routing_messages_are_exact() {
 #[test]
 fn trainers_are_constructed_only_after_resolution() {
     let registry = TrainerRegistry::try_global().unwrap();
-    assert_eq!(registry.entries().len(), 14);
+    assert_eq!(registry.entries().len(), 20);
     let entry = kiln::resolve_trainer(&cfg("ppo", "candle")).unwrap();
     let before = CONSTRUCTED.load(Ordering::SeqCst);
     let mut trainer = entry.construct(&cfg("ppo", "candle")).unwrap();

@@ -557,7 +557,7 @@ proptest! {
     #[test]
     fn kquant_searches_equal_the_reference(x in kquant_values()) {
         use kiln_kernels::ops::gguf::{GgufType, quantize};
-        for ty in [GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
+        for ty in [GgufType::Q2K, GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
             let mut want = vec![0u8; ty.bytes_for(x.len())];
             quantize(ty, &x, 256, &mut want).unwrap();
             let mut got = vec![0u8; want.len()];

@@ -1,4 +1,4 @@
-//! llama.cpp's k-quant scale searches (Q4_K, Q5_K, Q6_K) over eight sub-blocks at once: the
+//! llama.cpp's k-quant scale searches (Q2_K, Q4_K, Q5_K, Q6_K) over eight sub-blocks at once: the
 //! searches that cost nearly all of a k-quant's time (Q4_K tries 21 candidate scales per
 //! 32-element sub-block, each a pass with a weighted least-squares fit).
 //!
@@ -20,7 +20,9 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::error::KernelError;
-use crate::ops::gguf::{GgufType, check_layout, q6_k_finish, qk_asym_finish, qk_asym_grid};
+use crate::ops::gguf::{
+    GgufType, check_layout, q2_k_finish, q6_k_finish, qk_asym_finish, qk_asym_grid,
+};
 
 /// Eight f32 lanes and the operations the searches use, each lane-wise and IEEE-exact as the
 /// scalar operator. A mask is a vector whose true lanes are all ones.
@@ -267,7 +269,10 @@ pub(crate) fn quantize_blocks<V: Lanes>(
     out: &mut [u8],
 ) -> Result<(), KernelError> {
     check_layout(ty, x.len(), x.len().max(ty.block_elems()), out.len())?;
-    if !matches!(ty, GgufType::Q4K | GgufType::Q5K | GgufType::Q6K) {
+    if !matches!(
+        ty,
+        GgufType::Q2K | GgufType::Q4K | GgufType::Q5K | GgufType::Q6K
+    ) {
         return crate::ops::gguf::quantize_blocks(ty, x, out);
     }
     // Plain index loops (not iterator adapters): a generic helper left un-inlined is a
@@ -279,6 +284,7 @@ pub(crate) fn quantize_blocks<V: Lanes>(
             &mut out[bytes * b..bytes * b + bytes],
         );
         match ty {
+            GgufType::Q2K => q2_k::<V>(x, o),
             GgufType::Q4K => qk_asym::<V, 15>(x, o),
             GgufType::Q5K => qk_asym::<V, 31>(x, o),
             _ => q6_k::<V>(x, o),
@@ -314,7 +320,7 @@ fn qk_asym<V: Lanes, const NMAX: i32>(x: &[f32], o: &mut [u8]) {
         w[i] = av_x.add(xs[i].abs());
     }
     let (rmin, nstep) = qk_asym_grid(NMAX);
-    let (scales, mins, codes) = make_qkx2_quants::<V, NMAX>(&xs, &w, rmin, 0.1, nstep);
+    let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &w, rmin, 0.1, nstep);
     let mut l = [0u8; 256];
     for i in 0..32 {
         let mut c = [0f32; 8];
@@ -338,19 +344,51 @@ fn lanes<V: Lanes, const E: usize>(t: &[[f32; 8]; E]) -> [V; E] {
     v
 }
 
-/// `make_qkx2_quants` on eight sub-blocks: each lane's scale, `-min` and codes (as f32).
+/// Q2_K: the sixteen 16-element sub-blocks of one super-block, eight lanes at a time
+/// (`make_qkx2_quants` with weights `|x|`, absolute errors, 16 candidate scales).
 #[inline(always)]
-fn make_qkx2_quants<V: Lanes, const NMAX: i32>(
-    x: &[V; 32],
-    weights: &[V; 32],
+fn q2_k<V: Lanes>(x: &[f32], o: &mut [u8]) {
+    let mut l = [0u8; 256];
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    for half in 0..2 {
+        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
+        let mut w = xs;
+        for i in 0..16 {
+            w[i] = xs[i].abs();
+        }
+        let (scale, min, codes) = make_qkx2_quants::<V, 3, 16, true>(&xs, &w, -0.5, 0.1, 15);
+        let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
+        scale.store(&mut s);
+        min.store(&mut m);
+        scales[8 * half..8 * half + 8].copy_from_slice(&s);
+        mins[8 * half..8 * half + 8].copy_from_slice(&m);
+        for i in 0..16 {
+            let mut c = [0f32; 8];
+            codes[i].store(&mut c);
+            for k in 0..8 {
+                l[128 * half + 16 * k + i] = c[k] as u8;
+            }
+        }
+    }
+    q2_k_finish(x, o, &scales, &mins, &mut l);
+}
+
+/// `make_qkx2_quants` on eight sub-blocks of `N` elements: each lane's scale, `-min` and
+/// codes (as f32); `MAD`: absolute errors (Q2_K) rather than squared ones.
+#[inline(always)]
+fn make_qkx2_quants<V: Lanes, const NMAX: i32, const N: usize, const MAD: bool>(
+    x: &[V; N],
+    weights: &[V; N],
     rmin: f32,
     rdelta: f32,
     nstep: i32,
-) -> (V, V, [V; 32]) {
+) -> (V, V, [V; N]) {
+    // `|d|` or `d²`, as the reference's `use_mad` chooses.
+    let err = |d: V| if MAD { d.abs() } else { d.mul(d) };
     let (mut min, mut max) = (x[0], x[0]);
     let mut sum_w = weights[0];
     let mut sum_x = sum_w.mul(x[0]);
-    for i in 1..32 {
+    for i in 1..N {
         min = x[i].lt(min).select(x[i], min);
         max = max.lt(x[i]).select(x[i], max);
         sum_w = sum_w.add(weights[i]);
@@ -366,18 +404,18 @@ fn make_qkx2_quants<V: Lanes, const NMAX: i32>(
     let iscale = nmax_f.div(max.sub(min));
     let mut scale = V::splat(1.0).div(iscale);
     let mut best_error = zero;
-    let mut l = [zero; 32];
-    for i in 0..32 {
+    let mut l = [zero; N];
+    for i in 0..N {
         l[i] = iscale.mul(x[i].sub(min)).code(0, NMAX);
         let diff = scale.mul(l[i]).add(min).sub(x[i]);
-        best_error = best_error.add(weights[i].mul(diff.mul(diff)));
+        best_error = best_error.add(weights[i].mul(err(diff)));
     }
-    let mut laux = [zero; 32];
+    let mut laux = [zero; N];
     for is in 0..=nstep {
         // `min` moves with each better candidate, as in the reference.
         let iscale = V::splat(rmin + rdelta * is as f32 + NMAX as f32).div(max.sub(min));
         let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
-        for i in 0..32 {
+        for i in 0..N {
             let q = iscale.mul(x[i].sub(min)).code(0, NMAX);
             laux[i] = q;
             let wq = weights[i].mul(q);
@@ -392,13 +430,13 @@ fn make_qkx2_quants<V: Lanes, const NMAX: i32>(
         this_scale = positive.select(sum_xl.div(sum_l2), this_scale);
         this_min = positive.select(zero, this_min);
         let mut cur_error = zero;
-        for i in 0..32 {
+        for i in 0..N {
             let diff = this_scale.mul(laux[i]).add(this_min).sub(x[i]);
-            cur_error = cur_error.add(weights[i].mul(diff.mul(diff)));
+            cur_error = cur_error.add(weights[i].mul(err(diff)));
         }
         // The reference takes a candidate when `det > 0` and its error is lower.
         let better = zero.lt(det).and(cur_error.lt(best_error));
-        for i in 0..32 {
+        for i in 0..N {
             l[i] = better.select(laux[i], l[i]);
         }
         best_error = better.select(cur_error, best_error);

@@ -277,7 +277,6 @@ fn q2_k_codes(x: &[f32], o: &mut [u8], l: &mut [u8; 256]) {
 pub(super) fn q2_k_ref(x: &[f32], o: &mut [u8]) {
     let mut l = [0u8; 256];
     let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
-    let (mut max_scale, mut max_min) = (0f32, 0f32);
     for j in 0..16 {
         let xs = &x[16 * j..16 * j + 16];
         let mut weights = [0f32; 16];
@@ -294,6 +293,23 @@ pub(super) fn q2_k_ref(x: &[f32], o: &mut [u8]) {
             15,
             true,
         );
+    }
+    q2_k_finish(x, o, &scales, &mins, &mut l);
+}
+
+/// Q2_K after its sub-block searches: the sub-blocks' scales and minimums (as
+/// `make_qkx2_quants` returns them) quantized to 4 bits against their maximum, then the codes
+/// from the stored values, packed (the part of `quantize_row_q2_K_ref` after its loop; the
+/// lane searches of `cpu::kquants` share it).
+pub(crate) fn q2_k_finish(
+    x: &[f32],
+    o: &mut [u8],
+    scales: &[f32; 16],
+    mins: &[f32; 16],
+    l: &mut [u8; 256],
+) {
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..16 {
         if scales[j] > max_scale {
             max_scale = scales[j];
         }
@@ -321,7 +337,7 @@ pub(super) fn q2_k_ref(x: &[f32], o: &mut [u8]) {
     } else {
         o[82..84].copy_from_slice(&half(0.0));
     }
-    q2_k_codes(x, o, &mut l);
+    q2_k_codes(x, o, l);
 }
 
 /// `quantize_row_q2_K_impl`: sub-block (scale, min) by `make_qkx3_quants` with weights
