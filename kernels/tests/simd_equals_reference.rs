@@ -579,3 +579,40 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+
+    /// Under an importance matrix, Q4_K and Q5_K's weighted lane searches (portable,
+    /// dispatched, AVX2) write the reference's bytes (`quantize_row_q4_K_impl` / `q5_K`).
+    #[test]
+    fn weighted_kquant_searches_equal_the_reference(
+        x in kquant_values(),
+        w in prop::collection::vec(-3.0f32..3.0, 256),
+    ) {
+        use kiln_kernels::ops::gguf::{GgufType, quantize_with};
+        let cols = 256;
+        // Importance weights spread over six decades, one per column.
+        let qw: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
+        for ty in [GgufType::Q4K, GgufType::Q5K] {
+            let mut want = vec![0u8; ty.bytes_for(x.len())];
+            quantize_with(ty, &x, cols, Some(&qw), &mut want).unwrap();
+            let mut got = vec![0u8; want.len()];
+            portable::quantize_gguf_with(ty, &x, cols, &qw, &mut got).unwrap();
+            prop_assert!(
+                got == want,
+                "{} portable: byte {:?}",
+                ty.name(),
+                got.iter().zip(&want).position(|(a, b)| a != b)
+            );
+            cpu::quantize_gguf_with(ty, &x, cols, Some(&qw), &mut got).unwrap();
+            prop_assert!(got == want, "{} dispatched", ty.name());
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+                // SAFETY: features detected just above.
+                unsafe { cpu::x86::quantize_gguf_with(ty, &x, cols, &qw, &mut got) }.unwrap();
+                prop_assert!(got == want, "{} avx2", ty.name());
+            }
+        }
+    }
+}

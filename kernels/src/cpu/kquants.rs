@@ -1,4 +1,5 @@
-//! llama.cpp's k-quant scale searches (Q2_K, Q4_K, Q5_K, Q6_K) over eight sub-blocks at once: the
+//! llama.cpp's k-quant scale searches (Q2_K, Q4_K, Q5_K, Q6_K; Q4_K and Q5_K under an importance
+//! matrix too) over eight sub-blocks at once: the
 //! searches that cost nearly all of a k-quant's time (Q4_K tries 21 candidate scales per
 //! 32-element sub-block, each a pass with a weighted least-squares fit).
 //!
@@ -22,6 +23,7 @@
 use crate::error::KernelError;
 use crate::ops::gguf::{
     GgufType, check_layout, q2_k_finish, q6_k_finish, qk_asym_finish, qk_asym_grid,
+    qk_asym_impl_finish, qk_asym_weights,
 };
 
 /// Eight f32 lanes and the operations the searches use, each lane-wise and IEEE-exact as the
@@ -291,6 +293,70 @@ pub(crate) fn quantize_blocks<V: Lanes>(
         }
     }
     Ok(())
+}
+
+/// Rows of `cols` of `ty` from `x` into `out` under the importance weights `qw` (one per
+/// column): Q4_K and Q5_K by the lane search (`make_qkx3_quants`: weights
+/// `qw · sqrt(σ² + x²)`, 37 candidate scales), the other types by the reference's own code.
+/// Inlined into the caller so that it compiles for the caller's target features.
+#[inline(always)]
+pub(crate) fn quantize_rows_with<V: Lanes>(
+    ty: GgufType,
+    x: &[f32],
+    cols: usize,
+    qw: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let nmax = match ty {
+        GgufType::Q4K => 15,
+        GgufType::Q5K => 31,
+        _ => return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out),
+    };
+    check_layout(ty, x.len(), cols, out.len())?;
+    if qw.len() != cols {
+        return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
+    }
+    let (bytes, row_bytes) = (ty.block_bytes(), ty.bytes_for(cols));
+    for r in 0..x.len() / cols.max(1) {
+        let (xr, or) = (
+            &x[cols * r..cols * r + cols],
+            &mut out[row_bytes * r..row_bytes * r + row_bytes],
+        );
+        for b in 0..cols / 256 {
+            let xb = &xr[256 * b..256 * b + 256];
+            let qb = &qw[256 * b..256 * b + 256];
+            let ob = &mut or[bytes * b..bytes * b + bytes];
+            if nmax == 15 {
+                qk_asym_weighted::<V, 15>(xb, qb, ob);
+            } else {
+                qk_asym_weighted::<V, 31>(xb, qb, ob);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Q4_K / Q5_K under an importance matrix: the eight 32-element sub-blocks of one super-block,
+/// one per lane (`quantize_row_q4_K_impl`'s search; its block scales and codes as the
+/// reference computes them).
+#[inline(always)]
+fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let (weights, sw) = qk_asym_weights(x, qw);
+    let xs: [V; 32] = lanes(&transpose::<32>(x, 0));
+    let ws: [V; 32] = lanes(&transpose::<32>(&weights, 0));
+    let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &ws, -0.9, 0.05, 36);
+    let mut l = [0u8; 256];
+    for i in 0..32 {
+        let mut c = [0f32; 8];
+        codes[i].store(&mut c);
+        for k in 0..8 {
+            l[32 * k + i] = c[k] as u8;
+        }
+    }
+    let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
+    scales.store(&mut s);
+    mins.store(&mut m);
+    qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
 }
 
 /// Eight sub-blocks of `E` elements starting at `x[start]`, `E` apart, transposed to lanes.

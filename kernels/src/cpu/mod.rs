@@ -432,8 +432,9 @@ pub fn quantize_int4_groups<T: Element>(
 }
 
 /// llama.cpp's GGUF quantization with importance weights ([`ops::gguf::quantize_with`]): whole
-/// rows spread over rayon's threads (the legacy types' weights depend on the whole row), each
-/// row the reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
+/// rows spread over rayon's threads (the legacy types' weights depend on the whole row); Q4_K
+/// and Q5_K search their sub-blocks in vector lanes (`kquants`), the other types run the
+/// reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
 /// reference's.
 pub fn quantize_gguf_with(
     ty: ops::gguf::GgufType,
@@ -447,13 +448,25 @@ pub fn quantize_gguf_with(
     };
     ops::gguf::check_layout(ty, x.len(), cols, out.len())?;
     let rows = (CHUNK / 4 / cols.max(1)).max(1);
+    let lanes =
+        matches!(ty, ops::gguf::GgufType::Q4K | ops::gguf::GgufType::Q5K) && qw.len() == cols;
     x.par_chunks(rows * cols)
         .zip(out.par_chunks_mut(rows * ty.bytes_for(cols)))
-        .try_for_each(|(x, o)| ops::gguf::quantize_with(ty, x, cols, Some(qw), o))
+        .try_for_each(|(x, o)| {
+            if !lanes {
+                return ops::gguf::quantize_with(ty, x, cols, Some(qw), o);
+            }
+            match isa() {
+                // SAFETY: `isa()` returned Avx512 or Avx2 only after detecting AVX2 and F16C.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 | Isa::Avx2 => unsafe { x86::quantize_gguf_with(ty, x, cols, qw, o) },
+                _ => portable::quantize_gguf_with(ty, x, cols, qw, o),
+            }
+        })
 }
 
 /// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
-/// over rayon's threads. The k-quants (Q4_K, Q5_K, Q6_K) search all sub-blocks of a
+/// over rayon's threads. The k-quants (Q2_K, Q4_K, Q5_K, Q6_K) search all sub-blocks of a
 /// super-block at once in vector lanes (`kquants`), each lane in the reference's operation
 /// order; the other types run the reference's own code per block (no SIMD yet). Either way the bytes equal
 /// the single-threaded reference's.

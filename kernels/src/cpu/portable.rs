@@ -95,6 +95,18 @@ pub(crate) fn int4_pair_tail<T: Element>(
     );
 }
 
+/// Rows of `cols` of `ty` under importance weights `qw` (one per column): Q4_K and Q5_K by
+/// the lane searches of `cpu::kquants`, the other types by the reference.
+pub fn quantize_gguf_with(
+    ty: crate::ops::gguf::GgufType,
+    x: &[f32],
+    cols: usize,
+    qw: &[f32],
+    out: &mut [u8],
+) -> Result<(), crate::KernelError> {
+    super::kquants::quantize_rows_with::<super::kquants::Portable>(ty, x, cols, qw, out)
+}
+
 /// Whole GGUF blocks of `ty` from `x` into `out`: the k-quants by the lane searches of
 /// `cpu::kquants` (built without target features), the other types by the reference.
 pub fn quantize_gguf(

@@ -553,3 +553,19 @@ pub unsafe fn quantize_gguf(
 ) -> Result<(), crate::KernelError> {
     super::kquants::quantize_blocks::<super::kquants::Avx2>(ty, x, out)
 }
+
+/// [`quantize_gguf`] under importance weights `qw` (one per column of rows of `cols`): Q4_K and
+/// Q5_K's weighted searches compiled for AVX2, the other types by the reference.
+///
+/// # Safety
+/// AVX2 and F16C must be available.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn quantize_gguf_with(
+    ty: crate::ops::gguf::GgufType,
+    x: &[f32],
+    cols: usize,
+    qw: &[f32],
+    out: &mut [u8],
+) -> Result<(), crate::KernelError> {
+    super::kquants::quantize_rows_with::<super::kquants::Avx2>(ty, x, cols, qw, out)
+}

@@ -335,7 +335,7 @@ pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) -> Result
 
 #[path = "gguf_imatrix.rs"]
 mod imatrix;
-pub(crate) use imatrix::q2_k_finish;
+pub(crate) use imatrix::{q2_k_finish, qk_asym_impl_finish, qk_asym_weights};
 #[path = "gguf_iq.rs"]
 mod iq;
 

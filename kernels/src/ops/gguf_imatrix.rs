@@ -484,32 +484,58 @@ fn q3_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
 /// `qw · sqrt(σ² + x²)`, the 6-bit scales and minimums by `make_qp_quants`.
 fn qk_asym_impl(x: &[f32], qw: &[f32], o: &mut [u8], nmax: i32) {
     let mut l = [0u8; 256];
-    let (mut scales, mut mins, mut sw) = ([0f32; 8], [0f32; 8], [0f32; 8]);
-    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
-    let sigma2 = 2.0 * sum_x2 / 256.0;
+    let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+    let (weights, sw) = qk_asym_weights(x, qw);
     for j in 0..8 {
-        let mut weights = [0f32; 32];
-        for i in 0..32 {
-            weights[i] = qw[32 * j + i] * (sigma2 + x[32 * j + i] * x[32 * j + i]).sqrt();
-        }
-        let mut sumw = 0f32;
-        for w in weights {
-            sumw += w;
-        }
-        sw[j] = sumw;
         (scales[j], mins[j]) = make_qkx3_quants(
             nmax,
             &x[32 * j..32 * j + 32],
-            &weights,
+            &weights[32 * j..32 * j + 32],
             &mut l[32 * j..32 * j + 32],
             -0.9,
             0.05,
             36,
         );
     }
+    qk_asym_impl_finish(x, o, nmax, &scales, &mins, &sw, &mut l);
+}
+
+/// Q4_K / Q5_K's weights under an importance matrix: per element `qw · sqrt(σ² + x²)` with
+/// `σ² = 2·Σx²/256`, and each sub-block's total (the weights of its block scale).
+pub(crate) fn qk_asym_weights(x: &[f32], qw: &[f32]) -> ([f32; 256], [f32; 8]) {
+    let mut weights = [0f32; 256];
+    let mut sw = [0f32; 8];
+    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    let sigma2 = 2.0 * sum_x2 / 256.0;
+    for j in 0..8 {
+        for i in 0..32 {
+            weights[32 * j + i] = qw[32 * j + i] * (sigma2 + x[32 * j + i] * x[32 * j + i]).sqrt();
+        }
+        let mut sumw = 0f32;
+        for i in 0..32 {
+            sumw += weights[32 * j + i];
+        }
+        sw[j] = sumw;
+    }
+    (weights, sw)
+}
+
+/// Q4_K / Q5_K under an importance matrix after the sub-block searches: the block scales by
+/// `make_qp_quants` weighted by each sub-block's total weight `sw`, then the codes (the part
+/// of `quantize_row_q4_K_impl` / `q5_K` after its loop; the lane searches of `cpu::kquants`
+/// share it).
+pub(crate) fn qk_asym_impl_finish(
+    x: &[f32],
+    o: &mut [u8],
+    nmax: i32,
+    scales: &[f32; 8],
+    mins: &[f32; 8],
+    sw: &[f32; 8],
+    l: &mut [u8; 256],
+) {
     let (mut ls, mut lm) = ([0u8; 8], [0u8; 8]);
-    let d_block = make_qp_quants(63, &scales, &mut ls, &sw);
-    let m_block = make_qp_quants(63, &mins, &mut lm, &sw);
+    let d_block = make_qp_quants(63, scales, &mut ls, sw);
+    let m_block = make_qp_quants(63, mins, &mut lm, sw);
     let sc = &mut o[4..16];
     sc.fill(0);
     for j in 0..8 {
@@ -530,7 +556,7 @@ fn qk_asym_impl(x: &[f32], qw: &[f32], o: &mut [u8], nmax: i32) {
     }
     o[..2].copy_from_slice(&half(d_block));
     o[2..4].copy_from_slice(&half(m_block));
-    qk_asym_codes(x, o, nmax, &mut l);
+    qk_asym_codes(x, o, nmax, l);
 }
 
 /// `quantize_row_q6_K_impl`: each sub-block's scale by `make_qx_quants` weighted by the
