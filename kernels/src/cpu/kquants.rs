@@ -345,6 +345,14 @@ fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u
     let xs: [V; 32] = lanes(&transpose::<32>(x, 0));
     let ws: [V; 32] = lanes(&transpose::<32>(&weights, 0));
     let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &ws, -0.9, 0.05, 36);
+    let (s, m, mut l) = untranspose32(scales, mins, &codes);
+    qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
+}
+
+/// The lane search's results for eight 32-element sub-blocks back in block order: each
+/// sub-block's scale and `-min`, and the 256 codes.
+#[inline(always)]
+fn untranspose32<V: Lanes>(scales: V, mins: V, codes: &[V; 32]) -> ([f32; 8], [f32; 8], [u8; 256]) {
     let mut l = [0u8; 256];
     for i in 0..32 {
         let mut c = [0f32; 8];
@@ -356,7 +364,7 @@ fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u
     let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
     scales.store(&mut s);
     mins.store(&mut m);
-    qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
+    (s, m, l)
 }
 
 /// Eight sub-blocks of `E` elements starting at `x[start]`, `E` apart, transposed to lanes.
@@ -387,17 +395,7 @@ fn qk_asym<V: Lanes, const NMAX: i32>(x: &[f32], o: &mut [u8]) {
     }
     let (rmin, nstep) = qk_asym_grid(NMAX);
     let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &w, rmin, 0.1, nstep);
-    let mut l = [0u8; 256];
-    for i in 0..32 {
-        let mut c = [0f32; 8];
-        codes[i].store(&mut c);
-        for k in 0..8 {
-            l[32 * k + i] = c[k] as u8;
-        }
-    }
-    let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
-    scales.store(&mut s);
-    mins.store(&mut m);
+    let (s, m, mut l) = untranspose32(scales, mins, &codes);
     qk_asym_finish(x, o, NMAX, &s, &m, &mut l);
 }
 
