@@ -299,7 +299,7 @@ macro_rules! test_trainers {
 }
 
 test_trainers! {
-    CandlePpo => "ppo" on "candle",
+    CandlePrm => "prm" on "candle",
     MlxSft => "sft" on "mlx",
     MlxDpo => "dpo" on "mlx",
     MlxOrpo => "orpo" on "mlx",
@@ -315,10 +315,10 @@ fn cfg(task: &str, backend: &str) -> TrainConfig {
 #[test]
 fn routing_messages_are_exact() {
     assert_eq!(
-        kiln::resolve_trainer(&cfg("ppo", "mlx"))
+        kiln::resolve_trainer(&cfg("prm", "mlx"))
             .unwrap_err()
             .to_string(),
-        "backend 'mlx' does not support task 'ppo'. Supported: dpo, grpo, kto, orpo, sft, simpo. \
+        "backend 'mlx' does not support task 'prm'. Supported: dpo, grpo, kto, orpo, sft, simpo. \
          Use backend=candle for full task coverage."
     );
     let err = kiln::resolve_trainer(&cfg("sft", "burn")).unwrap_err();
@@ -359,10 +359,10 @@ fn routing_messages_are_exact() {
 #[test]
 fn trainers_are_constructed_only_after_resolution() {
     let registry = TrainerRegistry::try_global().unwrap();
-    assert_eq!(registry.entries().len(), 20);
-    let entry = kiln::resolve_trainer(&cfg("ppo", "candle")).unwrap();
+    assert_eq!(registry.entries().len(), 21);
+    let entry = kiln::resolve_trainer(&cfg("prm", "candle")).unwrap();
     let before = CONSTRUCTED.load(Ordering::SeqCst);
-    let mut trainer = entry.construct(&cfg("ppo", "candle")).unwrap();
+    let mut trainer = entry.construct(&cfg("prm", "candle")).unwrap();
     assert_eq!(CONSTRUCTED.load(Ordering::SeqCst), before + 1);
     let err = trainer.train(&mut kiln::train::NoopObserver).unwrap_err();
     assert_eq!(err.to_string(), "backend 'candle': test trainer");

@@ -61,6 +61,11 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
         include_str!("../../examples/data/grpo.jsonl"),
     ),
     (
+        "ppo",
+        "grpo.jsonl",
+        include_str!("../../examples/data/grpo.jsonl"),
+    ),
+    (
         "bco",
         "kto.jsonl",
         include_str!("../../examples/data/kto.jsonl"),
@@ -80,7 +85,7 @@ const SAMPLE_DATA: &[(&str, &str, &str)] = &[
 #[derive(Debug, Args)]
 pub struct TrainArgs {
     /// The task: sft, pretrain, dpo, online_dpo, orpo, simpo, kto, bco, grpo, rloo, reward,
-    /// distill (and plugin tasks); `kiln registry
+    /// distill, ppo (and plugin tasks); `kiln registry
     /// trainers` lists them.
     #[arg(long)]
     task: String,
@@ -473,6 +478,7 @@ pub fn train(args: &TrainArgs, out: &mut dyn Write, err: &mut dyn Write) -> Resu
             "dpo" | "orpo" | "simpo" | "kto" => &["rewards/accuracies", "rewards/margins"],
             "bco" => &["rewards/margins", "delta"],
             "online_dpo" => &["objective/scores", "rewards/margins"],
+            "ppo" => &["objective/scores", "objective/kl", "loss/value_avg"],
             "sft" | "pretrain" => &["mean_token_accuracy"],
             "grpo" | "rloo" => &["reward", "reward_std", "completions/mean_length"],
             "reward" => &["accuracy", "margin"],

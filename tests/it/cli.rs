@@ -39,7 +39,7 @@ fn registry_of_one_kind_prints_only_that_table() {
     assert!(text.starts_with("trainers ("), "{text}");
     assert!(!text.contains("exporters ("), "{text}");
     assert!(
-        text.contains("backend candle: bco, distill, dpo, grpo, kto, online_dpo, orpo, pretrain, reward, rloo, sft, simpo"),
+        text.contains("backend candle: bco, distill, dpo, grpo, kto, online_dpo, orpo, ppo, pretrain, reward, rloo, sft, simpo"),
         "{text}"
     );
 }

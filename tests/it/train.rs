@@ -191,6 +191,16 @@ fn config(name: &str, run: &Value, out: &Path) -> TrainConfig {
                 c.hyper.train_sampling_strategy = "sequential".into();
             }
             "max_length" => c.hyper.max_length = Some(v.as_u64().unwrap() as usize),
+            // PPO's settings; its reward model's folder is relative to tests/train.
+            "reward_model_path" => {
+                let path = here().join(v.as_str().unwrap()).display().to_string();
+                c.task_options.insert(k.clone(), path.into());
+            }
+            "response_length" | "total_episodes" | "num_ppo_epochs" | "num_mini_batches"
+            | "stop_token_id" | "kl_estimator" | "whiten_rewards" | "kl_coef" | "cliprange"
+            | "cliprange_value" | "vf_coef" | "gamma" | "lam" => {
+                c.task_options.insert(k.clone(), v.clone());
+            }
             "beta"
             | "precompute_ref_log_probs"
             | "simpo_gamma"
@@ -301,6 +311,168 @@ fn check_on(name: &str, backend: &str) {
         trainer.train(&mut seen).unwrap()
     };
     compare(name, run, backend, &seen, &report);
+}
+
+/// TRL's PPO rollouts, replayed: each epoch's data order (the prompts of its updates, then the
+/// examples its dataloader dropped), the responses TRL sampled and numpy's permutations.
+struct PpoReplay {
+    updates: Vec<Value>,
+    next: usize,
+    permutations: std::collections::VecDeque<Vec<usize>>,
+    examples: usize,
+}
+
+impl kiln_runtime::train::tasks::RolloutSource for PpoReplay {
+    fn responses(
+        &mut self,
+        _policy: &dyn kiln_runtime::train::candle::Sample,
+        prompts: &[Vec<u32>],
+        _cfg: &kiln_runtime::model::generate::SamplingConfig,
+    ) -> Result<Vec<Vec<u32>>, kiln_runtime::TrainError> {
+        let u = &self.updates[self.next];
+        self.next += 1;
+        self.permutations = serde_json::from_value(u["permutations"].clone()).unwrap();
+        let responses: Vec<Vec<u32>> = serde_json::from_value(u["responses"].clone()).unwrap();
+        assert_eq!(
+            responses.len(),
+            prompts.len(),
+            "TRL sampled for the same prompts"
+        );
+        Ok(responses)
+    }
+    fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let p = self
+            .permutations
+            .pop_front()
+            .expect("TRL drew this permutation");
+        assert_eq!(p.len(), n);
+        p
+    }
+    fn epoch_order(&mut self, epoch: u64) -> Option<Vec<usize>> {
+        let batch = self.updates[0]["prompts"].as_array().unwrap().len();
+        let per_epoch = self.examples / batch;
+        let mut order: Vec<usize> = self
+            .updates
+            .iter()
+            .skip(epoch as usize * per_epoch)
+            .take(per_epoch)
+            .flat_map(|u| serde_json::from_value::<Vec<usize>>(u["prompts"].clone()).unwrap())
+            .collect();
+        let rest: Vec<usize> = (0..self.examples).filter(|i| !order.contains(i)).collect();
+        order.extend(rest);
+        Some(order)
+    }
+}
+
+/// PPO against TRL: every update's figures (TRL logs no loss or gradient norm; its `lr` is
+/// kiln's learning rate, its `eps` a wall-clock rate).
+fn check_ppo(name: &str, backend: &str) {
+    #[cfg(feature = "mlx")]
+    use kiln_runtime::Trainer;
+    let all = reference();
+    let run = &all[name];
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config(name, run, &out.path().join("run"));
+    cfg.hyper.max_steps = None;
+    cfg.backend = backend.to_string();
+    let examples = std::fs::read_to_string(cfg.train_data.as_ref().unwrap())
+        .unwrap()
+        .lines()
+        .count();
+    let replay = Box::new(PpoReplay {
+        updates: run["completions"].as_array().unwrap().clone(),
+        next: 0,
+        permutations: Default::default(),
+        examples,
+    });
+    let mut seen = Collect::default();
+    let report = match backend {
+        "candle" => {
+            use kiln_runtime::train::candle::{Setup, ppo_with_source, run as train_run};
+            let setup = Setup::load(&cfg).unwrap();
+            let mut objective = ppo_with_source(&cfg, &setup, replay).unwrap();
+            train_run(&setup, &mut *objective, &mut seen).unwrap()
+        }
+        #[cfg(feature = "mlx")]
+        "mlx" => {
+            let mut trainer =
+                kiln_runtime::train::mlx::train::ppo_with_source(&cfg, replay).unwrap();
+            trainer.train(&mut seen).unwrap()
+        }
+        other => panic!("no backend {other}"),
+    };
+    assert_eq!(report.backend, backend);
+    let want = run["logs"].as_array().unwrap();
+    assert_eq!(seen.0.len(), want.len(), "{name}: logged updates");
+    for (got, want) in seen.0.iter().zip(want) {
+        let step = got.step;
+        assert_eq!(step, want["step"].as_u64().unwrap(), "{name}");
+        assert!(
+            got.grad_norm.is_none(),
+            "{name}: TRL's PPO logs no gradient norm"
+        );
+        assert!(
+            close(got.learning_rate, want["lr"].as_f64().unwrap(), 1e-9, 1e-15),
+            "{name} step {step}: learning rate"
+        );
+        assert!(
+            close(got.epoch, want["epoch"].as_f64().unwrap(), 1e-9, 0.0),
+            "{name} step {step}: epoch"
+        );
+        for (k, v) in want.as_object().unwrap() {
+            if matches!(k.as_str(), "step" | "eps" | "lr" | "epoch") {
+                continue;
+            }
+            same_figure(name, step, k, got.extra.get(k), v);
+        }
+        for k in got.extra.keys() {
+            assert!(
+                want.get(k).is_some(),
+                "{name} step {step}: kiln logs `{k}`, TRL does not"
+            );
+        }
+    }
+    let out_dir = report.output.clone().unwrap();
+    if run["adapter"].as_bool().unwrap() {
+        assert!(out_dir.join("adapter_model.safetensors").is_file());
+    } else {
+        // The policy alone, as TRL saves it: no value model beside it.
+        let names: Vec<String> = kiln_runtime::checkpoint::Checkpoint::open(&out_dir)
+            .unwrap()
+            .tensors()
+            .map(|t| t.name.clone())
+            .collect();
+        assert!(
+            names.iter().any(|n| n == "lm_head.weight"),
+            "{name}: {names:?}"
+        );
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.contains("value_model") || n.contains("score")),
+            "{name}: {names:?}"
+        );
+    }
+}
+
+/// PPO (TRL's experimental PPOTrainer) on TRL's own rollouts: a reward model's folder as reward
+/// and value model; a stop token with the k3 KL, whitened rewards and the missing-EOS penalty;
+/// minibatches under accumulation across epochs' ends (accelerate's optimizer steps), clipped
+/// values and a cosine schedule; LoRA on the policy with the value model in full.
+#[test]
+fn ppo_matches_trl() {
+    for name in ["ppo-rm", "ppo-stop-k3", "ppo-minibatches", "ppo-lora"] {
+        check_ppo(name, "candle");
+    }
+}
+
+/// PPO on MLX, as on candle.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_ppo_matches_trl() {
+    for name in ["ppo-rm", "ppo-stop-k3", "ppo-minibatches", "ppo-lora"] {
+        check_ppo(name, "mlx");
+    }
 }
 
 /// Every figure the run logged against TRL's (see [`check`]).

@@ -44,6 +44,16 @@ fn train(
     train_model(&tiny(), task, file, extra)
 }
 
+/// Three steps of `task` with batches of 4: `--max-steps 3`, or PPO's `--total-episodes 12`
+/// (TRL's PPO counts episodes and ignores max_steps).
+fn three_steps(task: &str) -> [&'static str; 2] {
+    if task == "ppo" {
+        ["--total-episodes", "12"]
+    } else {
+        ["--max-steps", "3"]
+    }
+}
+
 fn train_model(
     model: &str,
     task: &str,
@@ -65,8 +75,8 @@ fn train_model(
         out.to_str().unwrap(),
         "--metrics",
         m.to_str().unwrap(),
-        "--max-steps",
-        "3",
+        three_steps(task)[0],
+        three_steps(task)[1],
         "--per-device-train-batch-size",
         "4",
         "--learning-rate",
@@ -224,8 +234,8 @@ fn mistakes_are_refused_by_name() {
             "task `sft` does not take it (it is for dpo, orpo, simpo, kto, grpo, rloo, distill, bco, online_dpo)",
         ),
         (
-            &["--task", "ppo"],
-            "backend 'candle' does not support task 'ppo'. Supported: bco, distill, dpo, grpo, kto, online_dpo, orpo, pretrain, reward, rloo, sft, simpo.",
+            &["--task", "prm"],
+            "backend 'candle' does not support task 'prm'. Supported: bco, distill, dpo, grpo, kto, online_dpo, orpo, ppo, pretrain, reward, rloo, sft, simpo.",
         ),
         (&["--task", "sft", "--backend", "mlx"], "mlx"),
         (
@@ -410,6 +420,20 @@ fn a_resumed_run_continues_exactly() {
                 "3",
             ][..],
         ),
+        // PPO: the value model and its AdamW moments, the sampler's and the permutations'
+        // streams, two minibatches a pass.
+        (
+            "ppo",
+            "grpo.jsonl",
+            &[
+                "--reward-funcs",
+                "exact_match",
+                "--response-length",
+                "5",
+                "--num-mini-batches",
+                "2",
+            ][..],
+        ),
     ] {
         let mut base: Vec<&str> = vec!["--warmup-steps", "1"];
         base.extend_from_slice(extra);
@@ -442,8 +466,8 @@ fn a_resumed_run_continues_exactly() {
             "--learning-rate",
             "1e-3",
             "--quiet",
-            "--max-steps",
-            "3",
+            three_steps(task)[0],
+            three_steps(task)[1],
         ]
         .iter()
         .map(|s| s.to_string())

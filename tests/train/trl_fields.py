@@ -1,5 +1,5 @@
 """Dumps every field of TRL 0.29.1's configuration classes kiln's trainers follow
-(SFTConfig, DPOConfig, CPOConfig for simpo, ORPOConfig, KTOConfig, GRPOConfig, RewardConfig, RLOOConfig, GKDConfig for distill, BCOConfig, OnlineDPOConfig; SFTConfig again for pretrain) into
+(SFTConfig, DPOConfig, CPOConfig for simpo, ORPOConfig, KTOConfig, GRPOConfig, RewardConfig, RLOOConfig, GKDConfig for distill, BCOConfig, OnlineDPOConfig, PPOConfig; SFTConfig again for pretrain) into
 runtime/src/train/trl_fields.json: for each kiln task, each field's name, whether TRL itself
 declares it (the class or TRL's BaseConfig) or transformers' TrainingArguments does, its
 dataclass default and the value `Config().to_dict()` holds for it (after __post_init__).
@@ -26,6 +26,7 @@ from trl.experimental.cpo import CPOConfig
 from trl.experimental.bco import BCOConfig
 from trl.experimental.gkd import GKDConfig
 from trl.experimental.online_dpo import OnlineDPOConfig
+from trl.experimental.ppo import PPOConfig
 from trl.experimental.kto import KTOConfig
 from trl.experimental.orpo import ORPOConfig
 from trl.trainer.base_config import BaseConfig
@@ -33,7 +34,7 @@ from trl.trainer.base_config import BaseConfig
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "runtime", "src", "train",
                    "trl_fields.json")
 TASKS = {"sft": SFTConfig, "dpo": DPOConfig, "simpo": CPOConfig, "orpo": ORPOConfig, "kto": KTOConfig, "reward": RewardConfig, "rloo": RLOOConfig, "pretrain": SFTConfig, "distill": GKDConfig,
-         "bco": BCOConfig, "online_dpo": OnlineDPOConfig,
+         "bco": BCOConfig, "online_dpo": OnlineDPOConfig, "ppo": PPOConfig,
          "grpo": GRPOConfig}
 
 

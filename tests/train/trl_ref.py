@@ -272,7 +272,7 @@ class Record(TrainerCallback):
         self.eval_logs = []
 
     def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
+        if logs and ("loss" in logs or "objective/kl" in logs):
             self.logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
         elif logs and "eval_loss" in logs:
             self.eval_logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
@@ -414,6 +414,80 @@ def run(task, model_dir, data, adapter=None, **overrides):
     return (rec.logs, rec.eval_logs) if eval_file else rec.logs, None
 
 
+def run_ppo(model_dir, data, adapter=None, **overrides):
+    """TRL's PPOTrainer (trl.experimental.ppo) as its example script builds it: the policy and
+    its frozen copy (under LoRA the base without the adapter), the reward model and a value
+    model both from the reward model's folder, prompts tokenized as `tokenizer(prompt)` and
+    left-padded. Records every update's figures, its prompts (dataset indices) and TRL's
+    sampled responses, and the minibatch permutations numpy drew, for kiln to replay."""
+    import numpy as np
+    from datasets import load_dataset
+    from peft import PeftModel
+    from transformers import LlamaForSequenceClassification
+    import trl.experimental.ppo.ppo_trainer as ppo_mod
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    ds = load_dataset("json", data_files=data, split="train")
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir, padding_side="left")
+    prompts = [tok(p)["input_ids"] for p in ds["prompt"]]
+    train = ds.map(lambda e: {"input_ids": tok(e["prompt"])["input_ids"]}, remove_columns=ds.column_names)
+    policy = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter:
+        policy = PeftModel.from_pretrained(policy, adapter, is_trainable=True)
+    rm_dir = os.path.join(HERE, overrides.pop("reward_model_path"))
+    reward = LlamaForSequenceClassification.from_pretrained(rm_dir, num_labels=1, dtype=torch.float32)
+    value = LlamaForSequenceClassification.from_pretrained(rm_dir, num_labels=1, dtype=torch.float32)
+    common = dict(output_dir=tempfile.mkdtemp(), logging_steps=1, bf16=False, use_cpu=True,
+                  gradient_checkpointing=False, report_to=[], save_strategy="no", seed=42,
+                  per_device_train_batch_size=2, num_sample_generations=0)
+    common.update(overrides)
+    rec = Record()
+    trainer = PPOTrainer(args=PPOConfig(**common), processing_class=tok, model=policy,
+                         ref_model=None if adapter else LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                         reward_model=reward, train_dataset=train, value_model=value, callbacks=[rec])
+    updates = []
+    original = ppo_mod.batch_generation
+
+    def record(model, queries, *args):
+        qr, logits = original(model, queries, *args)
+        ctx = queries.shape[1]
+        rows = [[int(t) for t in q if t != tok.pad_token_id] for q in queries.tolist()]
+        updates.append({"prompts": [prompts.index(r) for r in rows],
+                        "responses": qr[:, ctx:].tolist(), "permutations": []})
+        return qr, logits
+
+    ppo_mod.batch_generation = record
+    np.random.seed(0)
+    draw = np.random.permutation
+
+    def permutation(n):
+        p = draw(n)
+        updates[-1]["permutations"].append([int(i) for i in p])
+        return p
+
+    ppo_mod.np.random.permutation = permutation
+    try:
+        trainer.train()
+    finally:
+        ppo_mod.batch_generation = original
+        ppo_mod.np.random.permutation = draw
+    return rec.logs, {"train": updates, "eval": []}
+
+
+# PPO's stop token in "ppo-stop-k3": a byte the tiny model samples often, so that responses end
+# at it (its EOS is one of 260 tokens and seldom drawn).
+STOP = 4 + ord("E")
+
+
+def write_ppo_data():
+    """Prompts of different lengths (TRL left-pads them to the batch's longest)."""
+    os.makedirs(DATA, exist_ok=True)
+    prompts = ["1+2=", "Say hello", "3", "What is 7 times 6?", "abc", "Count: 1 2 3", "x=", "The end is near"]
+    with open(os.path.join(DATA, "ppo.jsonl"), "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+
+
 def dropout_adapter(adapter):
     """The shared adapter with lora_dropout 0.1: TRL's disable_dropout (on for DPO) must turn
     it off, so the run is deterministic and kiln's default must do the same."""
@@ -450,7 +524,26 @@ def main():
     d = lambda n: os.path.join(DATA, n)
     if not os.path.exists(d("reward-margin.jsonl")) or not os.path.exists(d("pretrain.txt")):
         write_data()
+    if not os.path.exists(d("ppo.jsonl")):
+        write_ppo_data()
     runs = {
+        # PPO (TRL's experimental PPOTrainer) on its own samples: the reward model's folder as
+        # reward and value model; a stop token with k3 KL, whitened rewards and the missing-EOS
+        # penalty; minibatches under accumulation across an epoch's end (accelerate's
+        # optimizer steps); LoRA on the policy (the value model in full).
+        "ppo-rm": ("ppo", d("ppo.jsonl"), None, dict(
+            learning_rate=1e-3, response_length=6, total_episodes=16, gradient_accumulation_steps=2,
+            num_ppo_epochs=2, reward_model_path="tiny/reward-model")),
+        "ppo-stop-k3": ("ppo", d("ppo.jsonl"), None, dict(
+            learning_rate=1e-3, response_length=6, total_episodes=16, per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, stop_token_id=STOP, kl_estimator="k3", whiten_rewards=True,
+            missing_eos_penalty=1.0, temperature=1.0, kl_coef=0.1, reward_model_path="tiny/reward-model")),
+        "ppo-minibatches": ("ppo", d("ppo.jsonl"), None, dict(
+            learning_rate=3e-3, response_length=5, total_episodes=24, gradient_accumulation_steps=2,
+            num_mini_batches=2, num_ppo_epochs=2, cliprange=0.1, cliprange_value=0.05, vf_coef=0.5,
+            gamma=0.9, lam=0.8, lr_scheduler_type="cosine", reward_model_path="tiny/reward-model")),
+        "ppo-lora": ("ppo", d("ppo.jsonl"), adapter, dict(
+            learning_rate=1e-2, response_length=5, total_episodes=8, reward_model_path="tiny/reward-model")),
         "sft-full": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2)),
         "sft-text": ("sft", d("sft-text.jsonl"), None, dict(learning_rate=1e-3, lr_scheduler_type="cosine",
                                                               warmup_steps=2, weight_decay=0.1)),
@@ -622,7 +715,10 @@ def main():
         if only and name not in only:
             continue
         mdir = reward_model if task == "reward" else model_dir
-        logs, generated = run(task, mdir, data, ad, **dict(over))
+        if task == "ppo":
+            logs, generated = run_ppo(mdir, data, ad, **dict(over))
+        else:
+            logs, generated = run(task, mdir, data, ad, **dict(over))
         eval_logs = None
         if isinstance(logs, tuple):
             logs, eval_logs = logs
@@ -637,7 +733,7 @@ def main():
             out[name]["completions"] = generated["train"]
             if generated["eval"]:
                 out[name]["eval_completions"] = generated["eval"]
-        print(name, [round(l["loss"], 6) for l in out[name]["logs"]], flush=True)
+        print(name, [round(l.get("loss", l.get("objective/scores", 0.0)), 6) for l in out[name]["logs"]], flush=True)
     import peft, transformers, trl
     out["_versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                         "trl": trl.__version__, "peft": peft.__version__}

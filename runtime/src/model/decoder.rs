@@ -832,7 +832,7 @@ impl DecoderModel {
         ids: &Tensor,
         observer: &mut dyn Observer,
     ) -> Result<Tensor, ModelError> {
-        self.forward_inner(ids, None, observer, false)
+        self.forward_inner(ids, None, None, observer, false)
     }
 
     /// [`DecoderModel::forward`] of a right-padded batch: row `i` holds `lengths[i]` real
@@ -870,7 +870,37 @@ impl DecoderModel {
             .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
             .collect();
         let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
-        self.forward_inner(ids, Some(&mask), &mut NoObserver, true)
+        self.forward_inner(ids, Some(&mask), None, &mut NoObserver, true)
+    }
+
+    /// [`DecoderModel::forward_masked`] with each token's position given (`positions[i][j]`
+    /// of token `j` of row `i`, transformers' `position_ids`): how TRL's PPO numbers a
+    /// left-padded batch (padding keeps the position of the token before it).
+    pub fn forward_positioned(
+        &self,
+        ids: &Tensor,
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<Tensor, ModelError> {
+        let (b, t) = ids.dims2()?;
+        if attention.len() != b
+            || attention.iter().any(|r| r.len() != t)
+            || positions.len() != b
+            || positions.iter().any(|r| r.len() != t)
+        {
+            return Err(ModelError::Config(format!(
+                "an attention mask of {} rows and positions of {} rows for a batch of {b} × {t}",
+                attention.len(),
+                positions.len()
+            )));
+        }
+        let m: Vec<f32> = attention
+            .iter()
+            .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
+            .collect();
+        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
+        let rope = self.rope_tables_at(positions, self.dtype())?;
+        self.forward_inner(ids, Some(&mask), Some(rope), &mut NoObserver, true)
     }
 
     /// An empty key/value cache for [`DecoderModel::forward_cached`].
@@ -914,11 +944,15 @@ impl DecoderModel {
         &self,
         ids: &Tensor,
         key_mask: Option<&Tensor>,
+        rope: Option<(Tensor, Tensor)>,
         observer: &mut dyn Observer,
         checkpoint: bool,
     ) -> Result<Tensor, ModelError> {
         let mut h = self.embed(ids)?;
-        let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
+        let rope = match rope {
+            Some(r) => r,
+            None => self.rope_tables(h.dim(1)?, h.dtype())?,
+        };
         let sink = self.checkpoint.as_ref().filter(|sink| {
             let trained = |a: &lora::Adapters| a.layers.values().any(|l| sink.wants(&l.a));
             checkpoint && (h.track_op() || self.adapters.as_deref().is_some_and(trained))
@@ -1068,6 +1102,34 @@ impl DecoderModel {
         self.rope_tables_from(0, t, dtype)
     }
 
+    /// `cos`, `sin` `[batch, 1, t, head_dim]` for the positions of each row (broadcast over
+    /// the heads).
+    pub fn rope_tables_at(
+        &self,
+        positions: &[Vec<usize>],
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let inv = self.config.inv_freq();
+        let scale = self.config.rope_attention_factor();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for &pos in positions.iter().flatten() {
+            // As rope_tables_from: freqs = pos · inv_freq in f32, emb = cat(freqs, freqs).
+            for _ in 0..2 {
+                for &f in &inv {
+                    let a = pos as f32 * f;
+                    cos.push(a.cos() * scale);
+                    sin.push(a.sin() * scale);
+                }
+            }
+        }
+        let shape = (b, 1, t, self.config.head_dim);
+        Ok((
+            Tensor::from_vec(cos, shape, &self.device)?.to_dtype(dtype)?,
+            Tensor::from_vec(sin, shape, &self.device)?.to_dtype(dtype)?,
+        ))
+    }
+
     /// `cos`, `sin` `[t, head_dim]` for positions `start..start + t`.
     pub fn rope_tables_from(
         &self,
@@ -1120,7 +1182,8 @@ impl DecoderModel {
                 Ok(y.transpose(1, 2)?.contiguous()?)
             };
         let rope = |x: Tensor| -> Result<Tensor, ModelError> {
-            if super::fused::fusable(&x) {
+            // Tables per row (given positions) broadcast; the fused op takes one table.
+            if cos.rank() == 2 && super::fused::fusable(&x) {
                 return Ok(super::fused::rope(&x, cos, sin)?);
             }
             rope_unfused(&x, cos, sin)

@@ -13,6 +13,43 @@ use std::time::Instant;
 /// Per-step figures and their counts over a logging window.
 pub type Window = BTreeMap<String, (f64, usize)>;
 
+/// What a task decides of the loop's schedule (every task's `TaskInfo` is one; the defaults
+/// are transformers' loop).
+pub trait StepPlan {
+    /// The optimizer steps one step of the loop takes, each a list of micro-batches (default:
+    /// one, over the step's micro-batches). PPO runs `num_ppo_epochs` passes of minibatches
+    /// over each rollout and steps where accelerate's accumulation does; `last_of_epoch`: the
+    /// step holds the epoch's last batch (where accelerate steps after every micro-batch).
+    fn plan(&mut self, micro_batches: &[Vec<usize>], last_of_epoch: bool) -> Vec<Vec<Vec<usize>>> {
+        let _ = last_of_epoch;
+        vec![micro_batches.to_vec()]
+    }
+    /// Whether gradients are clipped to `max_grad_norm` before each update (TRL's PPO loop
+    /// never clips, and logs no gradient norm).
+    fn clips_gradients(&self) -> bool {
+        true
+    }
+    /// Whether every step is logged whatever `logging_steps` says (TRL's PPO logs each
+    /// update).
+    fn logs_every_step(&self) -> bool {
+        false
+    }
+    /// Whether an epoch's last step is left out when it is short of a whole batch (TRL's PPO
+    /// dataloader drops it); such a run counts epochs in examples (`step · batch / examples`).
+    fn drop_last(&self) -> bool {
+        false
+    }
+    /// The run's step count when the task sets it (PPO: `total_episodes / batch`).
+    fn total_steps(&self) -> Option<u64> {
+        None
+    }
+    /// The data order of `epoch` when the task fixes it (a replayed run); `None`: the loop's.
+    fn epoch_order(&mut self, epoch: u64) -> Option<Vec<usize>> {
+        let _ = epoch;
+        None
+    }
+}
+
 /// One backend's run, as the loop drives it.
 pub trait Stepper {
     /// The task (`sft`, `dpo`, …).
@@ -39,6 +76,8 @@ pub trait Stepper {
     fn sequential(&self) -> bool {
         false
     }
+    /// The task's side of the loop's schedule ([`StepPlan`]).
+    fn info(&mut self) -> &mut dyn StepPlan;
     /// Parameters the optimizer updates.
     fn trainable_parameters(&self) -> u64;
     /// Called with every micro-batch of the coming step before the first runs.
@@ -50,9 +89,9 @@ pub trait Stepper {
         indices: &[usize],
         count: usize,
     ) -> Result<(f64, BTreeMap<String, f64>, u64), TrainError>;
-    /// Clips the step's gradients, updates the parameters with learning rate `lr` and clears
-    /// the gradients: the global gradient norm before clipping.
-    fn update(&mut self, lr: f64) -> Result<f64, TrainError>;
+    /// Clips the step's gradients (with `clip`), updates the parameters with learning rate
+    /// `lr` and clears the gradients: the global gradient norm before clipping.
+    fn update(&mut self, lr: f64, clip: bool) -> Result<f64, TrainError>;
     /// The logged figures of a window (default: each figure's mean).
     fn window(&self, totals: &Window) -> BTreeMap<String, f64> {
         totals
@@ -82,14 +121,23 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<usize> {
 }
 
 /// An epoch's steps: micro-batches of `batch` examples in `order`, `accumulation` to a step
-/// (the last step may have fewer), each step `repeats` times in a row.
+/// (the last step may have fewer, unless `drop_last` leaves out a last step short of
+/// `batch · accumulation` examples, as torch's `DataLoader(drop_last=True)` does over whole
+/// steps), each step `repeats` times in a row.
 pub(crate) fn epoch_steps(
     n: usize,
     batch: usize,
     accumulation: usize,
     order: Vec<usize>,
     repeats: usize,
+    drop_last: bool,
 ) -> Vec<Vec<Vec<usize>>> {
+    let whole = batch * accumulation;
+    let order = if drop_last {
+        order[..order.len() - order.len() % whole.max(1)].to_vec()
+    } else {
+        order
+    };
     let batches: Vec<Vec<usize>> = order.chunks(batch).map(<[usize]>::to_vec).collect();
     batches
         .chunks(accumulation)
@@ -197,7 +245,18 @@ pub fn drive(
             "the examples do not split into whole groups",
         ));
     }
-    let order = |epoch: u64| -> Vec<usize> {
+    let drop_last = s.info().drop_last();
+    if drop_last && n < bs * ga {
+        return Err(config_err(
+            "train_data",
+            format!(
+                "{n} examples, fewer than one batch (per_device_train_batch_size × \
+                 gradient_accumulation_steps = {})",
+                bs * ga
+            ),
+        ));
+    }
+    let default_order = |epoch: u64| -> Vec<usize> {
         let groups = n / group;
         let picked: Vec<usize> = if shuffle {
             permutation(groups, h.seed ^ epoch.wrapping_mul(0x5851_f42d_4c95_7f2d))
@@ -209,15 +268,35 @@ pub fn drive(
             .flat_map(|g| g * group..(g + 1) * group)
             .collect()
     };
+    let order = |s: &mut dyn Stepper, epoch: u64| -> Result<Vec<usize>, TrainError> {
+        match s.info().epoch_order(epoch) {
+            Some(o) if o.len() == n && o.iter().all(|&i| i < n) => Ok(o),
+            Some(o) => Err(config_err(
+                "train_data",
+                format!(
+                    "the task's order of epoch {epoch} has {} of {n} examples",
+                    o.len()
+                ),
+            )),
+            None => Ok(default_order(epoch)),
+        }
+    };
     let repeats = s.repeats().max(1);
-    let per_epoch = (n.div_ceil(bs).div_ceil(ga) * repeats) as u64;
+    let per_epoch = if drop_last {
+        (n / (bs * ga) * repeats) as u64
+    } else {
+        (n.div_ceil(bs).div_ceil(ga) * repeats) as u64
+    };
     // transformers' epoch counts micro-batches: a short last step of an epoch (fewer than
     // gradient_accumulation_steps micro-batches left) is a fraction of a step.
     let micro_per_epoch = (n.div_ceil(bs) * repeats) as f64;
-    let total = match h.max_steps {
-        Some(m) if m > 0 => m,
+    let total = match (s.info().total_steps(), h.max_steps) {
+        (Some(t), _) => t.max(1),
+        (None, Some(m)) if m > 0 => m,
         _ => ((h.num_train_epochs * per_epoch as f64).ceil() as u64).max(1),
     };
+    let every_step = s.info().logs_every_step();
+    let clip = s.info().clips_gradients();
     let schedule = Schedule {
         kind,
         warmup: h.warmup_steps,
@@ -231,17 +310,29 @@ pub fn drive(
     });
     let mut report = TrainReport::new(s.task(), s.backend());
     let mut epoch = 0u64;
-    let mut steps = epoch_steps(n, bs, ga, order(epoch), repeats).into_iter();
+    let first_order = order(s, epoch)?;
+    let mut steps = epoch_steps(n, bs, ga, first_order, repeats, drop_last).into_iter();
     let mut tokens = 0u64;
     let mut window = Window::new();
     let mut window_loss = (0f64, 0usize);
-    let logging = h.logging_steps.max(1);
-    let next_micro = |epoch: &mut u64, steps: &mut std::vec::IntoIter<Vec<Vec<usize>>>| {
-        steps.next().unwrap_or_else(|| {
-            *epoch += 1;
-            *steps = epoch_steps(n, bs, ga, order(*epoch), repeats).into_iter();
-            steps.next().expect("a non-empty dataset has a step")
-        })
+    let logging = if every_step {
+        1
+    } else {
+        h.logging_steps.max(1)
+    };
+    let next_micro = |s: &mut dyn Stepper,
+                      epoch: &mut u64,
+                      steps: &mut std::vec::IntoIter<Vec<Vec<usize>>>|
+     -> Result<Vec<Vec<usize>>, TrainError> {
+        match steps.next() {
+            Some(m) => Ok(m),
+            None => {
+                *epoch += 1;
+                let o = order(s, *epoch)?;
+                *steps = epoch_steps(n, bs, ga, o, repeats, drop_last).into_iter();
+                Ok(steps.next().expect("a non-empty dataset has a step"))
+            }
+        }
     };
     let mut first = 1;
     if let Some(dir) = &config.resume {
@@ -257,7 +348,7 @@ pub fn drive(
         }
         // The data order depends only on the seed and the epoch: replay the positions.
         for _ in 0..done {
-            next_micro(&mut epoch, &mut steps);
+            next_micro(s, &mut epoch, &mut steps)?;
         }
         tokens = seen;
         first = done + 1;
@@ -269,21 +360,30 @@ pub fn drive(
             report.stopped_early = true;
             break;
         }
-        let micro = next_micro(&mut epoch, &mut steps);
+        let micro = next_micro(s, &mut epoch, &mut steps)?;
+        let last_of_epoch = steps.as_slice().is_empty();
         s.begin_step(&micro)?;
-        let mut step_loss = 0f64;
-        for indices in &micro {
-            let (loss, figures, t) = s.micro_batch(indices, micro.len())?;
-            step_loss += loss;
-            tokens += t;
-            for (k, v) in figures {
-                let e = window.entry(k).or_insert((0.0, 0));
-                e.0 += v;
-                e.1 += 1;
-            }
-        }
+        let plan = s.info().plan(&micro, last_of_epoch);
         let lr = h.learning_rate * schedule.factor(step - 1);
-        let grad_norm = s.update(lr)?;
+        let mut step_loss = 0f64;
+        let mut grad_norm = None;
+        for inner in &plan {
+            for indices in inner {
+                let (loss, figures, t) = s.micro_batch(indices, inner.len())?;
+                step_loss += loss;
+                tokens += t;
+                for (k, v) in figures {
+                    let e = window.entry(k).or_insert((0.0, 0));
+                    e.0 += v;
+                    e.1 += 1;
+                }
+            }
+            grad_norm = Some(s.update(lr, clip)?);
+        }
+        // A step of several optimizer steps (PPO) logs their mean loss; without clipping
+        // (PPO) no gradient norm, as TRL logs none.
+        let step_loss = step_loss / plan.len().max(1) as f64;
+        let grad_norm = grad_norm.filter(|_| clip);
         window_loss.0 += step_loss;
         window_loss.1 += 1;
         report.steps = step;
@@ -295,14 +395,18 @@ pub fn drive(
             }
             let metrics = StepMetrics {
                 step,
-                epoch: epoch as f64
-                    + (micro_per_epoch
-                        - steps.as_slice().iter().map(Vec::len).sum::<usize>() as f64)
-                        / micro_per_epoch,
+                epoch: if drop_last {
+                    (step as usize * bs * ga) as f64 / n as f64
+                } else {
+                    epoch as f64
+                        + (micro_per_epoch
+                            - steps.as_slice().iter().map(Vec::len).sum::<usize>() as f64)
+                            / micro_per_epoch
+                },
                 loss: window_loss.0 / window_loss.1 as f64,
                 // transformers logs the rate the step ran with.
                 learning_rate: lr,
-                grad_norm: Some(grad_norm),
+                grad_norm,
                 tokens,
                 extra,
             };
@@ -343,13 +447,13 @@ mod tests {
 
     #[test]
     fn epochs_split_into_steps_of_micro_batches_with_a_short_last_step() {
-        let s = epoch_steps(7, 2, 3, (0..7).collect(), 1);
+        let s = epoch_steps(7, 2, 3, (0..7).collect(), 1, false);
         assert_eq!(
             s,
             vec![vec![vec![0, 1], vec![2, 3], vec![4, 5]], vec![vec![6]]]
         );
         // GRPO's num_iterations: every step's examples again, straight after.
-        let s = epoch_steps(4, 2, 1, (0..4).collect(), 2);
+        let s = epoch_steps(4, 2, 1, (0..4).collect(), 2, false);
         assert_eq!(
             s,
             vec![
@@ -359,6 +463,9 @@ mod tests {
                 vec![vec![2, 3]]
             ]
         );
+        // PPO's drop_last: the short last step is left out.
+        let s = epoch_steps(7, 2, 2, (0..7).collect(), 1, true);
+        assert_eq!(s, vec![vec![vec![0, 1], vec![2, 3]]]);
         let p = permutation(10, 42);
         let mut sorted = p.clone();
         sorted.sort();

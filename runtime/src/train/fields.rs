@@ -75,7 +75,7 @@ const DROPOUT: &[&str] = &[
 ];
 const DISTILL: &[&str] = &["distill"];
 /// The tasks that sample at a temperature.
-const TEMPERATURE: &[&str] = &["grpo", "rloo", "distill", "online_dpo"];
+const TEMPERATURE: &[&str] = &["grpo", "rloo", "distill", "online_dpo", "ppo"];
 const NEW_TOKENS: &[&str] = &["distill", "online_dpo"];
 const RLOO: &[&str] = &["rloo"];
 const REWARD: &[&str] = &["reward"];
@@ -85,10 +85,13 @@ const GRPO: &[&str] = &["grpo"];
 /// The tasks that sample completions and score them with rewards.
 const SAMPLED: &[&str] = &["grpo", "rloo"];
 /// The tasks that rank or score sampled completions by rewards.
-const REWARDED: &[&str] = &["grpo", "rloo", "online_dpo"];
+const REWARDED: &[&str] = &["grpo", "rloo", "online_dpo", "ppo"];
 /// The tasks that sample with the usual filters (top-p, top-k, min-p, repetition penalty).
 const FILTERED: &[&str] = &["grpo", "rloo", "online_dpo"];
-const ONLINE: &[&str] = &["online_dpo"];
+/// Online DPO and PPO: a reward model beside (or instead of) the functions, the missing-EOS
+/// penalty.
+const SCORED: &[&str] = &["online_dpo", "ppo"];
+const PPO: &[&str] = &["ppo"];
 const SIMPO: &[&str] = &["simpo"];
 
 /// Every setting `kiln train` takes.
@@ -109,7 +112,7 @@ pub const FIELDS: &[Field] = &[
         "temperature",
         Kind::Float,
         TEMPERATURE,
-        "Sampling temperature (also divides the logits in the loss) [1]",
+        "Sampling temperature (also divides the logits in the loss) [1; online_dpo 0.9; ppo 0.7]",
     ),
     f("top_p", Kind::Float, FILTERED, "Nucleus sampling mass [1]"),
     f(
@@ -467,15 +470,95 @@ pub const FIELDS: &[Field] = &[
     f(
         "missing_eos_penalty",
         Kind::Float,
-        ONLINE,
+        SCORED,
         "Subtracted from the reward of a completion that never ends (no EOS) [off]",
     ),
     f(
         "reward_model_path",
         Kind::Text,
-        ONLINE,
-        "A reward model's folder, scored beside reward_funcs [off]",
+        SCORED,
+        "A reward model's folder, scored beside reward_funcs (ppo: also the value model's start) [off]",
     ),
+    f(
+        "value_model_path",
+        Kind::Text,
+        PPO,
+        "PPO's value model, a sequence classifier trained beside the policy [reward_model_path; else the model with a new score head]",
+    ),
+    f(
+        "num_ppo_epochs",
+        Kind::Int,
+        PPO,
+        "Passes over each rollout [4]",
+    ),
+    f(
+        "num_mini_batches",
+        Kind::Int,
+        PPO,
+        "Minibatches each rollout is cut into per pass [1]",
+    ),
+    f(
+        "total_episodes",
+        Kind::Int,
+        PPO,
+        "Prompts to roll out over the run; steps = total_episodes / batch [num_train_epochs × examples]",
+    ),
+    f(
+        "response_length",
+        Kind::Int,
+        PPO,
+        "Tokens sampled per response [53]",
+    ),
+    f(
+        "stop_token",
+        Kind::Text,
+        PPO,
+        "`eos`: responses stop at the tokenizer's EOS [off]",
+    ),
+    f(
+        "stop_token_id",
+        Kind::Int,
+        PPO,
+        "Responses stop at this token id [off]",
+    ),
+    f(
+        "whiten_rewards",
+        Kind::Bool,
+        PPO,
+        "Whiten the per-token rewards over the batch [false]",
+    ),
+    f(
+        "kl_coef",
+        Kind::Float,
+        PPO,
+        "Weight of the per-token KL to the reference in the rewards [0.05]",
+    ),
+    f(
+        "kl_estimator",
+        Kind::Text,
+        PPO,
+        "k1 (log-ratio) or k3 (exp(r) − 1 − r) [k1]",
+    ),
+    f(
+        "cliprange",
+        Kind::Float,
+        PPO,
+        "Clip range of the policy ratio [0.2]",
+    ),
+    f(
+        "cliprange_value",
+        Kind::Float,
+        PPO,
+        "Clip range of the value predictions [0.2]",
+    ),
+    f(
+        "vf_coef",
+        Kind::Float,
+        PPO,
+        "Weight of the value loss [0.1]",
+    ),
+    f("gamma", Kind::Float, PPO, "Discount factor [1]"),
+    f("lam", Kind::Float, PPO, "GAE's lambda [0.95]"),
     f(
         "packing",
         Kind::Bool,
@@ -570,6 +653,7 @@ pub fn defaults_for(config: &mut TrainConfig) {
         "sft" | "pretrain" | "distill" => 2e-5,
         "reward" => 1e-4,
         "bco" | "online_dpo" => 5e-7,
+        "ppo" => 3e-6,
         _ => 1e-6,
     };
     h.num_train_epochs = 3.0;

@@ -47,6 +47,36 @@ pub(crate) fn config_err(field: &str, message: impl Into<String>) -> TrainError 
     }
 }
 
+/// How PPO's value model's parameters are named among the trainable ones (and in
+/// checkpoints): `value_model.<tensor>`.
+pub const VALUE_PREFIX: &str = "value_model.";
+
+/// PPO's value model folder (other tasks have none): `value_model_path`, else
+/// `reward_model_path` (TRL's PPO example starts the value model from the reward model),
+/// else the policy's own folder (a new `score` head, said by name when the run starts).
+#[cfg(feature = "exec")]
+pub(crate) fn value_model_dir(
+    config: &TrainConfig,
+) -> Result<Option<std::path::PathBuf>, TrainError> {
+    if config.task != "ppo" {
+        return Ok(None);
+    }
+    let dir = match config.option::<String>("value_model_path")? {
+        Some(p) => std::path::PathBuf::from(p),
+        None => match config.option::<String>("reward_model_path")? {
+            Some(p) => std::path::PathBuf::from(p),
+            None => config.model.clone(),
+        },
+    };
+    if !dir.join("config.json").is_file() {
+        return Err(config_err(
+            "value_model_path",
+            format!("{}: not a model folder (no config.json)", dir.display()),
+        ));
+    }
+    Ok(Some(dir))
+}
+
 /// Whether `config.model` is a quantized export (any format a registered reader recognises),
 /// the base QLoRA trains over; where it is, the run must train adapters and must not merge
 /// them (both backends ask the same).
@@ -190,7 +220,7 @@ impl TrainConfig {
     pub fn disable_dropout(&self) -> Result<bool, TrainError> {
         let default = matches!(
             self.task.as_str(),
-            "dpo" | "orpo" | "simpo" | "kto" | "reward" | "distill" | "bco" | "online_dpo"
+            "dpo" | "orpo" | "simpo" | "kto" | "reward" | "distill" | "bco" | "online_dpo" | "ppo"
         );
         Ok(self.option::<bool>("disable_dropout")?.unwrap_or(default))
     }

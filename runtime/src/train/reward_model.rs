@@ -69,6 +69,29 @@ impl RewardModel {
         &self.tokenizer
     }
 
+    /// The score of each token sequence, read at its last token: TRL's PPO scores the
+    /// policy's own ids (`get_reward`; the reward model shares the policy's tokenizer).
+    pub fn score_ids(&self, seqs: &[Vec<u32>]) -> Result<Vec<f64>, TrainError> {
+        let pad = self.tokenizer.pad_id;
+        let mut out = Vec::with_capacity(seqs.len());
+        for chunk in seqs.chunks(BATCH) {
+            let (ids, lengths) = super::runner::pad_ids(chunk, pad)?;
+            let (b, len) = (ids.len(), ids[0].len());
+            let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+            let t = Tensor::from_vec(flat, (b, len), &Device::Cpu)?;
+            let logits = self
+                .model
+                .forward_padded(&t, &lengths)
+                .map_err(|e| config_err("reward_model_path", format!("{}: {e}", self.name)))?
+                .detach();
+            let scores: Vec<Vec<f32>> = logits.squeeze(2)?.to_vec2()?;
+            for (row, n) in scores.iter().zip(&lengths) {
+                out.push(f64::from(row[n.saturating_sub(1)]));
+            }
+        }
+        Ok(out)
+    }
+
     /// The score of each text, as TRL scores them: tokenized without special tokens,
     /// right-padded with the pad id, read at the last non-pad token.
     pub fn score(&self, texts: &[String]) -> Result<Vec<f64>, TrainError> {

@@ -116,6 +116,30 @@ pub trait Runner: Sample {
         ids: &[Vec<u32>],
         attention: &[Vec<bool>],
     ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
+    /// [`Runner::forward_masked`] with each token's position given (`positions[i][j]`,
+    /// transformers' `position_ids`; TRL's PPO numbers a left-padded batch this way).
+    fn forward_positioned(
+        &self,
+        model: &Self::Model,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
+    /// The value model's outputs `[batch, seq]` (PPO's critic, trained beside the policy: its
+    /// `score` head on every position's last hidden state), ids, mask and positions as in
+    /// [`Runner::forward_positioned`]. A run without a value model has none to give.
+    fn values(
+        &self,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<<Self::Ops as TensorOps>::T, TrainError> {
+        let _ = (ids, attention, positions);
+        Err(TrainError::Config {
+            field: "task".into(),
+            message: "this run has no value model (only ppo trains one)".into(),
+        })
+    }
     /// The scores `[batch]` of the sequences `seqs` under a sequence classifier `model` (a
     /// reward model: its `score` head has one output), right-padded with the pad id, each read
     /// at its last non-pad token ([`last_non_pad`]) as transformers does.

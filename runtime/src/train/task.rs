@@ -6,12 +6,12 @@
 //! [`Runner`], [`Backend`] and [`Host`] and registers every task with one `for_each_task!(its_macro)`.
 
 use super::data::TextTokenizer;
-use super::driver::Window;
+use super::driver::{StepPlan, Window};
 use super::grpo::GrpoTask;
 use super::runner::Runner;
 use super::tasks::{
-    DistillTask, DpoTask, KtoTask, MicroBatch, OnlineDpoTask, RewardTask, ScoredPairTask, SftTask,
-    TensorOf,
+    DistillTask, DpoTask, KtoTask, MicroBatch, OnlineDpoTask, PpoTask, RewardTask, ScoredPairTask,
+    SftTask, TensorOf,
 };
 use super::{TrainConfig, TrainError};
 use std::any::Any;
@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Every task, in the order `kiln registry trainers` lists them.
-pub const TASKS: [&str; 12] = [
+pub const TASKS: [&str; 13] = [
     "sft",
     "dpo",
     "orpo",
@@ -32,6 +32,7 @@ pub const TASKS: [&str; 12] = [
     "distill",
     "bco",
     "online_dpo",
+    "ppo",
 ];
 
 /// Calls `$m!(module, "task")` once per task of [`TASKS`]: how a backend registers a trainer
@@ -50,12 +51,13 @@ macro_rules! for_each_task {
         $m!(distill, "distill");
         $m!(bco, "bco");
         $m!(online_dpo, "online_dpo");
+        $m!(ppo, "ppo");
     };
 }
 pub(crate) use for_each_task;
 
 /// What the training loop asks of a task, whatever the backend.
-pub trait TaskInfo: Send {
+pub trait TaskInfo: Send + StepPlan {
     /// The task's name (`sft`, `dpo`, …).
     fn name(&self) -> &'static str;
     /// Examples in the training set.
@@ -193,6 +195,9 @@ pub fn build<B: Backend>(
         "reward" => Box::new(RewardTask::new(config, tok)?),
         "distill" => Box::new(DistillTask::new(config, tok)?),
         "online_dpo" => Box::new(OnlineDpoTask::new(config, tok, host.reference()?)?),
+        // TRL's PPO reference: under LoRA the base without the adapter (PEFT's
+        // `disable_adapter()`), else the starting weights.
+        "ppo" => Box::new(PpoTask::new(config, tok, host.base_reference()?)?),
         other => {
             return Err(TrainError::Config {
                 field: "task".into(),
@@ -239,6 +244,8 @@ pub fn with_eval<T: TaskInfo + ?Sized>(
 
 // ---------------------------------------------------------------- the tasks, once
 
+impl StepPlan for SftTask {}
+
 impl TaskInfo for SftTask {
     fn name(&self) -> &'static str {
         SftTask::name(self)
@@ -264,6 +271,8 @@ impl<R: Runner> Task<R> for SftTask {
     }
 }
 
+impl<M> StepPlan for DpoTask<M> {}
+
 impl<M: Send> TaskInfo for DpoTask<M> {
     fn name(&self) -> &'static str {
         "dpo"
@@ -279,6 +288,8 @@ impl<M: Send, R: Runner<Model = M>> Task<R> for DpoTask<M> {
     }
 }
 
+impl StepPlan for ScoredPairTask {}
+
 impl TaskInfo for ScoredPairTask {
     fn name(&self) -> &'static str {
         ScoredPairTask::name(self)
@@ -293,6 +304,8 @@ impl<R: Runner> Task<R> for ScoredPairTask {
         self.loss(r, indices)
     }
 }
+
+impl<M> StepPlan for KtoTask<M> {}
 
 impl<M: Send> TaskInfo for KtoTask<M> {
     fn name(&self) -> &'static str {
@@ -328,6 +341,8 @@ impl<M: Send, R: Runner<Model = M>> Task<R> for KtoTask<M> {
         self.loss(r, indices)
     }
 }
+
+impl<M> StepPlan for GrpoTask<M> {}
 
 impl<M: Send> TaskInfo for GrpoTask<M> {
     fn name(&self) -> &'static str {
@@ -365,6 +380,8 @@ impl<M: Send, R: Runner<Model = M>> Task<R> for GrpoTask<M> {
     }
 }
 
+impl StepPlan for RewardTask {}
+
 impl TaskInfo for RewardTask {
     fn name(&self) -> &'static str {
         "reward"
@@ -382,6 +399,8 @@ impl<R: Runner> Task<R> for RewardTask {
         self.loss(r, indices)
     }
 }
+
+impl StepPlan for DistillTask {}
 
 impl TaskInfo for DistillTask {
     fn name(&self) -> &'static str {
@@ -416,6 +435,8 @@ impl<R: Runner> Task<R> for DistillTask {
     }
 }
 
+impl<M> StepPlan for OnlineDpoTask<M> {}
+
 impl<M: Send> TaskInfo for OnlineDpoTask<M> {
     fn name(&self) -> &'static str {
         "online_dpo"
@@ -440,6 +461,61 @@ impl<M: Send> TaskInfo for OnlineDpoTask<M> {
 impl<M: Send, R: Runner<Model = M>> Task<R> for OnlineDpoTask<M> {
     fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
         OnlineDpoTask::begin_step(self, r, micro_batches)
+    }
+    fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
+        self.loss(r, indices)
+    }
+}
+
+impl<M> StepPlan for PpoTask<M> {
+    fn plan(&mut self, micro_batches: &[Vec<usize>], last_of_epoch: bool) -> Vec<Vec<Vec<usize>>> {
+        PpoTask::plan(self, micro_batches, last_of_epoch)
+    }
+    fn clips_gradients(&self) -> bool {
+        false
+    }
+    fn logs_every_step(&self) -> bool {
+        true
+    }
+    fn drop_last(&self) -> bool {
+        true
+    }
+    fn total_steps(&self) -> Option<u64> {
+        Some(PpoTask::total_steps(self))
+    }
+    fn epoch_order(&mut self, epoch: u64) -> Option<Vec<usize>> {
+        PpoTask::epoch_order(self, epoch)
+    }
+}
+
+impl<M: Send> TaskInfo for PpoTask<M> {
+    fn name(&self) -> &'static str {
+        "ppo"
+    }
+    fn examples(&self) -> usize {
+        PpoTask::examples(self)
+    }
+    // The loss is already divided by gradient_accumulation_steps, as accelerate divides it.
+    fn divide_by_accumulation(&self) -> bool {
+        false
+    }
+    fn divide_logged_loss(&self) -> bool {
+        false
+    }
+    fn window(&self, totals: &Window) -> BTreeMap<String, f64> {
+        PpoTask::window(self, totals)
+    }
+    fn state(&self) -> serde_json::Value {
+        PpoTask::state(self)
+    }
+    fn restore(&mut self, state: &serde_json::Value) -> Result<(), TrainError> {
+        PpoTask::restore(self, state)
+    }
+}
+
+impl<M: Send, R: Runner<Model = M>> Task<R> for PpoTask<M> {
+    fn begin_step(&mut self, r: &R, micro_batches: &[Vec<usize>]) -> Result<(), TrainError> {
+        PpoTask::begin_step(self, r, micro_batches)
     }
     fn micro_batch(&self, r: &R, indices: &[usize]) -> Result<MicroBatch<TensorOf<R>>, TrainError> {
         self.loss(r, indices)

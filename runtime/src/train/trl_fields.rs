@@ -304,6 +304,37 @@ pub const DECISIONS: &[Decision] = &[
         "BCO's underlying-distribution matching (a prompt classifier over embeddings) is not built; kiln's bco weighs every example alike",
     ),
     d(
+        &[
+            "world_size",
+            "num_total_batches",
+            "micro_batch_size",
+            "local_batch_size",
+            "batch_size",
+            "local_mini_batch_size",
+            "mini_batch_size",
+        ],
+        AtDefault,
+        "PPO's derived sizes, which TRL computes itself: kiln derives them from per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches and total_episodes on one process",
+    ),
+    d(
+        &[
+            "local_rollout_forward_batch_size",
+            "ds3_gather_for_generation",
+        ],
+        AnyValue,
+        "how TRL batches PPO's rollout forward passes and gathers DeepSpeed shards: no effect on the numbers; kiln samples each prompt's response with a KV cache",
+    ),
+    d(
+        &["num_sample_generations"],
+        AnyValue,
+        "TRL prints tables of completions sampled from its evaluation set; kiln's ppo takes no evaluation set and prints none",
+    ),
+    d(
+        &["sft_model_path", "model_adapter_name", "ref_adapter_name"],
+        AtDefault,
+        "kiln's ppo trains the model given by --model (with one adapter, or none) against its frozen start (under LoRA the base without the adapter, as PEFT's disable_adapter)",
+    ),
+    d(
         &["judge"],
         AtDefault,
         "judges (PairRM, API models) are not built; online_dpo ranks each pair by reward_funcs (functions or reward models)",

@@ -47,8 +47,8 @@ fn binary_that_references_the_plugin_sees_its_entries_in_order() {
     assert_eq!(foreign(&doc, "trainers"), ["kiln_test_plugin::PluginSft"]);
     assert_eq!(
         paths(&doc, "trainers").len(),
-        13,
-        "twelve built-in trainers and the plugin's"
+        14,
+        "thirteen built-in trainers and the plugin's"
     );
     // The plugin's family sorts among kiln's built-ins by type path; the fallback comes last.
     assert_eq!(
@@ -82,7 +82,7 @@ fn binary_that_does_not_reference_the_plugin_sees_nothing() {
     // Only kiln's own built-ins remain.
     assert_eq!(foreign(&doc, "exporters"), Vec::<String>::new());
     assert!(!paths(&doc, "exporters").is_empty());
-    // Only kiln's twelve built-in trainers.
+    // Only kiln's thirteen built-in trainers.
     assert_eq!(foreign(&doc, "trainers"), Vec::<String>::new());
     assert_eq!(
         paths(&doc, "trainers"),
@@ -94,6 +94,7 @@ fn binary_that_does_not_reference_the_plugin_sees_nothing() {
             "kiln_runtime::train::candle::kto::Trainer",
             "kiln_runtime::train::candle::online_dpo::Trainer",
             "kiln_runtime::train::candle::orpo::Trainer",
+            "kiln_runtime::train::candle::ppo::Trainer",
             "kiln_runtime::train::candle::pretrain::Trainer",
             "kiln_runtime::train::candle::reward::Trainer",
             "kiln_runtime::train::candle::rloo::Trainer",

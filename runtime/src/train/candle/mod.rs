@@ -66,6 +66,9 @@ pub struct Setup {
     /// What the run substitutes for something the model lacks, by name (a reward model's new
     /// `score` head).
     pub notes: Vec<String>,
+    /// PPO's value model (a sequence classifier with one output, trained in full beside the
+    /// policy; its parameters are in `trainable` as `value_model.<name>`).
+    pub value: Option<DecoderModel>,
 }
 
 impl Setup {
@@ -201,6 +204,18 @@ impl Setup {
             let sink = GradSink::new(trainable.iter().map(|(_, v)| v));
             model = model.with_gradient_checkpointing(Some(Arc::new(sink)));
         }
+        let mut trainable = trainable;
+        let value = match crate::train::value_model_dir(config)? {
+            Some(dir) => {
+                let (value, note) = load_value_model(&dir, &device, config.hyper.seed)?;
+                notes.extend(note);
+                for (name, var) in value.weights().vars() {
+                    trainable.push((format!("{}{name}", crate::train::VALUE_PREFIX), var.clone()));
+                }
+                Some(value)
+            }
+            None => None,
+        };
         Ok(Setup {
             config: config.clone(),
             model,
@@ -209,6 +224,7 @@ impl Setup {
             tokenizer,
             ops: CandleOps { device },
             notes,
+            value,
         })
     }
 
@@ -252,6 +268,21 @@ impl Setup {
             }
         }
     }
+}
+
+/// PPO's value model from `dir` in f32, trained in full: a sequence classifier's `score`
+/// head kept, or a new one on a causal LM (and the note that says so).
+fn load_value_model(
+    dir: &Path,
+    device: &candle_core::Device,
+    seed: u64,
+) -> Result<(DecoderModel, Option<String>), TrainError> {
+    let err = |m: String| config_err("value_model_path", format!("{}: {m}", dir.display()));
+    let checkpoint = Checkpoint::open(dir).map_err(|e| err(e.to_string()))?;
+    let model =
+        DecoderModel::load(&checkpoint, DType::F32, device).map_err(|e| err(e.to_string()))?;
+    let (model, note) = model.with_score_head(seed ^ 0x7661_6c75)?;
+    Ok((model, note.map(|n| format!("value model: {n}"))))
 }
 
 /// A micro-batch's logits and labels on candle, shifted for next-token prediction.
@@ -315,6 +346,34 @@ impl super::runner::Runner for Setup {
         seqs: &[(Vec<u32>, Vec<u8>)],
     ) -> Result<Shifted, TrainError> {
         forward_shifted(model, &self.ops, seqs, self.tokenizer.pad_id)
+    }
+    fn forward_positioned(
+        &self,
+        model: &DecoderModel,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<Tensor, TrainError> {
+        let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, (b, t), &self.ops.device)?;
+        Ok(model.forward_positioned(&ids, attention, positions)?)
+    }
+    fn values(
+        &self,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<Tensor, TrainError> {
+        let Some(value) = &self.value else {
+            return Err(config_err(
+                "task",
+                "this run has no value model (only ppo trains one)",
+            ));
+        };
+        Ok(self
+            .forward_positioned(value, ids, attention, positions)?
+            .squeeze(2)?)
     }
     fn forward_scores(
         &self,
@@ -436,6 +495,9 @@ impl super::driver::Stepper for CandleStepper<'_> {
         n.extend(self.objective.notes());
         n
     }
+    fn info(&mut self) -> &mut dyn super::driver::StepPlan {
+        &mut *self.objective
+    }
     fn trainable_parameters(&self) -> u64 {
         self.setup
             .trainable
@@ -490,8 +552,9 @@ impl super::driver::Stepper for CandleStepper<'_> {
         }
         Ok((value, figures, t))
     }
-    fn update(&mut self, lr: f64) -> Result<f64, TrainError> {
-        let norm = clip_grad_norm(&mut self.grads, self.setup.config.hyper.max_grad_norm)?;
+    fn update(&mut self, lr: f64, clip: bool) -> Result<f64, TrainError> {
+        let max = self.setup.config.hyper.max_grad_norm.filter(|_| clip);
+        let norm = clip_grad_norm(&mut self.grads, max)?;
         self.adam.update(lr, &self.grads)?;
         self.grads.iter_mut().for_each(|g| *g = None);
         Ok(norm)
@@ -681,6 +744,21 @@ pub fn online_dpo_with_source(
         config,
         &setup.tokenizer,
         Host::<Candle>::reference(setup)?,
+        source,
+    )?))
+}
+
+/// PPO on candle with responses and minibatch orders from `source` instead of sampling
+/// (another run's rollouts replayed, as the parity tests replay TRL's).
+pub fn ppo_with_source(
+    config: &TrainConfig,
+    setup: &Setup,
+    source: Box<dyn super::tasks::RolloutSource>,
+) -> Result<Box<CandleTask>, TrainError> {
+    Ok(Box::new(super::tasks::PpoTask::with_source(
+        config,
+        &setup.tokenizer,
+        Host::<Candle>::base_reference(setup)?,
         source,
     )?))
 }

@@ -354,7 +354,26 @@ impl MlxDecoder {
             adapters,
             dropout,
         };
-        self.run(&ctx, ids, attention, None)
+        self.run(&ctx, ids, attention, None, None)
+    }
+
+    /// [`MlxDecoder::forward_with`] with each token's position given (`positions[i][j]`,
+    /// transformers' `position_ids`), as the candle decoder's `forward_positioned`.
+    pub fn forward_positioned(
+        &self,
+        w: &MlxWeights,
+        adapters: &BTreeMap<String, MlxLora>,
+        dropout: Option<&DropoutRng>,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<Array, Exception> {
+        let ctx = Ctx {
+            w,
+            adapters,
+            dropout,
+        };
+        self.run(&ctx, ids, Some(attention), None, Some(positions))
     }
 
     /// An empty cache for [`MlxDecoder::forward_cached`].
@@ -380,7 +399,7 @@ impl MlxDecoder {
             adapters,
             dropout: None,
         };
-        let logits = self.run(&ctx, ids, None, Some(&mut *cache))?;
+        let logits = self.run(&ctx, ids, None, Some(&mut *cache), None)?;
         cache.len += ids.first().map_or(0, Vec::len);
         let held: Vec<&Array> = cache
             .layers
@@ -398,6 +417,7 @@ impl MlxDecoder {
         ids: &[Vec<u32>],
         attention: Option<&[Vec<bool>]>,
         mut cache: Option<&mut MlxCache>,
+        positions: Option<&[Vec<usize>]>,
     ) -> Result<Array, Exception> {
         let w = ctx.w;
         let c = &self.config;
@@ -430,7 +450,10 @@ impl MlxDecoder {
             None => rows,
         };
         let mut h = rows.reshape(&[b as i32, t as i32, c.hidden as i32])?;
-        let (cos, sin) = self.rope_tables(start, t);
+        let (cos, sin) = match positions {
+            Some(p) => self.rope_tables_at(p),
+            None => self.rope_tables(start, t),
+        };
         let key_mask = match attention {
             Some(a) => {
                 let m: Vec<f32> = a
@@ -532,6 +555,27 @@ impl MlxDecoder {
             }
         }
         (f32_array(&cos, &[t, hd]), f32_array(&sin, &[t, hd]))
+    }
+
+    /// `cos`, `sin` `[batch, 1, t, head_dim]` for each row's positions (broadcast over the
+    /// heads).
+    fn rope_tables_at(&self, positions: &[Vec<usize>]) -> (Array, Array) {
+        let hd = self.config.head_dim;
+        let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for &pos in positions.iter().flatten() {
+            for _ in 0..2 {
+                for &f in &self.inv_freq {
+                    let a = pos as f32 * f;
+                    cos.push(a.cos() * self.rope_scale);
+                    sin.push(a.sin() * self.rope_scale);
+                }
+            }
+        }
+        (
+            f32_array(&cos, &[b, 1, t, hd]),
+            f32_array(&sin, &[b, 1, t, hd]),
+        )
     }
 
     /// Self-attention of `x`'s `t` positions; with `past` (this layer's cache and the number of

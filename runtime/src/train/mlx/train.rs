@@ -53,6 +53,9 @@ pub struct MlxSetup {
     head_param: bool,
     /// What the run substitutes for something the model lacks, by name.
     notes: Vec<String>,
+    /// PPO's value model: its decoder and its weights' names; its arrays are the last
+    /// `names.len()` trainable ones (named `value_model.<name>` in `names` above).
+    value: Option<(MlxDecoder, Vec<String>)>,
 }
 
 impl MlxSetup {
@@ -156,6 +159,25 @@ impl MlxSetup {
             }
             None => base.iter().map(|(n, a)| (n.clone(), a.clone())).unzip(),
         };
+        let (mut names, mut params): (Vec<String>, Vec<Array>) = (names, params);
+        let value = match crate::train::value_model_dir(config)? {
+            Some(dir) => {
+                let err =
+                    |m: String| config_err("value_model_path", format!("{}: {m}", dir.display()));
+                let c = Checkpoint::open(&dir).map_err(|e| err(e.to_string()))?;
+                let (d, mut w) = MlxDecoder::load(&c).map_err(|e| err(e.to_string()))?;
+                let (d, note) = d.with_score_head(&mut w, config.hyper.seed ^ 0x7661_6c75)?;
+                notes.extend(note.map(|n| format!("value model: {n}")));
+                let mut value_names = Vec::with_capacity(w.len());
+                for (n, a) in w {
+                    names.push(format!("{}{n}", crate::train::VALUE_PREFIX));
+                    params.push(a);
+                    value_names.push(n);
+                }
+                Some((d, value_names))
+            }
+            None => None,
+        };
         Ok((
             MlxSetup {
                 config: config.clone(),
@@ -167,13 +189,33 @@ impl MlxSetup {
                 tokenizer,
                 head_param: reward && adapters_on,
                 notes,
+                value,
             },
             params,
         ))
     }
 
+    /// How many trainable arrays are the policy's (the value model's follow them).
+    fn policy_params(&self) -> usize {
+        self.names.len() - self.value.as_ref().map_or(0, |(_, n)| n.len())
+    }
+
+    /// The value model's weights, given the trainable arrays.
+    fn value_weights(&self, params: &[Array]) -> Option<MlxWeights> {
+        let (_, names) = self.value.as_ref()?;
+        let start = self.policy_params();
+        Some(
+            names
+                .iter()
+                .cloned()
+                .zip(params[start..].iter().cloned())
+                .collect(),
+        )
+    }
+
     /// The weights and adapters a forward pass runs with, given the trainable arrays.
     fn parts(&self, params: &[Array]) -> (MlxWeights, BTreeMap<String, MlxLora>) {
+        let params = &params[..self.policy_params().min(params.len())];
         match &self.adapters {
             Some(a) => {
                 let mut lora = BTreeMap::new();
@@ -240,6 +282,8 @@ pub struct MlxModel {
 pub struct MlxRunner<'a> {
     setup: &'a MlxSetup,
     policy: MlxModel,
+    /// PPO's value model's weights (from the arrays being differentiated).
+    value: Option<MlxWeights>,
 }
 
 impl crate::train::grpo::Sample for MlxRunner<'_> {
@@ -265,6 +309,17 @@ impl crate::train::grpo::Sample for MlxRunner<'_> {
     }
 }
 
+impl MlxRunner<'_> {
+    /// The adapters' dropout stream when `model` runs with dropout.
+    fn dropout(&self, model: &MlxModel) -> Option<&crate::model::lora::DropoutRng> {
+        self.setup
+            .adapters
+            .as_ref()
+            .filter(|_| model.dropout)
+            .and_then(|a| a.dropout_rng())
+    }
+}
+
 impl Runner for MlxRunner<'_> {
     type Ops = MlxOps;
     type Model = MlxModel;
@@ -283,12 +338,7 @@ impl Runner for MlxRunner<'_> {
         ids: &[Vec<u32>],
         attention: &[Vec<bool>],
     ) -> Result<Array, TrainError> {
-        let dropout = self
-            .setup
-            .adapters
-            .as_ref()
-            .filter(|_| model.dropout)
-            .and_then(|a| a.dropout_rng());
+        let dropout = self.dropout(model);
         Ok(self
             .setup
             .decoder
@@ -300,6 +350,45 @@ impl Runner for MlxRunner<'_> {
                 Some(attention),
             )
             .map_err(mlx_err)?)
+    }
+    fn forward_positioned(
+        &self,
+        model: &MlxModel,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<Array, TrainError> {
+        let dropout = self.dropout(model);
+        Ok(self
+            .setup
+            .decoder
+            .forward_positioned(
+                &model.weights,
+                &model.adapters,
+                dropout,
+                ids,
+                attention,
+                positions,
+            )
+            .map_err(mlx_err)?)
+    }
+    fn values(
+        &self,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        positions: &[Vec<usize>],
+    ) -> Result<Array, TrainError> {
+        let (Some((decoder, _)), Some(w)) = (&self.setup.value, &self.value) else {
+            return Err(config_err(
+                "task",
+                "this run has no value model (only ppo trains one)",
+            ));
+        };
+        let out = decoder
+            .forward_positioned(w, &BTreeMap::new(), None, ids, attention, positions)
+            .map_err(mlx_err)?;
+        let (b, t) = (ids.len() as i32, ids.first().map_or(0, Vec::len) as i32);
+        out.reshape(&[b, t]).map_err(|e| backend_err(e.to_string()))
     }
     fn forward_scores(&self, model: &MlxModel, seqs: &[Vec<u32>]) -> Result<Array, TrainError> {
         let pad = self.setup.tokenizer.pad_id;
@@ -340,12 +429,7 @@ impl Runner for MlxRunner<'_> {
             .iter()
             .map(|r| r.iter().map(|&a| a > 0.0).collect())
             .collect();
-        let dropout = self
-            .setup
-            .adapters
-            .as_ref()
-            .filter(|_| model.dropout)
-            .and_then(|a| a.dropout_rng());
+        let dropout = self.dropout(model);
         let go = || -> Result<Shifted<Array>, Exception> {
             let full_logits = self.setup.decoder.forward_with(
                 &model.weights,
@@ -400,6 +484,7 @@ impl Host<Mlx> for MlxHost<'_> {
         f(&MlxRunner {
             setup: self.setup,
             policy: reference(self.setup, self.initial),
+            value: self.setup.value_weights(self.initial),
         })
     }
     fn reference(&self) -> Result<MlxModel, TrainError> {
@@ -451,6 +536,7 @@ impl MlxStepper {
                 adapters,
                 dropout: training,
             },
+            value: self.setup.value_weights(params),
         }
     }
 }
@@ -485,6 +571,9 @@ impl Stepper for MlxStepper {
         }
         notes
     }
+    fn info(&mut self) -> &mut dyn crate::train::driver::StepPlan {
+        &mut *self.task
+    }
     fn trainable_parameters(&self) -> u64 {
         self.params
             .iter()
@@ -506,6 +595,7 @@ impl Stepper for MlxStepper {
                 adapters,
                 dropout: true,
             },
+            value: self.setup.value_weights(&self.params),
         };
         self.task.begin_step(&r, micro_batches)
     }
@@ -549,9 +639,9 @@ impl Stepper for MlxStepper {
             .ok_or_else(|| backend_err("the loss did not run"))?;
         Ok((loss, figures, tokens))
     }
-    fn update(&mut self, lr: f64) -> Result<f64, TrainError> {
+    fn update(&mut self, lr: f64, clip: bool) -> Result<f64, TrainError> {
         // torch's clip_grad_norm_ and AdamW, as every backend computes them.
-        let max = self.setup.config.hyper.max_grad_norm;
+        let max = self.setup.config.hyper.max_grad_norm.filter(|_| clip);
         let norm =
             crate::train::optim::clip_grad_norm(&MlxOps, &mut self.grads, max).map_err(mlx_err)?;
         let params: Vec<&Array> = self.params.iter().collect();
@@ -666,7 +756,10 @@ impl MlxStepper {
                     )?;
                     var.set(&t)?;
                 }
-                let score = match (setup.head_param, self.params.last()) {
+                let score = match (
+                    setup.head_param,
+                    self.params[..setup.policy_params()].last(),
+                ) {
                     (true, Some(p)) => Some(candle_core::Tensor::from_vec(
                         host(p)?,
                         (1, setup.decoder.config().hidden),
@@ -710,10 +803,14 @@ impl MlxStepper {
                 Ok(())
             }
             None => {
-                let tensors = setup.names.iter().zip(&self.params).map(|(name, p)| {
-                    let dims = p.shape().iter().map(|&d| d as usize).collect();
-                    Ok((name.clone(), dims, host(p)?))
-                });
+                let policy = setup.policy_params();
+                let tensors = setup.names[..policy]
+                    .iter()
+                    .zip(&self.params)
+                    .map(|(name, p)| {
+                        let dims = p.shape().iter().map(|&d| d as usize).collect();
+                        Ok((name.clone(), dims, host(p)?))
+                    });
                 crate::train::output::write_full(&setup.config.model, dir, tensors)?;
                 if setup.decoder.is_classifier() {
                     crate::train::output::classifier_config(dir, setup.tokenizer.pad_id)?;
@@ -795,6 +892,28 @@ pub fn grpo_with_sources(
     })?;
     Ok(grpo::Trainer {
         stepper: assemble(setup, params, task, eval)?,
+    })
+}
+
+/// PPO on MLX with responses and minibatch orders from `source` instead of sampling (another
+/// run's rollouts replayed, as the parity tests replay TRL's).
+pub fn ppo_with_source(
+    config: &TrainConfig,
+    source: Box<dyn crate::train::tasks::RolloutSource>,
+) -> Result<ppo::Trainer, TrainError> {
+    let (setup, params) = MlxSetup::load(config)?;
+    let host = MlxHost {
+        setup: &setup,
+        initial: &params,
+    };
+    let task: MlxTask = Box::new(crate::train::tasks::PpoTask::with_source(
+        config,
+        &setup.tokenizer,
+        Host::<Mlx>::base_reference(&host)?,
+        source,
+    )?);
+    Ok(ppo::Trainer {
+        stepper: assemble(setup, params, task, None)?,
     })
 }
 

@@ -16,6 +16,7 @@ mod dpo;
 pub mod grpo;
 mod kto;
 mod online_dpo;
+mod ppo;
 mod reward;
 mod scored;
 mod sft;
@@ -25,6 +26,7 @@ pub use distill::{Conversation, DistillTask, conversations};
 pub use dpo::{DpoTask, PairExample, dpo_settings, pair_examples};
 pub use kto::{KtoTask, UnpairedExample, unpaired_examples};
 pub use online_dpo::OnlineDpoTask;
+pub use ppo::{PpoTask, RolloutSource, SampledRollouts};
 pub use reward::{RewardPair, RewardTask, reward_pairs};
 pub use scored::{ScoredLoss, ScoredPair, ScoredPairTask, scored_pairs};
 pub use sft::{SftTask, sft_examples, sft_examples_with};
@@ -45,4 +47,46 @@ pub fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Datase
         .option::<String>("dataset_text_field")?
         .unwrap_or_else(|| "text".into());
     Dataset::read_with(path, accepted, &text_field)
+}
+
+/// The `prompt` column of `data` as text prompts and their ids: `tok(prompt)` with the
+/// tokenizer's special tokens when `special` (TRL's PPO example), without them otherwise (as
+/// TRL's generation tokenizes them); conversational or empty prompts are errors naming the
+/// line (`task` says whose).
+pub(crate) fn text_prompts(
+    data: &Dataset,
+    tok: &super::data::TextTokenizer,
+    task: &str,
+    special: bool,
+) -> Result<(Vec<Vec<u32>>, Vec<String>), TrainError> {
+    let err = |line: usize, message: String| TrainError::Data {
+        path: data.path.clone(),
+        line: Some(line),
+        message,
+    };
+    let mut prompts = Vec::with_capacity(data.records.len());
+    let mut texts = Vec::with_capacity(data.records.len());
+    for r in &data.records {
+        let Some(text) = r.fields.get("prompt").and_then(|v| v.as_str()) else {
+            return Err(err(
+                r.line,
+                format!("{task} takes text prompts; conversational prompts are not built yet"),
+            ));
+        };
+        let ids = if special {
+            tok.encode(text)
+        } else {
+            tok.encode_plain(text)
+        }
+        .map_err(|m| err(r.line, format!("tokenizing: {m}")))?;
+        if ids.is_empty() {
+            return Err(err(
+                r.line,
+                "an empty prompt: nothing to generate from".into(),
+            ));
+        }
+        prompts.push(ids);
+        texts.push(text.to_string());
+    }
+    Ok((prompts, texts))
 }

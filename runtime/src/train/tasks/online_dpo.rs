@@ -123,33 +123,7 @@ impl<M> OnlineDpoTask<M> {
                 ));
             }
         };
-        let mut prompts = Vec::with_capacity(data.records.len());
-        let mut texts = Vec::with_capacity(data.records.len());
-        for r in &data.records {
-            let Some(text) = r.fields.get("prompt").and_then(|v| v.as_str()) else {
-                return Err(TrainError::Data {
-                    path: data.path.clone(),
-                    line: Some(r.line),
-                    message:
-                        "online_dpo takes text prompts; conversational prompts are not built yet"
-                            .into(),
-                });
-            };
-            let ids = tok.encode_plain(text).map_err(|m| TrainError::Data {
-                path: data.path.clone(),
-                line: Some(r.line),
-                message: format!("tokenizing: {m}"),
-            })?;
-            if ids.is_empty() {
-                return Err(TrainError::Data {
-                    path: data.path.clone(),
-                    line: Some(r.line),
-                    message: "an empty prompt: nothing to generate from".into(),
-                });
-            }
-            prompts.push(ids);
-            texts.push(text.to_string());
-        }
+        let (prompts, texts) = super::text_prompts(&data, tok, "online_dpo", false)?;
         Ok(OnlineDpoTask {
             prompts,
             texts,
