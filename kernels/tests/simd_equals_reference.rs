@@ -583,8 +583,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(120))]
 
-    /// Under an importance matrix, Q4_K and Q5_K's weighted lane searches (portable,
-    /// dispatched, AVX2) write the reference's bytes (`quantize_row_q4_K_impl` / `q5_K`).
+    /// Under an importance matrix, the k-quants' weighted lane searches (portable, dispatched,
+    /// AVX2) write the reference's bytes (`quantize_row_q{2,3,4,5,6}_K_impl`).
     #[test]
     fn weighted_kquant_searches_equal_the_reference(
         x in kquant_values(),
@@ -594,7 +594,7 @@ proptest! {
         let cols = 256;
         // Importance weights spread over six decades, one per column.
         let qw: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
-        for ty in [GgufType::Q4K, GgufType::Q5K] {
+        for ty in [GgufType::Q2K, GgufType::Q3K, GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
             let mut want = vec![0u8; ty.bytes_for(x.len())];
             quantize_with(ty, &x, cols, Some(&qw), &mut want).unwrap();
             let mut got = vec![0u8; want.len()];

@@ -1,5 +1,5 @@
-//! llama.cpp's k-quant scale searches (Q2_K, Q4_K, Q5_K, Q6_K; Q4_K and Q5_K under an importance
-//! matrix too) over eight sub-blocks at once: the
+//! llama.cpp's k-quant scale searches (Q2_K, Q4_K, Q5_K, Q6_K; under an importance matrix
+//! Q2_K, Q3_K, Q4_K, Q5_K and Q6_K) over eight sub-blocks at once: the
 //! searches that cost nearly all of a k-quant's time (Q4_K tries 21 candidate scales per
 //! 32-element sub-block, each a pass with a weighted least-squares fit).
 //!
@@ -296,8 +296,9 @@ pub(crate) fn quantize_blocks<V: Lanes>(
 }
 
 /// Rows of `cols` of `ty` from `x` into `out` under the importance weights `qw` (one per
-/// column): Q4_K and Q5_K by the lane search (`make_qkx3_quants`: weights
-/// `qw · sqrt(σ² + x²)`, 37 candidate scales), the other types by the reference's own code.
+/// column): the k-quants by the lane searches (Q2_K, Q4_K, Q5_K: `make_qkx3_quants` with
+/// weights `qw · sqrt(σ² + x²)`, 37 candidate scales; Q3_K: `make_qx_quants` with those
+/// weights; Q6_K: `make_qx_quants` with `qw`), the other types by the reference's own code.
 /// Inlined into the caller so that it compiles for the caller's target features.
 #[inline(always)]
 pub(crate) fn quantize_rows_with<V: Lanes>(
@@ -307,11 +308,12 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
     qw: &[f32],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let nmax = match ty {
-        GgufType::Q4K => 15,
-        GgufType::Q5K => 31,
-        _ => return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out),
-    };
+    if !matches!(
+        ty,
+        GgufType::Q2K | GgufType::Q3K | GgufType::Q4K | GgufType::Q5K | GgufType::Q6K
+    ) {
+        return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
+    }
     check_layout(ty, x.len(), cols, out.len())?;
     if qw.len() != cols {
         return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
@@ -326,10 +328,12 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
             let xb = &xr[256 * b..256 * b + 256];
             let qb = &qw[256 * b..256 * b + 256];
             let ob = &mut or[bytes * b..bytes * b + bytes];
-            if nmax == 15 {
-                qk_asym_weighted::<V, 15>(xb, qb, ob);
-            } else {
-                qk_asym_weighted::<V, 31>(xb, qb, ob);
+            match ty {
+                GgufType::Q2K => q2_k_weighted::<V>(xb, qb, ob),
+                GgufType::Q3K => q3_k_weighted::<V>(xb, qb, ob),
+                GgufType::Q4K => qk_asym_weighted::<V, 15>(xb, qb, ob),
+                GgufType::Q5K => qk_asym_weighted::<V, 31>(xb, qb, ob),
+                _ => q6_k_weighted::<V>(xb, qb, ob),
             }
         }
     }
@@ -347,6 +351,145 @@ fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u
     let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &ws, -0.9, 0.05, 36);
     let (s, m, mut l) = untranspose32(scales, mins, &codes);
     qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
+}
+
+/// Q2_K under an importance matrix: sixteen 16-element sub-blocks, eight lanes at a time
+/// (`quantize_row_q2_K_impl`'s search: `make_qkx3_quants`, squared errors); its block scales
+/// and codes as the reference computes them.
+#[inline(always)]
+fn q2_k_weighted<V: Lanes>(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let (weights, sw) = crate::ops::gguf::k16_weights(x, qw, 1.0);
+    let (scales, mins, mut l) = q2_search::<V, false>(x, Some(&weights), (-0.9, 0.05, 36));
+    crate::ops::gguf::q2_k_impl_finish(x, o, &scales, &mins, &sw, &mut l);
+}
+
+/// `make_qkx2_quants` (3-bit codes; `MAD`: absolute errors) on Q2_K's sixteen 16-element
+/// sub-blocks, eight lanes at a time, with `weights` (`|x|` when `None`) and the candidate grid
+/// `(rmin, rdelta, nstep)`: the sub-blocks' scales, `-min`s and codes in block order.
+#[inline(always)]
+fn q2_search<V: Lanes, const MAD: bool>(
+    x: &[f32],
+    weights: Option<&[f32]>,
+    (rmin, rdelta, nstep): (f32, f32, i32),
+) -> ([f32; 16], [f32; 16], [u8; 256]) {
+    let mut l = [0u8; 256];
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    for half in 0..2 {
+        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
+        let ws = weight_lanes(&xs, weights, half, V::abs);
+        let (scale, min, codes) = make_qkx2_quants::<V, 3, 16, MAD>(&xs, &ws, rmin, rdelta, nstep);
+        let code = |c: f32| c as u8;
+        untranspose16(
+            half,
+            scale,
+            min,
+            &codes,
+            &mut scales,
+            &mut mins,
+            code,
+            &mut l,
+        );
+    }
+    (scales, mins, l)
+}
+
+/// Q3_K under an importance matrix: sixteen 16-element sub-blocks, eight lanes at a time
+/// (`make_qx_quants` with weights `qw · sqrt(σ² + x²)`); its block scales and codes as the
+/// reference computes them.
+#[inline(always)]
+fn q3_k_weighted<V: Lanes>(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let (weights, sw) = crate::ops::gguf::k16_weights(x, qw, 2.0);
+    let (scales, mut l) = qx_search::<V, 4>(x, Some(&weights));
+    crate::ops::gguf::q3_k_impl_finish(x, o, &scales, &sw, &mut l);
+}
+
+/// Q6_K under an importance matrix: `make_qx_quants` weighted by the importance weights
+/// themselves, eight sub-blocks at a time, then Q6_K's usual scales.
+#[inline(always)]
+fn q6_k_weighted<V: Lanes>(x: &[f32], qw: &[f32], o: &mut [u8]) {
+    let (scales, mut l) = qx_search::<V, 32>(x, Some(qw));
+    q6_k_finish(x, o, &scales, &mut l);
+}
+
+/// `make_qx_quants` on the sixteen 16-element sub-blocks of one super-block, eight lanes at a
+/// time, with `weights` (the reference's `x²` when `None`): the sub-blocks' scales and the
+/// codes (offset by `NMAX`) in block order.
+#[inline(always)]
+fn qx_search<V: Lanes, const NMAX: i32>(
+    x: &[f32],
+    weights: Option<&[f32]>,
+) -> ([f32; 16], [i8; 256]) {
+    let mut l = [0i8; 256];
+    let (mut scales, mut unused) = ([0f32; 16], [0f32; 16]);
+    for half in 0..2 {
+        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
+        let ws = weight_lanes(&xs, weights, half, |v: V| v.mul(v));
+        let (scale, codes) = make_qx_quants::<V, NMAX>(&xs, &ws);
+        let zero = V::splat(0.0);
+        let code = |c: f32| c as i8;
+        untranspose16(
+            half,
+            scale,
+            zero,
+            &codes,
+            &mut scales,
+            &mut unused,
+            code,
+            &mut l,
+        );
+    }
+    (scales, l)
+}
+
+/// The weights of one half's eight 16-element sub-blocks as lanes: `weights`' (transposed as
+/// `x` is), or `default` of each of `xs` (the reference's weights without an importance
+/// matrix).
+#[inline(always)]
+fn weight_lanes<V: Lanes>(
+    xs: &[V; 16],
+    weights: Option<&[f32]>,
+    half: usize,
+    default: impl Fn(V) -> V,
+) -> [V; 16] {
+    match weights {
+        Some(w) => lanes(&transpose::<16>(w, 128 * half)),
+        None => {
+            let mut w = *xs;
+            for i in 0..16 {
+                w[i] = default(xs[i]);
+            }
+            w
+        }
+    }
+}
+
+/// One half (eight 16-element sub-blocks) of a lane search's results back in block order:
+/// its lanes' scales and minimums into `scales[8·half..]`, `mins[8·half..]`, the codes
+/// (through `code`) into `l[128·half..]`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn untranspose16<V: Lanes, T: Copy>(
+    half: usize,
+    scale: V,
+    min: V,
+    codes: &[V; 16],
+    scales: &mut [f32; 16],
+    mins: &mut [f32; 16],
+    code: impl Fn(f32) -> T,
+    l: &mut [T; 256],
+) {
+    let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
+    scale.store(&mut s);
+    min.store(&mut m);
+    scales[8 * half..8 * half + 8].copy_from_slice(&s);
+    mins[8 * half..8 * half + 8].copy_from_slice(&m);
+    for i in 0..16 {
+        let mut c = [0f32; 8];
+        codes[i].store(&mut c);
+        for k in 0..8 {
+            l[128 * half + 16 * k + i] = code(c[k]);
+        }
+    }
 }
 
 /// The lane search's results for eight 32-element sub-blocks back in block order: each
@@ -412,28 +555,7 @@ fn lanes<V: Lanes, const E: usize>(t: &[[f32; 8]; E]) -> [V; E] {
 /// (`make_qkx2_quants` with weights `|x|`, absolute errors, 16 candidate scales).
 #[inline(always)]
 fn q2_k<V: Lanes>(x: &[f32], o: &mut [u8]) {
-    let mut l = [0u8; 256];
-    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
-    for half in 0..2 {
-        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
-        let mut w = xs;
-        for i in 0..16 {
-            w[i] = xs[i].abs();
-        }
-        let (scale, min, codes) = make_qkx2_quants::<V, 3, 16, true>(&xs, &w, -0.5, 0.1, 15);
-        let (mut s, mut m) = ([0f32; 8], [0f32; 8]);
-        scale.store(&mut s);
-        min.store(&mut m);
-        scales[8 * half..8 * half + 8].copy_from_slice(&s);
-        mins[8 * half..8 * half + 8].copy_from_slice(&m);
-        for i in 0..16 {
-            let mut c = [0f32; 8];
-            codes[i].store(&mut c);
-            for k in 0..8 {
-                l[128 * half + 16 * k + i] = c[k] as u8;
-            }
-        }
-    }
+    let (scales, mins, mut l) = q2_search::<V, true>(x, None, (-0.5, 0.1, 15));
     q2_k_finish(x, o, &scales, &mins, &mut l);
 }
 
@@ -518,29 +640,14 @@ fn make_qkx2_quants<V: Lanes, const NMAX: i32, const N: usize, const MAD: bool>(
 /// Q6_K: the sixteen 16-element sub-blocks of one super-block, eight lanes at a time.
 #[inline(always)]
 fn q6_k<V: Lanes>(x: &[f32], o: &mut [u8]) {
-    let mut l = [0i8; 256];
-    let mut scales = [0f32; 16];
-    for half in 0..2 {
-        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
-        let (scale, codes) = make_qx_quants::<V, 32>(&xs);
-        let mut s = [0f32; 8];
-        scale.store(&mut s);
-        scales[8 * half..8 * half + 8].copy_from_slice(&s);
-        for i in 0..16 {
-            let mut c = [0f32; 8];
-            codes[i].store(&mut c);
-            for k in 0..8 {
-                l[128 * half + 16 * k + i] = c[k] as i8;
-            }
-        }
-    }
+    let (scales, mut l) = qx_search::<V, 32>(x, None);
     q6_k_finish(x, o, &scales, &mut l);
 }
 
-/// `make_qx_quants` (`rmse_type` 1, weights `x²`) on eight sub-blocks: each lane's scale and
-/// codes (offset by `NMAX`, as f32).
+/// `make_qx_quants` (`rmse_type` 1) with weights `w` (`x²` without an importance matrix) on
+/// eight sub-blocks: each lane's scale and codes (offset by `NMAX`, as f32).
 #[inline(always)]
-fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16]) -> (V, [V; 16]) {
+fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16], w: &[V; 16]) -> (V, [V; 16]) {
     let zero = V::splat(0.0);
     // The value of largest magnitude, the first one on ties.
     let (mut max, mut amax) = (zero, zero);
@@ -551,12 +658,8 @@ fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16]) -> (V, [V; 16]) {
         max = larger.select(*v, max);
     }
     let tiny = amax.lt(V::splat(1e-15));
-    let mut w = [zero; 16];
-    for i in 0..16 {
-        w[i] = x[i].mul(x[i]);
-    }
     let mut l = [zero; 16];
-    let (sumlx, suml2) = qx_sums::<V, NMAX>(x, &w, V::splat(-(NMAX as f32)).div(max), &mut l);
+    let (sumlx, suml2) = qx_sums::<V, NMAX>(x, w, V::splat(-(NMAX as f32)).div(max), &mut l);
     let mut scale = suml2.ne(zero).select(sumlx.div(suml2), zero);
     let mut best = scale.mul(sumlx);
     let mut laux = [zero; 16];
@@ -565,7 +668,7 @@ fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16]) -> (V, [V; 16]) {
             continue;
         }
         let iscale = V::splat(-(NMAX as f32 + 0.1 * is as f32)).div(max);
-        let (sumlx, suml2) = qx_sums::<V, NMAX>(x, &w, iscale, &mut laux);
+        let (sumlx, suml2) = qx_sums::<V, NMAX>(x, w, iscale, &mut laux);
         let better = zero.lt(suml2).and(best.mul(suml2).lt(sumlx.mul(sumlx)));
         for i in 0..16 {
             l[i] = better.select(laux[i], l[i]);

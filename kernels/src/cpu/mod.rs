@@ -432,9 +432,9 @@ pub fn quantize_int4_groups<T: Element>(
 }
 
 /// llama.cpp's GGUF quantization with importance weights ([`ops::gguf::quantize_with`]): whole
-/// rows spread over rayon's threads (the legacy types' weights depend on the whole row); Q4_K
-/// and Q5_K search their sub-blocks in vector lanes (`kquants`), the other types run the
-/// reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
+/// rows spread over rayon's threads (the legacy types' weights depend on the whole row); the
+/// k-quants (Q2_K … Q6_K) search their sub-blocks in vector lanes (`kquants`), the other types
+/// run the reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
 /// reference's.
 pub fn quantize_gguf_with(
     ty: ops::gguf::GgufType,
@@ -448,8 +448,8 @@ pub fn quantize_gguf_with(
     };
     ops::gguf::check_layout(ty, x.len(), cols, out.len())?;
     let rows = (CHUNK / 4 / cols.max(1)).max(1);
-    let lanes =
-        matches!(ty, ops::gguf::GgufType::Q4K | ops::gguf::GgufType::Q5K) && qw.len() == cols;
+    use ops::gguf::GgufType as T;
+    let lanes = matches!(ty, T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K) && qw.len() == cols;
     x.par_chunks(rows * cols)
         .zip(out.par_chunks_mut(rows * ty.bytes_for(cols)))
         .try_for_each(|(x, o)| {

@@ -345,36 +345,64 @@ pub(crate) fn q2_k_finish(
 /// sub-block's total weight.
 fn q2_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
     let mut l = [0u8; 256];
-    let (mut scales, mut mins, mut sw) = ([0f32; 16], [0f32; 16], [0f32; 16]);
-    let sumx2 = x.iter().fold(0f32, |s, v| s + v * v);
-    let sigma2 = sumx2 / 256.0;
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    let (weights, sw) = k16_weights(x, qw, 1.0);
     for j in 0..16 {
-        let mut weight = [0f32; 16];
-        for i in 0..16 {
-            weight[i] = qw[16 * j + i] * (sigma2 + x[16 * j + i] * x[16 * j + i]).sqrt();
-        }
-        for w in weight {
-            sw[j] += w;
-        }
         (scales[j], mins[j]) = make_qkx3_quants(
             3,
             &x[16 * j..16 * j + 16],
-            &weight,
+            &weights[16 * j..16 * j + 16],
             &mut l[16 * j..16 * j + 16],
             -0.9,
             0.05,
             36,
         );
     }
+    q2_k_impl_finish(x, o, &scales, &mins, &sw, &mut l);
+}
+
+/// The weights of Q2_K's and Q3_K's 16-element sub-blocks under an importance matrix: per
+/// element `qw · sqrt(σ² + x²)` with `σ² = k·Σx²/256` (Q2_K: k = 1, Q3_K: k = 2), and each
+/// sub-block's total.
+pub(crate) fn k16_weights(x: &[f32], qw: &[f32], k: f32) -> ([f32; 256], [f32; 16]) {
+    let mut weights = [0f32; 256];
+    let mut sw = [0f32; 16];
+    let sumx2 = x.iter().fold(0f32, |s, v| s + v * v);
+    // `sumx2/QK_K` (Q2_K) and `2*sumx2/QK_K` (Q3_K); 1·Σ is exact.
+    let sigma2 = k * sumx2 / 256.0;
+    for j in 0..16 {
+        for i in 0..16 {
+            weights[16 * j + i] = qw[16 * j + i] * (sigma2 + x[16 * j + i] * x[16 * j + i]).sqrt();
+        }
+        let mut sumw = 0f32;
+        for i in 0..16 {
+            sumw += weights[16 * j + i];
+        }
+        sw[j] = sumw;
+    }
+    (weights, sw)
+}
+
+/// Q2_K under an importance matrix after its sub-block searches: the 4-bit scales and
+/// minimums by `make_qp_quants` weighted by `sw`, then the codes (shared with the lane search
+/// of `cpu::kquants`).
+pub(crate) fn q2_k_impl_finish(
+    x: &[f32],
+    o: &mut [u8],
+    scales: &[f32; 16],
+    mins: &[f32; 16],
+    sw: &[f32; 16],
+    l: &mut [u8; 256],
+) {
     let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
-    let dm = make_qp_quants(15, &scales, &mut ls, &sw);
-    let mm = make_qp_quants(15, &mins, &mut lm, &sw);
+    let dm = make_qp_quants(15, scales, &mut ls, sw);
+    let mm = make_qp_quants(15, mins, &mut lm, sw);
     o[80..82].copy_from_slice(&half(dm));
     o[82..84].copy_from_slice(&half(mm));
     for j in 0..16 {
         o[j] = ls[j] | lm[j] << 4;
     }
-    q2_k_codes(x, o, &mut l);
+    q2_k_codes(x, o, l);
 }
 
 /// Q3_K's 6-bit signed scale `j` (offset by 32) into the 12 scale bytes `sc`.
@@ -450,34 +478,37 @@ pub(super) fn q3_k_ref(x: &[f32], o: &mut [u8]) {
 /// weighted by each sub-block's total weight.
 fn q3_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
     let mut l = [0i8; 256];
-    let (mut scales, mut sw) = ([0f32; 16], [0f32; 16]);
-    let sumx2 = x.iter().fold(0f32, |s, v| s + v * v);
-    let sigma2 = 2.0 * sumx2 / 256.0;
+    let mut scales = [0f32; 16];
+    let (weights, sw) = k16_weights(x, qw, 2.0);
     for j in 0..16 {
-        let mut weight = [0f32; 16];
-        for i in 0..16 {
-            weight[i] = qw[16 * j + i] * (sigma2 + x[16 * j + i] * x[16 * j + i]).sqrt();
-        }
-        let mut sumw = 0f32;
-        for w in weight {
-            sumw += w;
-        }
-        sw[j] = sumw;
         scales[j] = make_qx_quants(
             4,
             &x[16 * j..16 * j + 16],
             &mut l[16 * j..16 * j + 16],
-            Some(&weight),
+            Some(&weights[16 * j..16 * j + 16]),
         );
     }
+    q3_k_impl_finish(x, o, &scales, &sw, &mut l);
+}
+
+/// Q3_K under an importance matrix after its sub-block searches: the 6-bit scales by
+/// `make_qx_quants` weighted by `sw`, then the codes (shared with the lane search of
+/// `cpu::kquants`).
+pub(crate) fn q3_k_impl_finish(
+    x: &[f32],
+    o: &mut [u8],
+    scales: &[f32; 16],
+    sw: &[f32; 16],
+    l: &mut [i8; 256],
+) {
     o[96..108].fill(0);
     let mut ls = [0i8; 16];
-    let d_block = make_qx_quants(32, &scales, &mut ls, Some(&sw));
+    let d_block = make_qx_quants(32, scales, &mut ls, Some(sw));
     for j in 0..16 {
         q3_k_put_scale(&mut o[96..108], j, ls[j] as u8);
     }
     o[108..110].copy_from_slice(&half(d_block));
-    q3_k_codes(x, o, &mut l);
+    q3_k_codes(x, o, l);
 }
 
 /// `quantize_row_q{4,5}_K_impl`: sub-block (scale, min) by `make_qkx3_quants` with weights
