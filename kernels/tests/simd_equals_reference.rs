@@ -553,27 +553,38 @@ fn kquant_values() -> impl Strategy<Value = Vec<f32>> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
-    /// The lane searches (portable, AVX2) write the reference's k-quant bytes.
+    /// The lane searches (portable, AVX2) write the reference's k-quant and IQ4 bytes (IQ4_NL
+    /// also on a length that leaves blocks past the last group of eight).
     #[test]
     fn kquant_searches_equal_the_reference(x in kquant_values()) {
         use kiln_kernels::ops::gguf::{GgufType, quantize};
-        for ty in [GgufType::Q2K, GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
+        let short = &x[..x.len() - 96];
+        for (ty, x) in [
+            (GgufType::Q2K, &x[..]),
+            (GgufType::Q4K, &x[..]),
+            (GgufType::Q5K, &x[..]),
+            (GgufType::Q6K, &x[..]),
+            (GgufType::Iq4Xs, &x[..]),
+            (GgufType::Iq4Nl, &x[..]),
+            (GgufType::Iq4Nl, short),
+        ] {
+            let cols = if ty == GgufType::Iq4Nl { 32 } else { 256 };
             let mut want = vec![0u8; ty.bytes_for(x.len())];
-            quantize(ty, &x, 256, &mut want).unwrap();
+            quantize(ty, x, cols, &mut want).unwrap();
             let mut got = vec![0u8; want.len()];
-            portable::quantize_gguf(ty, &x, &mut got).unwrap();
+            portable::quantize_gguf(ty, x, &mut got).unwrap();
             prop_assert!(
                 got == want,
                 "{} portable: byte {:?}",
                 ty.name(),
                 got.iter().zip(&want).position(|(a, b)| a != b)
             );
-            cpu::quantize_gguf(ty, &x, 256, &mut got).unwrap();
+            cpu::quantize_gguf(ty, x, cols, &mut got).unwrap();
             prop_assert!(got == want, "{} dispatched", ty.name());
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
                 // SAFETY: features detected just above.
-                unsafe { cpu::x86::quantize_gguf(ty, &x, &mut got) }.unwrap();
+                unsafe { cpu::x86::quantize_gguf(ty, x, &mut got) }.unwrap();
                 prop_assert!(got == want, "{} avx2", ty.name());
             }
         }
@@ -583,8 +594,9 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(120))]
 
-    /// Under an importance matrix, the k-quants' weighted lane searches (portable, dispatched,
-    /// AVX2) write the reference's bytes (`quantize_row_q{2,3,4,5,6}_K_impl`).
+    /// Under an importance matrix, the k-quants' and IQ4's weighted lane searches (portable,
+    /// dispatched, AVX2) write the reference's bytes (`quantize_row_q{2,3,4,5,6}_K_impl`,
+    /// `quantize_row_iq4_nl_impl`).
     #[test]
     fn weighted_kquant_searches_equal_the_reference(
         x in kquant_values(),
@@ -594,7 +606,15 @@ proptest! {
         let cols = 256;
         // Importance weights spread over six decades, one per column.
         let qw: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
-        for ty in [GgufType::Q2K, GgufType::Q3K, GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
+        for ty in [
+            GgufType::Q2K,
+            GgufType::Q3K,
+            GgufType::Q4K,
+            GgufType::Q5K,
+            GgufType::Q6K,
+            GgufType::Iq4Nl,
+            GgufType::Iq4Xs,
+        ] {
             let mut want = vec![0u8; ty.bytes_for(x.len())];
             quantize_with(ty, &x, cols, Some(&qw), &mut want).unwrap();
             let mut got = vec![0u8; want.len()];

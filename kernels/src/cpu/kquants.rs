@@ -271,6 +271,9 @@ pub(crate) fn quantize_blocks<V: Lanes>(
     out: &mut [u8],
 ) -> Result<(), KernelError> {
     check_layout(ty, x.len(), x.len().max(ty.block_elems()), out.len())?;
+    if matches!(ty, GgufType::Iq4Nl | GgufType::Iq4Xs) {
+        return iq4_blocks::<V>(ty, x, None, out);
+    }
     if !matches!(
         ty,
         GgufType::Q2K | GgufType::Q4K | GgufType::Q5K | GgufType::Q6K
@@ -310,7 +313,13 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
 ) -> Result<(), KernelError> {
     if !matches!(
         ty,
-        GgufType::Q2K | GgufType::Q3K | GgufType::Q4K | GgufType::Q5K | GgufType::Q6K
+        GgufType::Q2K
+            | GgufType::Q3K
+            | GgufType::Q4K
+            | GgufType::Q5K
+            | GgufType::Q6K
+            | GgufType::Iq4Nl
+            | GgufType::Iq4Xs
     ) {
         return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
     }
@@ -319,6 +328,14 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
         return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
     }
     let (bytes, row_bytes) = (ty.block_bytes(), ty.bytes_for(cols));
+    if matches!(ty, GgufType::Iq4Nl | GgufType::Iq4Xs) {
+        for r in 0..x.len() / cols.max(1) {
+            let xr = &x[cols * r..cols * r + cols];
+            let or = &mut out[row_bytes * r..row_bytes * r + row_bytes];
+            iq4_blocks::<V>(ty, xr, Some(qw), or)?;
+        }
+        return Ok(());
+    }
     for r in 0..x.len() / cols.max(1) {
         let (xr, or) = (
             &x[cols * r..cols * r + cols],
@@ -351,6 +368,128 @@ fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u
     let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &ws, -0.9, 0.05, 36);
     let (s, m, mut l) = untranspose32(scales, mins, &codes);
     qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
+}
+
+/// IQ4_NL / IQ4_XS over whole blocks of `x` (with the importance weights `qw` of the same
+/// elements, or none): eight 32-element sub-blocks per vector (IQ4_XS: one super-block;
+/// IQ4_NL: eight blocks, each with its own σ²), the reference's code for the blocks left over
+/// and for the codes.
+#[inline(always)]
+fn iq4_blocks<V: Lanes>(
+    ty: GgufType,
+    x: &[f32],
+    qw: Option<&[f32]>,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    use crate::ops::gguf::{iq4_finish, iq4_weights};
+    let bytes = ty.block_bytes();
+    let per = 256 / ty.block_elems();
+    let groups = x.len() / 256;
+    for g in 0..groups {
+        let xg = &x[256 * g..256 * g + 256];
+        let qg = qw.map(|q| &q[256 * g..256 * g + 256]);
+        let og = &mut out[bytes * per * g..bytes * per * (g + 1)];
+        let mut weights = [0f32; 256];
+        if per == 1 {
+            weights = iq4_weights(xg, qg);
+        } else {
+            for k in 0..8 {
+                let w = iq4_weights(
+                    &xg[32 * k..32 * k + 32],
+                    qg.map(|q| &q[32 * k..32 * k + 32]),
+                );
+                weights[32 * k..32 * k + 32].copy_from_slice(&w[..32]);
+            }
+        }
+        let scales = iq4_scales::<V>(xg, &weights);
+        if per == 1 {
+            iq4_finish(xg, og, &scales);
+        } else {
+            for k in 0..8 {
+                iq4_finish(
+                    &xg[32 * k..32 * k + 32],
+                    &mut og[bytes * k..bytes * (k + 1)],
+                    &scales[k..k + 1],
+                );
+            }
+        }
+    }
+    // IQ4_NL blocks past the last whole group of eight.
+    let done = 256 * groups;
+    let left = &x[done..];
+    let out = &mut out[bytes * per * groups..];
+    match qw {
+        _ if left.is_empty() => Ok(()),
+        Some(q) => crate::ops::gguf::quantize_with(ty, left, left.len(), Some(&q[done..]), out),
+        None => crate::ops::gguf::quantize_blocks(ty, left, out),
+    }
+}
+
+/// IQ4's search (`quantize_row_iq4_nl_impl`, `ntry` 7) on eight 32-element sub-blocks, one per
+/// lane, with their weights: each sub-block's scale (0 for a sub-block of zeros).
+#[inline(always)]
+fn iq4_scales<V: Lanes>(x: &[f32], weights: &[f32]) -> [f32; 8] {
+    let v0i = i32::from(crate::ops::gguf::KVALUES_IQ4NL[0]);
+    let xs: [V; 32] = lanes(&transpose::<32>(x, 0));
+    let ws: [V; 32] = lanes(&transpose::<32>(weights, 0));
+    let zero = V::splat(0.0);
+    // The value of largest magnitude, the first one on ties.
+    let (mut max, mut amax) = (zero, zero);
+    for v in xs {
+        let a = v.abs();
+        let larger = amax.lt(a);
+        amax = larger.select(a, amax);
+        max = larger.select(v, max);
+    }
+    let empty = amax.lt(V::splat(1e-15));
+    let id = V::splat(1.0).div(max.neg().div(V::splat(v0i as f32)));
+    let (sumqx, sumq2) = iq4_sums(&xs, &ws, id);
+    let mut d = zero.lt(sumq2).select(sumqx.div(sumq2), zero);
+    let mut best = d.mul(sumqx);
+    for itry in -7..=7 {
+        let id = V::splat((itry + v0i) as f32).div(max);
+        let (sumqx, sumq2) = iq4_sums(&xs, &ws, id);
+        let better = zero.lt(sumq2).and(best.mul(sumq2).lt(sumqx.mul(sumqx)));
+        d = better.select(sumqx.div(sumq2), d);
+        best = better.select(d.mul(sumqx), best);
+    }
+    let mut scales = [0f32; 8];
+    empty.select(zero, d).store(&mut scales);
+    scales
+}
+
+/// `(Σ w·q·x, Σ w·q²)` over a sub-block's levels `q` at the inverse scale `id`.
+#[inline(always)]
+fn iq4_sums<V: Lanes>(xs: &[V; 32], ws: &[V; 32], id: V) -> (V, V) {
+    let (mut sumqx, mut sumq2) = (V::splat(0.0), V::splat(0.0));
+    for j in 0..32 {
+        let q = iq4_level(id.mul(xs[j]));
+        let wq = ws[j].mul(q);
+        sumqx = sumqx.add(wq.mul(xs[j]));
+        sumq2 = sumq2.add(wq.mul(q));
+    }
+    (sumqx, sumq2)
+}
+
+/// The IQ4 level nearest to `al` (ggml's `best_index_int8`, as a value): the levels around it,
+/// the lower one when strictly nearer; the first level at or below it, the last at or above.
+#[inline(always)]
+fn iq4_level<V: Lanes>(al: V) -> V {
+    let values = crate::ops::gguf::KVALUES_IQ4NL;
+    let (mut lo, mut hi) = (
+        V::splat(f32::from(values[0])),
+        V::splat(f32::from(values[15])),
+    );
+    for &v in &values {
+        let v = V::splat(f32::from(v));
+        // `v <= al` (where `al` is NaN the result is the last level either way).
+        lo = al.lt(v).select(lo, v);
+    }
+    for &v in values.iter().rev() {
+        let v = V::splat(f32::from(v));
+        hi = al.lt(v).select(v, hi);
+    }
+    al.sub(lo).lt(hi.sub(al)).select(lo, hi)
 }
 
 /// Q2_K under an importance matrix: sixteen 16-element sub-blocks, eight lanes at a time

@@ -433,8 +433,8 @@ pub fn quantize_int4_groups<T: Element>(
 
 /// llama.cpp's GGUF quantization with importance weights ([`ops::gguf::quantize_with`]): whole
 /// rows spread over rayon's threads (the legacy types' weights depend on the whole row); the
-/// k-quants (Q2_K … Q6_K) search their sub-blocks in vector lanes (`kquants`), the other types
-/// run the reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
+/// k-quants (Q2_K … Q6_K), IQ4_NL and IQ4_XS search their sub-blocks in vector lanes
+/// (`kquants`), the other types run the reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
 /// reference's.
 pub fn quantize_gguf_with(
     ty: ops::gguf::GgufType,
@@ -449,7 +449,10 @@ pub fn quantize_gguf_with(
     ops::gguf::check_layout(ty, x.len(), cols, out.len())?;
     let rows = (CHUNK / 4 / cols.max(1)).max(1);
     use ops::gguf::GgufType as T;
-    let lanes = matches!(ty, T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K) && qw.len() == cols;
+    let lanes = matches!(
+        ty,
+        T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::Iq4Nl | T::Iq4Xs
+    ) && qw.len() == cols;
     x.par_chunks(rows * cols)
         .zip(out.par_chunks_mut(rows * ty.bytes_for(cols)))
         .try_for_each(|(x, o)| {
@@ -466,8 +469,8 @@ pub fn quantize_gguf_with(
 }
 
 /// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
-/// over rayon's threads. The k-quants (Q2_K, Q4_K, Q5_K, Q6_K) search all sub-blocks of a
-/// super-block at once in vector lanes (`kquants`), each lane in the reference's operation
+/// over rayon's threads. The k-quants (Q2_K, Q4_K, Q5_K, Q6_K), IQ4_NL and IQ4_XS search eight
+/// sub-blocks at once in vector lanes (`kquants`), each lane in the reference's operation
 /// order; the other types run the reference's own code per block (no SIMD yet). Either way the bytes equal
 /// the single-threaded reference's.
 pub fn quantize_gguf(

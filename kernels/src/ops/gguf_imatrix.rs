@@ -607,7 +607,7 @@ fn q6_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
 }
 
 /// ggml's `kvalues_iq4nl`: IQ4_NL's and IQ4_XS's 16 non-linear levels.
-pub(super) const KVALUES_IQ4NL: [i8; 16] = [
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
@@ -641,70 +641,89 @@ fn best_index_int8(values: &[i8; 16], x: f32) -> usize {
 /// scale; 256: IQ4_XS, 8 sub-blocks with 6-bit scales against `d = -max / 32`). Weights
 /// `qw · sqrt(σ² + x²)` (σ² twice the mean square), or `x²` without importance weights.
 pub(super) fn iq4(x: &[f32], o: &mut [u8], qw: Option<&[f32]>) {
-    const NTRY: i32 = 7;
-    let values = &KVALUES_IQ4NL;
-    let sbs = x.len();
-    let nb = sbs / 32;
+    let nb = x.len() / 32;
+    let weights = iq4_weights(x, qw);
+    let mut scales = [0f32; 8];
+    for ib in 0..nb {
+        scales[ib] = iq4_search(&x[32 * ib..32 * ib + 32], &weights[32 * ib..32 * ib + 32]);
+    }
+    iq4_finish(x, o, &scales[..nb]);
+}
+
+/// IQ4's weights for the super-block `x` (32 or 256 elements): `qw · sqrt(σ² + x²)` with
+/// `σ² = Σx² · (2 / len)`, or `x²` without importance weights.
+pub(crate) fn iq4_weights(x: &[f32], qw: Option<&[f32]>) -> [f32; 256] {
     let mut sigma2 = 0f32;
     for &v in x {
         sigma2 += v * v;
     }
-    sigma2 *= 2.0 / sbs as f32;
-    let mut l = [0u8; 256];
-    let mut scales = [0f32; 8];
-    let (mut max_scale, mut amax_scale) = (0f32, 0f32);
+    sigma2 *= 2.0 / x.len() as f32;
+    let mut weight = [0f32; 256];
+    for j in 0..x.len() {
+        weight[j] = match qw {
+            Some(qw) => qw[j] * (sigma2 + x[j] * x[j]).sqrt(),
+            None => x[j] * x[j],
+        };
+    }
+    weight
+}
+
+/// One 32-element sub-block's scale (`quantize_row_iq4_nl_impl`'s search, `ntry` 7): the
+/// levels of `d = -max / values[0]`, then 15 candidate inverse scales, each by its weighted
+/// least-squares scale; 0 for a sub-block of zeros.
+fn iq4_search(xb: &[f32], weight: &[f32]) -> f32 {
+    const NTRY: i32 = 7;
+    let values = &KVALUES_IQ4NL;
     let v0 = f32::from(values[0]);
-    for ib in 0..nb {
-        let xb = &x[32 * ib..32 * ib + 32];
-        let mut weight = [0f32; 32];
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in xb {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        return 0.0;
+    }
+    let mut d = -max / v0;
+    let mut id = 1.0 / d;
+    let (mut sumqx, mut sumq2) = (0f32, 0f32);
+    for j in 0..32 {
+        let q = f32::from(values[best_index_int8(values, id * xb[j])]);
+        let w = weight[j];
+        sumqx += w * q * xb[j];
+        sumq2 += w * q * q;
+    }
+    d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+    let mut best = d * sumqx;
+    for itry in -NTRY..=NTRY {
+        id = (itry + i32::from(values[0])) as f32 / max;
+        sumqx = 0.0;
+        sumq2 = 0.0;
         for j in 0..32 {
-            weight[j] = match qw {
-                Some(qw) => qw[32 * ib + j] * (sigma2 + xb[j] * xb[j]).sqrt(),
-                None => xb[j] * xb[j],
-            };
-        }
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in xb {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        if amax < GROUP_MAX_EPS {
-            scales[ib] = 0.0;
-            continue;
-        }
-        let mut d = -max / v0;
-        let mut id = 1.0 / d;
-        let (mut sumqx, mut sumq2) = (0f32, 0f32);
-        for j in 0..32 {
-            let al = id * xb[j];
-            let k = best_index_int8(values, al);
-            l[32 * ib + j] = k as u8;
-            let q = f32::from(values[k]);
+            let q = f32::from(values[best_index_int8(values, id * xb[j])]);
             let w = weight[j];
             sumqx += w * q * xb[j];
             sumq2 += w * q * q;
         }
-        d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
-        let mut best = d * sumqx;
-        for itry in -NTRY..=NTRY {
-            id = (itry + i32::from(values[0])) as f32 / max;
-            sumqx = 0.0;
-            sumq2 = 0.0;
-            for j in 0..32 {
-                let al = id * xb[j];
-                let q = f32::from(values[best_index_int8(values, al)]);
-                let w = weight[j];
-                sumqx += w * q * xb[j];
-                sumq2 += w * q * q;
-            }
-            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-                d = sumqx / sumq2;
-                best = d * sumqx;
-            }
+        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+            d = sumqx / sumq2;
+            best = d * sumqx;
         }
-        scales[ib] = d;
+    }
+    d
+}
+
+/// IQ4 after its sub-block searches (`scales`: one per 32 elements of `x`; one: IQ4_NL, eight:
+/// IQ4_XS): the block scale(s), every code from the stored scale, packed (shared with the lane
+/// search of `cpu::kquants`).
+pub(crate) fn iq4_finish(x: &[f32], o: &mut [u8], scales: &[f32]) {
+    let values = &KVALUES_IQ4NL;
+    let sbs = x.len();
+    let nb = scales.len();
+    let mut l = [0u8; 256];
+    let (mut max_scale, mut amax_scale) = (0f32, 0f32);
+    for &d in scales {
         if d.abs() > amax_scale {
             amax_scale = d.abs();
             max_scale = d;
