@@ -594,8 +594,9 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(120))]
 
-    /// Under an importance matrix, the k-quants' and IQ4's weighted lane searches (portable,
-    /// dispatched, AVX2) write the reference's bytes (`quantize_row_q{2,3,4,5,6}_K_impl`,
+    /// Under an importance matrix, the legacy types', the k-quants' and IQ4's weighted lane
+    /// searches (portable, dispatched, AVX2) write the reference's bytes
+    /// (`quantize_row_q{4,5}_{0,1}_impl`, `quantize_row_q{2,3,4,5,6}_K_impl`,
     /// `quantize_row_iq4_nl_impl`).
     #[test]
     fn weighted_kquant_searches_equal_the_reference(
@@ -606,7 +607,15 @@ proptest! {
         let cols = 256;
         // Importance weights spread over six decades, one per column.
         let qw: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
-        for ty in [
+        // The legacy types' σ² runs over the whole row: also one row of 288 (a group of eight
+        // blocks and one left over).
+        let long: Vec<f32> = qw.iter().chain(&qw[..32]).copied().collect();
+        let legacy_row = (x.len() >= 512).then(|| &x[..288]);
+        let mut cases: Vec<(GgufType, &[f32], usize, &[f32])> = [
+            GgufType::Q4_0,
+            GgufType::Q4_1,
+            GgufType::Q5_0,
+            GgufType::Q5_1,
             GgufType::Q2K,
             GgufType::Q3K,
             GgufType::Q4K,
@@ -614,23 +623,32 @@ proptest! {
             GgufType::Q6K,
             GgufType::Iq4Nl,
             GgufType::Iq4Xs,
-        ] {
+        ]
+        .into_iter()
+        .map(|ty| (ty, &x[..], cols, &qw[..]))
+        .collect();
+        if let Some(row) = legacy_row {
+            for ty in [GgufType::Q4_0, GgufType::Q4_1, GgufType::Q5_0, GgufType::Q5_1] {
+                cases.push((ty, row, 288, &long[..]));
+            }
+        }
+        for (ty, x, cols, qw) in cases {
             let mut want = vec![0u8; ty.bytes_for(x.len())];
-            quantize_with(ty, &x, cols, Some(&qw), &mut want).unwrap();
+            quantize_with(ty, x, cols, Some(qw), &mut want).unwrap();
             let mut got = vec![0u8; want.len()];
-            portable::quantize_gguf_with(ty, &x, cols, &qw, &mut got).unwrap();
+            portable::quantize_gguf_with(ty, x, cols, qw, &mut got).unwrap();
             prop_assert!(
                 got == want,
                 "{} portable: byte {:?}",
                 ty.name(),
                 got.iter().zip(&want).position(|(a, b)| a != b)
             );
-            cpu::quantize_gguf_with(ty, &x, cols, Some(&qw), &mut got).unwrap();
+            cpu::quantize_gguf_with(ty, x, cols, Some(qw), &mut got).unwrap();
             prop_assert!(got == want, "{} dispatched", ty.name());
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
                 // SAFETY: features detected just above.
-                unsafe { cpu::x86::quantize_gguf_with(ty, &x, cols, &qw, &mut got) }.unwrap();
+                unsafe { cpu::x86::quantize_gguf_with(ty, x, cols, qw, &mut got) }.unwrap();
                 prop_assert!(got == want, "{} avx2", ty.name());
             }
         }

@@ -313,7 +313,11 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
 ) -> Result<(), KernelError> {
     if !matches!(
         ty,
-        GgufType::Q2K
+        GgufType::Q4_0
+            | GgufType::Q4_1
+            | GgufType::Q5_0
+            | GgufType::Q5_1
+            | GgufType::Q2K
             | GgufType::Q3K
             | GgufType::Q4K
             | GgufType::Q5K
@@ -328,6 +332,17 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
         return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
     }
     let (bytes, row_bytes) = (ty.block_bytes(), ty.bytes_for(cols));
+    if matches!(
+        ty,
+        GgufType::Q4_0 | GgufType::Q4_1 | GgufType::Q5_0 | GgufType::Q5_1
+    ) {
+        for r in 0..x.len() / cols.max(1) {
+            let xr = &x[cols * r..cols * r + cols];
+            let or = &mut out[row_bytes * r..row_bytes * r + row_bytes];
+            legacy_row::<V>(ty, xr, qw, or)?;
+        }
+        return Ok(());
+    }
     if matches!(ty, GgufType::Iq4Nl | GgufType::Iq4Xs) {
         for r in 0..x.len() / cols.max(1) {
             let xr = &x[cols * r..cols * r + cols];
@@ -368,6 +383,68 @@ fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u
     let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &ws, -0.9, 0.05, 36);
     let (s, m, mut l) = untranspose32(scales, mins, &codes);
     qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
+}
+
+/// One row of a legacy type (Q4_0, Q4_1, Q5_0, Q5_1) under the importance weights `qw`: σ²
+/// over the whole row, then eight 32-element blocks per vector (Q4_0 / Q5_0: weighted
+/// `make_qx_quants`; Q4_1 / Q5_1: `make_qkx3_quants`), each block packed by the reference's
+/// code; the blocks past the last group of eight by the reference.
+#[inline(always)]
+fn legacy_row<V: Lanes>(
+    ty: GgufType,
+    x: &[f32],
+    qw: &[f32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    use crate::ops::gguf::{legacy_pack_asym, legacy_pack_sym, legacy_sigma2};
+    let sigma2 = legacy_sigma2(x);
+    let bytes = ty.block_bytes();
+    let groups = x.len() / 256;
+    for g in 0..groups {
+        let xg = &x[256 * g..256 * g + 256];
+        let mut weights = [0f32; 256];
+        for j in 0..256 {
+            weights[j] = qw[256 * g + j] * (sigma2 + xg[j] * xg[j]).sqrt();
+        }
+        let xs: [V; 32] = lanes(&transpose::<32>(xg, 0));
+        let ws: [V; 32] = lanes(&transpose::<32>(&weights, 0));
+        let og = &mut out[8 * bytes * g..8 * bytes * (g + 1)];
+        let (d, min, codes) = match ty {
+            GgufType::Q4_0 => {
+                let (d, c) = make_qx_quants::<V, 8, 32>(&xs, &ws);
+                (d, V::splat(0.0), c)
+            }
+            GgufType::Q5_0 => {
+                let (d, c) = make_qx_quants::<V, 16, 32>(&xs, &ws);
+                (d, V::splat(0.0), c)
+            }
+            GgufType::Q4_1 => make_qkx2_quants::<V, 15, 32, false>(&xs, &ws, -0.9, 0.05, 36),
+            _ => make_qkx2_quants::<V, 31, 32, false>(&xs, &ws, -0.9, 0.05, 36),
+        };
+        let (ds, mins, l) = untranspose32(d, min, &codes);
+        for k in 0..8 {
+            let o = &mut og[bytes * k..bytes * (k + 1)];
+            let mut block = [0u8; 32];
+            block.copy_from_slice(&l[32 * k..32 * k + 32]);
+            if matches!(ty, GgufType::Q4_0 | GgufType::Q5_0) {
+                legacy_pack_sym(ty, o, ds[k], &block.map(|c| c as i8));
+            } else {
+                legacy_pack_asym(ty, o, ds[k], mins[k], &block);
+            }
+        }
+    }
+    // Blocks past the last whole group of eight, by the reference with the row's σ².
+    let done = 256 * groups;
+    if done < x.len() {
+        crate::ops::gguf::legacy_blocks(
+            ty,
+            &x[done..],
+            &qw[done..],
+            sigma2,
+            &mut out[8 * bytes * groups..],
+        );
+    }
+    Ok(())
 }
 
 /// IQ4_NL / IQ4_XS over whole blocks of `x` (with the importance weights `qw` of the same
@@ -563,7 +640,7 @@ fn qx_search<V: Lanes, const NMAX: i32>(
     for half in 0..2 {
         let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
         let ws = weight_lanes(&xs, weights, half, |v: V| v.mul(v));
-        let (scale, codes) = make_qx_quants::<V, NMAX>(&xs, &ws);
+        let (scale, codes) = make_qx_quants::<V, NMAX, 16>(&xs, &ws);
         let zero = V::splat(0.0);
         let code = |c: f32| c as i8;
         untranspose16(
@@ -786,7 +863,10 @@ fn q6_k<V: Lanes>(x: &[f32], o: &mut [u8]) {
 /// `make_qx_quants` (`rmse_type` 1) with weights `w` (`x²` without an importance matrix) on
 /// eight sub-blocks: each lane's scale and codes (offset by `NMAX`, as f32).
 #[inline(always)]
-fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16], w: &[V; 16]) -> (V, [V; 16]) {
+fn make_qx_quants<V: Lanes, const NMAX: i32, const N: usize>(
+    x: &[V; N],
+    w: &[V; N],
+) -> (V, [V; N]) {
     let zero = V::splat(0.0);
     // The value of largest magnitude, the first one on ties.
     let (mut max, mut amax) = (zero, zero);
@@ -797,19 +877,19 @@ fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16], w: &[V; 16]) -> (V, [V
         max = larger.select(*v, max);
     }
     let tiny = amax.lt(V::splat(1e-15));
-    let mut l = [zero; 16];
-    let (sumlx, suml2) = qx_sums::<V, NMAX>(x, w, V::splat(-(NMAX as f32)).div(max), &mut l);
+    let mut l = [zero; N];
+    let (sumlx, suml2) = qx_sums::<V, NMAX, N>(x, w, V::splat(-(NMAX as f32)).div(max), &mut l);
     let mut scale = suml2.ne(zero).select(sumlx.div(suml2), zero);
     let mut best = scale.mul(sumlx);
-    let mut laux = [zero; 16];
+    let mut laux = [zero; N];
     for is in -9..=9 {
         if is == 0 {
             continue;
         }
         let iscale = V::splat(-(NMAX as f32 + 0.1 * is as f32)).div(max);
-        let (sumlx, suml2) = qx_sums::<V, NMAX>(x, w, iscale, &mut laux);
+        let (sumlx, suml2) = qx_sums::<V, NMAX, N>(x, w, iscale, &mut laux);
         let better = zero.lt(suml2).and(best.mul(suml2).lt(sumlx.mul(sumlx)));
-        for i in 0..16 {
+        for i in 0..N {
             l[i] = better.select(laux[i], l[i]);
         }
         scale = better.select(sumlx.div(suml2), scale);
@@ -824,14 +904,14 @@ fn make_qx_quants<V: Lanes, const NMAX: i32>(x: &[V; 16], w: &[V; 16]) -> (V, [V
 /// `make_qx_quants`'s codes for `iscale` (offset by `NMAX`, into `codes`) and their sums
 /// `(Σ w·x·q, Σ w·q²)`.
 #[inline(always)]
-fn qx_sums<V: Lanes, const NMAX: i32>(
-    x: &[V; 16],
-    w: &[V; 16],
+fn qx_sums<V: Lanes, const NMAX: i32, const N: usize>(
+    x: &[V; N],
+    w: &[V; N],
     iscale: V,
-    codes: &mut [V; 16],
+    codes: &mut [V; N],
 ) -> (V, V) {
     let (mut sumlx, mut suml2) = (V::splat(0.0), V::splat(0.0));
-    for i in 0..16 {
+    for i in 0..N {
         let q = iscale.mul(x[i]).code(-NMAX, NMAX - 1);
         codes[i] = q.add(V::splat(NMAX as f32));
         sumlx = sumlx.add(w[i].mul(x[i]).mul(q));

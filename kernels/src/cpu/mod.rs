@@ -433,8 +433,9 @@ pub fn quantize_int4_groups<T: Element>(
 
 /// llama.cpp's GGUF quantization with importance weights ([`ops::gguf::quantize_with`]): whole
 /// rows spread over rayon's threads (the legacy types' weights depend on the whole row); the
-/// k-quants (Q2_K … Q6_K), IQ4_NL and IQ4_XS search their sub-blocks in vector lanes
-/// (`kquants`), the other types run the reference's code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
+/// legacy types (Q4_0 … Q5_1), the k-quants (Q2_K … Q6_K), IQ4_NL and IQ4_XS search eight
+/// blocks or sub-blocks at once in vector lanes (`kquants`), the i-quants run the reference's
+/// code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
 /// reference's.
 pub fn quantize_gguf_with(
     ty: ops::gguf::GgufType,
@@ -451,7 +452,17 @@ pub fn quantize_gguf_with(
     use ops::gguf::GgufType as T;
     let lanes = matches!(
         ty,
-        T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::Iq4Nl | T::Iq4Xs
+        T::Q4_0
+            | T::Q4_1
+            | T::Q5_0
+            | T::Q5_1
+            | T::Q2K
+            | T::Q3K
+            | T::Q4K
+            | T::Q5K
+            | T::Q6K
+            | T::Iq4Nl
+            | T::Iq4Xs
     ) && qw.len() == cols;
     x.par_chunks(rows * cols)
         .zip(out.par_chunks_mut(rows * ty.bytes_for(cols)))

@@ -22,19 +22,7 @@ pub(super) fn quantize_row(ty: GgufType, x: &[f32], qw: &[f32], o: &mut [u8]) {
     match ty {
         GgufType::Q4_0 | GgufType::Q5_0 | GgufType::Q4_1 | GgufType::Q5_1 => {
             // The legacy types' sigma² runs over the whole row.
-            let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
-            let sigma2 = sum_x2 / x.len() as f32;
-            for ((xb, qb), ob) in x
-                .chunks_exact(32)
-                .zip(qw.chunks_exact(32))
-                .zip(o.chunks_exact_mut(bytes))
-            {
-                let mut weight = [0f32; 32];
-                for j in 0..32 {
-                    weight[j] = qb[j] * (sigma2 + xb[j] * xb[j]).sqrt();
-                }
-                legacy(ty, xb, &weight, ob);
-            }
+            legacy_blocks(ty, x, qw, legacy_sigma2(x), o);
         }
         _ => {
             let block = ty.block_elems();
@@ -71,31 +59,63 @@ fn legacy(ty: GgufType, xb: &[f32], weight: &[f32; 32], o: &mut [u8]) {
             let nmax = if ty == GgufType::Q4_0 { 8 } else { 16 };
             let mut l = [0i8; 32];
             let d = make_qx_quants(nmax, xb, &mut l, Some(weight));
-            o[..2].copy_from_slice(&half(d));
-            if ty == GgufType::Q4_0 {
-                for j in 0..16 {
-                    o[2 + j] = (l[j] as u8) | (l[j + 16] as u8) << 4;
-                }
-            } else {
-                let (qh, qs) = o[2..].split_at_mut(4);
-                pack5(|j| l[j] as u8, qh, qs);
-            }
+            legacy_pack_sym(ty, o, d, &l);
         }
         _ => {
             let nmax = if ty == GgufType::Q4_1 { 15 } else { 31 };
             let mut l = [0u8; 32];
             let (d, the_min) = make_qkx3_quants(nmax, xb, weight, &mut l, -0.9, 0.05, 36);
-            o[..2].copy_from_slice(&half(d));
-            o[2..4].copy_from_slice(&half(-the_min));
-            if ty == GgufType::Q4_1 {
-                for j in 0..16 {
-                    o[4 + j] = l[j] | l[j + 16] << 4;
-                }
-            } else {
-                let (qh, qs) = o[4..].split_at_mut(4);
-                pack5(|j| l[j], qh, qs);
-            }
+            legacy_pack_asym(ty, o, d, the_min, &l);
         }
+    }
+}
+
+/// Blocks of a legacy type under the importance weights `qw`, the row's `sigma2` given.
+pub(crate) fn legacy_blocks(ty: GgufType, x: &[f32], qw: &[f32], sigma2: f32, o: &mut [u8]) {
+    for ((xb, qb), ob) in x
+        .chunks_exact(32)
+        .zip(qw.chunks_exact(32))
+        .zip(o.chunks_exact_mut(ty.block_bytes()))
+    {
+        let mut weight = [0f32; 32];
+        for j in 0..32 {
+            weight[j] = qb[j] * (sigma2 + xb[j] * xb[j]).sqrt();
+        }
+        legacy(ty, xb, &weight, ob);
+    }
+}
+
+/// The legacy types' σ² under an importance matrix: `Σx²/len` over the whole row (each weight
+/// is then `qw · sqrt(σ² + x²)`).
+pub(crate) fn legacy_sigma2(x: &[f32]) -> f32 {
+    let sum_x2 = x.iter().fold(0f32, |s, v| s + v * v);
+    sum_x2 / x.len() as f32
+}
+
+/// Q4_0 / Q5_0's block from its scale `d` and codes `l` (offset by `nmax`).
+pub(crate) fn legacy_pack_sym(ty: GgufType, o: &mut [u8], d: f32, l: &[i8; 32]) {
+    o[..2].copy_from_slice(&half(d));
+    if ty == GgufType::Q4_0 {
+        for j in 0..16 {
+            o[2 + j] = (l[j] as u8) | (l[j + 16] as u8) << 4;
+        }
+    } else {
+        let (qh, qs) = o[2..].split_at_mut(4);
+        pack5(|j| l[j] as u8, qh, qs);
+    }
+}
+
+/// Q4_1 / Q5_1's block from its scale `d`, `-min` and codes `l`.
+pub(crate) fn legacy_pack_asym(ty: GgufType, o: &mut [u8], d: f32, the_min: f32, l: &[u8; 32]) {
+    o[..2].copy_from_slice(&half(d));
+    o[2..4].copy_from_slice(&half(-the_min));
+    if ty == GgufType::Q4_1 {
+        for j in 0..16 {
+            o[4 + j] = l[j] | l[j + 16] << 4;
+        }
+    } else {
+        let (qh, qs) = o[4..].split_at_mut(4);
+        pack5(|j| l[j], qh, qs);
     }
 }
 
