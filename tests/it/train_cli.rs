@@ -254,7 +254,39 @@ fn mistakes_are_refused_by_name() {
             &["--task", "kto", "--per-device-train-batch-size", "1"],
             "KTO needs at least 2 examples per micro-batch",
         ),
+        (
+            &["--task", "ppo", "--reward-funcs", "exact_match"],
+            "TRL's PPO runs total_episodes episodes (steps × batch) and ignores max_steps",
+        ),
     ];
+    // PPO's own mistakes (its runs are sized by total_episodes, not max_steps).
+    let ppo: &[(&[&str], &str)] = &[
+        (
+            &[],
+            "name a reward model (reward_model_path) or reward functions (reward_funcs)",
+        ),
+        (
+            &["--reward-funcs", "exact_match", "--stop-token", "bos"],
+            "`bos`: the only stop token by name is `eos`",
+        ),
+        (
+            &["--reward-funcs", "exact_match", "--num-mini-batches", "3"],
+            "must be a multiple of it",
+        ),
+        (
+            &["--reward-funcs", "exact_match", "--kl-estimator", "k2"],
+            "`k2` is not one of k1, k3",
+        ),
+    ];
+    for (args, want) in ppo {
+        let mut all = vec!["train", "--model", &*Box::leak(tiny().into_boxed_str())];
+        all.extend(["--quiet", "--task", "ppo", "--total-episodes", "8"]);
+        all.extend_from_slice(args);
+        let o = kiln(&all);
+        assert_ne!(o.status.code(), Some(0), "{args:?}");
+        let err = String::from_utf8(o.stderr).unwrap();
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
     for (args, want) in cases {
         let mut all = vec![
             "train",

@@ -386,32 +386,17 @@ impl<M> PpoTask<M> {
         let order: Vec<usize> = micro_batches.iter().flatten().copied().collect();
         let b = order.len();
         let mini = (b / self.s.num_mini_batches).max(1);
-        let ga = self.s.accumulation.max(1) as u64;
-        let (mut steps, mut current) = (Vec::new(), Vec::new());
+        let mut micro = Vec::new();
         for _ in 0..self.s.num_ppo_epochs {
             let perm = self.source.permutation(b);
             for m in perm.chunks(mini) {
                 for mb in m.chunks(self.s.micro.max(1)) {
-                    current.push(mb.iter().map(|&r| order[r]).collect::<Vec<_>>());
-                    // accelerate's `_do_sync`: at the dataloader's end every micro-batch
-                    // steps (and the count restarts), else every `ga`-th.
-                    let sync = if last_of_epoch {
-                        self.accumulated = 0;
-                        true
-                    } else {
-                        self.accumulated += 1;
-                        self.accumulated.is_multiple_of(ga)
-                    };
-                    if sync {
-                        steps.push(std::mem::take(&mut current));
-                    }
+                    micro.push(mb.iter().map(|&r| order[r]).collect::<Vec<_>>());
                 }
             }
         }
-        if !current.is_empty() {
-            steps.push(current);
-        }
-        steps
+        let ga = self.s.accumulation.max(1) as u64;
+        accelerate_steps(micro, &mut self.accumulated, ga, last_of_epoch)
     }
 
     /// The logged figures: the rollout's, and each training figure's mean over TRL's table of
@@ -436,6 +421,37 @@ impl<M> PpoTask<M> {
         }
         out
     }
+}
+
+/// accelerate's gradient accumulation over `micro` (the micro-batches in the order they run):
+/// the optimizer steps, each the micro-batches whose gradients it sums. `Accelerator._do_sync`:
+/// at the dataloader's last batch every micro-batch steps and the count restarts at 0, else
+/// the count goes up by one and a step is taken when it reaches a multiple of `ga`. A tail
+/// that never reaches a step is stepped at the end.
+fn accelerate_steps(
+    micro: Vec<Vec<usize>>,
+    count: &mut u64,
+    ga: u64,
+    end_of_dataloader: bool,
+) -> Vec<Vec<Vec<usize>>> {
+    let (mut steps, mut current) = (Vec::new(), Vec::new());
+    for mb in micro {
+        current.push(mb);
+        let sync = if end_of_dataloader {
+            *count = 0;
+            true
+        } else {
+            *count += 1;
+            count.is_multiple_of(ga)
+        };
+        if sync {
+            steps.push(std::mem::take(&mut current));
+        }
+    }
+    if !current.is_empty() {
+        steps.push(current);
+    }
+    steps
 }
 
 /// `values` whitened over `mask` (TRL's `masked_whiten`: the unbiased variance, `+1e-8`),
@@ -957,5 +973,63 @@ impl<M> PpoTask<M> {
         ]);
         let tokens = attention.iter().flatten().filter(|&&a| a).count() as u64;
         Ok((loss, figures, tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// accelerate's stepping, written out by hand: two micro-batches a step; at the
+    /// dataloader's end one a step, and the count starts again from there.
+    #[test]
+    fn optimizer_steps_follow_accelerates_accumulation() {
+        let mb = |n: usize| (0..n).map(|i| vec![i]).collect::<Vec<_>>();
+        let mut count = 0;
+        assert_eq!(
+            accelerate_steps(mb(4), &mut count, 2, false),
+            vec![vec![vec![0], vec![1]], vec![vec![2], vec![3]]]
+        );
+        assert_eq!(count, 4);
+        assert_eq!(
+            accelerate_steps(mb(3), &mut count, 2, true),
+            vec![vec![vec![0]], vec![vec![1]], vec![vec![2]]]
+        );
+        assert_eq!(count, 0);
+        // A count left mid-way carries over: the first micro-batch here completes a step.
+        let mut count = 3;
+        assert_eq!(
+            accelerate_steps(mb(3), &mut count, 2, false),
+            vec![vec![vec![0]], vec![vec![1], vec![2]]]
+        );
+        // Four micro-batches a step but three run: stepped at the end.
+        let mut count = 0;
+        assert_eq!(
+            accelerate_steps(mb(3), &mut count, 4, false),
+            vec![vec![vec![0], vec![1], vec![2]]]
+        );
+    }
+
+    /// TRL's `masked_whiten`, against its formula in f64: the masked mean, the unbiased masked
+    /// variance, `(x − mean) / sqrt(var + 1e-8)`, the mean added back without `shift_mean`.
+    #[test]
+    fn whitening_is_trls() {
+        let v = vec![vec![1.0f32, 2.0, 4.0], vec![-3.0, 0.5, 9.0]];
+        let m = vec![vec![true, true, false], vec![true, true, true]];
+        let kept = [1.0f64, 2.0, -3.0, 0.5, 9.0];
+        let mean = kept.iter().sum::<f64>() / 5.0;
+        let var = kept.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 4.0;
+        for shift in [true, false] {
+            let w = masked_whiten(&v, &m, shift);
+            for (row, wrow) in v.iter().zip(&w) {
+                for (x, y) in row.iter().zip(wrow) {
+                    let mut want = (f64::from(*x) - mean) / (var + 1e-8).sqrt();
+                    if !shift {
+                        want += mean;
+                    }
+                    assert!((f64::from(*y) - want).abs() < 1e-5, "{y} vs {want}");
+                }
+            }
+        }
     }
 }
