@@ -455,13 +455,23 @@ fn check_ppo(name: &str, backend: &str) {
     }
 }
 
+/// The PPO reference runs (`tests/train/trl_ref.py`).
+const PPO_RUNS: [&str; 5] = [
+    "ppo-rm",
+    "ppo-stop-k3",
+    "ppo-minibatches",
+    "ppo-chat",
+    "ppo-lora",
+];
+
 /// PPO (TRL's experimental PPOTrainer) on TRL's own rollouts: a reward model's folder as reward
 /// and value model; a stop token with the k3 KL, whitened rewards and the missing-EOS penalty;
 /// minibatches under accumulation across epochs' ends (accelerate's optimizer steps), clipped
-/// values and a cosine schedule; LoRA on the policy with the value model in full.
+/// values and a cosine schedule; conversational prompts through the chat template; LoRA on the
+/// policy with the value model in full.
 #[test]
 fn ppo_matches_trl() {
-    for name in ["ppo-rm", "ppo-stop-k3", "ppo-minibatches", "ppo-lora"] {
+    for name in PPO_RUNS {
         check_ppo(name, "candle");
     }
 }
@@ -470,7 +480,7 @@ fn ppo_matches_trl() {
 #[cfg(feature = "mlx")]
 #[test]
 fn mlx_ppo_matches_trl() {
-    for name in ["ppo-rm", "ppo-stop-k3", "ppo-minibatches", "ppo-lora"] {
+    for name in PPO_RUNS {
         check_ppo(name, "mlx");
     }
 }

@@ -429,8 +429,17 @@ def run_ppo(model_dir, data, adapter=None, **overrides):
 
     ds = load_dataset("json", data_files=data, split="train")
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir, padding_side="left")
-    prompts = [tok(p)["input_ids"] for p in ds["prompt"]]
-    train = ds.map(lambda e: {"input_ids": tok(e["prompt"])["input_ids"]}, remove_columns=ds.column_names)
+
+    def ids(p):
+        # Text: `tokenizer(prompt)`; a conversation: the template with the generation prompt,
+        # as TRL's PPO example tokenizes its chat datasets.
+        if isinstance(p, str):
+            return tok(p)["input_ids"]
+        r = tok.apply_chat_template(p, add_generation_prompt=True)
+        return list(r["input_ids"] if hasattr(r, "keys") else r)
+
+    prompts = [ids(p) for p in ds["prompt"]]
+    train = ds.map(lambda e: {"input_ids": ids(e["prompt"])}, remove_columns=ds.column_names)
     policy = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter:
         policy = PeftModel.from_pretrained(policy, adapter, is_trainable=True)
@@ -486,6 +495,11 @@ def write_ppo_data():
     with open(os.path.join(DATA, "ppo.jsonl"), "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt": p}) + "\n")
+    # The same prompts as conversations (some with a system turn).
+    with open(os.path.join(DATA, "ppo-chat.jsonl"), "w") as f:
+        for i, p in enumerate(prompts):
+            turns = ([{"role": "system", "content": "be brief"}] if i % 2 else []) + [{"role": "user", "content": p}]
+            f.write(json.dumps({"prompt": turns}) + "\n")
 
 
 def dropout_adapter(adapter):
@@ -524,7 +538,7 @@ def main():
     d = lambda n: os.path.join(DATA, n)
     if not os.path.exists(d("reward-margin.jsonl")) or not os.path.exists(d("pretrain.txt")):
         write_data()
-    if not os.path.exists(d("ppo.jsonl")):
+    if not os.path.exists(d("ppo-chat.jsonl")):
         write_ppo_data()
     runs = {
         # PPO (TRL's experimental PPOTrainer) on its own samples: the reward model's folder as
@@ -542,6 +556,9 @@ def main():
             learning_rate=3e-3, response_length=5, total_episodes=24, gradient_accumulation_steps=2,
             num_mini_batches=2, num_ppo_epochs=2, cliprange=0.1, cliprange_value=0.05, vf_coef=0.5,
             gamma=0.9, lam=0.8, lr_scheduler_type="cosine", reward_model_path="tiny/reward-model")),
+        "ppo-chat": ("ppo", d("ppo-chat.jsonl"), None, dict(
+            learning_rate=1e-3, response_length=5, total_episodes=8, per_device_train_batch_size=4,
+            num_ppo_epochs=2, reward_model_path="tiny/reward-model")),
         "ppo-lora": ("ppo", d("ppo.jsonl"), adapter, dict(
             learning_rate=1e-2, response_length=5, total_episodes=8, reward_model_path="tiny/reward-model")),
         "sft-full": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2)),

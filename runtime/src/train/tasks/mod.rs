@@ -49,15 +49,18 @@ pub fn read_data(config: &TrainConfig, accepted: &[DataFormat]) -> Result<Datase
     Dataset::read_with(path, accepted, &text_field)
 }
 
-/// The `prompt` column of `data` as text prompts and their ids: `tok(prompt)` with the
-/// tokenizer's special tokens when `special` (TRL's PPO example), without them otherwise (as
-/// TRL's generation tokenizes them); conversational or empty prompts are errors naming the
-/// line (`task` says whose).
+/// The `prompt` column of `data` as prompts (text, for reward functions) and their ids:
+/// `tok(prompt)` with the tokenizer's special tokens when `special` (TRL's PPO example),
+/// without them otherwise (as TRL's generation tokenizes them). A conversational prompt (a
+/// list of messages) is the chat template with the generation prompt when `chat` (TRL's PPO
+/// example's chat datasets), else an error naming the line (`task` says whose), as an empty
+/// prompt is.
 pub(crate) fn text_prompts(
     data: &Dataset,
     tok: &super::data::TextTokenizer,
     task: &str,
     special: bool,
+    chat: bool,
 ) -> Result<(Vec<Vec<u32>>, Vec<String>), TrainError> {
     let err = |line: usize, message: String| TrainError::Data {
         path: data.path.clone(),
@@ -67,18 +70,29 @@ pub(crate) fn text_prompts(
     let mut prompts = Vec::with_capacity(data.records.len());
     let mut texts = Vec::with_capacity(data.records.len());
     for r in &data.records {
-        let Some(text) = r.fields.get("prompt").and_then(|v| v.as_str()) else {
-            return Err(err(
-                r.line,
-                format!("{task} takes text prompts; conversational prompts are not built yet"),
-            ));
+        let (ids, text) = match r.fields.get("prompt") {
+            Some(serde_json::Value::String(text)) => {
+                let ids = if special {
+                    tok.encode(text)
+                } else {
+                    tok.encode_plain(text)
+                };
+                (ids, text.clone())
+            }
+            Some(messages @ serde_json::Value::Array(_)) if chat => {
+                let text = tok
+                    .render_chat(messages, true, false)
+                    .map_err(|m| err(r.line, format!("the chat template: {m}")))?;
+                (tok.encode_chat(messages, true).map(|(ids, _)| ids), text)
+            }
+            _ => {
+                return Err(err(
+                    r.line,
+                    format!("{task} takes text prompts; conversational prompts are not built yet"),
+                ));
+            }
         };
-        let ids = if special {
-            tok.encode(text)
-        } else {
-            tok.encode_plain(text)
-        }
-        .map_err(|m| err(r.line, format!("tokenizing: {m}")))?;
+        let ids = ids.map_err(|m| err(r.line, format!("tokenizing: {m}")))?;
         if ids.is_empty() {
             return Err(err(
                 r.line,
@@ -86,7 +100,7 @@ pub(crate) fn text_prompts(
             ));
         }
         prompts.push(ids);
-        texts.push(text.to_string());
+        texts.push(text);
     }
     Ok((prompts, texts))
 }

@@ -123,7 +123,7 @@ impl<M> OnlineDpoTask<M> {
                 ));
             }
         };
-        let (prompts, texts) = super::text_prompts(&data, tok, "online_dpo", false)?;
+        let (prompts, texts) = super::text_prompts(&data, tok, "online_dpo", false, false)?;
         Ok(OnlineDpoTask {
             prompts,
             texts,

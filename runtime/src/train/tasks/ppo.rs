@@ -306,8 +306,9 @@ impl<M> PpoTask<M> {
             Some(t) => t,
             None => (h.num_train_epochs * n as f64) as u64,
         };
-        // TRL's PPO example: `tokenizer(prompt)`, special tokens included.
-        let (prompts, texts) = super::text_prompts(&data, tok, "ppo", true)?;
+        // TRL's PPO example: `tokenizer(prompt)`, special tokens included; a conversation
+        // through the chat template with the generation prompt.
+        let (prompts, texts) = super::text_prompts(&data, tok, "ppo", true, true)?;
         Ok(PpoTask {
             prompts,
             texts,
