@@ -263,7 +263,7 @@ fn mistakes_are_refused_by_name() {
     let ppo: &[(&[&str], &str)] = &[
         (
             &[],
-            "name a reward model (reward_model_path) or reward functions (reward_funcs)",
+            "PPO scores each response: name reward functions or reward models (reward_funcs, reward_model_path)",
         ),
         (
             &["--reward-funcs", "exact_match", "--stop-token", "bos"],

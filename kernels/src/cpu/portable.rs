@@ -95,8 +95,8 @@ pub(crate) fn int4_pair_tail<T: Element>(
     );
 }
 
-/// Rows of `cols` of `ty` under importance weights `qw` (one per column): Q4_K and Q5_K by
-/// the lane searches of `cpu::kquants`, the other types by the reference.
+/// Rows of `cols` of `ty` under importance weights `qw` (one per column): the legacy types,
+/// the k-quants and IQ4 by the lane searches of `cpu::kquants`, the i-quants by the reference.
 pub fn quantize_gguf_with(
     ty: crate::ops::gguf::GgufType,
     x: &[f32],

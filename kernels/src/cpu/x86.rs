@@ -554,8 +554,9 @@ pub unsafe fn quantize_gguf(
     super::kquants::quantize_blocks::<super::kquants::Avx2>(ty, x, out)
 }
 
-/// [`quantize_gguf`] under importance weights `qw` (one per column of rows of `cols`): Q4_K and
-/// Q5_K's weighted searches compiled for AVX2, the other types by the reference.
+/// [`quantize_gguf`] under importance weights `qw` (one per column of rows of `cols`): the
+/// legacy types', the k-quants' and IQ4's weighted searches compiled for AVX2, the i-quants by
+/// the reference.
 ///
 /// # Safety
 /// AVX2 and F16C must be available.

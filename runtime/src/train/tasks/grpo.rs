@@ -165,6 +165,45 @@ pub(crate) fn load_rewards(
     Ok((names, rewards))
 }
 
+/// The rewards of a task that takes a reward model beside its functions (online DPO, PPO):
+/// `reward_funcs` (functions or reward models' folders), then `reward_model_path`'s model as
+/// TRL appends it (unless `reward_funcs` already names it), with their `reward_weights` (1
+/// each by default, in that order). None at all is an error; `why` says what the task needs
+/// them for.
+pub(crate) fn funcs_and_model(
+    config: &TrainConfig,
+    data: &crate::train::data::Dataset,
+    why: &str,
+) -> Result<(Rewards, Vec<f64>), TrainError> {
+    let (names, mut rewards) = load_rewards(config, data, Vec::new())?;
+    if let Some(p) = config.option::<String>("reward_model_path")?
+        && !names.contains(&p)
+    {
+        let mut c = config.clone();
+        c.task_options
+            .insert("reward_funcs".into(), serde_json::json!([p]));
+        rewards.extend(load_rewards(&c, data, Vec::new())?.1);
+    }
+    if rewards.is_empty() {
+        return Err(config_err(
+            "reward_funcs",
+            format!(
+                "{why}: name reward functions or reward models (reward_funcs, reward_model_path)"
+            ),
+        ));
+    }
+    let weights = config
+        .option::<Vec<f64>>("reward_weights")?
+        .unwrap_or_else(|| vec![1.0; rewards.len()]);
+    if weights.len() != rewards.len() {
+        return Err(config_err(
+            "reward_weights",
+            format!("{} weights for {} rewards", weights.len(), rewards.len()),
+        ));
+    }
+    Ok((rewards, weights))
+}
+
 /// Every reward of every completion (`per_func[row][reward]`, NaN where a function declines),
 /// each row's prompt text, completion text and ids, example and options as `inputs`; a reward
 /// model reads `prompt + completion` (TRL's text case).

@@ -2,7 +2,7 @@
 //! each prompt sampled from the policy, ranked by the rewards (reward functions or reward
 //! models), and the DPO loss on the pair against the frozen reference.
 
-use super::grpo::{CompletionSource, Sampled, Scorer, load_rewards, sampling, score};
+use super::grpo::{CompletionSource, Sampled, Scorer, funcs_and_model, sampling, score};
 use super::{MicroBatch, TensorOf, read_data};
 use crate::model::generate::Rng;
 use crate::train::TrainConfig;
@@ -67,40 +67,8 @@ impl<M> OnlineDpoTask<M> {
         source: Box<dyn CompletionSource>,
     ) -> Result<Self, TrainError> {
         let data = read_data(config, &[DataFormat::Prompt])?;
-        let mut extra = Vec::new();
-        if let Some(p) = config.option::<String>("reward_model_path")? {
-            extra.push(p);
-        }
-        let (names, mut rewards) = load_rewards(config, &data, extra.clone())?;
-        if !extra.is_empty() && names != extra {
-            // `reward_model_path` beside `reward_funcs`: one more reward, as TRL appends it.
-            let (_, m) = load_rewards(
-                &{
-                    let mut c = config.clone();
-                    c.task_options
-                        .insert("reward_funcs".into(), serde_json::json!(extra));
-                    c
-                },
-                &data,
-                Vec::new(),
-            )?;
-            rewards.extend(m);
-        }
-        if rewards.is_empty() {
-            return Err(config_err(
-                "reward_funcs",
-                "online DPO ranks each pair by rewards: name reward functions or reward models (reward_funcs, reward_model_path)",
-            ));
-        }
-        let weights = config
-            .option::<Vec<f64>>("reward_weights")?
-            .unwrap_or_else(|| vec![1.0; rewards.len()]);
-        if weights.len() != rewards.len() {
-            return Err(config_err(
-                "reward_weights",
-                format!("{} weights for {} rewards", weights.len(), rewards.len()),
-            ));
-        }
+        let (rewards, weights) =
+            funcs_and_model(config, &data, "online DPO ranks each pair by rewards")?;
         let beta = match config.task_options.get("beta") {
             None => 0.1,
             Some(serde_json::Value::Array(a)) if a.len() == 1 && a[0].is_number() => {

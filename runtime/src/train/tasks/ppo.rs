@@ -14,7 +14,7 @@
 //! figures averaged over a `[num_ppo_epochs, num_mini_batches, gradient_accumulation_steps]`
 //! table whose unused cells stay 0.
 
-use super::grpo::{Sample, Scorer, load_rewards};
+use super::grpo::{Sample, Scorer, funcs_and_model};
 use super::{MicroBatch, TensorOf, read_data};
 use crate::model::generate::{Rng, SamplingConfig};
 use crate::train::config_err;
@@ -214,34 +214,7 @@ impl<M> PpoTask<M> {
                 ));
             }
         }
-        let mut extra = Vec::new();
-        if let Some(p) = config.option::<String>("reward_model_path")? {
-            extra.push(p);
-        }
-        // The reward model first (TRL's only reward), then any reward functions.
-        let mut rewards = Vec::new();
-        if !extra.is_empty() {
-            let mut c = config.clone();
-            c.task_options
-                .insert("reward_funcs".into(), serde_json::json!(extra));
-            rewards.extend(load_rewards(&c, &data, Vec::new())?.1);
-        }
-        if config.task_options.contains_key("reward_funcs") {
-            rewards.extend(load_rewards(config, &data, Vec::new())?.1);
-        }
-        if rewards.is_empty() {
-            return Err(config_err(
-                "reward_model_path",
-                "PPO scores each response: name a reward model (reward_model_path) or reward functions (reward_funcs)",
-            ));
-        }
-        let weights = opt(config, "reward_weights", vec![1.0; rewards.len()])?;
-        if weights.len() != rewards.len() {
-            return Err(config_err(
-                "reward_weights",
-                format!("{} weights for {} rewards", weights.len(), rewards.len()),
-            ));
-        }
+        let (rewards, weights) = funcs_and_model(config, &data, "PPO scores each response")?;
         let k3 = match opt(config, "kl_estimator", "k1".to_string())?.as_str() {
             "k1" => false,
             "k3" => true,
