@@ -654,3 +654,60 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    /// The i-quants' neighbour search in lanes (portable, dispatched, AVX2) picks the
+    /// reference's neighbours: the same bytes for every i-quant, with importance weights and
+    /// (IQ2_S, IQ3_XXS, IQ3_S) without, on rows of two blocks.
+    #[test]
+    fn iquant_neighbour_searches_equal_the_reference(
+        x in kquant_values(),
+        w in prop::collection::vec(-3.0f32..3.0, 512),
+    ) {
+        use kiln_kernels::ops::gguf::{GgufType, quantize_with};
+        let x = &x[..x.len() / 512 * 512];
+        prop_assume!(!x.is_empty());
+        let cols = 512;
+        let qw: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
+        for ty in [
+            GgufType::Iq2Xxs,
+            GgufType::Iq2Xs,
+            GgufType::Iq2S,
+            GgufType::Iq3Xxs,
+            GgufType::Iq3S,
+        ] {
+            let plain = !kiln_kernels::ops::gguf::needs_weights(ty);
+            for qw in [Some(&qw[..]), None].into_iter().filter(|q| q.is_some() || plain) {
+                let mut want = vec![0u8; ty.bytes_for(x.len())];
+                quantize_with(ty, x, cols, qw, &mut want).unwrap();
+                let mut got = vec![0u8; want.len()];
+                let which = if qw.is_some() { "imatrix" } else { "plain" };
+                match qw {
+                    Some(qw) => portable::quantize_gguf_with(ty, x, cols, qw, &mut got).unwrap(),
+                    None => portable::quantize_gguf(ty, x, &mut got).unwrap(),
+                }
+                prop_assert!(
+                    got == want,
+                    "{} {which} portable: byte {:?}",
+                    ty.name(),
+                    got.iter().zip(&want).position(|(a, b)| a != b)
+                );
+                got.fill(0);
+                cpu::quantize_gguf_with(ty, x, cols, qw, &mut got).unwrap();
+                prop_assert!(got == want, "{} {which} dispatched", ty.name());
+                #[cfg(target_arch = "x86_64")]
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+                    got.fill(0);
+                    // SAFETY: features detected just above.
+                    match qw {
+                        Some(qw) => unsafe { cpu::x86::quantize_gguf_with(ty, x, cols, qw, &mut got) }.unwrap(),
+                        None => unsafe { cpu::x86::quantize_gguf(ty, x, &mut got) }.unwrap(),
+                    }
+                    prop_assert!(got == want, "{} {which} avx2", ty.name());
+                }
+            }
+        }
+    }
+}

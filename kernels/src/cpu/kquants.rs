@@ -50,6 +50,12 @@ pub(crate) trait Lanes: Copy {
     fn select(self, a: Self, b: Self) -> Self;
     /// ggml's `nearest_int` clamped to `lo..=hi`, as f32.
     fn code(self, lo: i32, hi: i32) -> Self;
+    /// Eight small integers as f32.
+    fn from_i8(a: &[i8; 8]) -> Self;
+    /// The least lane (for lanes without NaN).
+    fn hmin(self) -> f32;
+    /// The i-quants' neighbour search in these lanes over `lists`.
+    fn neighbours(lists: &'static super::iquants::LaneLists) -> super::iquants::LaneSearch;
 }
 
 /// [`Lanes`] as an array: any CPU.
@@ -146,6 +152,17 @@ impl Lanes for Portable {
         self.zip(self, |a, _| {
             crate::ops::gguf::nearest_int(a).max(lo).min(hi) as f32
         })
+    }
+    #[inline(always)]
+    fn from_i8(a: &[i8; 8]) -> Self {
+        Portable(a.map(f32::from))
+    }
+    #[inline(always)]
+    fn hmin(self) -> f32 {
+        self.0.into_iter().fold(f32::INFINITY, f32::min)
+    }
+    fn neighbours(lists: &'static super::iquants::LaneLists) -> super::iquants::LaneSearch {
+        super::iquants::LaneSearch::Portable(lists)
     }
 }
 
@@ -258,6 +275,33 @@ mod avx2 {
                 _mm256_cvtepi32_ps(q)
             })
         }
+        #[inline(always)]
+        fn from_i8(a: &[i8; 8]) -> Self {
+            // SAFETY: AVX2 is available (see `Avx2`); the load reads the eight bytes of `a`.
+            Avx2(unsafe {
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    a.as_ptr().cast::<__m128i>(),
+                )))
+            })
+        }
+        #[inline(always)]
+        fn hmin(self) -> f32 {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            unsafe {
+                let m = _mm_min_ps(
+                    _mm256_castps256_ps128(self.0),
+                    _mm256_extractf128_ps::<1>(self.0),
+                );
+                let m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+                let m = _mm_min_ss(m, _mm_shuffle_ps::<1>(m, m));
+                _mm_cvtss_f32(m)
+            }
+        }
+        fn neighbours(
+            lists: &'static crate::cpu::iquants::LaneLists,
+        ) -> crate::cpu::iquants::LaneSearch {
+            crate::cpu::iquants::LaneSearch::Avx2(lists)
+        }
     }
 }
 
@@ -271,6 +315,10 @@ pub(crate) fn quantize_blocks<V: Lanes>(
     out: &mut [u8],
 ) -> Result<(), KernelError> {
     check_layout(ty, x.len(), x.len().max(ty.block_elems()), out.len())?;
+    if super::iquants::is_iquant(ty) && !crate::ops::gguf::needs_weights(ty) {
+        super::iquants::quantize::<V>(ty, x, x.len(), None, out);
+        return Ok(());
+    }
     if matches!(ty, GgufType::Iq4Nl | GgufType::Iq4Xs) {
         return iq4_blocks::<V>(ty, x, None, out);
     }
@@ -324,12 +372,17 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
             | GgufType::Q6K
             | GgufType::Iq4Nl
             | GgufType::Iq4Xs
-    ) {
+    ) && !super::iquants::is_iquant(ty)
+    {
         return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
     }
     check_layout(ty, x.len(), cols, out.len())?;
     if qw.len() != cols {
         return crate::ops::gguf::quantize_with(ty, x, cols, Some(qw), out);
+    }
+    if super::iquants::is_iquant(ty) {
+        super::iquants::quantize::<V>(ty, x, cols, Some(qw), out);
+        return Ok(());
     }
     let (bytes, row_bytes) = (ty.block_bytes(), ty.bytes_for(cols));
     if matches!(

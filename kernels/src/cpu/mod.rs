@@ -8,6 +8,7 @@
 //! machine (tests and benchmarks compare them).
 
 pub mod bits;
+mod iquants;
 mod kquants;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
@@ -434,8 +435,8 @@ pub fn quantize_int4_groups<T: Element>(
 /// llama.cpp's GGUF quantization with importance weights ([`ops::gguf::quantize_with`]): whole
 /// rows spread over rayon's threads (the legacy types' weights depend on the whole row); the
 /// legacy types (Q4_0 … Q5_1), the k-quants (Q2_K … Q6_K), IQ4_NL and IQ4_XS search eight
-/// blocks or sub-blocks at once in vector lanes (`kquants`), the i-quants run the reference's
-/// code. `None` is [`quantize_gguf`]. The bytes equal the single-threaded
+/// blocks or sub-blocks at once in vector lanes (`kquants`), the i-quants search eight lattice
+/// neighbours and fit eight candidate scales at once (`iquants`). `None` is [`quantize_gguf`]. The bytes equal the single-threaded
 /// reference's.
 pub fn quantize_gguf_with(
     ty: ops::gguf::GgufType,
@@ -463,6 +464,11 @@ pub fn quantize_gguf_with(
             | T::Q6K
             | T::Iq4Nl
             | T::Iq4Xs
+            | T::Iq2Xxs
+            | T::Iq2Xs
+            | T::Iq2S
+            | T::Iq3Xxs
+            | T::Iq3S
     ) && qw.len() == cols;
     x.par_chunks(rows * cols)
         .zip(out.par_chunks_mut(rows * ty.bytes_for(cols)))
@@ -482,8 +488,9 @@ pub fn quantize_gguf_with(
 /// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
 /// over rayon's threads. The k-quants (Q2_K, Q4_K, Q5_K, Q6_K), IQ4_NL and IQ4_XS search eight
 /// sub-blocks at once in vector lanes (`kquants`), each lane in the reference's operation
-/// order; the other types run the reference's own code per block (no SIMD yet). Either way the bytes equal
-/// the single-threaded reference's.
+/// order; IQ2_S, IQ3_XXS and IQ3_S search eight lattice neighbours and fit eight candidate
+/// scales at once (`iquants`); the other types run the reference's own code per block. Either
+/// way the bytes equal the single-threaded reference's.
 pub fn quantize_gguf(
     ty: ops::gguf::GgufType,
     x: &[f32],

@@ -96,7 +96,8 @@ pub(crate) fn int4_pair_tail<T: Element>(
 }
 
 /// Rows of `cols` of `ty` under importance weights `qw` (one per column): the legacy types,
-/// the k-quants and IQ4 by the lane searches of `cpu::kquants`, the i-quants by the reference.
+/// the k-quants and IQ4 by the lane searches of `cpu::kquants`, the i-quants by the reference's
+/// code with the lanes of `cpu::iquants`.
 pub fn quantize_gguf_with(
     ty: crate::ops::gguf::GgufType,
     x: &[f32],

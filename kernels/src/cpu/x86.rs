@@ -540,6 +540,42 @@ pub unsafe fn mxfp4<T: Element>(w: &[T], packed: &mut [u8], scales: &mut [u8]) {
     }
 }
 
+/// The i-quants' neighbour search of `cpu::iquants` compiled for AVX2: the best neighbour of
+/// pattern `u` in `lists`, eight neighbours a vector.
+///
+/// # Safety
+/// AVX2 and F16C must be available.
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn iq_best(
+    lists: &super::iquants::LaneLists,
+    u: usize,
+    xval: &[f32],
+    weight: &[f32],
+    scale: f32,
+) -> usize {
+    use super::{iquants::best, kquants::Avx2};
+    if lists.dims() == 8 {
+        best::<Avx2, 8>(lists, u, xval, weight, scale)
+    } else {
+        best::<Avx2, 4>(lists, u, xval, weight, scale)
+    }
+}
+
+/// The i-quants' candidate fits of `cpu::iquants` compiled for AVX2, eight candidates a
+/// vector.
+///
+/// # Safety
+/// AVX2 and F16C must be available.
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn iq_fits(
+    weight: &[f32],
+    xval: &[f32],
+    cands: &[[i8; 32]],
+    out: &mut [(f32, f32)],
+) {
+    super::iquants::fits::<super::kquants::Avx2>(weight, xval, cands, out)
+}
+
 /// The k-quant searches of `cpu::kquants` (Q4_K, Q5_K, Q6_K) compiled for AVX2, eight
 /// sub-blocks a vector; whole blocks of `ty` from `x` into `out`.
 ///
@@ -556,7 +592,7 @@ pub unsafe fn quantize_gguf(
 
 /// [`quantize_gguf`] under importance weights `qw` (one per column of rows of `cols`): the
 /// legacy types', the k-quants' and IQ4's weighted searches compiled for AVX2, the i-quants by
-/// the reference.
+/// the reference's code with `cpu::iquants`' AVX2 neighbour search and fits.
 ///
 /// # Safety
 /// AVX2 and F16C must be available.

@@ -323,8 +323,9 @@ pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) -> Result
             GgufType::Q5K => qk_asym(b, o, 31),
             GgufType::Q6K => q6_k(b, o),
             GgufType::Iq4Nl | GgufType::Iq4Xs => imatrix::iq4(b, o, None),
-            GgufType::Iq2S => iq::iq2_xs_s(ty, b, None, o),
-            GgufType::Iq3Xxs | GgufType::Iq3S => iq::iq3(ty, b, None, o),
+            GgufType::Iq2S | GgufType::Iq3Xxs | GgufType::Iq3S => {
+                iq::quantize_block(ty, b, None, o, &iq::Scalar)
+            }
             // Refused above.
             GgufType::Iq2Xxs | GgufType::Iq2Xs => {}
             GgufType::Mxfp4 => mxfp4(b, o),
@@ -342,6 +343,7 @@ pub(crate) use imatrix::{
 };
 #[path = "gguf_iq.rs"]
 mod iq;
+pub(crate) use iq::{Lattice, Neighbours, quantize_block as iq_block};
 
 fn q4_0(x: &[f32], o: &mut [u8]) {
     let (max, _) = signed_max(x);

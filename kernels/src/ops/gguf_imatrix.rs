@@ -38,9 +38,13 @@ pub(super) fn quantize_row(ty: GgufType, x: &[f32], qw: &[f32], o: &mut [u8]) {
                     GgufType::Q5K => qk_asym_impl(xb, qb, ob, 31),
                     GgufType::Q6K => q6_k_impl(xb, qb, ob),
                     GgufType::Iq4Nl | GgufType::Iq4Xs => iq4(xb, ob, Some(qb)),
-                    GgufType::Iq2Xxs => super::iq::iq2_xxs(xb, qb, ob),
-                    GgufType::Iq2Xs | GgufType::Iq2S => super::iq::iq2_xs_s(ty, xb, Some(qb), ob),
-                    GgufType::Iq3Xxs | GgufType::Iq3S => super::iq::iq3(ty, xb, Some(qb), ob),
+                    GgufType::Iq2Xxs
+                    | GgufType::Iq2Xs
+                    | GgufType::Iq2S
+                    | GgufType::Iq3Xxs
+                    | GgufType::Iq3S => {
+                        super::iq::quantize_block(ty, xb, Some(qb), ob, &super::iq::Scalar)
+                    }
                     // Q8_0 and MXFP4 take no weights (`super::weighted`); the legacy types
                     // are above.
                     _ => {

@@ -27,7 +27,7 @@ const EPS_IQ3_XXS: f32 = 1e-8;
 const EPS_IQ2_S: f32 = 1e-8;
 
 /// A lattice with its index map and neighbour lists (`iq2_entry_t` / `iq3_entry_t`).
-pub(super) struct Lattice {
+pub(crate) struct Lattice {
     /// Each point's levels as `2·l + 1` (eight or four used).
     points: Vec<[i8; 8]>,
     /// Packed levels → point, or `-(offset + 1)` into `neighbours` for a pattern off the
@@ -108,7 +108,7 @@ impl Lattice {
     }
 
     /// The lattice of `ty` (built on first use).
-    pub(super) fn of(ty: GgufType) -> &'static Lattice {
+    pub(crate) fn of(ty: GgufType) -> &'static Lattice {
         static L: [OnceLock<Lattice>; 5] = [const { OnceLock::new() }; 5];
         let (slot, grid, dims, bits, kmap, nwant): (usize, &[u16], _, _, _, _) = match ty {
             GgufType::Iq2Xxs => (0, &grids::KGRID_2BIT_256, 8, 2, 43692, 2),
@@ -122,19 +122,17 @@ impl Lattice {
 
     /// The point for `levels` (`dims` of them, each in `0..2^bits`): on the lattice, or its
     /// best neighbour by weighted error at `scale` (`iq2_find_best_neighbour` /
-    /// `iq3_find_best_neighbour`), whose levels then replace `levels`.
-    fn point(
+    /// `iq3_find_best_neighbour`, as `search` finds it), whose levels then replace `levels`.
+    fn point<N: Neighbours>(
         &self,
+        search: &N,
         levels: &mut [i8],
         xval: &[f32],
         weight: &[f32],
         scale: f32,
         rewrite_on_grid: bool,
     ) -> usize {
-        let mut u = 0usize;
-        for i in 0..self.dims {
-            u |= (levels[i] as usize) << (self.bits * i);
-        }
+        let u = self.pattern(levels);
         let g = self.map[u];
         if g >= 0 {
             if rewrite_on_grid {
@@ -143,38 +141,62 @@ impl Lattice {
             return g as usize;
         }
         let at = (-g - 1) as usize;
-        let n = usize::from(self.neighbours[at]);
-        let (mut best_d2, mut best) = (f32::MAX, usize::MAX);
-        for &j in &self.neighbours[at + 1..at + 1 + n] {
-            let p = &self.points[usize::from(j)];
-            let mut d2 = 0f32;
-            for i in 0..self.dims {
-                let diff = scale * f32::from(p[i]) - xval[i];
-                d2 += weight[i] * diff * diff;
-            }
-            if d2 < best_d2 {
-                best_d2 = d2;
-                best = usize::from(j);
-            }
+        let mut best = search.best(self, u, at, xval, weight, scale);
+        if best == usize::MAX {
+            // No error below f32::MAX: an infinite or NaN value, or one so large that its
+            // error overflows. llama.cpp's search asserts here (the process aborts); kiln takes
+            // the nearest neighbour by lattice distance, the list's first, and goes on.
+            best = usize::from(self.neighbours[at + 1]);
         }
         self.levels_of(best, levels);
         best
     }
 
-    fn levels_of(&self, g: usize, levels: &mut [i8]) {
+    /// `levels` packed into the index of the map (`bits` per level).
+    fn pattern(&self, levels: &[i8]) -> usize {
+        let mut u = 0usize;
         for i in 0..self.dims {
-            levels[i] = (self.points[g][i] - 1) / 2;
+            u |= (levels[i] as usize) << (self.bits * i);
+        }
+        u
+    }
+
+    /// Levels per point: 8 (IQ2) or 4 (IQ3).
+    pub(crate) fn dims(&self) -> usize {
+        self.dims
+    }
+
+    /// Point `g`'s levels as `2·l + 1` (the first [`Lattice::dims`] used).
+    pub(crate) fn point_levels(&self, g: usize) -> &[i8; 8] {
+        &self.points[g]
+    }
+
+    /// The patterns the map holds (on and off the lattice).
+    pub(crate) fn patterns(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The neighbour list of pattern `u`, in the order the search visits it (by distance, then
+    /// index); `None` for a pattern on the lattice.
+    pub(crate) fn neighbours_of(&self, u: usize) -> Option<&[u16]> {
+        let g = self.map[u];
+        (g < 0).then(|| {
+            let at = (-g - 1) as usize;
+            &self.neighbours[at + 1..at + 1 + usize::from(self.neighbours[at])]
+        })
+    }
+
+    fn levels_of(&self, g: usize, levels: &mut [i8]) {
+        let p = &self.points[g];
+        for i in 0..self.dims {
+            levels[i] = (p[i] - 1) >> 1;
         }
     }
 
     /// The point packed from `levels` (which must be on the lattice: they always are when
     /// they came from [`Lattice::point`]).
     fn index(&self, levels: &[i8]) -> usize {
-        let mut u = 0usize;
-        for i in 0..self.dims {
-            u |= (levels[i] as usize) << (self.bits * i);
-        }
-        self.map[u].max(0) as usize
+        self.map[self.pattern(levels)].max(0) as usize
     }
 
     /// The dequantization grid's value of level `l` (`iq*_grid` of `ggml-common.h`: IQ2's
@@ -187,6 +209,81 @@ impl Lattice {
             GgufType::Iq3Xxs => [4.0, 12.0, 20.0, 28.0, 36.0, 44.0, 52.0, 62.0][l as usize],
             _ => f32::from(2 * l + 1),
         }
+    }
+}
+
+/// How a pattern off the lattice finds its best neighbour: the least `Σ w·(scale·p − x)²`
+/// over its list, the first in list order on a tie (`usize::MAX` if no error is below
+/// `f32::MAX`, as the C code's `grid_index` stays −1). [`Scalar`] is the C code's loop; the CPU
+/// kernels search eight neighbours a vector (`cpu::iquants`), with each lane's sum in this
+/// order, so the same neighbour wins.
+pub(crate) trait Neighbours {
+    /// The best neighbour of pattern `u` of `lat`, whose list starts at `at` of its
+    /// neighbour table, for magnitudes `xval` with error weights `weight` at `scale`.
+    fn best(
+        &self,
+        lat: &Lattice,
+        u: usize,
+        at: usize,
+        xval: &[f32],
+        weight: &[f32],
+        scale: f32,
+    ) -> usize;
+
+    /// [`fit`] of each candidate's levels (`cands[c]`, the first `xval.len()` of them) into
+    /// `out[c]`; each independent of the others.
+    fn fits(&self, weight: &[f32], xval: &[f32], cands: &[[i8; 32]], out: &mut [(f32, f32)]) {
+        for (c, o) in cands.iter().zip(out) {
+            *o = fit(weight, xval, &c[..xval.len()]);
+        }
+    }
+}
+
+/// The reference's neighbour search (`iq2_find_best_neighbour`'s loop).
+pub(crate) struct Scalar;
+
+impl Neighbours for Scalar {
+    fn best(
+        &self,
+        lat: &Lattice,
+        _u: usize,
+        at: usize,
+        xval: &[f32],
+        weight: &[f32],
+        scale: f32,
+    ) -> usize {
+        let n = usize::from(lat.neighbours[at]);
+        let (mut best_d2, mut best) = (f32::MAX, usize::MAX);
+        for &j in &lat.neighbours[at + 1..at + 1 + n] {
+            let p = &lat.points[usize::from(j)];
+            let mut d2 = 0f32;
+            for i in 0..lat.dims {
+                let diff = scale * f32::from(p[i]) - xval[i];
+                d2 += weight[i] * diff * diff;
+            }
+            if d2 < best_d2 {
+                best_d2 = d2;
+                best = usize::from(j);
+            }
+        }
+        best
+    }
+}
+
+/// One block of 256 of the i-quant `ty` (IQ2_XXS … IQ3_S) with importance weights `qw` (IQ2_XXS
+/// and IQ2_XS need them: a block without is left as zeros), its neighbours found by `search`.
+pub(crate) fn quantize_block<N: Neighbours>(
+    ty: GgufType,
+    x: &[f32],
+    qw: Option<&[f32]>,
+    o: &mut [u8],
+    search: &N,
+) {
+    match (ty, qw) {
+        (GgufType::Iq2Xxs, Some(qw)) => iq2_xxs(x, qw, o, search),
+        (GgufType::Iq2Xs | GgufType::Iq2S, _) => iq2_xs_s(ty, x, qw, o, search),
+        (GgufType::Iq3Xxs | GgufType::Iq3S, _) => iq3(ty, x, qw, o, search),
+        _ => o.fill(0),
     }
 }
 
@@ -247,6 +344,29 @@ fn fit(weight: &[f32], xval: &[f32], l: &[i8]) -> (f32, f32) {
 fn round_levels(id: f32, xval: &[f32], l: &mut [i8], kmax: i32) {
     for i in 0..xval.len() {
         l[i] = nearest_int(0.5 * (id * xval[i] - 1.0)).clamp(0, kmax - 1) as i8;
+    }
+}
+
+/// A sub-block's magnitudes and neighbour-search weights on a lattice: what rounds a group of
+/// levels and puts it on the lattice.
+struct Placer<'a, N> {
+    lat: &'a Lattice,
+    nb: &'a N,
+    xval: &'a [f32],
+    waux: &'a [f32],
+    kmax: i32,
+}
+
+impl<N: Neighbours> Placer<'_, N> {
+    /// Group `k` of `levels` rounded at inverse scale `id`, then put on the lattice at `scale`
+    /// ([`Lattice::point`]); whether the rounding alone landed on it.
+    fn place(&self, k: usize, id: f32, scale: f32, levels: &mut [i8], rewrite: bool) -> bool {
+        let r = self.lat.dims * k..self.lat.dims * (k + 1);
+        let (x, l) = (&self.xval[r.clone()], &mut levels[r.clone()]);
+        round_levels(id, x, l, self.kmax);
+        let on = self.lat.map[self.lat.pattern(l)] >= 0;
+        self.lat.point(self.nb, l, x, &self.waux[r], scale, rewrite);
+        on
     }
 }
 
@@ -334,7 +454,7 @@ fn sum_sq(x: &[f32]) -> f32 {
 
 /// `quantize_row_iq2_xxs_impl`: 66 bytes per 256 (`d`; per 32, four point indices in one u32
 /// and 4 × 7 sign bits plus a 4-bit scale in another). Needs importance weights.
-pub(super) fn iq2_xxs(x: &[f32], qw: &[f32], o: &mut [u8]) {
+fn iq2_xxs<N: Neighbours>(x: &[f32], qw: &[f32], o: &mut [u8], nb: &N) {
     const KMAX: i32 = 3;
     let lat = Lattice::of(GgufType::Iq2Xxs);
     o.fill(0);
@@ -364,34 +484,35 @@ pub(super) fn iq2_xxs(x: &[f32], qw: &[f32], o: &mut [u8]) {
             l.fill(0);
             continue;
         }
-        let mut best = 0f32;
-        for is in -6i32..=6 {
+        // Every candidate's levels, then their fits, the best kept in candidate order.
+        let mut cands = [[0i8; 32]; 13];
+        let placer = Placer {
+            lat,
+            nb,
+            xval,
+            waux,
+            kmax: KMAX,
+        };
+        for (c, is) in (-6i32..=6).enumerate() {
             let id = ((2 * KMAX - 1) as f32 + is as f32 * 0.1) / eff_max;
-            let this_scale = 1.0 / id;
             for k in 0..4 {
-                let r = 8 * k..8 * k + 8;
-                round_levels(id, &xval[r.clone()], &mut laux[r.clone()], KMAX);
-                lat.point(
-                    &mut laux[r.clone()],
-                    &xval[r.clone()],
-                    &waux[r],
-                    this_scale,
-                    false,
-                );
+                placer.place(k, id, 1.0 / id, &mut laux, false);
             }
-            let (sumqx, sumq2) = fit(weight, xval, &laux);
+            cands[c] = laux;
+        }
+        let mut fits = [(0f32, 0f32); 13];
+        nb.fits(weight, xval, &cands, &mut fits);
+        let mut best = 0f32;
+        for (c, &(sumqx, sumq2)) in fits.iter().enumerate() {
             if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
                 scale = sumqx / sumq2;
                 best = scale * sumqx;
-                l = laux;
+                l = cands[c];
             }
         }
         if scale > 0.0 {
-            let id = 1.0 / scale;
             for k in 0..4 {
-                let r = 8 * k..8 * k + 8;
-                round_levels(id, &xval[r.clone()], &mut l[r.clone()], KMAX);
-                lat.point(&mut l[r.clone()], &xval[r.clone()], &waux[r], scale, true);
+                placer.place(k, 1.0 / scale, scale, &mut l, true);
             }
             let (sumqx, sumq2) = fit(weight, xval, &l);
             if sumq2 > 0.0 {
@@ -432,7 +553,8 @@ pub(super) fn iq2_xxs(x: &[f32], qw: &[f32], o: &mut [u8]) {
 /// lattice (all of them with `all_again`) re-rounded at the chosen scale and the scale refitted.
 /// Returns the scale; the levels are in `l`.
 #[allow(clippy::too_many_arguments)]
-fn search(
+fn search<N: Neighbours>(
+    nb: &N,
     lat: &Lattice,
     xval: &[f32],
     weight: &[f32],
@@ -451,50 +573,41 @@ fn search(
     let mut best = 0f32;
     let mut scale = max / (2 * kmax - 1) as f32;
     let mut on_grid = [on_grid_start; 8];
-    let mut on_grid_aux = [true; 8];
-    let mut laux = [0i8; 32];
+    // Every candidate's levels (and which groups landed on the lattice), then their fits, the
+    // best kept in candidate order.
+    let mut cands = [[0i8; 32]; 31];
+    let mut grids = [[true; 8]; 31];
+    let mut count = 0;
+    let placer = Placer {
+        lat,
+        nb,
+        xval,
+        waux,
+        kmax,
+    };
     for is in steps {
         let id = ((2 * kmax - 1) as f32 + is as f32 * step) / max;
-        let this_scale = 1.0 / id;
         for k in 0..groups {
-            let r = lat.dims * k..lat.dims * (k + 1);
-            round_levels(id, &xval[r.clone()], &mut laux[r.clone()], kmax);
-            let mut u = 0usize;
-            for i in 0..lat.dims {
-                u |= (laux[r.start + i] as usize) << (lat.bits * i);
-            }
-            on_grid_aux[k] = lat.map[u] >= 0;
-            lat.point(
-                &mut laux[r.clone()],
-                &xval[r.clone()],
-                &waux[r],
-                this_scale,
-                false,
-            );
+            grids[count][k] = placer.place(k, id, 1.0 / id, &mut cands[count], false);
         }
-        let (sumqx, sumq2) = fit(weight, xval, &laux[..n]);
+        count += 1;
+    }
+    let mut fits = [(0f32, 0f32); 31];
+    nb.fits(weight, xval, &cands[..count], &mut fits[..count]);
+    for c in 0..count {
+        let (sumqx, sumq2) = fits[c];
         if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
             scale = sumqx / sumq2;
             best = scale * sumqx;
-            l[..n].copy_from_slice(&laux[..n]);
-            on_grid[..groups].copy_from_slice(&on_grid_aux[..groups]);
+            l[..n].copy_from_slice(&cands[c][..n]);
+            on_grid[..groups].copy_from_slice(&grids[c][..groups]);
         }
     }
     if on_grid[..groups].iter().any(|g| !g) && scale > 0.0 {
-        let id = 1.0 / scale;
         for k in 0..groups {
-            if !all_again && on_grid[k] {
-                continue;
+            if all_again || !on_grid[k] {
+                placer.place(k, 1.0 / scale, scale, l, rewrite_on_grid);
             }
-            let r = lat.dims * k..lat.dims * (k + 1);
-            round_levels(id, &xval[r.clone()], &mut l[r.clone()], kmax);
-            lat.point(
-                &mut l[r.clone()],
-                &xval[r.clone()],
-                &waux[r],
-                scale,
-                rewrite_on_grid,
-            );
         }
         let (sumqx, sumq2) = fit(weight, xval, &l[..n]);
         if sumq2 > 0.0 {
@@ -507,7 +620,7 @@ fn search(
 /// `quantize_row_iq2_xs_impl` (74 bytes per 256: `d`, 32 × u16 point | 7 sign bits << 9, 8
 /// bytes of 4-bit scales per 16) and `quantize_row_iq2_s_impl` (82 bytes: `d`, 32 point
 /// bytes, 32 sign bytes, 8 bytes of high index bits, 8 of scales; weights optional).
-pub(super) fn iq2_xs_s(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]) {
+fn iq2_xs_s<N: Neighbours>(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8], nb: &N) {
     const KMAX: i32 = 3;
     let lat = Lattice::of(ty);
     let is_s = ty == GgufType::Iq2S;
@@ -532,6 +645,7 @@ pub(super) fn iq2_xs_s(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]
             continue;
         }
         let mut scale = search(
+            nb,
             lat,
             sub.xval(),
             sub.weight(),
@@ -589,7 +703,7 @@ pub(super) fn iq2_xs_s(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]
 /// sign bits and a 4-bit scale) and `quantize_row_iq3_s_impl` (110 bytes: `d`, 64 point
 /// bytes, 8 bytes of ninth index bits, 32 sign bytes, 4 bytes of scales per 64). Weights
 /// optional (`x²` without them).
-pub(super) fn iq3(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]) {
+fn iq3<N: Neighbours>(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8], nb: &N) {
     const KMAX: i32 = 8;
     let lat = Lattice::of(ty);
     let is_s = ty == GgufType::Iq3S;
@@ -624,6 +738,7 @@ pub(super) fn iq3(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8]) {
             (-15..=15, true, false)
         };
         let mut scale = search(
+            nb,
             lat,
             sub.xval(),
             sub.weight(),
@@ -815,6 +930,38 @@ mod tests {
         for s in 0..128u8 {
             assert_eq!(ksign(s).count_ones() % 2, 0);
             assert_eq!(ksign(s) & 127, s);
+        }
+    }
+
+    /// Values whose errors overflow (±∞, NaN, near `f32::MAX`) leave the neighbour search
+    /// without a winner: llama.cpp asserts there; kiln takes the nearest neighbour and writes
+    /// a block.
+    #[test]
+    fn values_whose_errors_overflow_still_quantize() {
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 3e38, -3e38] {
+            let x: Vec<f32> = (0..256)
+                .map(|i| {
+                    if i % 7 == 3 {
+                        bad
+                    } else {
+                        (i as f32 * 0.37).sin()
+                    }
+                })
+                .collect();
+            let qw = vec![1f32; 256];
+            for ty in [
+                GgufType::Iq2Xxs,
+                GgufType::Iq2Xs,
+                GgufType::Iq2S,
+                GgufType::Iq3Xxs,
+                GgufType::Iq3S,
+            ] {
+                let mut o = vec![0u8; ty.block_bytes()];
+                quantize_block(ty, &x, Some(&qw), &mut o, &Scalar);
+                if ty != GgufType::Iq2Xxs && ty != GgufType::Iq2Xs {
+                    quantize_block(ty, &x, None, &mut o, &Scalar);
+                }
+            }
         }
     }
 }
