@@ -1560,6 +1560,126 @@ fn broken_adapters_are_named_errors() {
     }
 }
 
+/// The output layer and log-softmax without the logits (`forward_padded_logps`, what candle
+/// trains SFT, DPO, KTO, ORPO and CPO with on the CPU) run — over a dense f32 head and over
+/// LoRA's packed bf16 one — and give the padded forward's log-probabilities, entropies,
+/// arg-maxes and logit sums; a head it cannot take (an adapter on `lm_head`) is left to the
+/// logits.
+#[test]
+fn the_head_without_logits_equals_the_padded_forward() {
+    use kiln_runtime::model::DecoderModel;
+    use kiln_runtime::model::candle::{D, DType, Device, Tensor};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("demo");
+    std::fs::create_dir_all(&model).unwrap();
+    kiln_runtime::demo::write_demo_model(&model, kiln_runtime::demo::DemoConfig::default())
+        .unwrap();
+    let ck = kiln_runtime::checkpoint::Checkpoint::open(&model).unwrap();
+    let (b, t) = (3usize, 9usize);
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 37 % 500 + 3) as u32).collect();
+    let lengths = [9usize, 5, 7];
+    let labels: Vec<u32> = (0..b * t).map(|i| (i * 11 % 300) as u32).collect();
+    let ids = Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap();
+    for (name, m) in [
+        (
+            "dense",
+            DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap(),
+        ),
+        (
+            "packed",
+            DecoderModel::load_frozen_base(&ck, &Device::Cpu).unwrap(),
+        ),
+    ] {
+        let (logps, stats) = m
+            .forward_padded_logps(&ids, &lengths, labels.clone())
+            .unwrap()
+            .unwrap_or_else(|| panic!("{name}: the head runs without the logits"));
+        let logits = m.forward_padded(&ids, &lengths).unwrap();
+        let lsm = candle_nn_free_log_softmax(&logits);
+        let want: Vec<f32> = lsm
+            .flatten_to(1)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .zip(&labels)
+            .map(|(row, &l)| row[l as usize])
+            .collect();
+        let got: Vec<f32> = logps.flatten_all().unwrap().to_vec1().unwrap();
+        let argmax: Vec<u32> = logits
+            .argmax(D::Minus1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let sums: Vec<f32> = logits
+            .sum(D::Minus1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let p = lsm.exp().unwrap();
+        let entropy: Vec<f32> = (p * &lsm)
+            .unwrap()
+            .sum(D::Minus1)
+            .unwrap()
+            .neg()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (what, a, w) in [
+            ("logps", &got, &want),
+            ("entropy", &stats.entropy, &entropy),
+            ("sum", &stats.sum, &sums),
+        ] {
+            for (i, (x, y)) in a.iter().zip(w.iter()).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                    "{name} {what}[{i}]: {x} vs {y}"
+                );
+            }
+        }
+        assert_eq!(stats.argmax, argmax, "{name}");
+    }
+    // An adapter on lm_head: the logits' path.
+    let mut m = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let spec = kiln_runtime::model::lora::LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        rslora: false,
+        target_modules: vec!["lm_head".into()],
+    };
+    let adapters = kiln_runtime::model::lora::Adapters::new(&m, &spec, 1).unwrap();
+    m = m.with_adapters(Some(std::sync::Arc::new(adapters)));
+    assert!(
+        m.forward_padded_logps(&ids, &lengths, labels)
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// `log_softmax` over the last dimension by the textbook (max-shifted), in candle ops.
+fn candle_nn_free_log_softmax(
+    x: &kiln_runtime::model::candle::Tensor,
+) -> kiln_runtime::model::candle::Tensor {
+    use kiln_runtime::model::candle::D;
+    let max = x.max_keepdim(D::Minus1).unwrap();
+    let shifted = x.broadcast_sub(&max).unwrap();
+    let lse = shifted
+        .exp()
+        .unwrap()
+        .sum_keepdim(D::Minus1)
+        .unwrap()
+        .log()
+        .unwrap();
+    shifted.broadcast_sub(&lse).unwrap()
+}
+
 /// LoRA keeps a bf16 checkpoint's frozen Linears in bf16 (`DecoderModel::load_frozen_base`,
 /// widened a tile at a time): every step's loss and gradient norm equal those of the same run
 /// over the weights loaded in f32 (what `--merge` loads, as it needs them dense).

@@ -8,7 +8,10 @@
 //! - [`swiglu`]: `y = silu(g) · u` (the MLP's gate) and its backward;
 //! - [`rms_norm`]: transformers' RMSNorm `w · x / sqrt(mean(x²) + ε)` and its backward;
 //! - [`rope`]: `x · cos + rotate_half(x) · sin` per position and its backward;
-//! - [`masked_softmax`]: attention's `softmax(scale · s + causal + key mask)` and its backward;
+//! - [`attention`]: the whole of attention, `softmax(scale · q·kᵀ + masks) · v`, streamed one
+//!   query row at a time (flash-attention style: only the rows' log-sum-exps are kept for the
+//!   backward pass, never `[tq, tk]` probabilities), grouped-query heads reading their shared
+//!   keys and values in place, and its backward;
 //! - [`token_logps`]: `log_softmax(logits)[label]` per row and its backward, which never holds
 //!   a second `[rows, vocab]` array;
 //! - [`token_entropy`]: the entropy of `softmax(logits)` per row (a logged figure, no
@@ -243,20 +246,28 @@ pub fn rope(
     Ok(())
 }
 
-/// The shapes of attention's scores for [`masked_softmax`]: `batch · heads · tq` rows of `tk`
-/// keys, the causal (and sliding-window) mask `[tq, tk]`, and optionally a key mask
-/// `[batch, tk]` (0 or a large negative value), added after `scale`.
+// ---- Attention, streamed row by row ------------------------------------------------------
+
+/// The shapes of [`attention`]: queries `[batch, heads, tq, dim]`, keys and values
+/// `[batch, kv_heads, tk, dim]` (grouped-query attention: query head `h` reads key/value head
+/// `h / (heads / kv_heads)`, transformers' `repeat_kv` order), the causal (and sliding-window)
+/// mask `[tq, tk]` (0 or −∞) and optionally a key mask `[batch, tk]` (0 or a large negative
+/// value), added after `scale`.
 #[derive(Debug, Clone, Copy)]
-pub struct Scores<'a> {
+pub struct Heads<'a> {
     /// Sequences.
     pub batch: usize,
-    /// Heads per sequence.
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: usize,
     /// Queries.
     pub tq: usize,
     /// Keys.
     pub tk: usize,
-    /// The factor on the raw scores (`1 / √head_dim`).
+    /// Values per head.
+    pub dim: usize,
+    /// The factor on `q·k` (`1 / √dim`).
     pub scale: f32,
     /// `[tq, tk]`, added to every head of every sequence.
     pub causal: &'a [f32],
@@ -264,95 +275,287 @@ pub struct Scores<'a> {
     pub keys: Option<&'a [f32]>,
 }
 
-impl Scores<'_> {
-    fn check(&self, op: &'static str, len: usize) -> Result<(), KernelError> {
-        let Scores {
+impl Heads<'_> {
+    fn check(&self, op: &'static str, q: usize, k: usize, v: usize) -> Result<(), KernelError> {
+        let Heads {
             batch,
             heads,
+            kv_heads,
             tq,
             tk,
+            dim,
             ..
         } = *self;
-        check_len(
-            op,
-            "scores",
-            len,
-            batch * heads * tq * tk,
-            &[batch, heads, tq, tk],
-        )?;
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(bad(
+                op,
+                format!("{heads} query heads are not groups of {kv_heads} key/value heads"),
+            ));
+        }
+        let kv = [batch, kv_heads, tk, dim];
+        for (name, len, dims) in [
+            ("q", q, [batch, heads, tq, dim]),
+            ("k", k, kv),
+            ("v", v, kv),
+        ] {
+            check_len(op, name, len, dims.iter().product(), &dims)?;
+        }
         check_len(op, "causal", self.causal.len(), tq * tk, &[tq, tk])?;
         if let Some(k) = self.keys {
             check_len(op, "keys", k.len(), batch * tk, &[batch, tk])?;
         }
         Ok(())
     }
+
+    /// Query rows per key/value head (the group's heads, one after another).
+    fn rows(&self) -> usize {
+        self.heads / self.kv_heads * self.tq
+    }
 }
 
-/// `p = softmax(scale · s + causal + keys)` over each row of keys, as the unfused ops compute
-/// it (the sums in that order per element, the row's maximum subtracted before `exp`).
-pub fn masked_softmax(s: &[f32], shape: &Scores<'_>, p: &mut [f32]) -> Result<(), KernelError> {
-    shape.check("masked_softmax", s.len())?;
-    check_len("masked_softmax", "p", p.len(), s.len(), &[s.len()])?;
-    let Scores {
-        heads,
-        tq,
-        tk,
-        scale,
-        causal,
-        keys,
-        ..
-    } = *shape;
-    if tk == 0 {
+/// `Σ a·b` in eight partial sums (the compiler keeps them in one vector).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `y += a·x`.
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Row `i`'s scores `scale · q·k_j + causal + keys` into `s`; keys the causal mask hides
+/// (−∞) are skipped and left −∞.
+#[inline(always)]
+fn scores_row(
+    q: &[f32],
+    k: &[f32],
+    causal: &[f32],
+    keys: Option<&[f32]>,
+    scale: f32,
+    s: &mut [f32],
+) {
+    let dim = q.len();
+    for (j, s) in s.iter_mut().enumerate() {
+        *s = if causal[j] == f32::NEG_INFINITY {
+            f32::NEG_INFINITY
+        } else {
+            let v = dot(q, &k[j * dim..(j + 1) * dim]) * scale + causal[j];
+            match keys {
+                Some(m) => v + m[j],
+                None => v,
+            }
+        };
+    }
+}
+
+/// Whether this CPU runs the AVX2 + FMA build of the attention's per-task work.
+#[derive(Clone, Copy)]
+struct Isa {
+    avx2_fma: bool,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        let avx2_fma = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2_fma = false;
+        Isa { avx2_fma }
+    }
+
+    /// Runs `f`, compiled for AVX2 and FMA where the CPU has them (`f` inlined into a function
+    /// with those features: called once, a closure is). Called inside each rayon task: a
+    /// closure handed to rayon is compiled apart from its caller's target features.
+    #[inline(always)]
+    fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2_fma {
+            // SAFETY: `avx2_fma` is true only where `detect` found AVX2 and FMA.
+            return unsafe { avx2_fma(f) };
+        }
+        f()
+    }
+}
+
+/// `f()` compiled for AVX2 and FMA.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_fma<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// One (sequence, key/value head) of [`attention`]'s inputs: its group's query rows, keys,
+/// values and key mask.
+struct Task<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    keys: Option<&'a [f32]>,
+}
+
+impl<'a> Heads<'a> {
+    /// Task `task`'s part of `q`, `k`, `v` (tasks in (sequence, key/value head) order).
+    fn task(&self, task: usize, q: &'a [f32], k: &'a [f32], v: &'a [f32]) -> Task<'a> {
+        let (hq, hk) = (self.rows() * self.dim, self.tk * self.dim);
+        let b = task / self.kv_heads;
+        Task {
+            q: &q[task * hq..(task + 1) * hq],
+            k: &k[task * hk..(task + 1) * hk],
+            v: &v[task * hk..(task + 1) * hk],
+            keys: self.keys.map(|m| &m[b * self.tk..(b + 1) * self.tk]),
+        }
+    }
+
+    /// Query row `r` of a task: its values, its causal row, and its scores into `s`.
+    #[inline(always)]
+    fn row<'t>(&self, t: &Task<'t>, r: usize, s: &mut [f32]) -> (&'t [f32], &'a [f32]) {
+        let (i, dim, tk) = (r % self.tq, self.dim, self.tk);
+        let q = &t.q[r * dim..(r + 1) * dim];
+        let causal = &self.causal[i * tk..(i + 1) * tk];
+        scores_row(q, t.k, causal, t.keys, self.scale, s);
+        (q, causal)
+    }
+}
+
+/// Attention's output `o = softmax(scale · q·kᵀ + causal + keys) · v` `[batch, heads, tq,
+/// dim]` and each row's log-sum-exp `lse` `[batch, heads, tq]` (what the backward pass needs
+/// in place of the probabilities), one query row at a time: a row's `tk` scores are the only
+/// scores ever held (one row per thread), never `[tq, tk]`. Threaded over (sequence,
+/// key/value head); each group of query heads reads its keys and values where they are, never
+/// copied per head.
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    shape: &Heads<'_>,
+    o: &mut [f32],
+    lse: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "attention";
+    shape.check(op, q.len(), k.len(), v.len())?;
+    let h = *shape;
+    let dims = [h.batch, h.heads, h.tq, h.dim];
+    check_len(op, "o", o.len(), q.len(), &dims)?;
+    check_len(op, "lse", lse.len(), h.batch * h.heads * h.tq, &dims[..3])?;
+    if o.is_empty() {
         return Ok(());
     }
-    p.par_chunks_mut(tk)
-        .zip(s.par_chunks(tk))
+    let (rows, isa) = (h.rows(), Isa::detect());
+    o.par_chunks_mut(rows * h.dim)
+        .zip(lse.par_chunks_mut(rows))
         .enumerate()
-        .for_each(|(row, (p, s))| {
-            let (q, b) = (row % tq, row / (tq * heads));
-            let m = &causal[q * tk..(q + 1) * tk];
-            let k = keys.map(|k| &k[b * tk..(b + 1) * tk]);
-            for j in 0..tk {
-                let v = s[j] * scale + m[j];
-                p[j] = match k {
-                    Some(k) => v + k[j],
-                    None => v,
-                };
-            }
-            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for v in p.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            for v in p.iter_mut() {
-                *v /= sum;
-            }
+        .for_each(|(task, (o, lse))| {
+            let t = h.task(task, q, k, v);
+            isa.run(|| {
+                let mut s = vec![0f32; h.tk];
+                for (r, lse) in lse.iter_mut().enumerate() {
+                    let (_, causal) = h.row(&t, r, &mut s);
+                    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0f32;
+                    for x in s.iter_mut() {
+                        *x = (*x - max).exp();
+                        sum += *x;
+                    }
+                    let or = &mut o[r * h.dim..(r + 1) * h.dim];
+                    or.fill(0.0);
+                    for (j, &p) in s.iter().enumerate() {
+                        if causal[j] != f32::NEG_INFINITY {
+                            axpy(or, p / sum, &t.v[j * h.dim..(j + 1) * h.dim]);
+                        }
+                    }
+                    *lse = max + sum.ln();
+                }
+            })
         });
     Ok(())
 }
 
-/// The backward of [`masked_softmax`] from its output `p`: `ds = scale · p · (dp − Σ dp·p)`.
-pub fn masked_softmax_backward(
-    p: &[f32],
-    dp: &[f32],
-    tk: usize,
-    scale: f32,
-    ds: &mut [f32],
+/// The backward of [`attention`] from its inputs, output `o`, log-sum-exps `lse` and the
+/// output's gradient `d_o`: `dq`, `dk`, `dv` (overwritten). Each query row's probabilities
+/// are recomputed from `lse` (`p = exp(s − lse)`), `ds = scale · p · (do·v − do·o)`, and
+/// `dq += ds·k`, `dk += ds·q`, `dv += p·do` — one row of scores at a time, as the forward.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    shape: &Heads<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "masked_softmax_backward";
-    if tk == 0 || !p.len().is_multiple_of(tk) {
-        return Err(bad(op, format!("{} values are not rows of {tk}", p.len())));
+    let op = "attention_backward";
+    shape.check(op, q.len(), k.len(), v.len())?;
+    let h = *shape;
+    check_len(op, "o", o.len(), q.len(), &[q.len()])?;
+    check_len(op, "d_o", d_o.len(), q.len(), &[q.len()])?;
+    let rows = [h.batch, h.heads, h.tq];
+    check_len(op, "lse", lse.len(), rows.iter().product(), &rows)?;
+    check_len(op, "dq", dq.len(), q.len(), &[q.len()])?;
+    check_len(op, "dk", dk.len(), k.len(), &[k.len()])?;
+    check_len(op, "dv", dv.len(), v.len(), &[v.len()])?;
+    dq.fill(0.0);
+    dk.fill(0.0);
+    dv.fill(0.0);
+    if q.is_empty() || k.is_empty() {
+        return Ok(());
     }
-    check_len(op, "dp", dp.len(), p.len(), &[p.len()])?;
-    check_len(op, "ds", ds.len(), p.len(), &[p.len()])?;
-    ds.par_chunks_mut(tk)
-        .zip(p.par_chunks(tk).zip(dp.par_chunks(tk)))
-        .for_each(|(ds, (p, dp))| {
-            let dot: f32 = p.iter().zip(dp).map(|(a, b)| a * b).sum();
-            for j in 0..tk {
-                ds[j] = scale * (p[j] * (dp[j] - dot));
-            }
+    let (rows, dim, isa) = (h.rows(), h.dim, Isa::detect());
+    let (hq, hk) = (rows * dim, h.tk * dim);
+    dq.par_chunks_mut(hq)
+        .zip(dk.par_chunks_mut(hk).zip(dv.par_chunks_mut(hk)))
+        .enumerate()
+        .for_each(|(task, (dq, (dk, dv)))| {
+            let t = h.task(task, q, k, v);
+            let (oh, doh) = (
+                &o[task * hq..(task + 1) * hq],
+                &d_o[task * hq..(task + 1) * hq],
+            );
+            let lse = &lse[task * rows..(task + 1) * rows];
+            isa.run(|| {
+                let mut s = vec![0f32; h.tk];
+                for (r, &lse) in lse.iter().enumerate() {
+                    let (qr, causal) = h.row(&t, r, &mut s);
+                    let row = r * dim..(r + 1) * dim;
+                    let dor = &doh[row.clone()];
+                    let d = dot(dor, &oh[row.clone()]);
+                    let dqr = &mut dq[row];
+                    for j in 0..h.tk {
+                        if causal[j] == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let p = (s[j] - lse).exp();
+                        let kv = j * dim..(j + 1) * dim;
+                        let ds = h.scale * (p * (dot(dor, &t.v[kv.clone()]) - d));
+                        axpy(&mut dv[kv.clone()], p, dor);
+                        axpy(dqr, ds, &t.k[kv.clone()]);
+                        axpy(&mut dk[kv], ds, qr);
+                    }
+                }
+            })
         });
     Ok(())
 }
@@ -473,6 +676,37 @@ pub fn token_entropy(logits: &[f32], rows: &Rows, out: &mut [f32]) -> Result<(),
         }
         *o = z.ln() - s / z;
     });
+    Ok(())
+}
+
+/// Per row: the index of the largest logit (the first on a tie, as `torch.argmax`) and the
+/// sum of the logits (TRL's logged `logits/*` figures), each row in one pass.
+pub fn argmax_and_sum(
+    logits: &[f32],
+    rows: &Rows,
+    argmax: &mut [u32],
+    sum: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "argmax_and_sum";
+    rows.check(op, logits.len())?;
+    check_len(op, "argmax", argmax.len(), rows.rows, &[rows.rows])?;
+    check_len(op, "sum", sum.len(), rows.rows, &[rows.rows])?;
+    argmax
+        .par_iter_mut()
+        .zip(sum.par_iter_mut())
+        .enumerate()
+        .for_each(|(r, (a, s))| {
+            let x = &logits[rows.at(r)..rows.at(r) + rows.vocab];
+            let (mut best, mut at) = (f32::NEG_INFINITY, 0usize);
+            for (j, &v) in x.iter().enumerate() {
+                if v > best {
+                    best = v;
+                    at = j;
+                }
+            }
+            *a = at as u32;
+            *s = x.iter().sum();
+        });
     Ok(())
 }
 
@@ -609,70 +843,6 @@ mod tests {
     }
 
     #[test]
-    fn masked_softmax_and_its_backward_match_f64() {
-        let (batch, heads, tq, tk) = (2, 3, 4, 6);
-        let s = values(batch * heads * tq * tk, 11, 4.0);
-        let causal: Vec<f32> = (0..tq * tk)
-            .map(|i| {
-                if i % tk > i / tk + 2 {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let keys: Vec<f32> = (0..batch * tk)
-            .map(|i| if i == 1 { f32::MIN } else { 0.0 })
-            .collect();
-        let shape = Scores {
-            batch,
-            heads,
-            tq,
-            tk,
-            scale: 0.5,
-            causal: &causal,
-            keys: Some(&keys),
-        };
-        let mut p = vec![0.0; s.len()];
-        masked_softmax(&s, &shape, &mut p).unwrap();
-        let dp = values(s.len(), 12, 1.0);
-        let mut ds = vec![0.0; s.len()];
-        masked_softmax_backward(&p, &dp, tk, 0.5, &mut ds).unwrap();
-        let soft = |row: usize, s: &[f64]| -> Vec<f64> {
-            let (q, b) = (row % tq, row / (tq * heads));
-            let v: Vec<f64> = (0..tk)
-                .map(|j| s[j] * 0.5 + f64::from(causal[q * tk + j]) + f64::from(keys[b * tk + j]))
-                .collect();
-            let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = v.iter().map(|x| (x - m).exp()).sum();
-            v.iter().map(|x| (x - m).exp() / z).collect()
-        };
-        for row in 0..batch * heads * tq {
-            let s64: Vec<f64> = s[row * tk..(row + 1) * tk]
-                .iter()
-                .map(|&v| f64::from(v))
-                .collect();
-            let want = soft(row, &s64);
-            for j in 0..tk {
-                assert!(close(p[row * tk + j], want[j], 1e-6), "p[{row},{j}]");
-                let h = 1e-4;
-                let (mut a, mut b) = (s64.clone(), s64.clone());
-                a[j] += h;
-                b[j] -= h;
-                let (pa, pb) = (soft(row, &a), soft(row, &b));
-                let g: f64 = (0..tk)
-                    .map(|i| f64::from(dp[row * tk + i]) * (pa[i] - pb[i]) / (2.0 * h))
-                    .sum();
-                assert!(
-                    close(ds[row * tk + j], g, 1e-4),
-                    "ds[{row},{j}]: {} vs {g}",
-                    ds[row * tk + j]
-                );
-            }
-        }
-    }
-
-    #[test]
     fn token_logps_and_its_backward_match_f64_on_strided_rows() {
         // Two sequences of 4 positions over a vocabulary of 7; the rows are the first 3
         // positions of each (a narrowed view, as the shifted logits are).
@@ -741,5 +911,185 @@ mod tests {
         assert!(close(out[0], 9f64.ln(), 1e-6), "the flat row");
         assert!(out[1].abs() < 1e-6, "the one-hot row: {}", out[1]);
         assert!(token_entropy(&logits, &rows, &mut [0.0; 7]).is_err());
+    }
+
+    /// Attention by the textbook in f64: `[batch, heads, tq, tk]` probabilities, the output,
+    /// and the gradients from `do` (`ds = p·(dp − Σ dp·p)`).
+    #[allow(clippy::type_complexity)]
+    fn attention_f64(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        d_o: &[f32],
+        h: &Heads<'_>,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (g, dim) = (h.heads / h.kv_heads, h.dim);
+        let mut o = vec![0f64; q.len()];
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f64; q.len()],
+            vec![0f64; k.len()],
+            vec![0f64; v.len()],
+        );
+        for b in 0..h.batch {
+            for hh in 0..h.heads {
+                let kvh = hh / g;
+                let qa =
+                    |i: usize, d: usize| f64::from(q[((b * h.heads + hh) * h.tq + i) * dim + d]);
+                let ka = |j: usize, d: usize| ((b * h.kv_heads + kvh) * h.tk + j) * dim + d;
+                for i in 0..h.tq {
+                    let mut s = vec![0f64; h.tk];
+                    for j in 0..h.tk {
+                        let mut dotp = 0f64;
+                        for d in 0..dim {
+                            dotp += qa(i, d) * f64::from(k[ka(j, d)]);
+                        }
+                        s[j] = dotp * f64::from(h.scale)
+                            + f64::from(h.causal[i * h.tk + j])
+                            + h.keys.map_or(0.0, |m| f64::from(m[b * h.tk + j]));
+                    }
+                    let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    let p: Vec<f64> = e.iter().map(|x| x / sum).collect();
+                    let row = ((b * h.heads + hh) * h.tq + i) * dim;
+                    for j in 0..h.tk {
+                        for d in 0..dim {
+                            o[row + d] += p[j] * f64::from(v[ka(j, d)]);
+                        }
+                    }
+                    let dp: Vec<f64> = (0..h.tk)
+                        .map(|j| {
+                            (0..dim)
+                                .map(|d| f64::from(d_o[row + d]) * f64::from(v[ka(j, d)]))
+                                .sum()
+                        })
+                        .collect();
+                    let c: f64 = (0..h.tk).map(|j| dp[j] * p[j]).sum();
+                    for j in 0..h.tk {
+                        let ds = p[j] * (dp[j] - c) * f64::from(h.scale);
+                        for d in 0..dim {
+                            dq[row + d] += ds * f64::from(k[ka(j, d)]);
+                            dk[ka(j, d)] += ds * qa(i, d);
+                            dv[ka(j, d)] += p[j] * f64::from(d_o[row + d]);
+                        }
+                    }
+                }
+            }
+        }
+        (o, dq, dk, dv)
+    }
+
+    /// The streamed attention and its backward against the textbook, with grouped heads, a
+    /// sliding window, a key mask and queries after cached keys (`tq < tk`); a head size that
+    /// is not a multiple of eight takes the dot products' tails.
+    #[test]
+    fn attention_and_its_backward_match_the_textbook_in_f64() {
+        for (batch, heads, kv_heads, tq, tk, dim, window, keyed) in [
+            (2, 4, 2, 7, 7, 16, None, true),
+            (1, 6, 2, 5, 9, 12, Some(4usize), false),
+            (3, 2, 2, 33, 33, 8, None, true),
+            (1, 3, 1, 1, 20, 20, None, false),
+        ] {
+            let q = values(batch * heads * tq * dim, 11, 2.0);
+            let k = values(batch * kv_heads * tk * dim, 12, 2.0);
+            let v = values(batch * kv_heads * tk * dim, 13, 3.0);
+            let d_o = values(q.len(), 14, 1.0);
+            let start = tk - tq;
+            let causal: Vec<f32> = (0..tq)
+                .flat_map(|i| {
+                    (0..tk).map(move |j| {
+                        let i = start + i;
+                        if j > i || window.is_some_and(|w| i - j >= w) {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            // The first key of every other sequence hidden (the value a padded batch adds).
+            let keys: Vec<f32> = (0..batch * tk)
+                .map(|x| {
+                    if x % tk == 0 && (x / tk) % 2 == 1 {
+                        -1e9
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let h = Heads {
+                batch,
+                heads,
+                kv_heads,
+                tq,
+                tk,
+                dim,
+                scale: 1.0 / (dim as f32).sqrt(),
+                causal: &causal,
+                keys: keyed.then_some(&keys[..]),
+            };
+            let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; batch * heads * tq]);
+            attention(&q, &k, &v, &h, &mut o, &mut lse).unwrap();
+            let (want, dq_w, dk_w, dv_w) = attention_f64(&q, &k, &v, &d_o, &h);
+            let (mut dq, mut dk, mut dv) = (
+                vec![9f32; q.len()],
+                vec![9f32; k.len()],
+                vec![9f32; v.len()],
+            );
+            attention_backward(&q, &k, &v, &o, &lse, &d_o, &h, &mut dq, &mut dk, &mut dv).unwrap();
+            for (name, got, want) in [
+                ("o", &o, &want),
+                ("dq", &dq, &dq_w),
+                ("dk", &dk, &dk_w),
+                ("dv", &dv, &dv_w),
+            ] {
+                for (i, (&a, &b)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(
+                        close(a, b, 1e-4),
+                        "{name}[{i}]: {a} against {b} (shape {batch}×{heads}/{kv_heads}×{tq}×{tk}×{dim})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_refuses_heads_that_do_not_group() {
+        let h = Heads {
+            batch: 1,
+            heads: 3,
+            kv_heads: 2,
+            tq: 1,
+            tk: 1,
+            dim: 1,
+            scale: 1.0,
+            causal: &[0.0],
+            keys: None,
+        };
+        let e = attention(
+            &[0.0; 3],
+            &[0.0; 2],
+            &[0.0; 2],
+            &h,
+            &mut [0.0; 3],
+            &mut [0.0; 3],
+        );
+        assert!(e.unwrap_err().to_string().contains("groups of 2"));
+    }
+
+    #[test]
+    fn argmax_and_sum_take_the_first_largest_and_the_row_sum() {
+        let x = [1.0f32, 3.0, 3.0, -2.0, 0.5, -1.0, -1.0, -7.0];
+        let rows = Rows {
+            rows: 2,
+            vocab: 4,
+            per_group: 2,
+            group_stride: 8,
+            start: 0,
+        };
+        let (mut a, mut s) = ([9u32; 2], [9f32; 2]);
+        argmax_and_sum(&x, &rows, &mut a, &mut s).unwrap();
+        assert_eq!(a, [1, 0]);
+        assert_eq!(s, [5.0, -8.5]);
     }
 }

@@ -865,12 +865,79 @@ impl DecoderModel {
                 attention.len()
             )));
         }
+        let mask = self.key_mask(attention, b, t)?;
+        self.forward_inner(ids, Some(&mask), None, &mut NoObserver, true)
+    }
+
+    /// transformers' additive key mask `[batch, 1, 1, t]` of `attention` (0 where a token is
+    /// seen, the most negative finite value where it is hidden).
+    fn key_mask(&self, attention: &[Vec<bool>], b: usize, t: usize) -> Result<Tensor, ModelError> {
         let m: Vec<f32> = attention
             .iter()
             .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
             .collect();
-        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
-        self.forward_inner(ids, Some(&mask), None, &mut NoObserver, true)
+        Ok(Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?)
+    }
+
+    /// The output layer as [`super::fused::head_logps`] takes it, where it can run there: on
+    /// the CPU in f32, a plain `lm_head` (or the tied embeddings) without bias, adapter or
+    /// activation quantizer, dense f32 or packed. `None` otherwise.
+    fn fused_head(&self) -> Option<(&Tensor, super::fused::HeadWeight<'_>)> {
+        let head = self.net.head.as_ref()?;
+        let l = &head.lm_head;
+        let adapted = self
+            .adapters
+            .as_deref()
+            .is_some_and(|a| a.get(&l.name).is_some());
+        if l.name != "lm_head"
+            || l.bias.is_some()
+            || adapted
+            || !self.act.is_empty()
+            || !self.device.is_cpu()
+            || self.dtype() != DType::F32
+        {
+            return None;
+        }
+        let weight = match &l.weight {
+            LinearWeight::Dense(w) => {
+                super::packed::FrozenRows::of(w)?;
+                super::fused::HeadWeight::Dense(w)
+            }
+            LinearWeight::Packed(p) => super::fused::HeadWeight::Packed(p),
+        };
+        Some((&head.norm, weight))
+    }
+
+    /// The log-probabilities `[batch, seq]` of `labels` (`[batch · seq]`, row-major; any id
+    /// where a position has none) under a right-padded batch (as
+    /// [`DecoderModel::forward_padded`]), with each position's [`super::fused::HeadStats`],
+    /// without the logits: the output layer and the log-softmax run a chunk of rows at a time
+    /// ([`super::fused::head_logps`]). `None` where the head cannot run so
+    /// ([`DecoderModel::fused_head`]): the caller takes the logits.
+    pub fn forward_padded_logps(
+        &self,
+        ids: &Tensor,
+        lengths: &[usize],
+        labels: Vec<u32>,
+    ) -> Result<Option<(Tensor, super::fused::HeadStats)>, ModelError> {
+        let Some((norm, weight)) = self.fused_head() else {
+            return Ok(None);
+        };
+        let (b, t) = ids.dims2()?;
+        let attention: Vec<Vec<bool>> = lengths
+            .iter()
+            .map(|&len| (0..t).map(|j| j < len).collect())
+            .collect();
+        if attention.len() != b {
+            return Err(ModelError::Config(format!(
+                "{} lengths for a batch of {b} × {t}",
+                lengths.len()
+            )));
+        }
+        let mask = self.key_mask(&attention, b, t)?;
+        let h = self.hidden_inner(ids, Some(&mask), None, &mut NoObserver, true)?;
+        let h = rms_norm(&h, norm, self.config.eps)?;
+        Ok(Some(super::fused::head_logps(&h, weight, labels)?))
     }
 
     /// [`DecoderModel::forward_masked`] with each token's position given (`positions[i][j]`
@@ -894,11 +961,7 @@ impl DecoderModel {
                 positions.len()
             )));
         }
-        let m: Vec<f32> = attention
-            .iter()
-            .flat_map(|r| r.iter().map(|&keep| if keep { 0f32 } else { f32::MIN }))
-            .collect();
-        let mask = Tensor::from_vec(m, (b, 1, 1, t), &self.device)?.to_dtype(self.dtype())?;
+        let mask = self.key_mask(attention, b, t)?;
         let rope = self.rope_tables_at(positions, self.dtype())?;
         self.forward_inner(ids, Some(&mask), Some(rope), &mut NoObserver, true)
     }
@@ -948,6 +1011,20 @@ impl DecoderModel {
         observer: &mut dyn Observer,
         checkpoint: bool,
     ) -> Result<Tensor, ModelError> {
+        let h = self.hidden_inner(ids, key_mask, rope, observer, checkpoint)?;
+        self.head(&h, observer)
+    }
+
+    /// The last layer's hidden states of `ids` (before the final norm), as
+    /// [`DecoderModel::forward_inner`] computes them.
+    fn hidden_inner(
+        &self,
+        ids: &Tensor,
+        key_mask: Option<&Tensor>,
+        rope: Option<(Tensor, Tensor)>,
+        observer: &mut dyn Observer,
+        checkpoint: bool,
+    ) -> Result<Tensor, ModelError> {
         let mut h = self.embed(ids)?;
         let rope = match rope {
             Some(r) => r,
@@ -961,7 +1038,7 @@ impl DecoderModel {
             for layer in 0..self.config.layers {
                 h = self.run_layer(&h, self.layer_at(layer)?, &rope, key_mask, None, observer)?;
             }
-            return self.head(&h, observer);
+            return Ok(h);
         };
         // The model each recomputation runs (its adapters set per layer, below).
         let base = Arc::new(self.with_gradient_checkpointing(None));
@@ -991,7 +1068,7 @@ impl DecoderModel {
             };
             h = super::checkpoint::layer(&h, forward, recompute, sink)?;
         }
-        self.head(&h, observer)
+        Ok(h)
     }
 
     fn layer_at(&self, index: usize) -> Result<&Layer, ModelError> {
@@ -1215,6 +1292,18 @@ impl DecoderModel {
             None => (k, v),
         };
         let tk = k.dim(2)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        if a.sinks.is_none() && super::fused::fusable(&q) {
+            // Scores, masks, softmax and the values' sum in one streamed op that never holds
+            // the [t, tk] scores or probabilities (the backward pass recomputes them from each
+            // row's log-sum-exp), the grouped heads reading their shared keys in place.
+            let causal = mask_values(t, tk, a.window);
+            let o = super::fused::attention(&q, &k, &v, scale, causal, key_mask)?
+                .transpose(1, 2)?
+                .reshape((b, t, nh * hd))?;
+            observer.linear_input(&a.o.name, &o)?;
+            return self.linear(&a.o, &o, true);
+        }
         // GQA without copying keys and values per head: the `group` query heads that share a
         // key/value head (transformers' `repeat_kv` order: head h reads kv head h / group)
         // are one matrix of group·t rows against that head's keys, and their probabilities one
@@ -1234,15 +1323,6 @@ impl DecoderModel {
                 .transpose(1, 2)?
                 .reshape((b, t, nh * hd))?)
         };
-        let scale = 1.0 / (hd as f64).sqrt();
-        if a.sinks.is_none() && super::fused::fusable(&raw) {
-            // Scale, masks and softmax in one op that keeps only the probabilities.
-            let causal = mask_values(t, tk, a.window);
-            let probs = super::fused::masked_softmax(&raw, scale, causal, key_mask)?;
-            let o = attend(&probs)?;
-            observer.linear_input(&a.o.name, &o)?;
-            return self.linear(&a.o, &o, true);
-        }
         let scores = (raw * scale)?;
         let mask = self.mask(t, tk, a.window, scores.dtype())?;
         let scores = scores.broadcast_add(&mask)?;

@@ -1,5 +1,6 @@
 //! The decoder's fused CPU ops (`kiln_kernels::ops::fused`) as candle ops with their backward
-//! passes: SwiGLU, RMSNorm, RoPE, attention's masked softmax and the per-token log-softmax.
+//! passes: SwiGLU, RMSNorm, RoPE, attention (streamed; its masked softmax alone too) and the
+//! per-token log-softmax.
 //! Each keeps for its backward only what the formula needs (its inputs, or its output) where
 //! the unfused composition keeps every intermediate, and runs one threaded pass where that runs
 //! several. They run on the CPU in f32 ([`fusable`]); elsewhere the decoder runs the unfused
@@ -215,60 +216,56 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tenso
     })
 }
 
-// ---- Attention's masked softmax -----------------------------------------------------------
+// ---- Attention, streamed -------------------------------------------------------------------
 
-struct MaskedSoftmax {
-    heads: usize,
+struct Attention {
     scale: f32,
     causal: Vec<f32>,
     keys: Option<Vec<f32>>,
+    /// Each query row's log-sum-exp, from the forward, for the backward.
+    lse: Mutex<Vec<f32>>,
 }
 
-struct SoftmaxGrad {
-    scale: f32,
-}
-
-impl CustomOp1 for MaskedSoftmax {
-    fn name(&self) -> &'static str {
-        "fused-masked-softmax"
-    }
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let s = slice(storage, layout, "masked_softmax")?;
-        let (b, h, tq, tk) = layout.shape().dims4()?;
-        if h != self.heads {
+impl Attention {
+    fn heads<'a>(&'a self, q: &Layout, k: &Layout) -> candle_core::Result<k::Heads<'a>> {
+        let (batch, heads, tq, dim) = q.shape().dims4()?;
+        let (kb, kv_heads, tk, kd) = k.shape().dims4()?;
+        if kb != batch || kd != dim {
             return Err(op_err(format!(
-                "masked_softmax: {h} heads, expected {}",
-                self.heads
+                "attention: queries {:?} against keys {:?}",
+                q.shape(),
+                k.shape()
             )));
         }
-        let shape = k::Scores {
-            batch: b,
-            heads: h,
+        Ok(k::Heads {
+            batch,
+            heads,
+            kv_heads,
             tq,
             tk,
+            dim,
             scale: self.scale,
             causal: &self.causal,
             keys: self.keys.as_deref(),
-        };
-        let mut p = vec![0f32; s.len()];
-        k::masked_softmax(s, &shape, &mut p).map_err(op_err)?;
-        Ok(out(p, layout.shape()))
-    }
-    fn bwd(&self, _s: &Tensor, p: &Tensor, dp: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(p.apply_op2_no_bwd(
-            &dp.contiguous()?,
-            &SoftmaxGrad { scale: self.scale },
-        )?))
+        })
     }
 }
 
-impl CustomOp2 for SoftmaxGrad {
+/// The f32 values of `t`, a contiguous CPU tensor, while `g` holds its storage.
+fn cpu_values<'a>(
+    g: &'a candle_core::StorageRef<'_>,
+    layout: &Layout,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
+    match &**g {
+        candle_core::Storage::Cpu(c) => slice(c, layout, op),
+        _ => Err(op_err(format!("{op}: CPU tensors only"))),
+    }
+}
+
+impl CustomOp3 for Attention {
     fn name(&self) -> &'static str {
-        "fused-masked-softmax-grad"
+        "fused-attention"
     }
     fn cpu_fwd(
         &self,
@@ -276,35 +273,361 @@ impl CustomOp2 for SoftmaxGrad {
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let op = "masked_softmax backward";
-        let (p, dp) = (slice(s1, l1, op)?, slice(s2, l2, op)?);
-        let tk = l1.shape().dims().last().copied().unwrap_or(1);
-        let mut ds = vec![0f32; p.len()];
-        k::masked_softmax_backward(p, dp, tk, self.scale, &mut ds).map_err(op_err)?;
-        Ok(out(ds, l1.shape()))
+        let op = "attention";
+        let (q, k, v) = (slice(s1, l1, op)?, slice(s2, l2, op)?, slice(s3, l3, op)?);
+        if l2.shape() != l3.shape() {
+            return Err(op_err(format!(
+                "attention: keys {:?} against values {:?}",
+                l2.shape(),
+                l3.shape()
+            )));
+        }
+        let heads = self.heads(l1, l2)?;
+        let mut o = vec![0f32; q.len()];
+        let mut lse = vec![0f32; heads.batch * heads.heads * heads.tq];
+        k::attention(q, k, v, &heads, &mut o, &mut lse).map_err(op_err)?;
+        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
+        Ok(out(o, l1.shape()))
+    }
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = "attention backward";
+        let d_o = d_o.contiguous()?;
+        let (gq, lq) = q.storage_and_layout();
+        let (gk, lk) = k.storage_and_layout();
+        let (gv, lv) = v.storage_and_layout();
+        let (go, lo) = o.storage_and_layout();
+        let (gd, ld) = d_o.storage_and_layout();
+        let heads = self.heads(lq, lk)?;
+        let (qs, ks, vs) = (
+            cpu_values(&gq, lq, op)?,
+            cpu_values(&gk, lk, op)?,
+            cpu_values(&gv, lv, op)?,
+        );
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; qs.len()],
+            vec![0f32; ks.len()],
+            vec![0f32; vs.len()],
+        );
+        let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner());
+        k::attention_backward(
+            qs,
+            ks,
+            vs,
+            cpu_values(&go, lo, op)?,
+            &lse,
+            cpu_values(&gd, ld, op)?,
+            &heads,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        )
+        .map_err(op_err)?;
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, q.shape(), dev)?),
+            Some(Tensor::from_vec(dk, k.shape(), dev)?),
+            Some(Tensor::from_vec(dv, v.shape(), dev)?),
+        ))
     }
 }
 
-/// `softmax(scale · scores + causal + keys)` over the keys of `scores` `[batch, heads, tq, tk]`
-/// (f32 on the CPU): `causal` `[tq, tk]` host values, `keys` the key mask `[batch, 1, 1, tk]`.
-pub fn masked_softmax(
-    scores: &Tensor,
+/// `softmax(scale · q·kᵀ + causal + keys) · v` `[batch, heads, tq, head_dim]` for queries
+/// `q` `[batch, heads, tq, head_dim]` and keys and values `[batch, kv_heads, tk, head_dim]`
+/// (f32 on the CPU; grouped heads read their shared keys in place): `causal` `[tq, tk]` host
+/// values (0 or −∞), `keys` the key mask `[batch, 1, 1, tk]`. Streamed one query row at a time
+/// (`kiln_kernels::ops::fused::attention`): neither the scores nor the probabilities
+/// `[batch, heads, tq, tk]` are ever held, and the backward pass keeps only each row's
+/// log-sum-exp beside the inputs and output.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
     scale: f64,
     causal: Vec<f32>,
     keys: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
     let keys = match keys {
-        Some(k) => Some(k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+        Some(m) => Some(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
         None => None,
     };
-    let (_, heads, _, _) = scores.dims4()?;
-    scores.contiguous()?.apply_op1(MaskedSoftmax {
-        heads,
-        scale: scale as f32,
-        causal,
-        keys,
-    })
+    q.contiguous()?.apply_op3(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        Attention {
+            scale: scale as f32,
+            causal,
+            keys,
+            lse: Mutex::new(Vec::new()),
+        },
+    )
+}
+
+// ---- The output layer with the per-token log-softmax, a chunk of rows at a time ---------
+
+/// Per position, what a loss's logged figures read from the logits (no gradient): the
+/// entropy of the distribution, the arg-max and the sum of the logits.
+#[derive(Debug, Clone, Default)]
+pub struct HeadStats {
+    /// The vocabulary's size.
+    pub vocab: usize,
+    /// `H(softmax(logits))` per position.
+    pub entropy: Vec<f32>,
+    /// The arg-max per position (the first on a tie).
+    pub argmax: Vec<u32>,
+    /// `Σ logits` per position.
+    pub sum: Vec<f32>,
+}
+
+/// The output layer's weight `[vocab, hidden]` for [`head_logps`].
+pub enum HeadWeight<'a> {
+    /// A dense f32 weight (trained under full fine-tuning, or the tied embeddings): its
+    /// gradient flows back to it.
+    Dense(&'a Tensor),
+    /// A frozen weight kept packed (LoRA's bf16 base, QLoRA's quantized one): no gradient.
+    Packed(&'a super::packed::Packed),
+}
+
+/// Rows of logits computed at a time: about 8 MiB of f32.
+fn head_chunk(vocab: usize) -> usize {
+    ((2 << 20) / vocab.max(1)).max(1)
+}
+
+/// The rows `start..start + n` of a chunk's contiguous `[n, vocab]` logits.
+fn chunk_rows(n: usize, vocab: usize) -> k::Rows {
+    k::Rows {
+        rows: n,
+        vocab,
+        per_group: n.max(1),
+        group_stride: n * vocab,
+        start: 0,
+    }
+}
+
+/// What the head's backward pass needs: the weight as rows, the labels and each row's
+/// log-sum-exp; and the forward's log-probabilities, which the op hands out.
+struct Head {
+    w: super::packed::Packed,
+    labels: Vec<u32>,
+    lse: Vec<f32>,
+    logps: Vec<f32>,
+    hidden: usize,
+    /// Rows per chunk.
+    step: usize,
+}
+
+impl Head {
+    /// The forward pass over `h` `[rows, hidden]`: per chunk of rows the logits `h · Wᵀ`,
+    /// then each row's log-probability of its label, log-sum-exp and figures.
+    fn forward(
+        h: &[f32],
+        w: super::packed::Packed,
+        labels: Vec<u32>,
+        step: usize,
+    ) -> candle_core::Result<(Head, HeadStats)> {
+        let (vocab, hidden) = (w.rows(), w.cols());
+        let rows = labels.len();
+        let mut head = Head {
+            w,
+            labels,
+            lse: vec![0f32; rows],
+            logps: vec![0f32; rows],
+            hidden,
+            step,
+        };
+        let mut stats = HeadStats {
+            vocab,
+            entropy: vec![0f32; rows],
+            argmax: vec![0u32; rows],
+            sum: vec![0f32; rows],
+        };
+        let mut logits = vec![0f32; step.min(rows) * vocab];
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            let (r, x) = (start..start + n, &mut logits[..n * vocab]);
+            kiln_kernels::ops::packed_matmul::matmul_wt(
+                &h[start * hidden..(start + n) * hidden],
+                n,
+                head.w.as_ref(),
+                x,
+            )
+            .map_err(op_err)?;
+            let cr = chunk_rows(n, vocab);
+            k::token_logps(
+                x,
+                &cr,
+                &head.labels[r.clone()],
+                &mut head.logps[r.clone()],
+                &mut head.lse[r.clone()],
+            )
+            .map_err(op_err)?;
+            k::token_entropy(x, &cr, &mut stats.entropy[r.clone()]).map_err(op_err)?;
+            k::argmax_and_sum(x, &cr, &mut stats.argmax[r.clone()], &mut stats.sum[r])
+                .map_err(op_err)?;
+        }
+        Ok((head, stats))
+    }
+
+    /// The backward pass from the log-probabilities' gradient `g`: `dh` `[rows, hidden]`
+    /// and, for a dense weight `Some`, `dW` `[vocab, hidden]` — per chunk of rows the logits
+    /// again, `dlogits = g · (onehot − softmax)`, `dh = dlogits · W`, `dW += dlogitsᵀ · h`.
+    fn backward(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        weight_grad: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
+        let h = h.detach().contiguous()?;
+        let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let hv: Vec<f32> = h.flatten_all()?.to_vec1()?;
+        let mut dh = vec![0f32; rows * hidden];
+        let mut dw: Option<Tensor> = None;
+        let step = self.step;
+        let mut x = vec![0f32; step.min(rows) * vocab];
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            let (r, hc) = (start..start + n, &hv[start * hidden..(start + n) * hidden]);
+            let x = &mut x[..n * vocab];
+            kiln_kernels::ops::packed_matmul::matmul_wt(hc, n, self.w.as_ref(), x)
+                .map_err(op_err)?;
+            let mut d = vec![0f32; n * vocab];
+            k::token_logps_backward(
+                x,
+                &chunk_rows(n, vocab),
+                &self.labels[r.clone()],
+                &self.lse[r.clone()],
+                &g[r],
+                &mut d,
+            )
+            .map_err(op_err)?;
+            kiln_kernels::ops::packed_matmul::matmul_w(
+                &d,
+                n,
+                self.w.as_ref(),
+                &mut dh[start * hidden..(start + n) * hidden],
+            )
+            .map_err(op_err)?;
+            if weight_grad {
+                let dl = Tensor::from_vec(d, (n, vocab), h.device())?;
+                let part = dl.t()?.matmul(&h.narrow(0, start, n)?)?;
+                dw = Some(match dw {
+                    Some(acc) => (acc + part)?,
+                    None => part,
+                });
+            }
+        }
+        Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
+    }
+}
+
+/// The head over a frozen (packed) weight: the gradient of its input only.
+struct HeadFrozen(Head);
+
+/// The head over a dense weight: the gradients of its input and of the weight.
+struct HeadDense(Head);
+
+impl CustomOp1 for HeadFrozen {
+    fn name(&self) -> &'static str {
+        "fused-head-logps"
+    }
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        // Computed by `Head::forward` before the op was built (it needed the chunks' logits,
+        // which nothing keeps); the op hands the values out and owns the backward pass.
+        Ok(out(self.0.logps.clone(), &Shape::from(self.0.labels.len())))
+    }
+    fn bwd(&self, h: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(self.0.backward(h, g, false)?.0))
+    }
+}
+
+impl CustomOp2 for HeadDense {
+    fn name(&self) -> &'static str {
+        "fused-head-logps"
+    }
+    fn cpu_fwd(
+        &self,
+        _s1: &CpuStorage,
+        _l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        // As `HeadFrozen`'s.
+        Ok(out(self.0.logps.clone(), &Shape::from(self.0.labels.len())))
+    }
+    fn bwd(
+        &self,
+        h: &Tensor,
+        _w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dh, dw) = self.0.backward(h, g, true)?;
+        Ok((Some(dh), dw))
+    }
+}
+
+/// `log_softmax(h · Wᵀ)[label]` per position of `h` `[batch, t, hidden]` (f32 on the CPU)
+/// for `labels` `[batch · t]` (any id where a position has none: its value is unused and its
+/// gradient zero), and per position the figures of [`HeadStats`] — without ever holding the
+/// `[batch, t, vocab]` logits: they are computed a chunk of rows at a time (about 8 MiB), in
+/// the forward pass and again in the backward pass, which keeps only each row's log-sum-exp
+/// (Liger-kernel style). The gradient reaches `h` and a dense `weight`.
+pub fn head_logps(
+    h: &Tensor,
+    weight: HeadWeight<'_>,
+    labels: Vec<u32>,
+) -> candle_core::Result<(Tensor, HeadStats)> {
+    head_logps_in(h, weight, labels, None)
+}
+
+/// [`head_logps`] with `step` rows a chunk (by default about 8 MiB of logits).
+fn head_logps_in(
+    h: &Tensor,
+    weight: HeadWeight<'_>,
+    labels: Vec<u32>,
+    step: Option<usize>,
+) -> candle_core::Result<(Tensor, HeadStats)> {
+    let (b, t, hidden) = h.dims3()?;
+    if labels.len() != b * t {
+        return Err(op_err(format!(
+            "head_logps: {} labels for {b} × {t} positions",
+            labels.len()
+        )));
+    }
+    let flat = h.reshape((b * t, hidden))?.contiguous()?;
+    let rows: super::packed::Packed = match weight {
+        HeadWeight::Dense(w) => std::sync::Arc::new(
+            super::packed::FrozenRows::of(&w.detach())
+                .ok_or_else(|| op_err("head_logps: the weight must be f32 and contiguous"))?,
+        ),
+        HeadWeight::Packed(p) => p.clone(),
+    };
+    if rows.cols() != hidden {
+        return Err(op_err(format!(
+            "head_logps: a head of {} inputs given rows of {hidden}",
+            rows.cols()
+        )));
+    }
+    let (head, stats) = {
+        let (g, l) = flat.storage_and_layout();
+        let step = step.unwrap_or_else(|| head_chunk(rows.rows())).max(1);
+        Head::forward(cpu_values(&g, l, "head_logps")?, rows, labels, step)?
+    };
+    let logps = match weight {
+        HeadWeight::Dense(w) => flat.apply_op2(w, HeadDense(head))?,
+        HeadWeight::Packed(_) => flat.apply_op1(HeadFrozen(head))?,
+    };
+    Ok((logps.reshape((b, t))?, stats))
 }
 
 // ---- Per-token log-probabilities ----------------------------------------------------------
@@ -541,10 +864,15 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn masked_softmax_equals_scale_masks_and_softmax() {
-        let (b, h, tq, tk) = (2, 3, 4, 6);
-        let s = var(&[b, h, tq, tk], 8, 4.0);
-        // A cache of two positions before the four queries, a window of 3, a hidden key.
+    fn attention_equals_grouped_scores_masks_softmax_and_values() {
+        // Four query heads on two key/value heads; a cache of two positions before the four
+        // queries, a window of 3, a hidden key in the second sequence.
+        let (b, h, kvh, tq, tk, hd) = (2, 4, 2, 4, 6, 8);
+        let (q, k, v) = (
+            var(&[b, h, tq, hd], 8, 2.0),
+            var(&[b, kvh, tk, hd], 9, 2.0),
+            var(&[b, kvh, tk, hd], 10, 2.0),
+        );
         let causal: Vec<f32> = (0..tq * tk)
             .map(|i| {
                 let (q, j) = (i / tk + 2, i % tk);
@@ -559,16 +887,99 @@ pub(crate) mod tests {
         keys[tk + 4] = f32::MIN;
         let keys = Tensor::from_vec(keys, (b, 1, 1, tk), &Device::Cpu).unwrap();
         let mask = Tensor::from_vec(causal.clone(), (tq, tk), &Device::Cpu).unwrap();
+        let scale = 1.0 / (hd as f64).sqrt();
         agree(
-            &[s],
-            |x| masked_softmax(&x[0], 0.25, causal.clone(), Some(&keys)).unwrap(),
+            &[q, k, v],
+            |x| attention(&x[0], &x[1], &x[2], scale, causal.clone(), Some(&keys)).unwrap(),
             |x| {
-                let v = (&x[0] * 0.25).unwrap().broadcast_add(&mask).unwrap();
-                let v = v.broadcast_add(&keys).unwrap();
-                super::super::decoder::softmax(&v).unwrap()
+                // transformers' repeat_kv: query head i reads key/value head i / 2.
+                let rep = |t: &Tensor| {
+                    t.unsqueeze(2)
+                        .unwrap()
+                        .expand((b, kvh, h / kvh, tk, hd))
+                        .unwrap()
+                        .reshape((b, h, tk, hd))
+                        .unwrap()
+                };
+                let (k, v) = (rep(&x[1]), rep(&x[2]));
+                let s = (x[0].matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+                let s = s
+                    .broadcast_add(&mask)
+                    .unwrap()
+                    .broadcast_add(&keys)
+                    .unwrap();
+                super::super::decoder::softmax(&s)
+                    .unwrap()
+                    .matmul(&v)
+                    .unwrap()
             },
-            1e-6,
+            1e-5,
         );
+    }
+
+    #[test]
+    fn head_logps_equal_the_logits_then_log_softmax_and_gather() {
+        // 3 × 5 positions, hidden 6, vocabulary 11, in chunks of 4 rows (the last short).
+        let (b, t, d, v) = (3, 5, 6, 11);
+        let labels: Vec<u32> = (0..b * t).map(|i| (i * 7 % v) as u32).collect();
+        let ids = Tensor::from_vec(labels.clone(), (b, t), &Device::Cpu).unwrap();
+        let unfused = |x: &[Tensor]| {
+            let logits = crate::model::decoder::linear(&x[0], &x[1], None).unwrap();
+            crate::train::candle::ops::token_logps_unfused(&logits, &ids).unwrap()
+        };
+        for step in [Some(4), None] {
+            // A dense weight: the gradients of both.
+            agree(
+                &[var(&[b, t, d], 21, 2.0), var(&[v, d], 22, 1.0)],
+                |x| {
+                    head_logps_in(&x[0], HeadWeight::Dense(&x[1]), labels.clone(), step)
+                        .unwrap()
+                        .0
+                },
+                unfused,
+                1e-5,
+            );
+        }
+        // A frozen (packed) weight: the input's gradient.
+        let w = var(&[v, d], 22, 1.0).as_tensor().detach();
+        let packed: super::super::packed::Packed =
+            std::sync::Arc::new(super::super::packed::FrozenRows::of(&w).unwrap());
+        agree(
+            &[var(&[b, t, d], 21, 2.0)],
+            |x| {
+                head_logps_in(&x[0], HeadWeight::Packed(&packed), labels.clone(), Some(4))
+                    .unwrap()
+                    .0
+            },
+            |x| unfused(&[x[0].clone(), w.clone()]),
+            1e-5,
+        );
+        // The figures, against the logits' own.
+        let h = var(&[b, t, d], 23, 2.0).as_tensor().clone();
+        let (_, stats) = head_logps_in(&h, HeadWeight::Dense(&w), labels, Some(4)).unwrap();
+        let logits = crate::model::decoder::linear(&h, &w, None).unwrap();
+        let entropy = host(&crate::train::candle::ops::token_entropy_unfused(&logits).unwrap());
+        let argmax: Vec<u32> = logits
+            .argmax(2)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let sum = host(&logits.sum(2).unwrap());
+        assert_eq!(stats.vocab, v);
+        assert_eq!(stats.argmax, argmax);
+        for (what, got, want) in [
+            ("entropy", &stats.entropy, &entropy),
+            ("sum", &stats.sum, &sum),
+        ] {
+            for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{what}[{i}]: {a} vs {b}"
+                );
+            }
+        }
     }
 
     #[test]

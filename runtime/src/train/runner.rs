@@ -6,12 +6,18 @@ use super::TrainError;
 use super::losses;
 use super::ops::TensorOps;
 
-/// A micro-batch's logits and labels, shifted for next-token prediction.
+/// A micro-batch's log-probabilities and labels, shifted for next-token prediction, and the
+/// logits — or, where the backend computed the log-probabilities without holding them (the
+/// candle CPU head, [`crate::model::fused::head_logps`]), the per-position figures the losses'
+/// logs read from them.
 pub struct Shifted<T> {
-    /// `[batch, len − 1, vocab]`: the logits at positions `0..len−1`.
-    pub logits: T,
-    /// The unshifted logits `[batch, len, vocab]` (entropy over every position, as TRL).
-    pub full_logits: T,
+    /// `[batch, len − 1, vocab]`: the logits at positions `0..len−1` (`None` with `stats`).
+    pub logits: Option<T>,
+    /// The unshifted logits `[batch, len, vocab]` (`None` with `stats`).
+    pub full_logits: Option<T>,
+    /// Per position of `[batch, len]`, the entropy, arg-max and sum of the logits, where the
+    /// logits were never held.
+    pub stats: Option<crate::model::fused::HeadStats>,
     /// The ids of tokens `1..len`, row-major `[batch, len − 1]`, on the host.
     pub labels: Vec<u32>,
     /// The per-token log-probabilities of the labels `[batch, len − 1]`.
@@ -148,11 +154,14 @@ pub trait Runner: Sample {
         model: &Self::Model,
         seqs: &[Vec<u32>],
     ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
-    /// Right-pads `seqs`, runs `model` and shifts.
+    /// Right-pads `seqs`, runs `model` and shifts; with `keep_logits` the logits are kept
+    /// (a figure that needs more of them than [`Shifted`]'s methods read), else a backend may
+    /// compute the log-probabilities without holding them.
     fn forward_shifted(
         &self,
         model: &Self::Model,
         seqs: &[(Vec<u32>, Vec<u8>)],
+        keep_logits: bool,
     ) -> Result<Shifted<<Self::Ops as TensorOps>::T>, TrainError>;
 }
 
@@ -202,14 +211,44 @@ impl<T, E: std::fmt::Display> OrTrain<T> for Result<T, E> {
 }
 
 impl<T> Shifted<T> {
+    /// Positions per row of the shifted batch (`len − 1`).
+    fn width(&self) -> usize {
+        self.mask_host.first().map_or(0, Vec::len)
+    }
+
+    /// `values` of every full position `[batch, len]` kept at the shifted ones
+    /// `[batch, len − 1]` (each row's last dropped).
+    fn shift<V: Copy>(&self, values: &[V]) -> Vec<V> {
+        let w = self.width();
+        values
+            .chunks(w + 1)
+            .flat_map(|r| r[..w].iter().copied())
+            .collect()
+    }
+
+    fn no_logits() -> TrainError {
+        TrainError::Backend {
+            backend: "tensor operations".into(),
+            message: "a shifted batch holds neither its logits nor their figures".into(),
+        }
+    }
+
     /// TRL's `mean_token_accuracy`: arg-max hits over the masked positions of `rows`.
     pub fn token_accuracy<O: TensorOps<T = T>>(
         &self,
         ops: &O,
         rows: std::ops::Range<usize>,
     ) -> Result<f64, TrainError> {
-        let width = self.mask_host.first().map_or(0, Vec::len);
-        let pred = ops.to_f64(&ops.argmax(&self.logits).tr()?).tr()?;
+        let width = self.width();
+        let pred: Vec<f64> = match (&self.stats, &self.logits) {
+            (Some(st), _) => self
+                .shift(&st.argmax)
+                .iter()
+                .map(|&a| f64::from(a))
+                .collect(),
+            (None, Some(l)) => ops.to_f64(&ops.argmax(l).tr()?).tr()?,
+            (None, None) => return Err(Self::no_logits()),
+        };
         let span = rows.start * width..rows.end * width;
         let labels: Vec<f64> = self.labels[span.clone()]
             .iter()
@@ -217,6 +256,65 @@ impl<T> Shifted<T> {
             .collect();
         let mask: Vec<f32> = self.mask_host[rows].iter().flatten().copied().collect();
         Ok(losses::token_accuracy(&pred[span], &labels, &mask))
+    }
+
+    /// The mean entropy over `weights` — `[batch, len]` over every position with `full`,
+    /// else `[batch, len − 1]` over the shifted ones.
+    pub fn entropy_over<O: TensorOps<T = T>>(
+        &self,
+        ops: &O,
+        weights: &[Vec<f32>],
+        full: bool,
+    ) -> Result<f64, TrainError> {
+        let w: Vec<f32> = weights.iter().flatten().copied().collect();
+        if let Some(st) = &self.stats {
+            let h: Vec<f64> = if full {
+                st.entropy.iter().map(|&e| f64::from(e)).collect()
+            } else {
+                self.shift(&st.entropy)
+                    .iter()
+                    .map(|&e| f64::from(e))
+                    .collect()
+            };
+            return Ok(losses::masked_mean(&h, &w));
+        }
+        let logits = if full {
+            &self.full_logits
+        } else {
+            &self.logits
+        };
+        Self::entropy(ops, logits.as_ref().ok_or_else(Self::no_logits)?, weights)
+    }
+
+    /// The sum of the logits at each position, row-major: every position `[batch, len]` with
+    /// `full`, else the shifted ones `[batch, len − 1]`.
+    pub fn logit_sums<O: TensorOps<T = T>>(
+        &self,
+        ops: &O,
+        full: bool,
+    ) -> Result<Vec<f64>, TrainError> {
+        if let Some(st) = &self.stats {
+            let sums: Vec<f64> = st.sum.iter().map(|&v| f64::from(v)).collect();
+            return Ok(if full { sums } else { self.shift(&sums) });
+        }
+        let logits = if full {
+            &self.full_logits
+        } else {
+            &self.logits
+        };
+        let logits = logits.as_ref().ok_or_else(Self::no_logits)?;
+        let vocab = ops.dims(logits).last().copied().unwrap_or(0) as f64;
+        let means = ops.to_f64(&ops.mean_last(logits).tr()?).tr()?;
+        Ok(means.iter().map(|m| m * vocab).collect())
+    }
+
+    /// The vocabulary's size.
+    pub fn vocab<O: TensorOps<T = T>>(&self, ops: &O) -> Result<usize, TrainError> {
+        match (&self.stats, &self.logits) {
+            (Some(st), _) => Ok(st.vocab),
+            (None, Some(l)) => Ok(ops.dims(l).last().copied().unwrap_or(0)),
+            (None, None) => Err(Self::no_logits()),
+        }
     }
 
     /// The mean entropy over `weights` `[batch, positions]` of the per-position entropies of

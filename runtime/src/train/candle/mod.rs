@@ -288,27 +288,52 @@ fn load_value_model(
 /// A micro-batch's logits and labels on candle, shifted for next-token prediction.
 pub type Shifted = super::runner::Shifted<Tensor>;
 
-/// Right-pads `seqs` (ids, label mask) with `pad`, runs `model`, and shifts.
+/// Right-pads `seqs` (ids, label mask) with `pad`, runs `model`, and shifts. Unless
+/// `keep_logits`, the output layer and the log-softmax run without holding the logits where
+/// the model's head allows ([`DecoderModel::forward_padded_logps`]).
 pub fn forward_shifted(
     model: &DecoderModel,
     ops: &CandleOps,
     seqs: &[(Vec<u32>, Vec<u8>)],
     pad: u32,
+    keep_logits: bool,
 ) -> Result<Shifted, TrainError> {
     let p = super::runner::pad(seqs, pad)?;
     let (b, len) = (seqs.len(), p.len);
     let dev = &ops.device;
     let flat_ids: Vec<u32> = p.ids.iter().flatten().copied().collect();
     let ids = Tensor::from_vec(flat_ids, (b, len), dev)?;
+    let flat: Vec<f32> = p.mask_host.iter().flatten().copied().collect();
+    let mask = Tensor::from_vec(flat, (b, len - 1), dev)?;
+    if !keep_logits {
+        // Each position's label is the next token; the last position has none (any id will
+        // do: its log-probability is dropped below, so no gradient reaches it).
+        let next: Vec<u32> = p
+            .ids
+            .iter()
+            .flat_map(|r| r[1..].iter().copied().chain([0]))
+            .collect();
+        if let Some((logps, stats)) = model.forward_padded_logps(&ids, &p.lengths, next)? {
+            return Ok(Shifted {
+                logits: None,
+                full_logits: None,
+                stats: Some(stats),
+                labels: p.labels(),
+                logps: logps.narrow(1, 0, len - 1)?,
+                mask,
+                mask_host: p.mask_host,
+                attention: p.attention,
+            });
+        }
+    }
     let full_logits = model.forward_padded(&ids, &p.lengths)?;
     let logits = full_logits.narrow(1, 0, len - 1)?;
     let labels = ids.narrow(1, 1, len - 1)?.contiguous()?;
-    let flat: Vec<f32> = p.mask_host.iter().flatten().copied().collect();
-    let mask = Tensor::from_vec(flat, (b, len - 1), dev)?;
     let logps = ops.token_logps(&logits, &labels)?;
     Ok(Shifted {
-        logits,
-        full_logits,
+        logits: Some(logits),
+        full_logits: Some(full_logits),
+        stats: None,
         labels: p.labels(),
         logps,
         mask,
@@ -344,8 +369,9 @@ impl super::runner::Runner for Setup {
         &self,
         model: &DecoderModel,
         seqs: &[(Vec<u32>, Vec<u8>)],
+        keep_logits: bool,
     ) -> Result<Shifted, TrainError> {
-        forward_shifted(model, &self.ops, seqs, self.tokenizer.pad_id)
+        forward_shifted(model, &self.ops, seqs, self.tokenizer.pad_id, keep_logits)
     }
     fn forward_positioned(
         &self,

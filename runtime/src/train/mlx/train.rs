@@ -422,7 +422,9 @@ impl Runner for MlxRunner<'_> {
         &self,
         model: &MlxModel,
         seqs: &[(Vec<u32>, Vec<u8>)],
+        _keep_logits: bool,
     ) -> Result<Shifted<Array>, TrainError> {
+        // MLX evaluates lazily: the logits are kept either way.
         let p = crate::train::runner::pad(seqs, self.setup.tokenizer.pad_id)?;
         let attention: Vec<Vec<bool>> = p
             .attention
@@ -445,8 +447,9 @@ impl Runner for MlxRunner<'_> {
             let logps = MlxOps.token_logps(&logits, &labels_arr)?;
             let flat: Vec<f32> = p.mask_host.iter().flatten().copied().collect();
             Ok(Shifted {
-                logits,
-                full_logits,
+                logits: Some(logits),
+                full_logits: Some(full_logits),
+                stats: None,
                 labels,
                 logps,
                 mask: Array::from_slice(&flat, &[b, len - 1]),

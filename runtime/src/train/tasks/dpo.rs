@@ -284,7 +284,7 @@ impl<M> DpoTask<M> {
     ) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
         let reference = self.reference.as_ref().expect("reference model kept");
         let ops = r.ops();
-        let s = r.forward_shifted(reference, &self.sequences(indices))?;
+        let s = r.forward_shifted(reference, &self.sequences(indices), false)?;
         let weights = self.token_weights(ops, &s.mask, &s.mask_host)?;
         let sums = ops.sum_last(&ops.mul(&s.logps, &weights).tr()?).tr()?;
         let v = ops.to_f64(&ops.detach(&sums)).tr()?;
@@ -302,7 +302,8 @@ impl<M> DpoTask<M> {
         let ops = r.ops();
         let n = indices.len();
         let seqs = self.sequences(indices);
-        let s = r.forward_shifted(r.policy(), &seqs)?;
+        // WPO's weights read the whole logits.
+        let s = r.forward_shifted(r.policy(), &seqs, self.use_weighting)?;
         let weights = self.token_weights(ops, &s.mask, &s.mask_host)?;
         let sums = ops.sum_last(&ops.mul(&s.logps, &weights).tr()?).tr()?;
         let (chosen, rejected) = ops.halves(&sums).tr()?;
@@ -337,13 +338,15 @@ impl<M> DpoTask<M> {
         let out = losses::dpo_with(ops, &self.settings, &p, &extras).tr()?;
         let mut m = out.metrics;
         let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
-        m.insert(
-            "entropy".into(),
-            Shifted::entropy(ops, &s.logits, &s.mask_host)?,
-        );
+        m.insert("entropy".into(), s.entropy_over(ops, &s.mask_host, false)?);
         m.insert("mean_token_accuracy".into(), s.token_accuracy(ops, 0..n)?);
         // TRL: the mean over vocabulary of the logits, averaged over completion tokens.
-        let mean_logits = ops.to_f64(&ops.mean_last(&s.logits).tr()?).tr()?;
+        let vocab = s.vocab(ops)? as f64;
+        let mean_logits: Vec<f64> = s
+            .logit_sums(ops, false)?
+            .iter()
+            .map(|v| v / vocab)
+            .collect();
         let width = s.mask_host[0].len();
         for (name, rows) in [("logits/chosen", 0..n), ("logits/rejected", n..2 * n)] {
             let (mut sum, mut count) = (0f64, 0f64);
@@ -383,8 +386,12 @@ impl<M> DpoTask<M> {
         let rows = s.mask_host.len();
         let width = s.mask_host.first().map_or(0, Vec::len);
         let labels = ops.ids(&s.labels, &[rows, width]).tr()?;
+        let logits = s.logits.as_ref().ok_or_else(|| TrainError::Backend {
+            backend: "tensor operations".into(),
+            message: "use_weighting needs the logits (forward_shifted keeps them)".into(),
+        })?;
         let doubled = ops
-            .token_logps(&ops.detach(&ops.affine(&s.logits, 2.0, 0.0).tr()?), &labels)
+            .token_logps(&ops.detach(&ops.affine(logits, 2.0, 0.0).tr()?), &labels)
             .tr()?;
         let aligned = ops
             .to_f64(&ops.sub(&doubled, &ops.detach(&s.logps)).tr()?)

@@ -281,7 +281,7 @@ impl<M> KtoTask<M> {
             })
             .collect();
         let ops = r.ops();
-        let s = r.forward_shifted(model, &seqs)?;
+        let s = r.forward_shifted(model, &seqs, false)?;
         ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()
     }
 
@@ -304,7 +304,7 @@ impl<M> KtoTask<M> {
                 )
             })
             .collect();
-        let s = r.forward_shifted(r.policy(), &seqs)?;
+        let s = r.forward_shifted(r.policy(), &seqs, false)?;
         let logps = ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()?;
         let (ref_logps, ref_kl): (Vec<f64>, Vec<f64>) = match &self.precomputed {
             Some(all) => indices.iter().map(|&i| all[i]).unzip(),
@@ -357,12 +357,12 @@ impl<M> KtoTask<M> {
         .tr()?;
         let mut m = out.metrics;
         // TRL: the sum of every logit of each side's rows (all positions, padding included).
-        let per_row: Vec<f64> = ops
-            .to_f64(
-                &ops.sum_last(&ops.sum_last(&ops.detach(&s.full_logits)).tr()?)
-                    .tr()?,
-            )
-            .tr()?;
+        let width = s.attention.first().map_or(0, Vec::len).max(1);
+        let per_row: Vec<f64> = s
+            .logit_sums(ops, true)?
+            .chunks(width)
+            .map(|r| r.iter().sum())
+            .collect();
         for (side, want) in [("chosen", true), ("rejected", false)] {
             if labels.contains(&want) {
                 let sum: f64 = (0..n)

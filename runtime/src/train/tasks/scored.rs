@@ -169,7 +169,7 @@ impl ScoredPairTask {
                 seqs.push((side.ids.clone(), side.mask.clone()));
             }
         }
-        let s = r.forward_shifted(r.policy(), &seqs)?;
+        let s = r.forward_shifted(r.policy(), &seqs, false)?;
         let sums = ops.sum_last(&ops.mul(&s.logps, &s.mask).tr()?).tr()?;
         let counts: Vec<f64> = s
             .mask_host
@@ -207,10 +207,11 @@ impl ScoredPairTask {
             count,
         )
         .tr()?;
-        let (out, logits) = match self.loss {
+        // ORPO's logged logits are the shifted positions', CPO's every position's.
+        let (out, full) = match self.loss {
             ScoredLoss::Orpo(beta) => (
                 losses::orpo(ops, beta, &chosen, &rejected, &nll).tr()?,
-                &s.logits,
+                false,
             ),
             ScoredLoss::Cpo(c) => {
                 let nll = if c.cpo_alpha == 0.0 {
@@ -218,23 +219,20 @@ impl ScoredPairTask {
                 } else {
                     nll
                 };
-                (
-                    losses::cpo(ops, c, &chosen, &rejected, &nll).tr()?,
-                    &s.full_logits,
-                )
+                (losses::cpo(ops, c, &chosen, &rejected, &nll).tr()?, true)
             }
         };
         let mut m = out.metrics;
         // TRL: the mean of every logit of the chosen (rejected) rows, padding included.
-        let (lc, lr) = ops.halves(&ops.detach(logits)).tr()?;
-        m.insert(
-            "logits/chosen".into(),
-            ops.to_f64(&ops.mean_all(&lc).tr()?).tr()?[0],
-        );
-        m.insert(
-            "logits/rejected".into(),
-            ops.to_f64(&ops.mean_all(&lr).tr()?).tr()?[0],
-        );
+        let sums = s.logit_sums(ops, full)?;
+        let per_side = sums.len() / 2;
+        let count = (per_side * s.vocab(ops)?).max(1) as f64;
+        for (name, half) in [
+            ("logits/chosen", &sums[..per_side]),
+            ("logits/rejected", &sums[per_side..]),
+        ] {
+            m.insert(name.into(), half.iter().sum::<f64>() / count);
+        }
         let tokens: u64 = seqs.iter().map(|(i, _)| i.len() as u64).sum();
         Ok((out.loss, m, tokens))
     }

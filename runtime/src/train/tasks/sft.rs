@@ -341,7 +341,7 @@ impl SftTask {
             m.insert("num_tokens".into(), 0.0);
             return Ok((loss, m, tokens));
         }
-        let s = r.forward_shifted(r.policy(), &seqs)?;
+        let s = r.forward_shifted(r.policy(), &seqs, false)?;
         let inputs = TokenInputs {
             logps: s.logps.clone(),
             mask: s.mask.clone(),
@@ -353,10 +353,7 @@ impl SftTask {
             losses::sft(ops, &inputs, self.num_items).tr()?
         };
         let mut m = BTreeMap::new();
-        m.insert(
-            "entropy".into(),
-            Shifted::entropy(ops, &s.full_logits, &s.attention)?,
-        );
+        m.insert("entropy".into(), s.entropy_over(ops, &s.attention, true)?);
         m.insert(
             "mean_token_accuracy".into(),
             s.token_accuracy(ops, 0..seqs.len())?,

@@ -1,0 +1,46 @@
+"""Two kiln builds side by side on train_peer.py's runs (the same demo model, data, flags and
+per-step arithmetic, gradient checkpointing off): time per step, tokens/s, peak RSS and the
+first losses of each, one binary after the other in one run.
+
+    python3 benches/peers/kiln_ab.py --size small --steps 8 --tasks sft,dpo BEFORE AFTER
+    python3 benches/peers/kiln_ab.py --size 254m --steps 4 --tasks sft,dpo --lora BEFORE AFTER
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_peer as tp  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kiln", nargs="+", help="kiln binaries, compared in this order")
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--tasks", default="sft,dpo")
+    ap.add_argument("--lora", action="store_true")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    model = os.path.join(tmp, "model")
+    subprocess.run([args.kiln[0], "demo-model", "--size", args.size, "--out", model], check=True,
+                   capture_output=True)
+    tp.write_data(tmp)
+    print("| task | kiln | s/step | tokens/s | peak RSS | first losses |")
+    print("|---|---|---:|---:|---:|---|")
+    for task in args.tasks.split(","):
+        data = os.path.join(tmp, f"{task}.jsonl")
+        for b in args.kiln:
+            one = tp.run_kiln(b, task, model, data, 1, tmp, args.lora, "off")
+            full = tp.run_kiln(b, task, model, data, args.steps, tmp, args.lora, "off")
+            s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
+            toks = (full["tokens"] - one["tokens"]) / (args.steps - 1)
+            losses = [round(l.get("loss", 0), 4) for l in full["lines"]][:3]
+            print(f"| {task} | {b} | {s:.3f} | {toks / s:.0f} | {full['rss_kb'] / 1024:.0f} MB | {losses} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
