@@ -1596,15 +1596,7 @@ fn the_head_without_logits_equals_the_padded_forward() {
             .unwrap_or_else(|| panic!("{name}: the head runs without the logits"));
         let logits = m.forward_padded(&ids, &lengths).unwrap();
         let lsm = candle_nn_free_log_softmax(&logits);
-        let want: Vec<f32> = lsm
-            .flatten_to(1)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap()
-            .iter()
-            .zip(&labels)
-            .map(|(row, &l)| row[l as usize])
-            .collect();
+        let want = gathered(&lsm, &labels);
         let got: Vec<f32> = logps.flatten_all().unwrap().to_vec1().unwrap();
         let argmax: Vec<u32> = logits
             .argmax(D::Minus1)
@@ -1644,6 +1636,29 @@ fn the_head_without_logits_equals_the_padded_forward() {
             }
         }
         assert_eq!(stats.argmax, argmax, "{name}");
+        // Left padding, the head at positions 3..8 only, a temperature (GRPO's completions).
+        let attention: Vec<Vec<bool>> = (0..b).map(|i| (0..t).map(|j| j >= i).collect()).collect();
+        let at_labels: Vec<u32> = labels[..b * 5].to_vec();
+        let (logps, stats) = m
+            .forward_masked_logps(&ids, &attention, 3..8, at_labels.clone(), 1.0 / 0.7)
+            .unwrap()
+            .unwrap();
+        let logits = m.forward_masked(&ids, &attention).unwrap();
+        let scaled = logits
+            .narrow(1, 3, 5)
+            .unwrap()
+            .affine(1.0 / 0.7, 0.0)
+            .unwrap();
+        let want = gathered(&candle_nn_free_log_softmax(&scaled), &at_labels);
+        let got: Vec<f32> = logps.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(got.len(), b * 5);
+        assert_eq!(stats.entropy.len(), b * 5);
+        for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "{name} masked logps[{i}]: {x} vs {y}"
+            );
+        }
     }
     // An adapter on lm_head: the logits' path.
     let mut m = DecoderModel::load(&ck, DType::F32, &Device::Cpu).unwrap();
@@ -1661,6 +1676,18 @@ fn the_head_without_logits_equals_the_padded_forward() {
             .unwrap()
             .is_none()
     );
+}
+
+/// Each position's value at its label, of `[batch, t, vocab]` log-probabilities.
+fn gathered(lsm: &kiln_runtime::model::candle::Tensor, labels: &[u32]) -> Vec<f32> {
+    lsm.flatten_to(1)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap()
+        .iter()
+        .zip(labels)
+        .map(|(row, &l)| row[l as usize])
+        .collect()
 }
 
 /// `log_softmax` over the last dimension by the textbook (max-shifted), in candle ops.

@@ -920,24 +920,47 @@ impl DecoderModel {
         lengths: &[usize],
         labels: Vec<u32>,
     ) -> Result<Option<(Tensor, super::fused::HeadStats)>, ModelError> {
-        let Some((norm, weight)) = self.fused_head() else {
-            return Ok(None);
-        };
         let (b, t) = ids.dims2()?;
-        let attention: Vec<Vec<bool>> = lengths
-            .iter()
-            .map(|&len| (0..t).map(|j| j < len).collect())
-            .collect();
-        if attention.len() != b {
+        if lengths.len() != b {
             return Err(ModelError::Config(format!(
                 "{} lengths for a batch of {b} × {t}",
                 lengths.len()
             )));
         }
-        let mask = self.key_mask(&attention, b, t)?;
+        let attention: Vec<Vec<bool>> = lengths
+            .iter()
+            .map(|&len| (0..t).map(|j| j < len).collect())
+            .collect();
+        self.forward_masked_logps(ids, &attention, 0..t, labels, 1.0)
+    }
+
+    /// [`DecoderModel::forward_padded_logps`] under transformers' `attention_mask` (as
+    /// [`DecoderModel::forward_masked`]) at the positions `at` only (`labels` `[batch ·
+    /// at.len()]`), the logits multiplied by `scale` before the softmax (a sampling
+    /// temperature's `1 / T`): the head runs at those positions alone.
+    pub fn forward_masked_logps(
+        &self,
+        ids: &Tensor,
+        attention: &[Vec<bool>],
+        at: std::ops::Range<usize>,
+        labels: Vec<u32>,
+        scale: f32,
+    ) -> Result<Option<(Tensor, super::fused::HeadStats)>, ModelError> {
+        let Some((norm, weight)) = self.fused_head() else {
+            return Ok(None);
+        };
+        let (b, t) = ids.dims2()?;
+        if attention.len() != b || attention.iter().any(|r| r.len() != t) || at.end > t {
+            return Err(ModelError::Config(format!(
+                "an attention mask of {} rows and positions {at:?} for a batch of {b} × {t}",
+                attention.len()
+            )));
+        }
+        let mask = self.key_mask(attention, b, t)?;
         let h = self.hidden_inner(ids, Some(&mask), None, &mut NoObserver, true)?;
+        let h = h.narrow(1, at.start, at.len())?;
         let h = rms_norm(&h, norm, self.config.eps)?;
-        Ok(Some(super::fused::head_logps(&h, weight, labels)?))
+        Ok(Some(super::fused::head_logps(&h, weight, labels, scale)?))
     }
 
     /// [`DecoderModel::forward_masked`] with each token's position given (`positions[i][j]`

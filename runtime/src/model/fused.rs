@@ -423,6 +423,8 @@ struct Head {
     hidden: usize,
     /// Rows per chunk.
     step: usize,
+    /// The factor on the logits before the softmax (a sampling temperature's `1 / T`).
+    scale: f32,
 }
 
 impl Head {
@@ -433,6 +435,7 @@ impl Head {
         w: super::packed::Packed,
         labels: Vec<u32>,
         step: usize,
+        scale: f32,
     ) -> candle_core::Result<(Head, HeadStats)> {
         let (vocab, hidden) = (w.rows(), w.cols());
         let rows = labels.len();
@@ -443,6 +446,7 @@ impl Head {
             logps: vec![0f32; rows],
             hidden,
             step,
+            scale,
         };
         let mut stats = HeadStats {
             vocab,
@@ -461,6 +465,7 @@ impl Head {
                 x,
             )
             .map_err(op_err)?;
+            scale_by(x, scale);
             let cr = chunk_rows(n, vocab);
             k::token_logps(
                 x,
@@ -500,6 +505,7 @@ impl Head {
             let x = &mut x[..n * vocab];
             kiln_kernels::ops::packed_matmul::matmul_wt(hc, n, self.w.as_ref(), x)
                 .map_err(op_err)?;
+            scale_by(x, self.scale);
             let mut d = vec![0f32; n * vocab];
             k::token_logps_backward(
                 x,
@@ -510,6 +516,7 @@ impl Head {
                 &mut d,
             )
             .map_err(op_err)?;
+            scale_by(&mut d, self.scale);
             kiln_kernels::ops::packed_matmul::matmul_w(
                 &d,
                 n,
@@ -527,6 +534,13 @@ impl Head {
             }
         }
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
+    }
+}
+
+/// `x · scale`, element-wise (nothing for 1).
+fn scale_by(x: &mut [f32], scale: f32) {
+    if scale != 1.0 {
+        x.iter_mut().for_each(|v| *v *= scale);
     }
 }
 
@@ -576,7 +590,8 @@ impl CustomOp2 for HeadDense {
     }
 }
 
-/// `log_softmax(h · Wᵀ)[label]` per position of `h` `[batch, t, hidden]` (f32 on the CPU)
+/// `log_softmax(scale · h · Wᵀ)[label]` per position of `h` `[batch, t, hidden]` (f32 on the CPU;
+/// `scale` a sampling temperature's `1 / T`, else 1)
 /// for `labels` `[batch · t]` (any id where a position has none: its value is unused and its
 /// gradient zero), and per position the figures of [`HeadStats`] — without ever holding the
 /// `[batch, t, vocab]` logits: they are computed a chunk of rows at a time (about 8 MiB), in
@@ -586,8 +601,9 @@ pub fn head_logps(
     h: &Tensor,
     weight: HeadWeight<'_>,
     labels: Vec<u32>,
+    scale: f32,
 ) -> candle_core::Result<(Tensor, HeadStats)> {
-    head_logps_in(h, weight, labels, None)
+    head_logps_in(h, weight, labels, None, scale)
 }
 
 /// [`head_logps`] with `step` rows a chunk (by default about 8 MiB of logits).
@@ -596,6 +612,7 @@ fn head_logps_in(
     weight: HeadWeight<'_>,
     labels: Vec<u32>,
     step: Option<usize>,
+    scale: f32,
 ) -> candle_core::Result<(Tensor, HeadStats)> {
     let (b, t, hidden) = h.dims3()?;
     if labels.len() != b * t {
@@ -621,7 +638,7 @@ fn head_logps_in(
     let (head, stats) = {
         let (g, l) = flat.storage_and_layout();
         let step = step.unwrap_or_else(|| head_chunk(rows.rows())).max(1);
-        Head::forward(cpu_values(&g, l, "head_logps")?, rows, labels, step)?
+        Head::forward(cpu_values(&g, l, "head_logps")?, rows, labels, step, scale)?
     };
     let logps = match weight {
         HeadWeight::Dense(w) => flat.apply_op2(w, HeadDense(head))?,
@@ -932,7 +949,7 @@ pub(crate) mod tests {
             agree(
                 &[var(&[b, t, d], 21, 2.0), var(&[v, d], 22, 1.0)],
                 |x| {
-                    head_logps_in(&x[0], HeadWeight::Dense(&x[1]), labels.clone(), step)
+                    head_logps_in(&x[0], HeadWeight::Dense(&x[1]), labels.clone(), step, 1.0)
                         .unwrap()
                         .0
                 },
@@ -947,16 +964,23 @@ pub(crate) mod tests {
         agree(
             &[var(&[b, t, d], 21, 2.0)],
             |x| {
-                head_logps_in(&x[0], HeadWeight::Packed(&packed), labels.clone(), Some(4))
-                    .unwrap()
-                    .0
+                head_logps_in(
+                    &x[0],
+                    HeadWeight::Packed(&packed),
+                    labels.clone(),
+                    Some(4),
+                    1.0,
+                )
+                .unwrap()
+                .0
             },
             |x| unfused(&[x[0].clone(), w.clone()]),
             1e-5,
         );
         // The figures, against the logits' own.
         let h = var(&[b, t, d], 23, 2.0).as_tensor().clone();
-        let (_, stats) = head_logps_in(&h, HeadWeight::Dense(&w), labels, Some(4)).unwrap();
+        let (_, stats) =
+            head_logps_in(&h, HeadWeight::Dense(&w), labels.clone(), Some(4), 1.0).unwrap();
         let logits = crate::model::decoder::linear(&h, &w, None).unwrap();
         let entropy = host(&crate::train::candle::ops::token_entropy_unfused(&logits).unwrap());
         let argmax: Vec<u32> = logits
@@ -967,6 +991,28 @@ pub(crate) mod tests {
             .to_vec1()
             .unwrap();
         let sum = host(&logits.sum(2).unwrap());
+        // A sampling temperature: the logits scaled before the softmax.
+        let scale = 1.0 / 0.7;
+        agree(
+            &[var(&[b, t, d], 24, 2.0), var(&[v, d], 25, 1.0)],
+            |x| {
+                head_logps_in(
+                    &x[0],
+                    HeadWeight::Dense(&x[1]),
+                    labels.clone(),
+                    Some(4),
+                    scale,
+                )
+                .unwrap()
+                .0
+            },
+            |x| {
+                let logits = crate::model::decoder::linear(&x[0], &x[1], None).unwrap();
+                let logits = logits.affine(f64::from(scale), 0.0).unwrap();
+                crate::train::candle::ops::token_logps_unfused(&logits, &ids).unwrap()
+            },
+            1e-5,
+        );
         assert_eq!(stats.vocab, v);
         assert_eq!(stats.argmax, argmax);
         for (what, got, want) in [

@@ -30,6 +30,9 @@ pub struct Shifted<T> {
     pub attention: Vec<Vec<f32>>,
 }
 
+/// [`Runner::forward_masked_logps`]'s log-probabilities and each position's entropy.
+pub type HeadLogps<T> = (T, Vec<f32>);
+
 /// A right-padded batch on the host: ids `[batch, len]`, each row's length, the shifted label
 /// mask and the attention mask.
 pub struct Padded {
@@ -122,6 +125,25 @@ pub trait Runner: Sample {
         ids: &[Vec<u32>],
         attention: &[Vec<bool>],
     ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
+    /// The log-probabilities `[batch, at.len()]` of `labels` (`[batch · at.len()]`,
+    /// row-major) at the positions `at` of `ids` under `model` (mask as in
+    /// [`Runner::forward_masked`]), the logits multiplied by `scale` before the softmax (a
+    /// sampling temperature's `1 / T`), and each of those positions' entropy (host, no
+    /// gradient) — computed without holding the logits where the backend can; `None` where it
+    /// cannot (the caller takes the logits).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_masked_logps(
+        &self,
+        model: &Self::Model,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        at: std::ops::Range<usize>,
+        labels: &[u32],
+        scale: f64,
+    ) -> Result<Option<HeadLogps<<Self::Ops as TensorOps>::T>>, TrainError> {
+        let _ = (model, ids, attention, at, labels, scale);
+        Ok(None)
+    }
     /// [`Runner::forward_masked`] with each token's position given (`positions[i][j]`,
     /// transformers' `position_ids`; TRL's PPO numbers a left-padded batch this way).
     fn forward_positioned(

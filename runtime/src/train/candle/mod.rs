@@ -365,6 +365,22 @@ impl super::runner::Runner for Setup {
         let ids = Tensor::from_vec(flat, (b, t), &self.ops.device)?;
         Ok(model.forward_masked(&ids, attention)?)
     }
+    fn forward_masked_logps(
+        &self,
+        model: &DecoderModel,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        at: std::ops::Range<usize>,
+        labels: &[u32],
+        scale: f64,
+    ) -> Result<Option<(Tensor, Vec<f32>)>, TrainError> {
+        let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, (b, t), &self.ops.device)?;
+        Ok(model
+            .forward_masked_logps(&ids, attention, at, labels.to_vec(), scale as f32)?
+            .map(|(logps, stats)| (logps, stats.entropy)))
+    }
     fn forward_shifted(
         &self,
         model: &DecoderModel,

@@ -509,18 +509,24 @@ impl<M> GrpoTask<M> {
             labels.extend(&r.completion);
             labels.extend(std::iter::repeat_n(pad, lc));
         }
+        let flat: Vec<f64> = mask_host.iter().flatten().map(|&m| f64::from(m)).collect();
+        let mask = ops.tensor(&flat, &[rows.len(), c]).tr()?;
+        // The head at the completion's positions only, without the logits where the backend
+        // can; else the logits of every position, narrowed.
+        let scale = 1.0 / self.temperature;
+        if let Some((logps, entropy)) =
+            r.forward_masked_logps(model, &ids, &attention, p - 1..p - 1 + c, &labels, scale)?
+        {
+            let entropy: Vec<f64> = entropy.iter().map(|&e| f64::from(e)).collect();
+            let entropy = ops.tensor(&entropy, &[rows.len(), c]).tr()?;
+            return Ok((logps, mask, mask_host, entropy));
+        }
         let logits = r.forward_masked(model, &ids, &attention)?;
         let logits = ops
-            .affine(
-                &ops.narrow(&logits, 1, p - 1, c).tr()?,
-                1.0 / self.temperature,
-                0.0,
-            )
+            .affine(&ops.narrow(&logits, 1, p - 1, c).tr()?, scale, 0.0)
             .tr()?;
         let labels = ops.ids(&labels, &[rows.len(), c]).tr()?;
         let logps = ops.token_logps(&logits, &labels).tr()?;
-        let flat: Vec<f64> = mask_host.iter().flatten().map(|&m| f64::from(m)).collect();
-        let mask = ops.tensor(&flat, &[rows.len(), c]).tr()?;
         let entropy = ops.token_entropy(&logits).tr()?;
         Ok((logps, mask, mask_host, entropy))
     }

@@ -245,8 +245,16 @@ impl<M> OnlineDpoTask<M> {
             labels.extend(*co);
             labels.extend(std::iter::repeat_n(pad, c - co.len()));
         }
+        // The head at the completion's positions only, without the logits where the backend
+        // can.
+        let at = p - cut - 1..p - cut - 1 + c;
+        if let Some((logps, _)) =
+            r.forward_masked_logps(model, &ids, &attention, at.clone(), &labels, 1.0)?
+        {
+            return Ok((logps, mask));
+        }
         let logits = r.forward_masked(model, &ids, &attention)?;
-        let logits = ops.narrow(&logits, 1, p - cut - 1, c).tr()?;
+        let logits = ops.narrow(&logits, 1, at.start, c).tr()?;
         let labels = ops.ids(&labels, &[rows.len(), c]).tr()?;
         Ok((ops.token_logps(&logits, &labels).tr()?, mask))
     }
