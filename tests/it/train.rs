@@ -1636,28 +1636,53 @@ fn the_head_without_logits_equals_the_padded_forward() {
             }
         }
         assert_eq!(stats.argmax, argmax, "{name}");
-        // Left padding, the head at positions 3..8 only, a temperature (GRPO's completions).
+        // Left padding, the head at positions 3..8 only, a temperature (GRPO's completions);
+        // then numbered as PPO numbers a left-padded batch (`cumsum(mask) − mask`).
         let attention: Vec<Vec<bool>> = (0..b).map(|i| (0..t).map(|j| j >= i).collect()).collect();
+        let positions: Vec<Vec<usize>> = attention
+            .iter()
+            .map(|r| {
+                let mut seen = 0usize;
+                r.iter()
+                    .map(|&a| {
+                        seen += usize::from(a);
+                        seen - usize::from(a)
+                    })
+                    .collect()
+            })
+            .collect();
         let at_labels: Vec<u32> = labels[..b * 5].to_vec();
-        let (logps, stats) = m
-            .forward_masked_logps(&ids, &attention, 3..8, at_labels.clone(), 1.0 / 0.7)
-            .unwrap()
-            .unwrap();
-        let logits = m.forward_masked(&ids, &attention).unwrap();
-        let scaled = logits
-            .narrow(1, 3, 5)
-            .unwrap()
-            .affine(1.0 / 0.7, 0.0)
-            .unwrap();
-        let want = gathered(&candle_nn_free_log_softmax(&scaled), &at_labels);
-        let got: Vec<f32> = logps.flatten_all().unwrap().to_vec1().unwrap();
-        assert_eq!(got.len(), b * 5);
-        assert_eq!(stats.entropy.len(), b * 5);
-        for (i, (x, y)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
-                "{name} masked logps[{i}]: {x} vs {y}"
-            );
+        for numbered in [false, true] {
+            let scored = kiln_runtime::model::HeadPositions {
+                attention: &attention,
+                positions: numbered.then_some(&positions[..]),
+                at: 3..8,
+                scale: 1.0 / 0.7,
+            };
+            let (logps, stats) = m
+                .forward_masked_logps(&ids, &scored, at_labels.clone())
+                .unwrap()
+                .unwrap();
+            let logits = if numbered {
+                m.forward_positioned(&ids, &attention, &positions).unwrap()
+            } else {
+                m.forward_masked(&ids, &attention).unwrap()
+            };
+            let scaled = logits
+                .narrow(1, 3, 5)
+                .unwrap()
+                .affine(1.0 / 0.7, 0.0)
+                .unwrap();
+            let want = gathered(&candle_nn_free_log_softmax(&scaled), &at_labels);
+            let got: Vec<f32> = logps.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(got.len(), b * 5);
+            assert_eq!(stats.entropy.len(), b * 5);
+            for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                    "{name} masked (numbered {numbered}) logps[{i}]: {x} vs {y}"
+                );
+            }
         }
     }
     // An adapter on lm_head: the logits' path.

@@ -27,6 +27,20 @@ pub(crate) struct Linear {
     bias: Option<Tensor>,
 }
 
+/// What [`DecoderModel::forward_masked_logps`] scores: a batch under transformers'
+/// `attention_mask` and, optionally, `position_ids`; the positions `at` whose
+/// log-probabilities it gives; the factor on the logits before the softmax.
+pub struct HeadPositions<'a> {
+    /// `attention[i][j]` false hides token `j` of row `i`.
+    pub attention: &'a [Vec<bool>],
+    /// Each token's position (`None`: `0..len`).
+    pub positions: Option<&'a [Vec<usize>]>,
+    /// The scored positions.
+    pub at: std::ops::Range<usize>,
+    /// The factor on the logits (a sampling temperature's `1 / T`; else 1).
+    pub scale: f32,
+}
+
 /// A Linear's weight: a tensor, or kept packed in its format's layout (QLoRA).
 #[derive(Debug, Clone)]
 enum LinearWeight {
@@ -931,36 +945,54 @@ impl DecoderModel {
             .iter()
             .map(|&len| (0..t).map(|j| j < len).collect())
             .collect();
-        self.forward_masked_logps(ids, &attention, 0..t, labels, 1.0)
+        let scored = HeadPositions {
+            attention: &attention,
+            positions: None,
+            at: 0..t,
+            scale: 1.0,
+        };
+        self.forward_masked_logps(ids, &scored, labels)
     }
 
-    /// [`DecoderModel::forward_padded_logps`] under transformers' `attention_mask` (as
-    /// [`DecoderModel::forward_masked`]) at the positions `at` only (`labels` `[batch ·
-    /// at.len()]`), the logits multiplied by `scale` before the softmax (a sampling
-    /// temperature's `1 / T`): the head runs at those positions alone.
+    /// [`DecoderModel::forward_padded_logps`] as [`HeadPositions`] says: under transformers'
+    /// `attention_mask` (and `position_ids`, as [`DecoderModel::forward_positioned`]), the
+    /// head run at the scored positions alone (`labels` `[batch · at.len()]`), the logits
+    /// scaled before the softmax.
     pub fn forward_masked_logps(
         &self,
         ids: &Tensor,
-        attention: &[Vec<bool>],
-        at: std::ops::Range<usize>,
+        scored: &HeadPositions<'_>,
         labels: Vec<u32>,
-        scale: f32,
     ) -> Result<Option<(Tensor, super::fused::HeadStats)>, ModelError> {
         let Some((norm, weight)) = self.fused_head() else {
             return Ok(None);
         };
         let (b, t) = ids.dims2()?;
-        if attention.len() != b || attention.iter().any(|r| r.len() != t) || at.end > t {
+        let HeadPositions {
+            attention,
+            positions,
+            at,
+            scale,
+        } = scored;
+        let fits = |lens: Vec<usize>| lens.len() == b && lens.iter().all(|&l| l == t);
+        if !fits(attention.iter().map(Vec::len).collect())
+            || positions.is_some_and(|p| !fits(p.iter().map(Vec::len).collect()))
+            || at.end > t
+        {
             return Err(ModelError::Config(format!(
-                "an attention mask of {} rows and positions {at:?} for a batch of {b} × {t}",
+                "an attention mask of {} rows, positions {at:?} for a batch of {b} × {t}",
                 attention.len()
             )));
         }
         let mask = self.key_mask(attention, b, t)?;
-        let h = self.hidden_inner(ids, Some(&mask), None, &mut NoObserver, true)?;
+        let rope = match positions {
+            Some(p) => Some(self.rope_tables_at(p, self.dtype())?),
+            None => None,
+        };
+        let h = self.hidden_inner(ids, Some(&mask), rope, &mut NoObserver, true)?;
         let h = h.narrow(1, at.start, at.len())?;
         let h = rms_norm(&h, norm, self.config.eps)?;
-        Ok(Some(super::fused::head_logps(&h, weight, labels, scale)?))
+        Ok(Some(super::fused::head_logps(&h, weight, labels, *scale)?))
     }
 
     /// [`DecoderModel::forward_masked`] with each token's position given (`positions[i][j]`

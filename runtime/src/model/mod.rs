@@ -18,7 +18,7 @@ pub mod packed;
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
 pub(crate) use decoder::linear;
-pub use decoder::{DecoderModel, KvCache, LayerCache, SCORE, new_score_head};
+pub use decoder::{DecoderModel, HeadPositions, KvCache, LayerCache, SCORE, new_score_head};
 pub use loaded::Loaded;
 pub use observe::{MaxCalibrator, NoObserver, Observer};
 

@@ -33,6 +33,26 @@ pub struct Shifted<T> {
 /// [`Runner::forward_masked_logps`]'s log-probabilities and each position's entropy.
 pub type HeadLogps<T> = (T, Vec<f32>);
 
+/// What [`Runner::forward_masked_logps`] scores: `ids` under the attention mask `attention`
+/// (as [`Runner::forward_masked`]) numbered by `positions` (as
+/// [`Runner::forward_positioned`]; `None`: `0..len`), the log-probabilities of `labels`
+/// (`[batch · at.len()]`, row-major) at the positions `at`, the logits multiplied by `scale`
+/// before the softmax (a sampling temperature's `1 / T`).
+pub struct HeadQuery<'a> {
+    /// The token ids, one row per sequence.
+    pub ids: &'a [Vec<u32>],
+    /// transformers' `attention_mask`.
+    pub attention: &'a [Vec<bool>],
+    /// transformers' `position_ids`, or `None`.
+    pub positions: Option<&'a [Vec<usize>]>,
+    /// The positions scored.
+    pub at: std::ops::Range<usize>,
+    /// The label of each scored position.
+    pub labels: &'a [u32],
+    /// The factor on the logits.
+    pub scale: f64,
+}
+
 /// A right-padded batch on the host: ids `[batch, len]`, each row's length, the shifted label
 /// mask and the attention mask.
 pub struct Padded {
@@ -125,23 +145,16 @@ pub trait Runner: Sample {
         ids: &[Vec<u32>],
         attention: &[Vec<bool>],
     ) -> Result<<Self::Ops as TensorOps>::T, TrainError>;
-    /// The log-probabilities `[batch, at.len()]` of `labels` (`[batch · at.len()]`,
-    /// row-major) at the positions `at` of `ids` under `model` (mask as in
-    /// [`Runner::forward_masked`]), the logits multiplied by `scale` before the softmax (a
-    /// sampling temperature's `1 / T`), and each of those positions' entropy (host, no
+    /// The log-probabilities `[batch, at.len()]` of `q.labels` at the positions `q.at` of
+    /// `q.ids` under `model` ([`HeadQuery`]), and each of those positions' entropy (host, no
     /// gradient) — computed without holding the logits where the backend can; `None` where it
     /// cannot (the caller takes the logits).
-    #[allow(clippy::too_many_arguments)]
     fn forward_masked_logps(
         &self,
         model: &Self::Model,
-        ids: &[Vec<u32>],
-        attention: &[Vec<bool>],
-        at: std::ops::Range<usize>,
-        labels: &[u32],
-        scale: f64,
+        q: &HeadQuery<'_>,
     ) -> Result<Option<HeadLogps<<Self::Ops as TensorOps>::T>>, TrainError> {
-        let _ = (model, ids, attention, at, labels, scale);
+        let _ = (model, q);
         Ok(None)
     }
     /// [`Runner::forward_masked`] with each token's position given (`positions[i][j]`,

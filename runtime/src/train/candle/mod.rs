@@ -368,17 +368,19 @@ impl super::runner::Runner for Setup {
     fn forward_masked_logps(
         &self,
         model: &DecoderModel,
-        ids: &[Vec<u32>],
-        attention: &[Vec<bool>],
-        at: std::ops::Range<usize>,
-        labels: &[u32],
-        scale: f64,
+        q: &super::runner::HeadQuery<'_>,
     ) -> Result<Option<(Tensor, Vec<f32>)>, TrainError> {
-        let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
-        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        let (b, t) = (q.ids.len(), q.ids.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = q.ids.iter().flatten().copied().collect();
         let ids = Tensor::from_vec(flat, (b, t), &self.ops.device)?;
+        let scored = crate::model::HeadPositions {
+            attention: q.attention,
+            positions: q.positions,
+            at: q.at.clone(),
+            scale: q.scale as f32,
+        };
         Ok(model
-            .forward_masked_logps(&ids, attention, at, labels.to_vec(), scale as f32)?
+            .forward_masked_logps(&ids, &scored, q.labels.to_vec())?
             .map(|(logps, stats)| (logps, stats.entropy)))
     }
     fn forward_shifted(

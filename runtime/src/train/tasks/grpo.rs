@@ -9,7 +9,7 @@ use crate::train::config_err;
 use crate::train::data::{DataFormat, TextTokenizer};
 use crate::train::losses::{self, GrpoInputs, GrpoLoss, GrpoSettings};
 use crate::train::ops::TensorOps;
-use crate::train::runner::{OrTrain, Runner};
+use crate::train::runner::{HeadQuery, OrTrain, Runner};
 use crate::train::{TrainConfig, TrainError};
 use std::collections::BTreeMap;
 
@@ -514,9 +514,15 @@ impl<M> GrpoTask<M> {
         // The head at the completion's positions only, without the logits where the backend
         // can; else the logits of every position, narrowed.
         let scale = 1.0 / self.temperature;
-        if let Some((logps, entropy)) =
-            r.forward_masked_logps(model, &ids, &attention, p - 1..p - 1 + c, &labels, scale)?
-        {
+        let q = HeadQuery {
+            ids: &ids,
+            attention: &attention,
+            positions: None,
+            at: p - 1..p - 1 + c,
+            labels: &labels,
+            scale,
+        };
+        if let Some((logps, entropy)) = r.forward_masked_logps(model, &q)? {
             let entropy: Vec<f64> = entropy.iter().map(|&e| f64::from(e)).collect();
             let entropy = ops.tensor(&entropy, &[rows.len(), c]).tr()?;
             return Ok((logps, mask, mask_host, entropy));

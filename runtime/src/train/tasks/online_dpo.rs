@@ -10,7 +10,7 @@ use crate::train::TrainError;
 use crate::train::config_err;
 use crate::train::data::{DataFormat, TextTokenizer};
 use crate::train::ops::TensorOps;
-use crate::train::runner::{OrTrain, Runner};
+use crate::train::runner::{HeadQuery, OrTrain, Runner};
 use std::collections::BTreeMap;
 
 /// A prompt's two completions, and their rewards (after the missing-EOS penalty).
@@ -247,14 +247,19 @@ impl<M> OnlineDpoTask<M> {
         }
         // The head at the completion's positions only, without the logits where the backend
         // can.
-        let at = p - cut - 1..p - cut - 1 + c;
-        if let Some((logps, _)) =
-            r.forward_masked_logps(model, &ids, &attention, at.clone(), &labels, 1.0)?
-        {
+        let q = HeadQuery {
+            ids: &ids,
+            attention: &attention,
+            positions: None,
+            at: p - cut - 1..p - cut - 1 + c,
+            labels: &labels,
+            scale: 1.0,
+        };
+        if let Some((logps, _)) = r.forward_masked_logps(model, &q)? {
             return Ok((logps, mask));
         }
         let logits = r.forward_masked(model, &ids, &attention)?;
-        let logits = ops.narrow(&logits, 1, at.start, c).tr()?;
+        let logits = ops.narrow(&logits, 1, q.at.start, c).tr()?;
         let labels = ops.ids(&labels, &[rows.len(), c]).tr()?;
         Ok((ops.token_logps(&logits, &labels).tr()?, mask))
     }

@@ -21,7 +21,7 @@ use crate::train::config_err;
 use crate::train::data::{DataFormat, TextTokenizer};
 use crate::train::driver::Window;
 use crate::train::ops::TensorOps;
-use crate::train::runner::{OrTrain, Runner};
+use crate::train::runner::{HeadQuery, OrTrain, Runner};
 use crate::train::{TrainConfig, TrainError};
 use std::collections::BTreeMap;
 
@@ -541,6 +541,19 @@ impl<M> PpoTask<M> {
         let labels: Vec<u32> = responses.iter().flatten().copied().collect();
         let labels_t = ops.ids(&labels, &[b, width]).tr()?;
         let logps = |model: &M| -> Result<Vec<Vec<f32>>, TrainError> {
+            // The head at the responses' positions alone, without the logits where the
+            // backend can.
+            let q = HeadQuery {
+                ids: &ids,
+                attention: &attention,
+                positions: Some(&positions),
+                at: context - 1..context - 1 + width,
+                labels: &labels,
+                scale: 1.0 / s.temperature,
+            };
+            if let Some((lp, _)) = r.forward_masked_logps(model, &q)? {
+                return rows_of(ops, &ops.detach(&lp), width);
+            }
             let logits = r.forward_positioned(model, &ids, &attention, &positions)?;
             let logits = ops.narrow(&logits, 1, context - 1, width).tr()?;
             let logits = ops.affine(&logits, 1.0 / s.temperature, 0.0).tr()?;
@@ -815,12 +828,31 @@ impl<M> PpoTask<M> {
             .iter()
             .flat_map(|&k| ro.responses[k].iter().copied())
             .collect();
-        let logits = r.forward_positioned(r.policy(), &ids, &attention, &positions)?;
-        let logits = ops.narrow(&logits, 1, c - 1, w).tr()?;
-        let logits = ops.affine(&logits, 1.0 / s.temperature, 0.0).tr()?;
-        let new_lp = ops
-            .token_logps(&logits, &ops.ids(&labels, &shape).tr()?)
-            .tr()?;
+        let q = HeadQuery {
+            ids: &ids,
+            attention: &attention,
+            positions: Some(&positions),
+            at: c - 1..c - 1 + w,
+            labels: &labels,
+            scale: 1.0 / s.temperature,
+        };
+        // The head at the responses' positions alone, without the logits where the backend
+        // can (its entropies with it); else the logits.
+        let (new_lp, entropy) = match r.forward_masked_logps(r.policy(), &q)? {
+            Some((lp, h)) => (lp, h.iter().map(|&e| f64::from(e)).collect()),
+            None => {
+                let logits = r.forward_positioned(r.policy(), &ids, &attention, &positions)?;
+                let logits = ops.narrow(&logits, 1, c - 1, w).tr()?;
+                let logits = ops.affine(&logits, 1.0 / s.temperature, 0.0).tr()?;
+                let lp = ops
+                    .token_logps(&logits, &ops.ids(&labels, &shape).tr()?)
+                    .tr()?;
+                let h = ops
+                    .to_f64(&ops.token_entropy(&ops.detach(&logits)).tr()?)
+                    .tr()?;
+                (lp, h)
+            }
+        };
         // Past the end: TRL's INVALID_LOGPROB, a constant.
         let invalid: Vec<f64> = keep
             .iter()
@@ -925,9 +957,6 @@ impl<M> PpoTask<M> {
             approx += f64::from(diff) * f64::from(diff);
             ratio_sum += f64::from(ratio);
         }
-        let entropy = ops
-            .to_f64(&ops.token_entropy(&ops.detach(&logits)).tr()?)
-            .tr()?;
         let ratio_mean = ratio_sum / n;
         let scalar = |x: &TensorOf<R>| -> Result<f64, TrainError> {
             Ok(ops.to_f64(&ops.detach(x)).tr()?[0])
