@@ -380,28 +380,33 @@ impl Isa {
         Isa { avx2_fma }
     }
 
-    /// Runs `f`, compiled for AVX2 and FMA where the CPU has them (`f` inlined into a function
-    /// with those features: called once, a closure is). Called inside each rayon task: a
-    /// closure handed to rayon is compiled apart from its caller's target features.
+    /// Runs `w`, compiled for AVX2 and FMA where the CPU has them ([`Work::work`] is inlined
+    /// into a function with those features). Called inside each rayon task: a closure handed
+    /// to rayon is compiled apart from its caller's target features.
     #[inline(always)]
-    fn run<R>(self, f: impl FnOnce() -> R) -> R {
+    fn run<W: Work>(self, w: W) {
         #[cfg(target_arch = "x86_64")]
         if self.avx2_fma {
             // SAFETY: `avx2_fma` is true only where `detect` found AVX2 and FMA.
-            return unsafe { avx2_fma(f) };
+            return unsafe { avx2_fma(w) };
         }
-        f()
+        w.work()
     }
 }
 
-/// `f()` compiled for AVX2 and FMA.
+/// A task's work, compiled once per instruction set ([`Isa::run`]).
+trait Work {
+    fn work(self);
+}
+
+/// `w.work()` compiled for AVX2 and FMA.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn avx2_fma<R>(f: impl FnOnce() -> R) -> R {
-    f()
+unsafe fn avx2_fma<W: Work>(w: W) {
+    w.work()
 }
 
 /// One (sequence, key/value head) of [`attention`]'s inputs: its group's query rows, keys,
@@ -437,6 +442,79 @@ impl<'a> Heads<'a> {
     }
 }
 
+/// [`attention`]'s rows of one task: each query row's scores, softmax, output and
+/// log-sum-exp.
+struct ForwardRows<'a, 'h> {
+    h: &'a Heads<'h>,
+    t: Task<'a>,
+    o: &'a mut [f32],
+    lse: &'a mut [f32],
+}
+
+impl Work for ForwardRows<'_, '_> {
+    #[inline(always)]
+    fn work(self) {
+        let (h, t, dim) = (self.h, &self.t, self.h.dim);
+        let mut s = vec![0f32; h.tk];
+        for (r, lse) in self.lse.iter_mut().enumerate() {
+            let (_, causal) = h.row(t, r, &mut s);
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for x in s.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let or = &mut self.o[r * dim..(r + 1) * dim];
+            or.fill(0.0);
+            for (j, &p) in s.iter().enumerate() {
+                if causal[j] != f32::NEG_INFINITY {
+                    axpy(or, p / sum, &t.v[j * dim..(j + 1) * dim]);
+                }
+            }
+            *lse = max + sum.ln();
+        }
+    }
+}
+
+/// [`attention_backward`]'s rows of one task: each query row's probabilities again from its
+/// log-sum-exp, and its share of `dq`, `dk`, `dv`.
+struct BackwardRows<'a, 'h> {
+    h: &'a Heads<'h>,
+    t: Task<'a>,
+    o: &'a [f32],
+    d_o: &'a [f32],
+    lse: &'a [f32],
+    dq: &'a mut [f32],
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+}
+
+impl Work for BackwardRows<'_, '_> {
+    #[inline(always)]
+    fn work(self) {
+        let (h, t, dim) = (self.h, &self.t, self.h.dim);
+        let mut s = vec![0f32; h.tk];
+        for (r, &lse) in self.lse.iter().enumerate() {
+            let (qr, causal) = h.row(t, r, &mut s);
+            let row = r * dim..(r + 1) * dim;
+            let dor = &self.d_o[row.clone()];
+            let d = dot(dor, &self.o[row.clone()]);
+            let dqr = &mut self.dq[row];
+            for j in 0..h.tk {
+                if causal[j] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let p = (s[j] - lse).exp();
+                let kv = j * dim..(j + 1) * dim;
+                let ds = h.scale * (p * (dot(dor, &t.v[kv.clone()]) - d));
+                axpy(&mut self.dv[kv.clone()], p, dor);
+                axpy(dqr, ds, &t.k[kv.clone()]);
+                axpy(&mut self.dk[kv], ds, qr);
+            }
+        }
+    }
+}
+
 /// Attention's output `o = softmax(scale · q·kᵀ + causal + keys) · v` `[batch, heads, tq,
 /// dim]` and each row's log-sum-exp `lse` `[batch, heads, tq]` (what the backward pass needs
 /// in place of the probabilities), one query row at a time: a row's `tk` scores are the only
@@ -465,26 +543,11 @@ pub fn attention(
         .zip(lse.par_chunks_mut(rows))
         .enumerate()
         .for_each(|(task, (o, lse))| {
-            let t = h.task(task, q, k, v);
-            isa.run(|| {
-                let mut s = vec![0f32; h.tk];
-                for (r, lse) in lse.iter_mut().enumerate() {
-                    let (_, causal) = h.row(&t, r, &mut s);
-                    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0f32;
-                    for x in s.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
-                    }
-                    let or = &mut o[r * h.dim..(r + 1) * h.dim];
-                    or.fill(0.0);
-                    for (j, &p) in s.iter().enumerate() {
-                        if causal[j] != f32::NEG_INFINITY {
-                            axpy(or, p / sum, &t.v[j * h.dim..(j + 1) * h.dim]);
-                        }
-                    }
-                    *lse = max + sum.ln();
-                }
+            isa.run(ForwardRows {
+                h: &h,
+                t: h.task(task, q, k, v),
+                o,
+                lse,
             })
         });
     Ok(())
@@ -529,32 +592,15 @@ pub fn attention_backward(
         .zip(dk.par_chunks_mut(hk).zip(dv.par_chunks_mut(hk)))
         .enumerate()
         .for_each(|(task, (dq, (dk, dv)))| {
-            let t = h.task(task, q, k, v);
-            let (oh, doh) = (
-                &o[task * hq..(task + 1) * hq],
-                &d_o[task * hq..(task + 1) * hq],
-            );
-            let lse = &lse[task * rows..(task + 1) * rows];
-            isa.run(|| {
-                let mut s = vec![0f32; h.tk];
-                for (r, &lse) in lse.iter().enumerate() {
-                    let (qr, causal) = h.row(&t, r, &mut s);
-                    let row = r * dim..(r + 1) * dim;
-                    let dor = &doh[row.clone()];
-                    let d = dot(dor, &oh[row.clone()]);
-                    let dqr = &mut dq[row];
-                    for j in 0..h.tk {
-                        if causal[j] == f32::NEG_INFINITY {
-                            continue;
-                        }
-                        let p = (s[j] - lse).exp();
-                        let kv = j * dim..(j + 1) * dim;
-                        let ds = h.scale * (p * (dot(dor, &t.v[kv.clone()]) - d));
-                        axpy(&mut dv[kv.clone()], p, dor);
-                        axpy(dqr, ds, &t.k[kv.clone()]);
-                        axpy(&mut dk[kv], ds, qr);
-                    }
-                }
+            isa.run(BackwardRows {
+                h: &h,
+                t: h.task(task, q, k, v),
+                o: &o[task * hq..(task + 1) * hq],
+                d_o: &d_o[task * hq..(task + 1) * hq],
+                lse: &lse[task * rows..(task + 1) * rows],
+                dq,
+                dk,
+                dv,
             })
         });
     Ok(())
