@@ -458,14 +458,7 @@ impl Head {
         for start in (0..rows).step_by(step) {
             let n = step.min(rows - start);
             let (r, x) = (start..start + n, &mut logits[..n * vocab]);
-            kiln_kernels::ops::packed_matmul::matmul_wt(
-                &h[start * hidden..(start + n) * hidden],
-                n,
-                head.w.as_ref(),
-                x,
-            )
-            .map_err(op_err)?;
-            scale_by(x, scale);
+            head.logits(&h[start * hidden..(start + n) * hidden], n, x)?;
             let cr = chunk_rows(n, vocab);
             k::token_logps(
                 x,
@@ -494,7 +487,8 @@ impl Head {
         let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
         let h = h.detach().contiguous()?;
         let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let hv: Vec<f32> = h.flatten_all()?.to_vec1()?;
+        let (guard, layout) = h.storage_and_layout();
+        let hv = cpu_values(&guard, layout, "head_logps backward")?;
         let mut dh = vec![0f32; rows * hidden];
         let mut dw: Option<Tensor> = None;
         let step = self.step;
@@ -503,9 +497,7 @@ impl Head {
             let n = step.min(rows - start);
             let (r, hc) = (start..start + n, &hv[start * hidden..(start + n) * hidden]);
             let x = &mut x[..n * vocab];
-            kiln_kernels::ops::packed_matmul::matmul_wt(hc, n, self.w.as_ref(), x)
-                .map_err(op_err)?;
-            scale_by(x, self.scale);
+            self.logits(hc, n, x)?;
             let mut d = vec![0f32; n * vocab];
             k::token_logps_backward(
                 x,
@@ -534,6 +526,16 @@ impl Head {
             }
         }
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
+    }
+}
+
+impl Head {
+    /// The logits `scale · h · Wᵀ` `[n, vocab]` of the `n` rows `h` into `x` (the forward's,
+    /// and the backward's again).
+    fn logits(&self, h: &[f32], n: usize, x: &mut [f32]) -> candle_core::Result<()> {
+        kiln_kernels::ops::packed_matmul::matmul_wt(h, n, self.w.as_ref(), x).map_err(op_err)?;
+        scale_by(x, self.scale);
+        Ok(())
     }
 }
 
