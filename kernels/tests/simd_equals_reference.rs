@@ -514,6 +514,7 @@ fn reports_which_instruction_sets_were_exercised() {
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"),
         ),
         ("avx512f", is_x86_feature_detected!("avx512f")),
+        ("avx512bf16 (bf16 GEMM)", cpu::bf16_matmul::available()),
     ] {
         if present {
             println!("{feature}: present, its kernels are compared with the reference");
@@ -709,5 +710,96 @@ proptest! {
                 }
             }
         }
+    }
+}
+
+/// bf16 values for the bf16 GEMM: ordinary weights and activations, magnitudes far apart (the
+/// order of the sums shows), exact ties of the f32 rounding, denormals (flushed), zeros of both
+/// signs, infinities, NaN, and any bit pattern.
+fn bf16_bits() -> impl Strategy<Value = u16> {
+    prop_oneof![
+        6 => (-2.0f32..2.0).prop_map(|x| bf16::from_f32(x).to_bits()),
+        2 => (-30i32..30, -1.0f32..1.0)
+            .prop_map(|(e, x)| bf16::from_f32(x * 2f32.powi(e)).to_bits()),
+        1 => prop::sample::select(vec![
+            0x0000u16, 0x8000, 0x0001, 0x807f, 0x0080, 0x3f80, 0x3380, 0x7f80, 0xff80, 0x7fc0,
+            0x7f7f, 0xff7f,
+        ]),
+        1 => any::<u16>(),
+    ]
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| !same_f32(*x, *y))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The AVX-512 BF16 GEMM equals `ops::bf16_matmul`'s dot products bit for bit: shapes with
+    /// tails of every kind (rows short of a tile, `k` short of a chunk), values from
+    /// [`bf16_bits`].
+    #[test]
+    fn bf16_gemm_equals_the_reference(
+        (m, n, k, x, w) in (1usize..11, 1usize..60, 0usize..100).prop_flat_map(|(m, n, k)| (
+            Just(m),
+            Just(n),
+            Just(k),
+            prop::collection::vec(bf16_bits(), m * k),
+            prop::collection::vec(bf16_bits(), n * k),
+        ))
+    ) {
+        use kiln_kernels::ops::bf16_matmul as r;
+        let mut want = vec![0f32; m * n];
+        r::matmul_wt(&x, &w, &mut want, (m, n, k)).unwrap();
+        let mut got = vec![f32::NAN; m * n];
+        if cpu::bf16_matmul::available() {
+            cpu::bf16_matmul::matmul_wt(&x, &w, &mut got, (m, n, k)).unwrap();
+            prop_assert!(same_bits(&got, &want).is_none(), "({m}, {n}, {k}): {:?}", same_bits(&got, &want));
+            // Rounded to bf16 by the threads: the reference's sums, rounded.
+            let mut bits = vec![0u16; m * n];
+            cpu::bf16_matmul::matmul_wt_bf16(&x, &w, &mut bits, (m, n, k)).unwrap();
+            // (A NaN's sign and payload are the hardware's: NaN is NaN, as for the f32 sums.)
+            let nan = |b: u16| bf16::from_bits(b).is_nan();
+            for (i, (&b, &v)) in bits.iter().zip(&want).enumerate() {
+                let r = bf16::from_f32(v).to_bits();
+                prop_assert!(b == r || (nan(b) && nan(r)), "({m}, {n}, {k}) output {i}: {b:#06x} vs {r:#06x}");
+            }
+        } else {
+            // Where the CPU lacks it, the kernel refuses by name (the reason is printed by
+            // `reports_which_instruction_sets_were_exercised`).
+            prop_assert!(cpu::bf16_matmul::matmul_wt(&x, &w, &mut got, (m, n, k)).is_err());
+        }
+    }
+}
+
+/// Real-sized rows (k = 2048, 4099) through whole blocks and threads, values like a
+/// Linear's inputs and weights, against the reference.
+#[test]
+fn bf16_gemm_equals_the_reference_on_layer_shapes() {
+    if !cpu::bf16_matmul::available() {
+        println!("avx512bf16: not on this CPU (or KILN_CPU narrows it): skipped");
+        return;
+    }
+    use kiln_kernels::ops::bf16_matmul as r;
+    let mut seed = 7u64;
+    let mut next = move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    for (m, n, k) in [(9, 101, 2048), (5, 50, 4099)] {
+        let x: Vec<u16> = (0..m * k)
+            .map(|_| bf16::from_f32(next() * 3.0).to_bits())
+            .collect();
+        let w: Vec<u16> = (0..n * k)
+            .map(|_| bf16::from_f32(next() * 0.05).to_bits())
+            .collect();
+        let mut want = vec![0f32; m * n];
+        r::matmul_wt(&x, &w, &mut want, (m, n, k)).unwrap();
+        let mut got = vec![0f32; m * n];
+        cpu::bf16_matmul::matmul_wt(&x, &w, &mut got, (m, n, k)).unwrap();
+        assert_eq!(same_bits(&got, &want), None, "({m}, {n}, {k})");
     }
 }

@@ -4,6 +4,7 @@
 //! unless a function says otherwise. The formulas and their arithmetic order are docs/FORMATS.md's.
 
 pub mod amax;
+pub mod bf16_matmul;
 pub mod bnb;
 mod bnb_tables;
 pub mod fp8;

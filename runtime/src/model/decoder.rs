@@ -395,7 +395,12 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     let dims = x.dims().to_vec();
     let (inputs, outputs) = (dims[dims.len() - 1], w.dim(0)?);
     let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = x.reshape((rows, inputs))?.matmul(&w.t()?)?;
+    let x = x.reshape((rows, inputs))?;
+    let y = if super::bf16_linear::runs(&x, w) {
+        super::bf16_linear::linear(&x, w)?
+    } else {
+        x.matmul(&w.t()?)?
+    };
     let y = match b {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -1352,6 +1357,9 @@ impl DecoderModel {
             // Scores, masks, softmax and the values' sum in one streamed op that never holds
             // the [t, tk] scores or probabilities (the backward pass recomputes them from each
             // row's log-sum-exp), the grouped heads reading their shared keys in place.
+            // (A bf16 model keeps the unfused path below: it rounds the scores and the
+            // probabilities to bf16 as PyTorch's bf16 attention does — llm-compressor's
+            // GPTQ codes agree with kiln's less often when they are kept in f32.)
             let causal = mask_values(t, tk, a.window);
             let o = super::fused::attention(&q, &k, &v, scale, causal, key_mask)?
                 .transpose(1, 2)?

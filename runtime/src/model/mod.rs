@@ -4,6 +4,7 @@
 //! ([`Observer`], [`MaxCalibrator`]).
 
 pub mod act_quant;
+mod bf16_linear;
 pub mod checkpoint;
 mod config;
 mod decoder;
@@ -220,11 +221,27 @@ impl Weights {
         device: &Device,
         keep: impl Fn(&str) -> bool,
     ) -> Result<Self, ModelError> {
-        let mut vars = BTreeMap::new();
-        for t in checkpoint.tensors().filter(|t| keep(&t.name)) {
-            let data = read_f32(checkpoint, t)?;
-            vars.insert(t.name.clone(), to_var(data, &t.shape, dtype, device)?);
-        }
+        use rayon::prelude::*;
+        let wanted: Vec<_> = checkpoint.tensors().filter(|t| keep(&t.name)).collect();
+        // In parallel: each read is a copy out of the page cache into fresh memory, bound by
+        // one core's page faults and copies.
+        let read = |t: &crate::checkpoint::TensorMeta| -> Result<Var, ModelError> {
+            // A 16-bit tensor run in its own dtype is read as it lies, not widened and
+            // narrowed back (half the bytes allocated, no conversions).
+            Ok(match (t.dtype, dtype) {
+                (Dtype::BF16, DType::BF16) => {
+                    Var::from_vec(checkpoint.read_as::<bf16>(&t.name)?, &*t.shape, device)?
+                }
+                (Dtype::F16, DType::F16) => {
+                    Var::from_vec(checkpoint.read_as::<f16>(&t.name)?, &*t.shape, device)?
+                }
+                _ => to_var(read_f32(checkpoint, t)?, &t.shape, dtype, device)?,
+            })
+        };
+        let vars = wanted
+            .par_iter()
+            .map(|t| Ok((t.name.clone(), read(t)?)))
+            .collect::<Result<BTreeMap<_, _>, ModelError>>()?;
         Ok(Weights::from_vars(vars))
     }
 

@@ -1,0 +1,68 @@
+//! The bf16 GEMM (`cpu::bf16_matmul`, AVX-512 BF16) beside the f32 GEMM candle runs (`gemm`,
+//! through `ops::packed_matmul::matmul_wt` on the widened weight), on a 1B Llama's Linear
+//! shapes and a calibration sample's rows (64) or eight samples' (512), all threads, in
+//! floating-point operations per second (criterion's "elem/s": 2·m·n·k per product).
+//!
+//! `cargo bench -p kiln-kernels --bench gemm` (prints a reason and measures only f32 where the
+//! CPU has no AVX-512 BF16).
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kiln_kernels::cpu::bf16_matmul;
+use kiln_kernels::ops::packed_matmul::{DenseRows, matmul_wt};
+use std::hint::black_box;
+use std::time::Duration;
+
+fn values(n: usize, seed: u64, scale: f32) -> Vec<u16> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let x = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            half::bf16::from_f32(x * scale).to_bits()
+        })
+        .collect()
+}
+
+fn widen(b: &[u16]) -> Vec<f32> {
+    b.iter()
+        .map(|&v| f32::from_bits(u32::from(v) << 16))
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let native = bf16_matmul::available();
+    if !native {
+        println!("no AVX-512 BF16 on this CPU (or KILN_CPU narrows it): only the f32 GEMM runs");
+    }
+    let mut g = c.benchmark_group("gemm_x_wt");
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    for (name, n, k) in [
+        ("q_proj", 2048, 2048),
+        ("gate_proj", 8192, 2048),
+        ("down_proj", 2048, 8192),
+    ] {
+        let w = values(n * k, 1, 0.05);
+        let wf = DenseRows::new(widen(&w), n, k).unwrap();
+        for m in [64usize, 512] {
+            let x = values(m * k, 2, 2.0);
+            let xf = widen(&x);
+            let mut y = vec![0f32; m * n];
+            g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+            let id = format!("{name}_{n}x{k}_m{m}");
+            g.bench_function(BenchmarkId::new("f32_gemm", &id), |b| {
+                b.iter(|| matmul_wt(black_box(&xf), m, &wf, &mut y).unwrap())
+            });
+            if native {
+                g.bench_function(BenchmarkId::new("bf16_avx512", &id), |b| {
+                    b.iter(|| bf16_matmul::matmul_wt(black_box(&x), &w, &mut y, (m, n, k)).unwrap())
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
