@@ -91,14 +91,9 @@ mod tests {
     use kiln_kernels::ops::bf16_matmul as reference;
 
     fn values(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                bf16::from_f32((((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale)
-            })
+        super::super::fused::tests::values(n, seed, scale)
+            .into_iter()
+            .map(bf16::from_f32)
             .collect()
     }
 

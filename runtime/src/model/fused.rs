@@ -793,7 +793,8 @@ pub(crate) mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    /// `n` deterministic values in `[-scale, scale)` (a 64-bit LCG).
+    pub(crate) fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {
