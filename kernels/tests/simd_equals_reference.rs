@@ -592,6 +592,87 @@ proptest! {
     }
 }
 
+/// Values for the legacy types' blocks of 32: ordinary weights, blocks whose extreme appears
+/// with both signs or as a signed zero, exact halves of the scale (the codes' ties), subnormal
+/// extremes (whose scale's inverse overflows), magnitudes whose range overflows, and blocks with
+/// infinities and NaN (which run the reference's own code).
+fn legacy_values() -> impl Strategy<Value = Vec<f32>> {
+    let block = prop_oneof![
+        4 => prop::collection::vec(-1.0f32..1.0, 32),
+        2 => prop::collection::vec(value(), 32),
+        1 => prop::collection::vec(
+            prop::sample::select(vec![0.0, -0.0, 3.0, -3.0, 1.5, -1.5, 0.375, 2.625, -0.1875]),
+            32
+        ),
+        1 => (1u32..64, any::<bool>()).prop_map(|(k, neg)| {
+            // Multiples of max / 16 and max / 62: the halves `v · id + 8.5` lands on.
+            let m = if neg { -(k as f32) } else { k as f32 };
+            (0..32).map(|i| m * ((i as f32) - 16.0) / [16.0, 62.0][i % 2]).collect()
+        }),
+        1 => prop::collection::vec(
+            prop::sample::select(vec![0.0, -0.0, 1e-45, -1e-45, 3e-44, -2e-40, 1e-39]),
+            32
+        ),
+        // Zeros of both signs alone, and one-signed blocks with both zeros: the least
+        // (greatest) value is a signed zero.
+        1 => prop::collection::vec(prop::sample::select(vec![0.0f32, -0.0]), 32),
+        1 => (prop::collection::vec(
+            prop::sample::select(vec![0.0, -0.0, 0.25, 1.0, 0.0, -0.0]),
+            32
+        ), any::<bool>()).prop_map(|(v, neg)| {
+            if neg { v.into_iter().map(|x| -x).collect() } else { v }
+        }),
+        1 => prop::collection::vec(
+            prop::sample::select(vec![3e38, -3e38, 1e38, 0.5, -0.0, f32::MAX, -f32::MAX]),
+            32
+        ),
+    ];
+    prop::collection::vec(block, 1..9).prop_map(|b| b.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// The legacy types' and MXFP4's vector kernels (AVX2, and the dispatched threads) write the
+    /// reference's bytes, NaN and infinities included.
+    #[test]
+    fn legacy_blocks_equal_the_reference(x in legacy_values()) {
+        use kiln_kernels::ops::gguf::{GgufType, quantize};
+        for ty in [
+            GgufType::Q4_0,
+            GgufType::Q4_1,
+            GgufType::Q5_0,
+            GgufType::Q5_1,
+            GgufType::Q8_0,
+            GgufType::Mxfp4,
+        ] {
+            let mut want = vec![0u8; ty.bytes_for(x.len())];
+            quantize(ty, &x, 32, &mut want).unwrap();
+            let mut got = vec![0u8; want.len()];
+            cpu::quantize_gguf(ty, &x, 32, &mut got).unwrap();
+            prop_assert!(
+                got == want,
+                "{} dispatched: byte {:?}",
+                ty.name(),
+                got.iter().zip(&want).position(|(a, b)| a != b)
+            );
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+                got.fill(0);
+                // SAFETY: features detected just above.
+                unsafe { cpu::x86::quantize_gguf(ty, &x, &mut got) }.unwrap();
+                prop_assert!(
+                    got == want,
+                    "{} avx2: byte {:?} of blocks {:?}",
+                    ty.name(),
+                    got.iter().zip(&want).position(|(a, b)| a != b),
+                    x.len() / 32
+                );
+            }
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(120))]
 

@@ -11,6 +11,8 @@ pub mod bf16_matmul;
 pub mod bits;
 mod iquants;
 mod kquants;
+#[cfg(target_arch = "x86_64")]
+mod legacy;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;

@@ -576,8 +576,9 @@ pub(crate) unsafe fn iq_fits(
     super::iquants::fits::<super::kquants::Avx2>(weight, xval, cands, out)
 }
 
-/// The k-quant searches of `cpu::kquants` (Q4_K, Q5_K, Q6_K) compiled for AVX2, eight
-/// sub-blocks a vector; whole blocks of `ty` from `x` into `out`.
+/// Whole blocks of `ty` from `x` into `out`: the legacy types and MXFP4 a block of 32 at a time
+/// in vectors (`cpu::legacy`), the k-quant searches of `cpu::kquants` (Q2_K, Q4_K, Q5_K, Q6_K,
+/// IQ4) eight sub-blocks a vector, the i-quants by `cpu::iquants`.
 ///
 /// # Safety
 /// AVX2 and F16C must be available.
@@ -587,6 +588,11 @@ pub unsafe fn quantize_gguf(
     x: &[f32],
     out: &mut [u8],
 ) -> Result<(), crate::KernelError> {
+    if super::legacy::handles(ty) {
+        crate::ops::gguf::check_layout(ty, x.len(), x.len().max(32), out.len())?;
+        super::legacy::quantize(ty, x, out);
+        return Ok(());
+    }
     super::kquants::quantize_blocks::<super::kquants::Avx2>(ty, x, out)
 }
 

@@ -413,25 +413,36 @@ fn q8_0(x: &[f32], o: &mut [u8]) {
 }
 
 /// E2M1 values times two (ggml's `kvalues_mxfp4`).
-const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub(crate) const KVALUES_MXFP4: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
-fn mxfp4(x: &[f32], o: &mut [u8]) {
-    let amax = x
-        .iter()
-        .fold(0f32, |a, v| if a < v.abs() { v.abs() } else { a });
-    // `floor(log2f(amax)) - 2 + 127`, log2 rounded to f32 once.
+/// MXFP4's block exponent for the block's largest magnitude `amax` (ggml's
+/// `floor(log2f(amax)) - 2 + 127`, log2 rounded to f32 once) and half its E8M0 scale,
+/// `2^(e − 128)`, the step its codes multiply.
+pub(crate) fn mxfp4_scale(amax: f32) -> (u8, f32) {
     let e = if amax > 0.0 {
         (crate::formats::e8m0::log2_f32(amax).floor() - 2.0 + 127.0) as i32 as u8
     } else {
         0
     };
-    o[0] = e;
-    // Half the E8M0 scale: 2^(e − 128).
-    let d = f32::from_bits(if e < 2 {
+    (e, mxfp4_step(e))
+}
+
+/// Half the E8M0 scale `e`: `2^(e − 128)`.
+pub(crate) fn mxfp4_step(e: u8) -> f32 {
+    f32::from_bits(if e < 2 {
         0x0020_0000 << e
     } else {
         u32::from(e - 1) << 23
-    });
+    })
+}
+
+fn mxfp4(x: &[f32], o: &mut [u8]) {
+    let amax = x
+        .iter()
+        .fold(0f32, |a, v| if a < v.abs() { v.abs() } else { a });
+    let (e, d) = mxfp4_scale(amax);
+    o[0] = e;
     let best = |v: f32| -> u8 {
         let mut best = 0;
         let mut err = (f32::from(KVALUES_MXFP4[0]) * d - v).abs();
