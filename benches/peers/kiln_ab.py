@@ -36,9 +36,12 @@ def main():
             one = tp.run_kiln(b, task, model, data, 1, tmp, args.lora, "off")
             full = tp.run_kiln(b, task, model, data, args.steps, tmp, args.lora, "off")
             s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
-            toks = (full["tokens"] - one["tokens"]) / (args.steps - 1)
+            # GKD logs no num_tokens (TRL's GKDTrainer neither): no tokens/s there.
+            rate = "—"
+            if full["tokens"] is not None:
+                rate = f"{(full['tokens'] - one['tokens']) / (args.steps - 1) / s:.0f}"
             losses = [round(l.get("loss", 0), 4) for l in full["lines"]][:3]
-            print(f"| {task} | {b} | {s:.3f} | {toks / s:.0f} | {full['rss_kb'] / 1024:.0f} MB | {losses} |",
+            print(f"| {task} | {b} | {s:.3f} | {rate} | {full['rss_kb'] / 1024:.0f} MB | {losses} |",
                   flush=True)
 
 

@@ -1,6 +1,8 @@
 """kiln train beside PyTorch + TRL 0.29.1 on the same model, data and settings, one run each:
-step time, tokens/s and peak RSS for SFT, DPO and GRPO (`--tasks grpo`: one prompt a step, 8
-completions of up to 16 tokens, an exact-match reward), full fine-tuning or LoRA.
+step time, tokens/s and peak RSS for SFT, DPO, GRPO (`--tasks grpo`: one prompt a step, 8
+completions of up to 16 tokens, an exact-match reward) and GKD distillation (`--tasks distill`:
+the teacher the model after two SFT steps at learning rate 1e-3, `lmbda` 0: no sampling), full
+fine-tuning or LoRA.
 
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size small
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size 254m --steps 6
@@ -31,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def write_data(d, n=64):
     rng = random.Random(3)
     words = ["alpha", "beta", "gamma", "delta", "kiln", "model", "train", "data", "token", "layer"]
-    sft, dpo, grpo = [], [], []
+    sft, dpo, grpo, distill = [], [], [], []
     for _ in range(n):
         prompt = " ".join(rng.choice(words) for _ in range(12)) + ": "
         comp = " ".join(rng.choice(words) for _ in range(10))
@@ -39,7 +41,10 @@ def write_data(d, n=64):
         sft.append({"prompt": prompt, "completion": comp})
         dpo.append({"prompt": prompt, "chosen": comp, "rejected": other})
         grpo.append({"prompt": prompt, "answer": comp.split()[0]})
-    for name, rows in [("sft.jsonl", sft), ("dpo.jsonl", dpo), ("grpo.jsonl", grpo)]:
+        distill.append({"messages": [{"role": "user", "content": prompt},
+                                     {"role": "assistant", "content": comp}]})
+    for name, rows in [("sft.jsonl", sft), ("dpo.jsonl", dpo), ("grpo.jsonl", grpo),
+                       ("distill.jsonl", distill)]:
         with open(os.path.join(d, name), "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
@@ -77,14 +82,21 @@ elif task == "grpo":
     args = GRPOConfig(**common, num_generations=8, max_completion_length=16, shuffle_dataset=False)
     tr = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=ds, processing_class=tok,
                      callbacks=[T()], **peft)
+elif task == "distill":
+    # GKD from the teacher `train_peer.teacher` made, off-policy only (lmbda 0: no sampling in the step).
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+    teacher = LlamaForCausalLM.from_pretrained(sys.argv[7], dtype=torch.float32)
+    tr = GKDTrainer(model=model, teacher_model=teacher, args=GKDConfig(**common, lmbda=0.0), train_dataset=ds,
+                    processing_class=tok, callbacks=[T()], **peft)
 else:
     from trl import DPOConfig, DPOTrainer
     tr = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=ds, processing_class=tok, callbacks=[T()],
                     **peft)
 tr.train()
 num = [l for l in tr.state.log_history if "num_tokens" in l]
-tokens = num[-1]["num_tokens"] - num[0]["num_tokens"]
-print(json.dumps({"step_s": sum(times[1:]) / len(times[1:]), "tokens_per_step": tokens / (len(num) - 1)}))
+# GKD logs no num_tokens.
+tokens = (num[-1]["num_tokens"] - num[0]["num_tokens"]) / (len(num) - 1) if len(num) > 1 else None
+print(json.dumps({"step_s": sum(times[1:]) / len(times[1:]), "tokens_per_step": tokens}))
 '''
 
 
@@ -93,12 +105,25 @@ def peak_kb(stderr):
     return int(m.group(1)) if m else None
 
 
+def teacher(kiln, model, tmp):
+    """GKD's teacher: the model after two SFT steps at a high learning rate (made once)."""
+    out = os.path.join(tmp, "teacher")
+    if not os.path.exists(out):
+        subprocess.run([kiln, "train", "--task", "sft", "--model", model, "--data", os.path.join(tmp, "sft.jsonl"),
+                        "--out", out, "--max-steps", "2", "--learning-rate", "1e-3", "--lora-r", "0",
+                        "--per-device-train-batch-size", "8", "--quiet"], check=True, capture_output=True)
+    return out
+
+
 def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off"):
     m = os.path.join(tmp, f"kiln-{task}.jsonl")
     adapter = ["--lora-r", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"] if lora else ["--lora-r", "0"]
     if task == "grpo":
         # One prompt a step, 8 completions of up to 16 tokens, rewarded by exact match.
         adapter += ["--num-generations", "8", "--max-completion-length", "16", "--reward-funcs", "exact_match"]
+    if task == "distill":
+        # GKD from `teacher`'s model, off-policy only (as the TRL run).
+        adapter += ["--teacher-model-name-or-path", teacher(kiln, model, tmp), "--lmbda", "0"]
     cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--model", model, "--data", data, "--out",
            os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), *adapter,
            "--gradient-checkpointing", "true" if ckpt == "on" else "false",
@@ -137,13 +162,17 @@ def main():
         one = run_kiln(args.kiln, task, model, data, 1, tmp, args.lora, args.checkpointing)
         full = run_kiln(args.kiln, task, model, data, args.steps, tmp, args.lora, args.checkpointing)
         step_s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
-        toks = (full["tokens"] - one["tokens"]) / (args.steps - 1)
-        print(f"| {task} | kiln | {step_s:.3f} | {toks / step_s:.0f} | {full['rss_kb'] / 1024:.0f} MB |", flush=True)
+        # GKD logs no num_tokens (kiln as TRL): no tokens/s there.
+        rate = "—"
+        if full["tokens"] is not None:
+            rate = f"{(full['tokens'] - one['tokens']) / (args.steps - 1) / step_s:.0f}"
+        print(f"| {task} | kiln | {step_s:.3f} | {rate} | {full['rss_kb'] / 1024:.0f} MB |", flush=True)
         p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", TRL, task, model, data, str(args.steps),
-                            "lora" if args.lora else "full", args.checkpointing],
+                            "lora" if args.lora else "full", args.checkpointing, teacher(args.kiln, model, tmp)],
                            capture_output=True, text=True, check=True)
         r = json.loads(p.stdout.strip().splitlines()[-1])
-        print(f"| {task} | PyTorch + TRL | {r['step_s']:.3f} | {r['tokens_per_step'] / r['step_s']:.0f} | "
+        rate = "—" if r["tokens_per_step"] is None else f"{r['tokens_per_step'] / r['step_s']:.0f}"
+        print(f"| {task} | PyTorch + TRL | {r['step_s']:.3f} | {rate} | "
               f"{peak_kb(p.stderr) / 1024:.0f} MB |", flush=True)
 
 

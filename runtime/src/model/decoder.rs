@@ -969,6 +969,74 @@ impl DecoderModel {
         scored: &HeadPositions<'_>,
         labels: Vec<u32>,
     ) -> Result<Option<(Tensor, super::fused::HeadStats)>, ModelError> {
+        let Some((h, weight)) = self.head_input(ids, scored)? else {
+            return Ok(None);
+        };
+        Ok(Some(super::fused::head_logps(
+            &h,
+            weight,
+            labels,
+            scored.scale,
+        )?))
+    }
+
+    /// GKD's generalized JSD per scored position (`[batch, at.len()]`, before its mask and
+    /// mean; [`super::fused::head_jsd`]) between this model's distributions and the teacher's
+    /// ([`DecoderModel::head_rows`] at the same positions), without either's logits. `None`
+    /// where the head cannot run so ([`DecoderModel::fused_head`]), or for a teacher of another
+    /// vocabulary: the caller takes the logits.
+    pub fn forward_masked_jsd(
+        &self,
+        ids: &Tensor,
+        scored: &HeadPositions<'_>,
+        teacher: super::fused::HeadRows,
+        beta: f64,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let Some((h, weight)) = self.head_input(ids, scored)? else {
+            return Ok(None);
+        };
+        let vocab = match &weight {
+            super::fused::HeadWeight::Dense(w) => w.dim(0)?,
+            super::fused::HeadWeight::Packed(p) => p.rows(),
+        };
+        if teacher.vocab() != vocab {
+            return Ok(None);
+        }
+        Ok(Some(super::fused::head_jsd(&h, weight, teacher, beta)?))
+    }
+
+    /// The rows entering the output layer at the scored positions (after the final norm; no
+    /// graph: a frozen model's, a teacher's) and the layer's weight, for
+    /// [`DecoderModel::forward_masked_jsd`]. `None` where the head cannot run so.
+    pub fn head_rows(
+        &self,
+        ids: &Tensor,
+        scored: &HeadPositions<'_>,
+    ) -> Result<Option<super::fused::HeadRows>, ModelError> {
+        let Some((h, weight)) = self.head_input(ids, scored)? else {
+            return Ok(None);
+        };
+        let w: super::packed::Packed = match weight {
+            super::fused::HeadWeight::Dense(w) => {
+                match super::packed::FrozenRows::of(&w.detach()) {
+                    Some(rows) => Arc::new(rows),
+                    None => return Ok(None),
+                }
+            }
+            super::fused::HeadWeight::Packed(p) => p.clone(),
+        };
+        let h: Vec<f32> = h.detach().flatten_all()?.to_vec1()?;
+        Ok(Some(super::fused::HeadRows { h, w }))
+    }
+
+    /// The output layer's input at the scored positions (the last layer's states there after
+    /// the final norm, `[batch, at.len(), hidden]`) and its weight, where the fused head can
+    /// run ([`DecoderModel::fused_head`]).
+    fn head_input(
+        &self,
+        ids: &Tensor,
+        scored: &HeadPositions<'_>,
+    ) -> Result<Option<(Tensor, super::fused::HeadWeight<'_>)>, ModelError> {
         let Some((norm, weight)) = self.fused_head() else {
             return Ok(None);
         };
@@ -977,7 +1045,7 @@ impl DecoderModel {
             attention,
             positions,
             at,
-            scale,
+            ..
         } = scored;
         let fits = |lens: Vec<usize>| lens.len() == b && lens.iter().all(|&l| l == t);
         if !fits(attention.iter().map(Vec::len).collect())
@@ -996,8 +1064,7 @@ impl DecoderModel {
         };
         let h = self.hidden_inner(ids, Some(&mask), rope, &mut NoObserver, true)?;
         let h = h.narrow(1, at.start, at.len())?;
-        let h = rms_norm(&h, norm, self.config.eps)?;
-        Ok(Some(super::fused::head_logps(&h, weight, labels, *scale)?))
+        Ok(Some((rms_norm(&h, norm, self.config.eps)?, weight)))
     }
 
     /// [`DecoderModel::forward_masked`] with each token's position given (`positions[i][j]`

@@ -509,24 +509,35 @@ impl Head {
             )
             .map_err(op_err)?;
             scale_by(&mut d, self.scale);
-            kiln_kernels::ops::packed_matmul::matmul_w(
-                &d,
-                n,
-                self.w.as_ref(),
-                &mut dh[start * hidden..(start + n) * hidden],
-            )
-            .map_err(op_err)?;
-            if weight_grad {
-                let dl = Tensor::from_vec(d, (n, vocab), h.device())?;
-                let part = dl.t()?.matmul(&h.narrow(0, start, n)?)?;
-                dw = Some(match dw {
-                    Some(acc) => (acc + part)?,
-                    None => part,
-                });
-            }
+            let dh = &mut dh[start * hidden..(start + n) * hidden];
+            let w = weight_grad.then_some(&mut dw);
+            chunk_grads(&d, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
         }
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
     }
+}
+
+/// A chunk's share of a fused head's gradients from its logits' gradient `dz` `[n, vocab]`:
+/// `dh = dz · W` into `dh` (the chunk's `n` rows) and, with `dw`, `dW += dzᵀ · h` (`h` the
+/// chunk's rows).
+fn chunk_grads(
+    dz: &[f32],
+    w: &dyn kiln_kernels::ops::packed_matmul::PackedRows,
+    h: &Tensor,
+    dh: &mut [f32],
+    dw: Option<&mut Option<Tensor>>,
+) -> candle_core::Result<()> {
+    let n = h.dim(0)?;
+    kiln_kernels::ops::packed_matmul::matmul_w(dz, n, w, dh).map_err(op_err)?;
+    if let Some(dw) = dw {
+        let dz = Tensor::from_slice(dz, (n, w.rows()), h.device())?;
+        let part = dz.t()?.matmul(h)?;
+        *dw = Some(match dw.take() {
+            Some(acc) => (acc + part)?,
+            None => part,
+        });
+    }
+    Ok(())
 }
 
 impl Head {
@@ -546,29 +557,59 @@ fn scale_by(x: &mut [f32], scale: f32) {
     }
 }
 
-/// The head over a frozen (packed) weight: the gradient of its input only.
-struct HeadFrozen(Head);
+/// An output layer fused with its loss's per-row figure ([`Head`], [`Jsd`]): its forward ran
+/// before the op was built (it needed the chunks' logits, which nothing keeps), so the op hands
+/// the values out and owns the backward pass.
+trait FusedHead: Send + Sync {
+    const NAME: &'static str;
+    /// The forward's values, one per row.
+    fn values(&self) -> &[f32];
+    /// `dh` and, with `weight_grad`, `dW` from the values' gradient `g`.
+    fn backward(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        weight_grad: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)>;
+}
 
-/// The head over a dense weight: the gradients of its input and of the weight.
-struct HeadDense(Head);
+impl FusedHead for Head {
+    const NAME: &'static str = "fused-head-logps";
+    fn values(&self) -> &[f32] {
+        &self.logps
+    }
+    fn backward(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        weight_grad: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        Head::backward(self, h, g, weight_grad)
+    }
+}
 
-impl CustomOp1 for HeadFrozen {
+/// A fused head over a frozen (packed) weight: the gradient of its input only.
+struct Frozen<H>(H);
+
+/// A fused head over a dense weight: the gradients of its input and of the weight.
+struct Dense<H>(H);
+
+impl<H: FusedHead> CustomOp1 for Frozen<H> {
     fn name(&self) -> &'static str {
-        "fused-head-logps"
+        H::NAME
     }
     fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        // Computed by `Head::forward` before the op was built (it needed the chunks' logits,
-        // which nothing keeps); the op hands the values out and owns the backward pass.
-        Ok(out(self.0.logps.clone(), &Shape::from(self.0.labels.len())))
+        let v = self.0.values();
+        Ok(out(v.to_vec(), &Shape::from(v.len())))
     }
     fn bwd(&self, h: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(self.0.backward(h, g, false)?.0))
     }
 }
 
-impl CustomOp2 for HeadDense {
+impl<H: FusedHead> CustomOp2 for Dense<H> {
     fn name(&self) -> &'static str {
-        "fused-head-logps"
+        H::NAME
     }
     fn cpu_fwd(
         &self,
@@ -577,8 +618,8 @@ impl CustomOp2 for HeadDense {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        // As `HeadFrozen`'s.
-        Ok(out(self.0.logps.clone(), &Shape::from(self.0.labels.len())))
+        let v = self.0.values();
+        Ok(out(v.to_vec(), &Shape::from(v.len())))
     }
     fn bwd(
         &self,
@@ -643,10 +684,268 @@ fn head_logps_in(
         Head::forward(cpu_values(&g, l, "head_logps")?, rows, labels, step, scale)?
     };
     let logps = match weight {
-        HeadWeight::Dense(w) => flat.apply_op2(w, HeadDense(head))?,
-        HeadWeight::Packed(_) => flat.apply_op1(HeadFrozen(head))?,
+        HeadWeight::Dense(w) => flat.apply_op2(w, Dense(head))?,
+        HeadWeight::Packed(_) => flat.apply_op1(Frozen(head))?,
     };
     Ok((logps.reshape((b, t))?, stats))
+}
+
+// ---- The output layer with GKD's generalized JSD, a chunk of rows at a time -------------
+
+/// A frozen model's output layer at some positions, for [`head_jsd`]: the rows entering its
+/// head (after the final norm) `[rows, hidden]`, row-major, and the head's weight.
+pub struct HeadRows {
+    /// The rows, `rows × w.cols()` values.
+    pub h: Vec<f32>,
+    /// The head's weight `[vocab, hidden]`.
+    pub w: super::packed::Packed,
+}
+
+impl HeadRows {
+    /// The number of rows.
+    pub fn rows(&self) -> usize {
+        self.h.len() / self.w.cols().max(1)
+    }
+    /// The head's vocabulary.
+    pub fn vocab(&self) -> usize {
+        self.w.rows()
+    }
+}
+
+/// `log Σ exp(z)` of a row, in f64.
+fn lse_f64(z: &[f32]) -> f64 {
+    let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if max == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    let m = f64::from(max);
+    m + z
+        .iter()
+        .map(|&v| (f64::from(v) - m).exp())
+        .sum::<f64>()
+        .ln()
+}
+
+/// GKD's generalized JSD between the distributions of one row's student logits `zs` and
+/// teacher logits `zt` (TRL's `generalized_jsd_loss` before its mask and mean: β = 0 the
+/// forward KL of the student from the teacher, β = 1 the reverse one, else the β-mixture's two
+/// KLs weighted); with `grad`, also `∂/∂zs`, written over `zs`. Element-wise in f32 as
+/// PyTorch's composition is, the sums over the vocabulary in f64.
+fn jsd_row(zs: &mut [f32], zt: &[f32], beta: f64, grad: Option<f32>) -> f32 {
+    let (ls, lt) = (lse_f64(zs) as f32, lse_f64(zt) as f32);
+    let (la, lb) = ((1.0 - beta).ln() as f32, beta.ln() as f32);
+    let bf = beta as f32;
+    // Per vocabulary entry: the loss's term and its derivative in the student's log-prob.
+    let term = |s: f32, t: f32| -> (f32, f32) {
+        let (ps, pt) = (s.exp(), t.exp());
+        if beta == 0.0 {
+            (pt * (t - s), -pt)
+        } else if beta == 1.0 {
+            (ps * (s - t), ps * (s - t + 1.0))
+        } else {
+            // The mixture's log as torch.logsumexp computes it (shifted by the larger).
+            let (a, b) = (s + la, t + lb);
+            let mx = a.max(b);
+            let m = mx + ((a - mx).exp() + (b - mx).exp()).ln();
+            let r = (a - m).exp();
+            let value = bf * pt * (t - m) + (1.0 - bf) * ps * (s - m);
+            let d = -bf * pt * r + (1.0 - bf) * (ps * (s - m) + ps * (1.0 - r));
+            (value, d)
+        }
+    };
+    let (mut value, mut dsum) = (0f64, 0f64);
+    for (&z, &y) in zs.iter().zip(zt) {
+        let (v, d) = term(z - ls, y - lt);
+        value += f64::from(v);
+        dsum += f64::from(d);
+    }
+    if let Some(g) = grad {
+        // ∂/∂z_j = G_j − p_j Σ_v G_v (the log-softmax's Jacobian), times the row's gradient.
+        let dsum = dsum as f32;
+        for (z, &y) in zs.iter_mut().zip(zt) {
+            let s = *z - ls;
+            let (_, d) = term(s, y - lt);
+            *z = g * (d - s.exp() * dsum);
+        }
+    }
+    value as f32
+}
+
+/// What the JSD head's backward pass needs: the student's weight, the teacher's rows and the
+/// forward's values, which the op hands out.
+struct Jsd {
+    w: super::packed::Packed,
+    teacher: HeadRows,
+    beta: f64,
+    rows: usize,
+    hidden: usize,
+    step: usize,
+    values: Vec<f32>,
+}
+
+impl Jsd {
+    /// The student's and the teacher's logits of the rows `start..start + n` into `zs`, `zt`.
+    fn logits(
+        &self,
+        h: &[f32],
+        start: usize,
+        n: usize,
+        zs: &mut [f32],
+        zt: &mut [f32],
+    ) -> candle_core::Result<()> {
+        let (hs, ht) = (self.hidden, self.teacher.w.cols());
+        kiln_kernels::ops::packed_matmul::matmul_wt(
+            &h[start * hs..(start + n) * hs],
+            n,
+            self.w.as_ref(),
+            zs,
+        )
+        .map_err(op_err)?;
+        kiln_kernels::ops::packed_matmul::matmul_wt(
+            &self.teacher.h[start * ht..(start + n) * ht],
+            n,
+            self.teacher.w.as_ref(),
+            zt,
+        )
+        .map_err(op_err)
+    }
+
+    /// Each row's JSD, a chunk of rows at a time.
+    fn forward(&mut self, h: &[f32]) -> candle_core::Result<()> {
+        use rayon::prelude::*;
+        let vocab = self.w.rows();
+        let step = self.step.min(self.rows).max(1);
+        let (mut zs, mut zt) = (vec![0f32; step * vocab], vec![0f32; step * vocab]);
+        let mut values = vec![0f32; self.rows];
+        for start in (0..self.rows).step_by(step) {
+            let n = step.min(self.rows - start);
+            let (zs, zt) = (&mut zs[..n * vocab], &mut zt[..n * vocab]);
+            self.logits(h, start, n, zs, zt)?;
+            values[start..start + n]
+                .par_iter_mut()
+                .zip(zs.par_chunks_mut(vocab).zip(zt.par_chunks(vocab)))
+                .for_each(|(o, (zs, zt))| *o = jsd_row(zs, zt, self.beta, None));
+        }
+        self.values = values;
+        Ok(())
+    }
+
+    /// From the values' gradient `g`: `dh` `[rows, hidden]` and, for a dense weight, `dW` —
+    /// per chunk the logits again, their gradient, `dh = dz · W`, `dW += dzᵀ · h`.
+    fn backward(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        weight_grad: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        use rayon::prelude::*;
+        let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.rows);
+        let h = h.detach().contiguous()?;
+        let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let (guard, layout) = h.storage_and_layout();
+        let hv = cpu_values(&guard, layout, "head_jsd backward")?;
+        let mut dh = vec![0f32; rows * hidden];
+        let mut dw: Option<Tensor> = None;
+        let step = self.step.min(rows).max(1);
+        let (mut zs, mut zt) = (vec![0f32; step * vocab], vec![0f32; step * vocab]);
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            let (zs, zt) = (&mut zs[..n * vocab], &mut zt[..n * vocab]);
+            self.logits(hv, start, n, zs, zt)?;
+            zs.par_chunks_mut(vocab)
+                .zip(zt.par_chunks(vocab))
+                .zip(&g[start..start + n])
+                .for_each(|((zs, zt), &g)| {
+                    jsd_row(zs, zt, self.beta, Some(g));
+                });
+            let dh = &mut dh[start * hidden..(start + n) * hidden];
+            let w = weight_grad.then_some(&mut dw);
+            chunk_grads(zs, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
+        }
+        Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
+    }
+}
+
+impl FusedHead for Jsd {
+    const NAME: &'static str = "fused-head-jsd";
+    fn values(&self) -> &[f32] {
+        &self.values
+    }
+    fn backward(
+        &self,
+        h: &Tensor,
+        g: &Tensor,
+        weight_grad: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        Jsd::backward(self, h, g, weight_grad)
+    }
+}
+
+/// GKD's generalized JSD (TRL's `generalized_jsd_loss` per position, before its mask and
+/// mean) between the student's distribution `softmax(h · Wᵀ)` at each position of `h`
+/// `[batch, t, hidden]` (f32 on the CPU) and the teacher's, `softmax` of `teacher`'s rows
+/// through its head (one row per position, in the same order) — without ever holding either
+/// `[batch, t, vocab]` logits: both are computed a chunk of rows at a time (about 8 MiB each),
+/// in the forward pass and again in the backward pass (Liger-kernel style, as its fused linear
+/// JSD). The gradient reaches `h` and a dense `weight`; the teacher is a constant.
+pub fn head_jsd(
+    h: &Tensor,
+    weight: HeadWeight<'_>,
+    teacher: HeadRows,
+    beta: f64,
+) -> candle_core::Result<Tensor> {
+    head_jsd_in(h, weight, teacher, beta, None)
+}
+
+/// [`head_jsd`] with `step` rows a chunk (by default about 8 MiB of logits).
+fn head_jsd_in(
+    h: &Tensor,
+    weight: HeadWeight<'_>,
+    teacher: HeadRows,
+    beta: f64,
+    step: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let (b, t, hidden) = h.dims3()?;
+    let flat = h.reshape((b * t, hidden))?.contiguous()?;
+    let w: super::packed::Packed = match weight {
+        HeadWeight::Dense(w) => std::sync::Arc::new(
+            super::packed::FrozenRows::of(&w.detach())
+                .ok_or_else(|| op_err("head_jsd: the weight must be f32 and contiguous"))?,
+        ),
+        HeadWeight::Packed(p) => p.clone(),
+    };
+    if w.cols() != hidden {
+        return Err(op_err(format!(
+            "head_jsd: a head of {} inputs given rows of {hidden}",
+            w.cols()
+        )));
+    }
+    if teacher.vocab() != w.rows() || teacher.h.len() != b * t * teacher.w.cols() {
+        return Err(op_err(format!(
+            "head_jsd: the teacher's {} rows of vocabulary {} for {b} × {t} positions of vocabulary {}",
+            teacher.rows(),
+            teacher.vocab(),
+            w.rows()
+        )));
+    }
+    let mut jsd = Jsd {
+        step: step.unwrap_or_else(|| head_chunk(w.rows())).max(1),
+        w,
+        teacher,
+        beta,
+        rows: b * t,
+        hidden,
+        values: Vec::new(),
+    };
+    {
+        let (g, l) = flat.storage_and_layout();
+        jsd.forward(cpu_values(&g, l, "head_jsd")?)?;
+    }
+    let values = match weight {
+        HeadWeight::Dense(w) => flat.apply_op2(w, Dense(jsd))?,
+        HeadWeight::Packed(_) => flat.apply_op1(Frozen(jsd))?,
+    };
+    values.reshape((b, t))
 }
 
 // ---- Per-token log-probabilities ----------------------------------------------------------
@@ -935,6 +1234,93 @@ pub(crate) mod tests {
             },
             1e-5,
         );
+    }
+
+    #[test]
+    fn head_jsd_equals_the_logits_then_the_losses_generalized_jsd() {
+        // 3 × 5 positions, student hidden 6, teacher hidden 4, vocabulary 13, in chunks of 4
+        // rows (the last short) and in one; β at both ends and between; values and gradients
+        // of `Σ mask · jsd` against `losses::generalized_jsd` over the full logits.
+        let (b, t, d, dt, v) = (3, 5, 6, 4, 13);
+        let ops = crate::train::candle::ops::CandleOps {
+            device: Device::Cpu,
+        };
+        let mask: Vec<f64> = (0..b * t)
+            .map(|i| f64::from(u8::from(i % 4 != 1)))
+            .collect();
+        let mask_t = Tensor::from_vec(
+            mask.iter().map(|&m| m as f32).collect::<Vec<f32>>(),
+            (b, t),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let th = values(b * t * dt, 31, 2.0);
+        let tw = Tensor::from_vec(values(v * dt, 32, 1.5), (v, dt), &Device::Cpu).unwrap();
+        let teacher = || HeadRows {
+            h: th.clone(),
+            w: std::sync::Arc::new(super::super::packed::FrozenRows::of(&tw).unwrap()),
+        };
+        let teacher_logits = {
+            let h = Tensor::from_vec(th.clone(), (b, t, dt), &Device::Cpu).unwrap();
+            crate::model::decoder::linear(&h, &tw, None).unwrap()
+        };
+        let unfused = |x: &[Tensor], w: &Tensor, beta: f64| {
+            let student = crate::model::decoder::linear(&x[0], w, None).unwrap();
+            crate::train::losses::generalized_jsd(
+                &ops,
+                &student,
+                &teacher_logits,
+                &mask_t,
+                1.0,
+                beta,
+            )
+            .unwrap()
+        };
+        for beta in [0.0, 0.5, 0.1, 1.0] {
+            for step in [Some(4), None] {
+                // A dense weight: the gradients of both.
+                agree(
+                    &[var(&[b, t, d], 33, 2.0), var(&[v, d], 34, 1.0)],
+                    |x| {
+                        let jsd =
+                            head_jsd_in(&x[0], HeadWeight::Dense(&x[1]), teacher(), beta, step)
+                                .unwrap();
+                        (jsd * &mask_t).unwrap().sum_all().unwrap()
+                    },
+                    |x| unfused(x, &x[1], beta),
+                    2e-5,
+                );
+            }
+            // A frozen (packed) weight: the input's gradient.
+            let w = var(&[v, d], 34, 1.0).as_tensor().detach();
+            let packed: super::super::packed::Packed =
+                std::sync::Arc::new(super::super::packed::FrozenRows::of(&w).unwrap());
+            agree(
+                &[var(&[b, t, d], 33, 2.0)],
+                |x| {
+                    let jsd =
+                        head_jsd_in(&x[0], HeadWeight::Packed(&packed), teacher(), beta, Some(4))
+                            .unwrap();
+                    (jsd * &mask_t).unwrap().sum_all().unwrap()
+                },
+                |x| unfused(x, &w, beta),
+                2e-5,
+            );
+        }
+        // A teacher of another vocabulary is refused by name.
+        let other = HeadRows {
+            h: vec![0.0; b * t * dt],
+            w: std::sync::Arc::new(
+                super::super::packed::FrozenRows::of(
+                    &Tensor::zeros((v + 1, dt), DType::F32, &Device::Cpu).unwrap(),
+                )
+                .unwrap(),
+            ),
+        };
+        let h = var(&[b, t, d], 33, 2.0);
+        let w = var(&[v, d], 34, 1.0);
+        let e = head_jsd(h.as_tensor(), HeadWeight::Dense(w.as_tensor()), other, 0.5).unwrap_err();
+        assert!(e.to_string().contains("vocabulary 14"), "{e}");
     }
 
     #[test]

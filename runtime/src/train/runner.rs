@@ -157,6 +157,21 @@ pub trait Runner: Sample {
         let _ = (model, q);
         Ok(None)
     }
+    /// GKD's generalized JSD per position `[batch, q.at.len()]` (TRL's `generalized_jsd_loss`
+    /// before its mask and mean) between `model`'s distributions at the positions `q.at` of
+    /// `q.ids` (`q.labels` unused, `q.scale` 1) and a teacher's, given as the rows entering its
+    /// output layer at the same positions — computed without holding either's logits where the
+    /// backend can; `None` where it cannot (the caller takes the logits).
+    fn forward_masked_jsd(
+        &self,
+        model: &Self::Model,
+        q: &HeadQuery<'_>,
+        teacher: crate::model::fused::HeadRows,
+        beta: f64,
+    ) -> Result<Option<<Self::Ops as TensorOps>::T>, TrainError> {
+        let _ = (model, q, teacher, beta);
+        Ok(None)
+    }
     /// [`Runner::forward_masked`] with each token's position given (`positions[i][j]`,
     /// transformers' `position_ids`; TRL's PPO numbers a left-padded batch this way).
     fn forward_positioned(

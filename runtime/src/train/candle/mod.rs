@@ -72,6 +72,23 @@ pub struct Setup {
 }
 
 impl Setup {
+    /// A head query's ids on the device and the positions the head scores.
+    fn head_query<'q>(
+        &self,
+        q: &'q super::runner::HeadQuery<'_>,
+    ) -> Result<(Tensor, crate::model::HeadPositions<'q>), TrainError> {
+        let (b, t) = (q.ids.len(), q.ids.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = q.ids.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, (b, t), &self.ops.device)?;
+        let scored = crate::model::HeadPositions {
+            attention: q.attention,
+            positions: q.positions,
+            at: q.at.clone(),
+            scale: q.scale as f32,
+        };
+        Ok((ids, scored))
+    }
+
     /// Loads the model named by `config` in f32 on its device, freezes it and adds adapters
     /// under LoRA (new, or `init_adapter`'s), and reads the tokenizer.
     pub fn load(config: &TrainConfig) -> Result<Self, TrainError> {
@@ -370,18 +387,20 @@ impl super::runner::Runner for Setup {
         model: &DecoderModel,
         q: &super::runner::HeadQuery<'_>,
     ) -> Result<Option<(Tensor, Vec<f32>)>, TrainError> {
-        let (b, t) = (q.ids.len(), q.ids.first().map_or(0, Vec::len));
-        let flat: Vec<u32> = q.ids.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, (b, t), &self.ops.device)?;
-        let scored = crate::model::HeadPositions {
-            attention: q.attention,
-            positions: q.positions,
-            at: q.at.clone(),
-            scale: q.scale as f32,
-        };
+        let (ids, scored) = self.head_query(q)?;
         Ok(model
             .forward_masked_logps(&ids, &scored, q.labels.to_vec())?
             .map(|(logps, stats)| (logps, stats.entropy)))
+    }
+    fn forward_masked_jsd(
+        &self,
+        model: &DecoderModel,
+        q: &super::runner::HeadQuery<'_>,
+        teacher: crate::model::fused::HeadRows,
+        beta: f64,
+    ) -> Result<Option<Tensor>, TrainError> {
+        let (ids, scored) = self.head_query(q)?;
+        Ok(model.forward_masked_jsd(&ids, &scored, teacher, beta)?)
     }
     fn forward_shifted(
         &self,

@@ -328,6 +328,21 @@ impl DistillTask {
             labelled.push(lab);
         }
         let width = len - p_max;
+        let flat: Vec<f64> = labelled.iter().flatten().map(|&m| f64::from(m)).collect();
+        let count: f64 = flat.iter().sum();
+        let mask = ops.tensor(&flat, &[rows.len(), width]).tr()?;
+        let tokens = attention
+            .iter()
+            .map(|a| a.iter().filter(|&&x| x).count() as u64)
+            .sum();
+        if let Some(jsd) = self.fused_jsd(r, &ids, &attention, p_max - 1..len - 1)? {
+            // `generalized_jsd`'s mask and mean over the per-position values.
+            let masked = ops.mul(&jsd, &mask).tr()?;
+            let loss = ops
+                .affine(&ops.sum_all(&masked).tr()?, 1.0 / count.max(1.0), 0.0)
+                .tr()?;
+            return Ok((loss, BTreeMap::new(), tokens));
+        }
         let student = r.forward_masked(r.policy(), &ids, &attention)?;
         let student = ops.narrow(&student, 1, p_max - 1, width).tr()?;
         let teacher = self.teacher_logits(&ids, &attention, p_max - 1, width)?;
@@ -346,16 +361,42 @@ impl DistillTask {
             ));
         }
         let teacher = ops.tensor_f32(&teacher.0, &teacher.1).tr()?;
-        let flat: Vec<f64> = labelled.iter().flatten().map(|&m| f64::from(m)).collect();
-        let count: f64 = flat.iter().sum();
-        let mask = ops.tensor(&flat, &[rows.len(), width]).tr()?;
         let loss =
             losses::generalized_jsd(ops, &student, &teacher, &mask, count, self.beta).tr()?;
-        let tokens = attention
-            .iter()
-            .map(|a| a.iter().filter(|&&x| x).count() as u64)
-            .sum();
         Ok((loss, BTreeMap::new(), tokens))
+    }
+
+    /// The per-position JSD `[batch, at.len()]` from the fused heads (the student's through the
+    /// runner, the teacher's rows here), neither model's logits held; `None` where either head
+    /// cannot run so (the caller takes the logits).
+    fn fused_jsd<R: Runner>(
+        &self,
+        r: &R,
+        ids: &[Vec<u32>],
+        attention: &[Vec<bool>],
+        at: std::ops::Range<usize>,
+    ) -> Result<Option<TensorOf<R>>, TrainError> {
+        let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        let x = Tensor::from_vec(flat, (b, t), &Device::Cpu)?;
+        let scored = crate::model::HeadPositions {
+            attention,
+            positions: None,
+            at: at.clone(),
+            scale: 1.0,
+        };
+        let Some(teacher) = self.teacher.head_rows(&x, &scored)? else {
+            return Ok(None);
+        };
+        let q = crate::train::runner::HeadQuery {
+            ids,
+            attention,
+            positions: None,
+            at,
+            labels: &[],
+            scale: 1.0,
+        };
+        r.forward_masked_jsd(r.policy(), &q, teacher, self.beta)
     }
 
     /// The teacher's logits at positions `from..from + width` of the batch, on the host.
