@@ -4,6 +4,9 @@ first losses of each, one binary after the other in one run.
 
     python3 benches/peers/kiln_ab.py --size small --steps 8 --tasks sft,dpo BEFORE AFTER
     python3 benches/peers/kiln_ab.py --size 254m --steps 4 --tasks sft,dpo --lora BEFORE AFTER
+
+`--backend mlx` runs the MLX backend; `--checkpointing off,on` runs each binary both ways
+(gradient checkpointing; default off).
 """
 import argparse
 import os
@@ -22,26 +25,28 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--tasks", default="sft,dpo")
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--backend", default="candle")
+    ap.add_argument("--checkpointing", default="off", help="off, on, or both: off,on")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     model = os.path.join(tmp, "model")
     subprocess.run([args.kiln[0], "demo-model", "--size", args.size, "--out", model], check=True,
                    capture_output=True)
     tp.write_data(tmp)
-    print("| task | kiln | s/step | tokens/s | peak RSS | first losses |")
-    print("|---|---|---:|---:|---:|---|")
+    print("| task | kiln | checkpointing | s/step | tokens/s | peak RSS | first losses |")
+    print("|---|---|---|---:|---:|---:|---|")
     for task in args.tasks.split(","):
         data = os.path.join(tmp, f"{task}.jsonl")
-        for b in args.kiln:
-            one = tp.run_kiln(b, task, model, data, 1, tmp, args.lora, "off")
-            full = tp.run_kiln(b, task, model, data, args.steps, tmp, args.lora, "off")
+        for b, ckpt in [(b, c) for b in args.kiln for c in args.checkpointing.split(",")]:
+            one = tp.run_kiln(b, task, model, data, 1, tmp, args.lora, ckpt, args.backend)
+            full = tp.run_kiln(b, task, model, data, args.steps, tmp, args.lora, ckpt, args.backend)
             s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
             # GKD logs no num_tokens (TRL's GKDTrainer neither): no tokens/s there.
             rate = "—"
             if full["tokens"] is not None:
                 rate = f"{(full['tokens'] - one['tokens']) / (args.steps - 1) / s:.0f}"
             losses = [round(l.get("loss", 0), 4) for l in full["lines"]][:3]
-            print(f"| {task} | {b} | {s:.3f} | {rate} | {full['rss_kb'] / 1024:.0f} MB | {losses} |",
+            print(f"| {task} | {b} | {ckpt} | {s:.3f} | {rate} | {full['rss_kb'] / 1024:.0f} MB | {losses} |",
                   flush=True)
 
 

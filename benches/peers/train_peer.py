@@ -115,7 +115,7 @@ def teacher(kiln, model, tmp):
     return out
 
 
-def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off"):
+def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off", backend="candle"):
     m = os.path.join(tmp, f"kiln-{task}.jsonl")
     adapter = ["--lora-r", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"] if lora else ["--lora-r", "0"]
     if task == "grpo":
@@ -124,7 +124,7 @@ def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off"):
     if task == "distill":
         # GKD from `teacher`'s model, off-policy only (as the TRL run).
         adapter += ["--teacher-model-name-or-path", teacher(kiln, model, tmp), "--lmbda", "0"]
-    cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--model", model, "--data", data, "--out",
+    cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--backend", backend, "--model", model, "--data", data, "--out",
            os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), *adapter,
            "--gradient-checkpointing", "true" if ckpt == "on" else "false",
            "--learning-rate", "1e-5", "--per-device-train-batch-size", "8", "--train-sampling-strategy",

@@ -1779,6 +1779,59 @@ fn lora_over_a_bf16_base_kept_in_bf16_trains_as_over_its_f32_load() {
     }
 }
 
+/// Three steps without and with gradient checkpointing: the same losses and gradient norms.
+fn same_steps(name: &str, off: &[StepMetrics], on: &[StepMetrics]) {
+    assert_eq!(off.len(), 3, "{name}");
+    for (a, b) in off.iter().zip(on) {
+        assert!(
+            close(b.loss, a.loss, 1e-5, 1e-7),
+            "{name} step {}: loss {} checkpointed vs {}",
+            a.step,
+            b.loss,
+            a.loss
+        );
+        let (ga, gb) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());
+        assert!(
+            close(gb, ga, 1e-5, 1e-9),
+            "{name} step {}: grad_norm {gb} checkpointed vs {ga}",
+            a.step
+        );
+    }
+}
+
+/// A reference case for the gradient checkpointing tests: 3 steps on `backend`, under new LoRA
+/// adapters with `dropout` where given, checkpointing `on` or off.
+fn checkpointing_case(
+    name: &str,
+    run: &Value,
+    out: &Path,
+    dropout: Option<f64>,
+    on: bool,
+    backend: &str,
+) -> TrainConfig {
+    let mut cfg = config(name, run, out);
+    cfg.backend = backend.into();
+    cfg.hyper.max_steps = Some(3);
+    if let Some(p) = dropout {
+        cfg.init_adapter = None;
+        cfg.lora = Some(kiln_runtime::train::LoraConfig {
+            r: 4,
+            lora_alpha: 8.0,
+            lora_dropout: p,
+            target_modules: vec!["all-linear".into()],
+            use_rslora: false,
+        });
+        cfg.task_options
+            .insert("disable_dropout".into(), Value::Bool(false));
+    }
+    if cfg.task == "sft" {
+        cfg.task_options.remove("disable_dropout");
+    }
+    cfg.task_options
+        .insert("gradient_checkpointing".into(), Value::Bool(on));
+    cfg
+}
+
 /// Gradient checkpointing (on by default, as in TRL) takes the same steps as keeping every
 /// activation — full fine-tuning, LoRA with dropout (the recomputation must draw the same
 /// masks), a preference task with a reference pass, a padded batch — and it is in effect:
@@ -1797,25 +1850,8 @@ fn gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
         let out = tempfile::tempdir().unwrap();
         let mut runs = Vec::new();
         for on in [false, true] {
-            let mut cfg = config(name, &all[name], &out.path().join(format!("run-{on}")));
-            cfg.hyper.max_steps = Some(3);
-            if let Some(p) = dropout {
-                cfg.init_adapter = None;
-                cfg.lora = Some(kiln_runtime::train::LoraConfig {
-                    r: 4,
-                    lora_alpha: 8.0,
-                    lora_dropout: p,
-                    target_modules: vec!["all-linear".into()],
-                    use_rslora: false,
-                });
-                cfg.task_options
-                    .insert("disable_dropout".into(), Value::Bool(false));
-            }
-            if cfg.task == "sft" {
-                cfg.task_options.remove("disable_dropout");
-            }
-            cfg.task_options
-                .insert("gradient_checkpointing".into(), Value::Bool(on));
+            let dir = out.path().join(format!("run-{on}"));
+            let cfg = checkpointing_case(name, &all[name], &dir, dropout, on, "candle");
             let setup = Setup::load(&cfg).unwrap();
             assert_eq!(setup.model.grad_sink().is_some(), on, "{name}");
             let mut task = build::<Candle>(&cfg.task, &cfg, &setup).unwrap();
@@ -1831,60 +1867,50 @@ fn gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
             }
             runs.push(seen.0);
         }
-        assert_eq!(runs[0].len(), 3, "{name}");
-        for (a, b) in runs[0].iter().zip(&runs[1]) {
-            assert!(
-                close(b.loss, a.loss, 1e-5, 1e-7),
-                "{name} step {}: loss {} checkpointed vs {}",
-                a.step,
-                b.loss,
-                a.loss
-            );
-            let (ga, gb) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());
-            assert!(
-                close(gb, ga, 1e-5, 1e-9),
-                "{name} step {}: grad_norm {gb} checkpointed vs {ga}",
-                a.step
-            );
-        }
+        same_steps(name, &runs[0], &runs[1]);
     }
 }
 
-/// The MLX backend does not checkpoint yet: a run that asks for it (TRL's default) is told so
-/// at its start, by the setting's name; one that turns it off is told nothing.
+/// On MLX, gradient checkpointing (`kiln_kernels::mlx::checkpoint` around each decoder layer)
+/// takes the same steps as keeping every activation — full fine-tuning, LoRA with dropout (the
+/// masks drawn once, before the layer), a preference task with a reference pass — and it is in
+/// effect: MLX runs every checkpointed layer again in the backward pass.
 #[cfg(feature = "mlx")]
 #[test]
-fn mlx_says_it_does_not_checkpoint() {
-    #[derive(Default)]
-    struct Notes(Vec<String>);
-    impl TrainObserver for Notes {
-        fn on_start(&mut self, plan: &kiln_runtime::train::TrainPlan) {
-            self.0.extend(plan.notes.iter().cloned());
-        }
-    }
+fn mlx_gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
     let all = reference();
-    for on in [true, false] {
+    for (name, dropout) in [
+        ("sft-full", None),
+        ("sft-lora", Some(0.3)),
+        ("dpo-full", None),
+        ("kto-lora", Some(0.2)),
+    ] {
         let out = tempfile::tempdir().unwrap();
-        let mut cfg = config("sft-full", &all["sft-full"], &out.path().join("run"));
-        cfg.backend = "mlx".into();
-        cfg.hyper.max_steps = Some(1);
-        cfg.task_options
-            .insert("gradient_checkpointing".into(), Value::Bool(on));
-        let mut trainer = kiln_runtime::resolve_trainer(&cfg)
-            .unwrap()
-            .construct(&cfg)
-            .unwrap();
-        let mut notes = Notes::default();
-        trainer.train(&mut notes).unwrap();
-        if on {
-            assert_eq!(notes.0.len(), 1, "{:?}", notes.0);
-            assert!(
-                notes.0[0].starts_with("gradient_checkpointing:"),
-                "{}",
-                notes.0[0]
-            );
-        } else {
-            assert!(notes.0.is_empty(), "{:?}", notes.0);
+        let mut runs = Vec::new();
+        for on in [false, true] {
+            let dir = out.path().join(format!("run-{on}"));
+            let cfg = checkpointing_case(name, &all[name], &dir, dropout, on, "mlx");
+            let calls = kiln_kernels::mlx::checkpoint_calls();
+            let mut trainer = kiln_runtime::resolve_trainer(&cfg)
+                .unwrap()
+                .construct(&cfg)
+                .unwrap();
+            let mut seen = Collect::default();
+            trainer.train(&mut seen).unwrap();
+            if on {
+                // Each layer of each step's forward, and once more in its backward (other
+                // tests running beside this one only add to the count).
+                let json = std::fs::read_to_string(cfg.model.join("config.json")).unwrap();
+                let json: Value = serde_json::from_str(&json).unwrap();
+                let layers = json["num_hidden_layers"].as_u64().unwrap();
+                let made = kiln_kernels::mlx::checkpoint_calls() - calls;
+                assert!(
+                    made >= 2 * 3 * layers,
+                    "{name}: {made} checkpointed layer runs in 3 steps of {layers} layers"
+                );
+            }
+            runs.push(seen.0);
         }
+        same_steps(name, &runs[0], &runs[1]);
     }
 }

@@ -14,6 +14,9 @@ use crate::ops::mlx::{Affine, FpMode, affine_words};
 use half::{bf16, f16};
 use mlx_rs::{Array, Dtype, Stream};
 
+mod checkpoint;
+pub use checkpoint::{ArrayFn, checkpoint, checkpoint_calls};
+
 /// Where MLX runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlxDevice {

@@ -44,6 +44,27 @@ struct Ctx<'a> {
     w: &'a MlxWeights,
     adapters: &'a BTreeMap<String, MlxLora>,
     dropout: Option<&'a DropoutRng>,
+    /// Adapter dropout's keep masks drawn before (a checkpointed layer's, per module), in
+    /// place of drawing from `dropout`.
+    masks: Option<&'a BTreeMap<String, Array>>,
+    /// Each decoder layer under gradient checkpointing ([`kiln_kernels::mlx::checkpoint`]).
+    checkpoint: bool,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(
+        w: &'a MlxWeights,
+        adapters: &'a BTreeMap<String, MlxLora>,
+        dropout: Option<&'a DropoutRng>,
+    ) -> Self {
+        Ctx {
+            w,
+            adapters,
+            dropout,
+            masks: None,
+            checkpoint: false,
+        }
+    }
 }
 
 /// Keys and values of the positions run so far, per layer (`[rows, kv_heads, len, head_dim]`,
@@ -336,11 +357,15 @@ impl MlxDecoder {
         ids: &[Vec<u32>],
         attention: Option<&[Vec<bool>]>,
     ) -> Result<Array, ModelError> {
-        self.forward_with(weights, adapters, None, ids, attention)
+        self.forward_with(weights, adapters, None, ids, attention, false)
             .map_err(mlx_err)
     }
 
-    /// [`MlxDecoder::forward`] with adapter dropout drawn from `dropout`.
+    /// [`MlxDecoder::forward`] with adapter dropout drawn from `dropout`, and with
+    /// `checkpoint` each decoder layer under gradient checkpointing (TRL's
+    /// `gradient_checkpointing`): a `value_and_grad` through the logits keeps each layer's
+    /// input, not its intermediate arrays, and runs the layer again in its backward pass
+    /// (adapter dropout's masks drawn once, before the layer) — the same values and gradients.
     pub fn forward_with(
         &self,
         w: &MlxWeights,
@@ -348,17 +373,16 @@ impl MlxDecoder {
         dropout: Option<&DropoutRng>,
         ids: &[Vec<u32>],
         attention: Option<&[Vec<bool>]>,
+        checkpoint: bool,
     ) -> Result<Array, Exception> {
-        let ctx = Ctx {
-            w,
-            adapters,
-            dropout,
-        };
+        let mut ctx = Ctx::new(w, adapters, dropout);
+        ctx.checkpoint = checkpoint;
         self.run(&ctx, ids, attention, None, None)
     }
 
     /// [`MlxDecoder::forward_with`] with each token's position given (`positions[i][j]`,
     /// transformers' `position_ids`), as the candle decoder's `forward_positioned`.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_positioned(
         &self,
         w: &MlxWeights,
@@ -367,12 +391,10 @@ impl MlxDecoder {
         ids: &[Vec<u32>],
         attention: &[Vec<bool>],
         positions: &[Vec<usize>],
+        checkpoint: bool,
     ) -> Result<Array, Exception> {
-        let ctx = Ctx {
-            w,
-            adapters,
-            dropout,
-        };
+        let mut ctx = Ctx::new(w, adapters, dropout);
+        ctx.checkpoint = checkpoint;
         self.run(&ctx, ids, Some(attention), None, Some(positions))
     }
 
@@ -394,11 +416,7 @@ impl MlxDecoder {
         ids: &[Vec<u32>],
         cache: &mut MlxCache,
     ) -> Result<Array, Exception> {
-        let ctx = Ctx {
-            w,
-            adapters,
-            dropout: None,
-        };
+        let ctx = Ctx::new(w, adapters, None);
         let logits = self.run(&ctx, ids, None, Some(&mut *cache), None)?;
         cache.len += ids.first().map_or(0, Vec::len);
         let held: Vec<&Array> = cache
@@ -464,17 +482,15 @@ impl MlxDecoder {
             }
             None => None,
         };
+        let shared = (ctx.checkpoint && cache.is_none()).then(|| std::sync::Arc::new(self.clone()));
         for (i, l) in self.layers.iter().enumerate() {
-            let x = self.rms_norm(&h, &w[&l.input_norm])?;
-            let past = cache.as_deref_mut().map(|c| (&mut c.layers[i], start));
-            let a = self.attention(ctx, l, &x, (&cos, &sin), key_mask.as_ref(), past)?;
-            h = ops::add(&h, &a)?;
-            let x = self.rms_norm(&h, &w[&l.post_norm])?;
-            let g = self.linear(ctx, &l.gate, &x)?;
-            let g = ops::multiply(&g, &ops::sigmoid(&g)?)?;
-            let u = self.linear(ctx, &l.up, &x)?;
-            let m = self.linear(ctx, &l.down, &ops::multiply(&g, &u)?)?;
-            h = ops::add(&h, &m)?;
+            h = match &shared {
+                Some(me) => me.checkpointed_layer(ctx, i, &h, (&cos, &sin), key_mask.as_ref())?,
+                None => {
+                    let past = cache.as_deref_mut().map(|c| (&mut c.layers[i], start));
+                    self.layer(ctx, l, &h, (&cos, &sin), key_mask.as_ref(), past)?
+                }
+            };
         }
         let h = self.rms_norm(&h, &w["model.norm.weight"])?;
         if self.tied {
@@ -496,6 +512,115 @@ impl MlxDecoder {
         }
     }
 
+    /// One decoder layer on `h`.
+    fn layer(
+        &self,
+        ctx: &Ctx<'_>,
+        l: &LayerNames,
+        h: &Array,
+        rope: (&Array, &Array),
+        key_mask: Option<&Array>,
+        past: Option<(&mut Option<(Array, Array)>, usize)>,
+    ) -> Result<Array, Exception> {
+        let w = ctx.w;
+        let x = self.rms_norm(h, &w[&l.input_norm])?;
+        let a = self.attention(ctx, l, &x, rope, key_mask, past)?;
+        let h = ops::add(h, &a)?;
+        let x = self.rms_norm(&h, &w[&l.post_norm])?;
+        let g = self.linear(ctx, &l.gate, &x)?;
+        let g = ops::multiply(&g, &ops::sigmoid(&g)?)?;
+        let u = self.linear(ctx, &l.up, &x)?;
+        let m = self.linear(ctx, &l.down, &ops::multiply(&g, &u)?)?;
+        ops::add(&h, &m)
+    }
+
+    /// Layer `i` on `h` under MLX's gradient checkpointing. The checkpointed function's inputs
+    /// are `h` and the layer's trained arrays (the adapters' `A`, `B` under LoRA, else every
+    /// weight of the layer), so that gradients reach them; the frozen weights, RoPE's tables,
+    /// the key mask and adapter dropout's masks (drawn here, in the order the layer's Linears
+    /// would draw them) are constants it holds.
+    fn checkpointed_layer(
+        self: &std::sync::Arc<Self>,
+        ctx: &Ctx<'_>,
+        i: usize,
+        h: &Array,
+        (cos, sin): (&Array, &Array),
+        key_mask: Option<&Array>,
+    ) -> Result<Array, Exception> {
+        let l = &self.layers[i];
+        let prefix = format!("model.layers.{i}.");
+        let lora = !ctx.adapters.is_empty();
+        let mut frozen = MlxWeights::new();
+        let mut trained: Vec<(String, Array)> = Vec::new();
+        for (name, a) in ctx.w.range(prefix.clone()..) {
+            if !name.starts_with(&prefix) {
+                break;
+            }
+            if lora {
+                frozen.insert(name.clone(), a.clone());
+            } else {
+                trained.push((name.clone(), a.clone()));
+            }
+        }
+        let adapters: Vec<(String, MlxLora)> = ctx
+            .adapters
+            .iter()
+            .filter(|(m, _)| m.starts_with(&prefix))
+            .map(|(m, a)| (m.clone(), a.clone()))
+            .collect();
+        let mut masks = BTreeMap::new();
+        if let Some(rng) = ctx.dropout {
+            let (b, t) = (h.shape()[0], h.shape()[1]);
+            for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+                if let Some(a) = ctx.adapters.get(m).filter(|a| a.dropout > 0.0) {
+                    let cols = a.a.shape()[1];
+                    let n = (b * t * cols) as usize;
+                    let keep = Array::from_slice(&rng.keep(n, a.dropout), &[b, t, cols]);
+                    masks.insert(m.clone(), keep);
+                }
+            }
+        }
+        let mut inputs = vec![h.clone()];
+        inputs.extend(trained.iter().map(|(_, a)| a.clone()));
+        for (_, a) in &adapters {
+            inputs.extend([a.a.clone(), a.b.clone()]);
+        }
+        let me = self.clone();
+        let (cos, sin, key_mask) = (cos.clone(), sin.clone(), key_mask.cloned());
+        let f = move |x: &[Array]| -> Result<Vec<Array>, Exception> {
+            let mut w = frozen.clone();
+            let mut k = 1;
+            for (name, _) in &trained {
+                w.insert(name.clone(), x[k].clone());
+                k += 1;
+            }
+            let mut lora = BTreeMap::new();
+            for (m, a) in &adapters {
+                let adapter = MlxLora {
+                    a: x[k].clone(),
+                    b: x[k + 1].clone(),
+                    ..a.clone()
+                };
+                lora.insert(m.clone(), adapter);
+                k += 2;
+            }
+            let mut ctx = Ctx::new(&w, &lora, None);
+            ctx.masks = Some(&masks);
+            let out = me.layer(
+                &ctx,
+                &me.layers[i],
+                &x[0],
+                (&cos, &sin),
+                key_mask.as_ref(),
+                None,
+            )?;
+            Ok(vec![out])
+        };
+        let mut out = kiln_kernels::mlx::checkpoint(Box::new(f), &inputs)
+            .map_err(|e| Exception::custom(e.to_string()))?;
+        Ok(out.remove(0))
+    }
+
     /// `x · Wᵀ (+ b)`, plus `s · (x Aᵀ) Bᵀ` where `module` has an adapter.
     fn linear(&self, ctx: &Ctx<'_>, module: &str, x: &Array) -> Result<Array, Exception> {
         let weight = &ctx.w[&format!("{module}.weight")];
@@ -515,10 +640,17 @@ impl MlxDecoder {
             y = ops::add(&y, bias)?;
         }
         if let Some(l) = ctx.adapters.get(module) {
-            let x = match ctx.dropout.filter(|_| l.dropout > 0.0) {
-                Some(rng) => {
+            let drawn = ctx.masks.and_then(|m| m.get(module)).cloned();
+            let keep = match (drawn, ctx.dropout.filter(|_| l.dropout > 0.0)) {
+                (Some(keep), _) => Some(keep),
+                (None, Some(rng)) => {
                     let n = x.shape().iter().product::<i32>() as usize;
-                    let keep = Array::from_slice(&rng.keep(n, l.dropout), x.shape());
+                    Some(Array::from_slice(&rng.keep(n, l.dropout), x.shape()))
+                }
+                (None, None) => None,
+            };
+            let x = match keep {
+                Some(keep) => {
                     let kept = ops::multiply(x, &keep)?;
                     ops::multiply(&kept, Array::from_f32((1.0 / (1.0 - l.dropout)) as f32))?
                 }

@@ -56,6 +56,8 @@ pub struct MlxSetup {
     /// PPO's value model: its decoder and its weights' names; its arrays are the last
     /// `names.len()` trainable ones (named `value_model.<name>` in `names` above).
     value: Option<(MlxDecoder, Vec<String>)>,
+    /// TRL's `gradient_checkpointing`: the policy's layers checkpointed while it trains.
+    checkpointing: bool,
 }
 
 impl MlxSetup {
@@ -190,6 +192,7 @@ impl MlxSetup {
                 head_param: reward && adapters_on,
                 notes,
                 value,
+                checkpointing: config.gradient_checkpointing()?,
             },
             params,
         ))
@@ -276,6 +279,9 @@ pub struct MlxModel {
     weights: MlxWeights,
     adapters: BTreeMap<String, MlxLora>,
     dropout: bool,
+    /// Its layers under gradient checkpointing (the policy being trained, with TRL's
+    /// `gradient_checkpointing`).
+    checkpoint: bool,
 }
 
 /// The MLX backend as the tasks see it, for one forward pass.
@@ -348,6 +354,7 @@ impl Runner for MlxRunner<'_> {
                 dropout,
                 ids,
                 Some(attention),
+                model.checkpoint,
             )
             .map_err(mlx_err)?)
     }
@@ -369,6 +376,7 @@ impl Runner for MlxRunner<'_> {
                 ids,
                 attention,
                 positions,
+                model.checkpoint,
             )
             .map_err(mlx_err)?)
     }
@@ -385,7 +393,7 @@ impl Runner for MlxRunner<'_> {
             ));
         };
         let out = decoder
-            .forward_positioned(w, &BTreeMap::new(), None, ids, attention, positions)
+            .forward_positioned(w, &BTreeMap::new(), None, ids, attention, positions, false)
             .map_err(mlx_err)?;
         let (b, t) = (ids.len() as i32, ids.first().map_or(0, Vec::len) as i32);
         out.reshape(&[b, t]).map_err(|e| backend_err(e.to_string()))
@@ -439,6 +447,7 @@ impl Runner for MlxRunner<'_> {
                 dropout,
                 &p.ids,
                 Some(&attention),
+                model.checkpoint,
             )?;
             let (b, len) = (p.ids.len() as i32, p.len as i32);
             let logits = ops::split_at_indices(&full_logits, &[len - 1], 1)?.remove(0);
@@ -538,6 +547,7 @@ impl MlxStepper {
                 weights,
                 adapters,
                 dropout: training,
+                checkpoint: training && self.setup.checkpointing,
             },
             value: self.setup.value_weights(params),
         }
@@ -563,15 +573,6 @@ impl Stepper for MlxStepper {
     fn notes(&self) -> Vec<String> {
         let mut notes = self.setup.notes.clone();
         notes.extend(self.task.notes());
-        // TRL's default is on; the MLX backend has no checkpointed layer yet.
-        if let Ok(true) = self.setup.config.gradient_checkpointing() {
-            notes.push(
-                "gradient_checkpointing: not built on the mlx backend; every activation is kept \
-                 for the backward pass (the numbers are the same; set \
-                 --gradient-checkpointing false to silence this)"
-                    .into(),
-            );
-        }
         notes
     }
     fn info(&mut self) -> &mut dyn crate::train::driver::StepPlan {
@@ -597,6 +598,7 @@ impl Stepper for MlxStepper {
                 weights,
                 adapters,
                 dropout: true,
+                checkpoint: false,
             },
             value: self.setup.value_weights(&self.params),
         };
@@ -934,6 +936,7 @@ fn reference(setup: &MlxSetup, initial: &[Array]) -> MlxModel {
         weights,
         adapters,
         dropout: false,
+        checkpoint: false,
     }
 }
 
