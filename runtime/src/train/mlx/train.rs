@@ -393,7 +393,15 @@ impl Runner for MlxRunner<'_> {
             ));
         };
         let out = decoder
-            .forward_positioned(w, &BTreeMap::new(), None, ids, attention, positions, false)
+            .forward_positioned(
+                w,
+                &BTreeMap::new(),
+                None,
+                ids,
+                attention,
+                positions,
+                self.policy.checkpoint,
+            )
             .map_err(mlx_err)?;
         let (b, t) = (ids.len() as i32, ids.first().map_or(0, Vec::len) as i32);
         out.reshape(&[b, t]).map_err(|e| backend_err(e.to_string()))
