@@ -729,13 +729,16 @@ fn lse_f64(z: &[f32]) -> f64 {
 /// GKD's generalized JSD between the distributions of one row's student logits `zs` and
 /// teacher logits `zt` (TRL's `generalized_jsd_loss` before its mask and mean: β = 0 the
 /// forward KL of the student from the teacher, β = 1 the reverse one, else the β-mixture's two
-/// KLs weighted); with `grad`, also `∂/∂zs`, written over `zs`. Element-wise in f32 as
-/// PyTorch's composition is, the sums over the vocabulary in f64.
-fn jsd_row(zs: &mut [f32], zt: &[f32], beta: f64, grad: Option<f32>) -> f32 {
+/// KLs weighted); with `grad`, also `∂/∂zs`, written over `zs` (and `zt` overwritten with the
+/// term's derivatives on the way). Element-wise in f32 as PyTorch's composition is, the sums
+/// over the vocabulary in f64.
+fn jsd_row(zs: &mut [f32], zt: &mut [f32], beta: f64, grad: Option<f32>) -> f32 {
     let (ls, lt) = (lse_f64(zs) as f32, lse_f64(zt) as f32);
     let (la, lb) = ((1.0 - beta).ln() as f32, beta.ln() as f32);
     let bf = beta as f32;
-    // Per vocabulary entry: the loss's term and its derivative in the student's log-prob.
+    let want = grad.is_some();
+    // Per vocabulary entry: the loss's term and (`want`) its derivative in the student's
+    // log-prob.
     let term = |s: f32, t: f32| -> (f32, f32) {
         let (ps, pt) = (s.exp(), t.exp());
         if beta == 0.0 {
@@ -747,25 +750,28 @@ fn jsd_row(zs: &mut [f32], zt: &[f32], beta: f64, grad: Option<f32>) -> f32 {
             let (a, b) = (s + la, t + lb);
             let mx = a.max(b);
             let m = mx + ((a - mx).exp() + (b - mx).exp()).ln();
-            let r = (a - m).exp();
             let value = bf * pt * (t - m) + (1.0 - bf) * ps * (s - m);
+            if !want {
+                return (value, 0.0);
+            }
+            let r = (a - m).exp();
             let d = -bf * pt * r + (1.0 - bf) * (ps * (s - m) + ps * (1.0 - r));
             (value, d)
         }
     };
     let (mut value, mut dsum) = (0f64, 0f64);
-    for (&z, &y) in zs.iter().zip(zt) {
-        let (v, d) = term(z - ls, y - lt);
+    for (&z, y) in zs.iter().zip(zt.iter_mut()) {
+        let (v, d) = term(z - ls, *y - lt);
         value += f64::from(v);
         dsum += f64::from(d);
+        // The teacher's logit is not needed again: keep the derivative in its place.
+        *y = d;
     }
     if let Some(g) = grad {
         // ∂/∂z_j = G_j − p_j Σ_v G_v (the log-softmax's Jacobian), times the row's gradient.
         let dsum = dsum as f32;
-        for (z, &y) in zs.iter_mut().zip(zt) {
-            let s = *z - ls;
-            let (_, d) = term(s, y - lt);
-            *z = g * (d - s.exp() * dsum);
+        for (z, &d) in zs.iter_mut().zip(zt.iter()) {
+            *z = g * (d - (*z - ls).exp() * dsum);
         }
     }
     value as f32
@@ -823,7 +829,7 @@ impl Jsd {
             self.logits(h, start, n, zs, zt)?;
             values[start..start + n]
                 .par_iter_mut()
-                .zip(zs.par_chunks_mut(vocab).zip(zt.par_chunks(vocab)))
+                .zip(zs.par_chunks_mut(vocab).zip(zt.par_chunks_mut(vocab)))
                 .for_each(|(o, (zs, zt))| *o = jsd_row(zs, zt, self.beta, None));
         }
         self.values = values;
@@ -853,7 +859,7 @@ impl Jsd {
             let (zs, zt) = (&mut zs[..n * vocab], &mut zt[..n * vocab]);
             self.logits(hv, start, n, zs, zt)?;
             zs.par_chunks_mut(vocab)
-                .zip(zt.par_chunks(vocab))
+                .zip(zt.par_chunks_mut(vocab))
                 .zip(&g[start..start + n])
                 .for_each(|((zs, zt), &g)| {
                     jsd_row(zs, zt, self.beta, Some(g));
