@@ -135,9 +135,13 @@ unsafe extern "C" fn drop_payload(payload: *mut c_void) {
 /// constant). `f` must compute the same thing both times (draw any randomness before).
 pub fn checkpoint(f: Box<ArrayFn>, inputs: &[Array]) -> Result<Vec<Array>, KernelError> {
     let op = "checkpoint";
-    // Evaluating through mlx-rs first installs its error handler, so an MLX failure below
-    // returns a status instead of ending the process.
-    Array::from_f32(0.0).eval().map_err(as_err)?;
+    // Evaluating through mlx-rs once installs its (process-wide) error handler, so an MLX
+    // failure below returns a status instead of ending the process.
+    static HANDLER: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    HANDLER
+        .get_or_init(|| Array::from_f32(0.0).eval().map_err(|e| e.to_string()))
+        .clone()
+        .map_err(as_err)?;
     let payload = Box::into_raw(Box::new(Payload {
         f,
         calls: std::cell::Cell::new(0),

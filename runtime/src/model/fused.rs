@@ -474,47 +474,6 @@ impl Head {
         }
         Ok((head, stats))
     }
-
-    /// The backward pass from the log-probabilities' gradient `g`: `dh` `[rows, hidden]`
-    /// and, for a dense weight `Some`, `dW` `[vocab, hidden]` — per chunk of rows the logits
-    /// again, `dlogits = g · (onehot − softmax)`, `dh = dlogits · W`, `dW += dlogitsᵀ · h`.
-    fn backward(
-        &self,
-        h: &Tensor,
-        g: &Tensor,
-        weight_grad: bool,
-    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
-        let h = h.detach().contiguous()?;
-        let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let (guard, layout) = h.storage_and_layout();
-        let hv = cpu_values(&guard, layout, "head_logps backward")?;
-        let mut dh = vec![0f32; rows * hidden];
-        let mut dw: Option<Tensor> = None;
-        let step = self.step;
-        let mut x = vec![0f32; step.min(rows) * vocab];
-        for start in (0..rows).step_by(step) {
-            let n = step.min(rows - start);
-            let (r, hc) = (start..start + n, &hv[start * hidden..(start + n) * hidden]);
-            let x = &mut x[..n * vocab];
-            self.logits(hc, n, x)?;
-            let mut d = vec![0f32; n * vocab];
-            k::token_logps_backward(
-                x,
-                &chunk_rows(n, vocab),
-                &self.labels[r.clone()],
-                &self.lse[r.clone()],
-                &g[r],
-                &mut d,
-            )
-            .map_err(op_err)?;
-            scale_by(&mut d, self.scale);
-            let dh = &mut dh[start * hidden..(start + n) * hidden];
-            let w = weight_grad.then_some(&mut dw);
-            chunk_grads(&d, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
-        }
-        Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
-    }
 }
 
 /// A chunk's share of a fused head's gradients from its logits' gradient `dz` `[n, vocab]`:
@@ -578,13 +537,45 @@ impl FusedHead for Head {
     fn values(&self) -> &[f32] {
         &self.logps
     }
+    /// The backward pass from the log-probabilities' gradient `g`: `dh` `[rows, hidden]`
+    /// and, for a dense weight `Some`, `dW` `[vocab, hidden]` — per chunk of rows the logits
+    /// again, `dlogits = g · (onehot − softmax)`, `dh = dlogits · W`, `dW += dlogitsᵀ · h`.
     fn backward(
         &self,
         h: &Tensor,
         g: &Tensor,
         weight_grad: bool,
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        Head::backward(self, h, g, weight_grad)
+        let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
+        let h = h.detach().contiguous()?;
+        let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let (guard, layout) = h.storage_and_layout();
+        let hv = cpu_values(&guard, layout, "head_logps backward")?;
+        let mut dh = vec![0f32; rows * hidden];
+        let mut dw: Option<Tensor> = None;
+        let step = self.step;
+        let mut x = vec![0f32; step.min(rows) * vocab];
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            let (r, hc) = (start..start + n, &hv[start * hidden..(start + n) * hidden]);
+            let x = &mut x[..n * vocab];
+            self.logits(hc, n, x)?;
+            let mut d = vec![0f32; n * vocab];
+            k::token_logps_backward(
+                x,
+                &chunk_rows(n, vocab),
+                &self.labels[r.clone()],
+                &self.lse[r.clone()],
+                &g[r],
+                &mut d,
+            )
+            .map_err(op_err)?;
+            scale_by(&mut d, self.scale);
+            let dh = &mut dh[start * hidden..(start + n) * hidden];
+            let w = weight_grad.then_some(&mut dw);
+            chunk_grads(&d, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
+        }
+        Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
     }
 }
 
@@ -835,7 +826,13 @@ impl Jsd {
         self.values = values;
         Ok(())
     }
+}
 
+impl FusedHead for Jsd {
+    const NAME: &'static str = "fused-head-jsd";
+    fn values(&self) -> &[f32] {
+        &self.values
+    }
     /// From the values' gradient `g`: `dh` `[rows, hidden]` and, for a dense weight, `dW` —
     /// per chunk the logits again, their gradient, `dh = dz · W`, `dW += dzᵀ · h`.
     fn backward(
@@ -869,21 +866,6 @@ impl Jsd {
             chunk_grads(zs, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
         }
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
-    }
-}
-
-impl FusedHead for Jsd {
-    const NAME: &'static str = "fused-head-jsd";
-    fn values(&self) -> &[f32] {
-        &self.values
-    }
-    fn backward(
-        &self,
-        h: &Tensor,
-        g: &Tensor,
-        weight_grad: bool,
-    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        Jsd::backward(self, h, g, weight_grad)
     }
 }
 
