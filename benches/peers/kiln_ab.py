@@ -9,7 +9,9 @@ first losses of each, one binary after the other in one run.
 (gradient checkpointing; default off).
 """
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,8 @@ def main():
     ap.add_argument("--checkpointing", default="off", help="off, on, or both: off,on")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
+    # A model, checkpoints and adapters: gigabytes at the larger sizes; gone when the script ends.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     model = os.path.join(tmp, "model")
     subprocess.run([args.kiln[0], "demo-model", "--size", args.size, "--out", model], check=True,
                    capture_output=True)

@@ -17,9 +17,11 @@ its first step.
     .venv-trl/bin/python benches/peers/qlora_peer.py --kiln target/release/kiln --size 254m --steps 4
 """
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +79,8 @@ def main():
     ap.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])
     a = ap.parse_args()
     tmp = tempfile.mkdtemp()
+    # A model, checkpoints and adapters: gigabytes at the larger sizes; gone when the script ends.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     model = os.path.join(tmp, "model")
     subprocess.run([a.kiln, "demo-model", "--size", a.size, "--out", model], check=True, capture_output=True)
     nf4 = os.path.join(tmp, "nf4")

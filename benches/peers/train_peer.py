@@ -19,10 +19,12 @@ tokens of the batch.
 """
 
 import argparse
+import atexit
 import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -147,6 +149,8 @@ def main():
                     help="gradient checkpointing on both sides (TRL's default is on)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
+    # A model, checkpoints and adapters: gigabytes at the larger sizes; gone when the script ends.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     model = os.path.join(tmp, "model")
     subprocess.run([args.kiln, "demo-model", "--size", args.size, "--out", model], check=True,
                    capture_output=True)
