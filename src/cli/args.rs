@@ -46,22 +46,22 @@ impl From<KvCacheArg> for KvCache {
     }
 }
 
-/// `--calib-dtype`.
+/// `--calib-dtype` (export) and `--dtype` (eval): the dtype a model runs in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CalibDtype {
+pub enum RunDtype {
     /// float32: the most exact.
     F32,
-    /// bfloat16, as ModelOpt calibrates: its MoE routing and AWQ choices are reproduced more
-    /// closely. On CPUs with AVX-512 BF16 the Linears run that instruction's GEMM (about twice
-    /// the f32 calibration's speed).
+    /// bfloat16, as ModelOpt calibrates and as transformers runs a bf16 checkpoint (the weights
+    /// rounded to bf16 where they are wider). On CPUs with AVX-512 BF16 the Linears run that
+    /// instruction's GEMM (about twice the f32 GEMM's speed).
     Bf16,
 }
 
-impl From<CalibDtype> for candle::DType {
-    fn from(d: CalibDtype) -> Self {
+impl From<RunDtype> for candle::DType {
+    fn from(d: RunDtype) -> Self {
         match d {
-            CalibDtype::F32 => candle::DType::F32,
-            CalibDtype::Bf16 => candle::DType::BF16,
+            RunDtype::F32 => candle::DType::F32,
+            RunDtype::Bf16 => candle::DType::BF16,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! `kiln export` and `kiln explain`.
 
-use super::args::{CalibDtype, DemoSize, DeviceArgs, KvCacheArg};
+use super::args::{DemoSize, DeviceArgs, KvCacheArg, RunDtype};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kiln_runtime::calibrate::{Calibration, CalibrationOptions};
@@ -179,8 +179,8 @@ pub struct ExportArgs {
     device: DeviceArgs,
     /// The dtype --calib runs the model in (ModelOpt calibrates in the checkpoint's dtype,
     /// usually bf16: its MoE routing and AWQ choices are reproduced more closely).
-    #[arg(long, value_enum, default_value_t = CalibDtype::F32, requires = "calib")]
-    calib_dtype: CalibDtype,
+    #[arg(long, value_enum, default_value_t = RunDtype::F32, requires = "calib")]
+    calib_dtype: RunDtype,
     /// An importance matrix (`kiln imatrix` or `llama-imatrix`; GGUF or legacy `.dat`) that
     /// weights the GGUF writer's rounding, as `llama-quantize --imatrix` uses it.
     #[arg(long, value_name = "FILE")]

@@ -86,7 +86,7 @@ pub fn imatrix(args: &ImatrixArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
         all.truncate(n);
     }
     let device = args.device.device()?;
-    let model = super::eval::open_model(&args.model, &device, false)?;
+    let model = super::eval::open_model(&args.model, candle::DType::F32, &device, false)?;
     let experts = model.config().moe.as_ref().map_or(0, |m| m.experts);
     let tied = model.config().tie_word_embeddings;
     if args.process_output && tied {

@@ -38,7 +38,7 @@ pub struct VerifyArgs {
 }
 
 fn ppl(dir: &Path, samples: &[Vec<u32>], device: &candle::Device) -> Result<f64> {
-    let m = super::eval::open_model(dir, device, true)?;
+    let m = super::eval::open_model(dir, candle::DType::F32, device, true)?;
     Ok(perplexity(&m, samples)?.perplexity)
 }
 

@@ -113,6 +113,18 @@ fn eval_ctx_scores_text_and_compares_an_export_with_its_base() {
     assert!(ok, "{err}");
     let alone: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!((alone["perplexity"].as_f64().unwrap() - rp).abs() < 1e-9 * rp);
+    // In bf16 (the weights and the activations rounded): close to f32's, not the same numbers.
+    let (ok, out, err) = run(&[
+        "eval", "--model", b, "--data", d, "--ctx", "128", "--dtype", "bf16", "--json",
+    ]);
+    assert!(ok, "{err}");
+    let bf16 = serde_json::from_str::<serde_json::Value>(&out).unwrap()["perplexity"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        bf16 != rp && (bf16 - rp).abs() < 0.01 * rp,
+        "bf16 perplexity {bf16} against f32's {rp}"
+    );
     // Too little text for one chunk is a named error.
     let (ok, _, err) = run(&["eval", "--model", b, "--data", d, "--ctx", "4096"]);
     assert!(

@@ -68,6 +68,68 @@ fn logits_match_transformers_for_every_family() {
     }
 }
 
+/// A bf16 model's two attentions (`AttnImplementation`): SDPA's (the streamed kernel on widened
+/// inputs, f32 scores) and eager's (scores and probabilities rounded to bf16), each against
+/// transformers' f32 logits. An f32 model's logits are the same bits either way. In bf16 both
+/// are within bf16's error of the reference, they differ from each other (the switch took),
+/// and SDPA's, which rounds less, is no farther from the reference than eager's.
+#[test]
+fn bf16_sdpa_and_eager_attention_against_transformers_f32() {
+    use kiln_runtime::model::AttnImplementation::{Eager, Sdpa};
+    for model in ["llama-tiny", "mistral-tiny", "qwen3-tiny"] {
+        let c = Checkpoint::open(compat_dir(model).join("model")).unwrap();
+        let (ids, want, _) = reference(model);
+        let ids = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
+        let logits = |dtype: DType, attn| -> Vec<f32> {
+            let m = DecoderModel::load(&c, dtype, &Device::Cpu)
+                .unwrap()
+                .with_attn_implementation(attn);
+            m.forward_inference(&ids)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        assert_eq!(
+            logits(DType::F32, Eager),
+            logits(DType::F32, Sdpa),
+            "{model}: f32"
+        );
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // Mean and largest |Δ| from transformers' f32 logits.
+        let error = |got: &[f32]| {
+            let d: Vec<f32> = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).collect();
+            (
+                d.iter().sum::<f32>() / d.len() as f32,
+                d.iter().fold(0f32, |m, &x| m.max(x)),
+            )
+        };
+        let (sdpa, eager) = (logits(DType::BF16, Sdpa), logits(DType::BF16, Eager));
+        assert_ne!(
+            sdpa, eager,
+            "{model}: the bf16 attentions ran the same code"
+        );
+        let (es, ee) = (error(&sdpa), error(&eager));
+        println!(
+            "{model}: bf16 |Δlogit| mean, max: sdpa {:.3e}, {:.3e}; eager {:.3e}, {:.3e} (scale {scale})",
+            es.0, es.1, ee.0, ee.1
+        );
+        for (name, (mean, max)) in [("sdpa", es), ("eager", ee)] {
+            assert!(
+                mean <= 0.005 * scale && max <= 0.02 * scale,
+                "{model}: bf16 {name} logits {mean:e} / {max:e} from transformers' f32 (scale {scale})"
+            );
+        }
+        assert!(
+            es.0 <= ee.0 * 1.1,
+            "{model}: sdpa {es:?} against eager {ee:?}"
+        );
+    }
+}
+
 #[test]
 fn every_weight_gets_a_gradient() {
     // Through MoE routing, attention sinks and BMM experts alike: the forward is built from

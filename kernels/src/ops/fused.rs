@@ -8,10 +8,11 @@
 //! - [`swiglu`]: `y = silu(g) · u` (the MLP's gate) and its backward;
 //! - [`rms_norm`]: transformers' RMSNorm `w · x / sqrt(mean(x²) + ε)` and its backward;
 //! - [`rope`]: `x · cos + rotate_half(x) · sin` per position and its backward;
-//! - [`attention`]: the whole of attention, `softmax(scale · q·kᵀ + masks) · v`, streamed one
-//!   query row at a time (flash-attention style: only the rows' log-sum-exps are kept for the
-//!   backward pass, never `[tq, tk]` probabilities), grouped-query heads reading their shared
-//!   keys and values in place, and its backward;
+//! - [`attention`]: the whole of attention, `softmax(scale · q·kᵀ + masks) · v`, streamed four
+//!   query rows at a time against sixteen keys at a time in vector registers, over the keys the
+//!   causal mask leaves visible only (flash-attention style: only the rows' log-sum-exps are
+//!   kept for the backward pass, never `[tq, tk]` probabilities), grouped-query heads reading
+//!   their shared keys and values in place, and its backward (one query row at a time);
 //! - [`token_logps`]: `log_softmax(logits)[label]` per row and its backward, which never holds
 //!   a second `[rows, vocab]` array;
 //! - [`token_entropy`]: the entropy of `softmax(logits)` per row (a logged figure, no
@@ -21,12 +22,12 @@ use crate::KernelError;
 use crate::error::check_len;
 use rayon::prelude::*;
 
-fn bad(op: &'static str, what: String) -> KernelError {
+pub(super) fn bad(op: &'static str, what: String) -> KernelError {
     KernelError::Parameter { op, what }
 }
 
 /// Rows handed to one rayon task: enough work per task (about 16k values).
-fn rows_per_task(cols: usize) -> usize {
+pub(super) fn rows_per_task(cols: usize) -> usize {
     (16_384 / cols.max(1)).max(1)
 }
 
@@ -197,6 +198,26 @@ pub fn rms_norm_backward(
     Ok(())
 }
 
+/// RoPE's shapes (`lens`: x, cos, sin, y): `x` and `y` rows of `[t, d]` with an even `d`, the
+/// tables `[t, d]`.
+pub(super) fn check_rope(
+    op: &'static str,
+    [x, cos, sin, y]: [usize; 4],
+    t: usize,
+    d: usize,
+) -> Result<(), KernelError> {
+    let plane = t * d;
+    if d == 0 || !d.is_multiple_of(2) || plane == 0 || !x.is_multiple_of(plane) {
+        return Err(bad(
+            op,
+            format!("{x} values are not rows of [{t}, {d}] with an even d"),
+        ));
+    }
+    check_len(op, "cos", cos, plane, &[t, d])?;
+    check_len(op, "sin", sin, plane, &[t, d])?;
+    check_len(op, "y", y, x, &[x / plane, t, d])
+}
+
 /// RoPE on `x` `[rows, t, d]` (every head of every sequence; `rows` = batch · heads) with the
 /// tables `cos`, `sin` `[t, d]`: `y = x · cos + rotate_half(x) · sin`, `rotate_half([a, b]) =
 /// [−b, a]` over the halves of `d`. With `transpose`, the backward: `dx = dy · cos +
@@ -210,21 +231,8 @@ pub fn rope(
     transpose: bool,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rope";
-    let plane = t * d;
-    if d == 0 || !d.is_multiple_of(2) || plane == 0 || !x.len().is_multiple_of(plane) {
-        return Err(bad(
-            op,
-            format!(
-                "{} values are not rows of [{t}, {d}] with an even d",
-                x.len()
-            ),
-        ));
-    }
-    check_len(op, "cos", cos.len(), plane, &[t, d])?;
-    check_len(op, "sin", sin.len(), plane, &[t, d])?;
-    check_len(op, "y", y.len(), x.len(), &[x.len() / plane, t, d])?;
-    let h = d / 2;
+    check_rope("rope", [x.len(), cos.len(), sin.len(), y.len()], t, d)?;
+    let (plane, h) = (t * d, d / 2);
     y.par_chunks_mut(plane)
         .zip(x.par_chunks(plane))
         .for_each(|(y, x)| {
@@ -442,8 +450,80 @@ impl<'a> Heads<'a> {
     }
 }
 
+/// Query rows [`ForwardRows`] scores at once against each block of keys.
+const QUERY_BLOCK: usize = 4;
+/// Keys per block of scores (two AVX2 vectors).
+const KEY_BLOCK: usize = 16;
+
+/// `e^x` for `x ≤ 0` (a score less the row's maximum), to about 2 ulp: `x = n·ln 2 + r` with
+/// `|r| ≤ ln 2 / 2`, `e^r` by its degree-6 Taylor polynomial, `2^n` from the exponent bits.
+/// `x < −87` (the result below f32's normal range) and −∞ give 0. Written lane-wise so that a
+/// loop over a slice of them runs in vector registers.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts: `n · LN2_HI` is exact for the |n| ≤ 126 used here.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding 1.5·2²³ rounds to an integer (to nearest, ties to even) in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let xc = x.max(-87.0);
+    let n = xc.mul_add(LOG2E, ROUND) - ROUND;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, xc));
+    let mut p: f32 = 1.0 / 720.0;
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p.mul_add(r, c);
+    }
+    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < -87.0 { 0.0 } else { p * two_n }
+}
+
+/// `Σ x` in eight partial sums (the compiler keeps them in one vector).
+#[inline(always)]
+fn sum8(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let c = x.chunks_exact(8);
+    let tail: f32 = c.remainder().iter().sum();
+    for x in c {
+        for l in 0..8 {
+            acc[l] += x[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The largest of `x` (NaNs passed over; −∞ when empty), in eight partial maxima.
+#[inline(always)]
+fn max8(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let c = x.chunks_exact(8);
+    let tail = c
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    for x in c {
+        for l in 0..8 {
+            acc[l] = if x[l] > acc[l] { x[l] } else { acc[l] };
+        }
+    }
+    acc.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// The first and one past the last key that causal row `c` lets a query see (`(0, 0)`: none).
+fn visible(c: &[f32]) -> (usize, usize) {
+    match c.iter().position(|&x| x != f32::NEG_INFINITY) {
+        Some(lo) => (
+            lo,
+            c.iter().rposition(|&x| x != f32::NEG_INFINITY).unwrap() + 1,
+        ),
+        None => (0, 0),
+    }
+}
+
 /// [`attention`]'s rows of one task: each query row's scores, softmax, output and
-/// log-sum-exp.
+/// log-sum-exp, [`QUERY_BLOCK`] rows at a time against [`KEY_BLOCK`] keys at a time (the keys
+/// transposed once per task, so that a block's scores are vector multiply-adds over the head's
+/// dimensions), over the keys the causal rows leave visible only.
 struct ForwardRows<'a, 'h> {
     h: &'a Heads<'h>,
     t: Task<'a>,
@@ -454,24 +534,133 @@ struct ForwardRows<'a, 'h> {
 impl Work for ForwardRows<'_, '_> {
     #[inline(always)]
     fn work(self) {
-        let (h, t, dim) = (self.h, &self.t, self.h.dim);
-        let mut s = vec![0f32; h.tk];
-        for (r, lse) in self.lse.iter_mut().enumerate() {
-            let (_, causal) = h.row(t, r, &mut s);
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for x in s.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
+        const QB: usize = QUERY_BLOCK;
+        const KB: usize = KEY_BLOCK;
+        let (h, t, dim, tk) = (self.h, &self.t, self.h.dim, self.h.tk);
+        // kt[d][j] = k[j][d], each row padded to whole key blocks with zeros.
+        let stride = tk.next_multiple_of(KB);
+        let mut kt = vec![0f32; dim * stride];
+        for (j, kr) in t.k.chunks_exact(dim).enumerate() {
+            for (d, &x) in kr.iter().enumerate() {
+                kt[d * stride + j] = x;
             }
-            let or = &mut self.o[r * dim..(r + 1) * dim];
-            or.fill(0.0);
-            for (j, &p) in s.iter().enumerate() {
-                if causal[j] != f32::NEG_INFINITY {
-                    axpy(or, p / sum, &t.v[j * dim..(j + 1) * dim]);
+        }
+        let rows = self.lse.len();
+        // The block's scores, then probabilities: row r at s[r·stride..].
+        let mut s = vec![0f32; QB * stride];
+        // The block's queries transposed: qt[d][r] (rows past the last are zeros).
+        let mut qt = vec![0f32; dim * QB];
+        for r0 in (0..rows).step_by(QB) {
+            let n = QB.min(rows - r0);
+            let causal = |r: usize| {
+                let i = (r0 + r) % h.tq;
+                &h.causal[i * tk..(i + 1) * tk]
+            };
+            // The keys any row of the block sees; the rest have probability 0 in every row.
+            let (mut lo, mut hi) = (tk, 0);
+            for r in 0..n {
+                let (a, b) = visible(causal(r));
+                if a < b {
+                    (lo, hi) = (lo.min(a), hi.max(b));
                 }
             }
-            *lse = max + sum.ln();
+            if lo >= hi {
+                // No row sees a key: a softmax over nothing.
+                self.o[r0 * dim..(r0 + n) * dim].fill(f32::NAN);
+                self.lse[r0..r0 + n].fill(f32::NAN);
+                continue;
+            }
+            let lo = lo - lo % KB;
+            qt.fill(0.0);
+            for r in 0..n {
+                for (d, &x) in t.q[(r0 + r) * dim..][..dim].iter().enumerate() {
+                    qt[d * QB + r] = x;
+                }
+            }
+            // Σ_d q[r][d]·k[j][d], the dimensions in order, a block of keys at a time.
+            for jb in (lo..hi).step_by(KB) {
+                let mut acc = [[0f32; KB]; QB];
+                for (qd, kd) in qt.chunks_exact(QB).zip(kt.chunks_exact(stride)) {
+                    let kr: &[f32; KB] = kd[jb..jb + KB].try_into().unwrap();
+                    for (a, &q) in acc.iter_mut().zip(qd) {
+                        for l in 0..KB {
+                            a[l] = q.mul_add(kr[l], a[l]);
+                        }
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    s[r * stride + jb..][..KB].copy_from_slice(a);
+                }
+            }
+            let hi_b = hi.next_multiple_of(KB).min(stride);
+            // Rows that see no key: a softmax over nothing, NaN.
+            let mut dead = [false; QB];
+            for (r, sr) in s.chunks_exact_mut(stride).enumerate() {
+                let sr = &mut sr[lo..hi_b];
+                if r >= n {
+                    sr.fill(0.0);
+                    continue;
+                }
+                let c = &causal(r)[lo..hi];
+                let keys = t.keys.map(|m| &m[lo..hi]);
+                for (j, x) in sr.iter_mut().enumerate() {
+                    *x = match c.get(j) {
+                        None | Some(&f32::NEG_INFINITY) => f32::NEG_INFINITY,
+                        Some(&cj) => {
+                            let v = *x * h.scale + cj;
+                            keys.map_or(v, |m| v + m[j])
+                        }
+                    };
+                }
+                let max = max8(sr);
+                if max == f32::NEG_INFINITY {
+                    sr.fill(0.0);
+                    self.lse[r0 + r] = f32::NAN;
+                    dead[r] = true;
+                    continue;
+                }
+                for x in sr.iter_mut() {
+                    *x = exp_nonpositive(*x - max);
+                }
+                // The probabilities normalised before they weigh the values, as PyTorch's
+                // softmax-then-matmul rounds them (dividing the sums instead moves GPTQ's
+                // codes away from llm-compressor's in f32).
+                let sum = sum8(sr);
+                for x in sr.iter_mut() {
+                    *x /= sum;
+                }
+                self.lse[r0 + r] = max + sum.ln();
+            }
+            // o[r] = Σ_j p[r][j]·v[j], sixteen of the head's values at a time.
+            let o = &mut self.o[r0 * dim..(r0 + n) * dim];
+            let whole = dim - dim % KB;
+            for c0 in (0..whole).step_by(KB) {
+                let mut acc = [[0f32; KB]; QB];
+                for j in lo..hi {
+                    let vj: &[f32; KB] = t.v[j * dim + c0..][..KB].try_into().unwrap();
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let p = s[r * stride + j];
+                        for l in 0..KB {
+                            a[l] = p.mul_add(vj[l], a[l]);
+                        }
+                    }
+                }
+                for (r, a) in acc.iter().enumerate().take(n) {
+                    o[r * dim + c0..][..KB].copy_from_slice(a);
+                }
+            }
+            for r in 0..n {
+                for c0 in whole..dim {
+                    let mut x = 0f32;
+                    for j in lo..hi {
+                        x = s[r * stride + j].mul_add(t.v[j * dim + c0], x);
+                    }
+                    o[r * dim + c0] = x;
+                }
+            }
+            for (r, _) in dead.iter().enumerate().take(n).filter(|(_, d)| **d) {
+                o[r * dim..(r + 1) * dim].fill(f32::NAN);
+            }
         }
     }
 }
@@ -517,10 +706,13 @@ impl Work for BackwardRows<'_, '_> {
 
 /// Attention's output `o = softmax(scale · q·kᵀ + causal + keys) · v` `[batch, heads, tq,
 /// dim]` and each row's log-sum-exp `lse` `[batch, heads, tq]` (what the backward pass needs
-/// in place of the probabilities), one query row at a time: a row's `tk` scores are the only
-/// scores ever held (one row per thread), never `[tq, tk]`. Threaded over (sequence,
-/// key/value head); each group of query heads reads its keys and values where they are, never
-/// copied per head.
+/// in place of the probabilities), a block of four query rows at a time: their `tk` scores are
+/// the only scores ever held (one block per thread), never `[tq, tk]`; the keys a block's
+/// causal rows hide are skipped. Each score is `Σ_d q_d·k_d` in order of `d` (fused
+/// multiply-adds), the probabilities are normalised before they weigh the values (as PyTorch's
+/// softmax then matmul), the exponential a degree-6 polynomial within 2 ulp. A row that sees no key
+/// gets NaN. Threaded over (sequence, key/value head); each group of query heads reads its keys
+/// and values where they are, never copied per head.
 pub fn attention(
     q: &[f32],
     k: &[f32],
@@ -1035,6 +1227,9 @@ mod tests {
             (1, 6, 2, 5, 9, 12, Some(4usize), false),
             (3, 2, 2, 33, 33, 8, None, true),
             (1, 3, 1, 1, 20, 20, None, false),
+            // Whole query and key blocks and their tails: 4·9 rows, 37 keys, a 64-wide head.
+            (1, 4, 1, 37, 37, 64, None, true),
+            (2, 2, 1, 19, 40, 24, Some(17), true),
         ] {
             let q = values(batch * heads * tq * dim, 11, 2.0);
             let k = values(batch * kv_heads * tk * dim, 12, 2.0);
@@ -1097,6 +1292,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A query row that sees no key (its causal row all −∞) has no softmax: its output and
+    /// log-sum-exp are NaN; the rows of its block that see keys are unaffected.
+    #[test]
+    fn a_row_that_sees_no_key_is_nan() {
+        let (tq, tk, dim) = (3, 4, 8);
+        let q = values(tq * dim, 1, 1.0);
+        let (k, v) = (values(tk * dim, 2, 1.0), values(tk * dim, 3, 1.0));
+        let mut causal = vec![0f32; tq * tk];
+        causal[tk..2 * tk].fill(f32::NEG_INFINITY);
+        let h = Heads {
+            batch: 1,
+            heads: 1,
+            kv_heads: 1,
+            tq,
+            tk,
+            dim,
+            scale: 0.5,
+            causal: &causal,
+            keys: None,
+        };
+        let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; tq]);
+        attention(&q, &k, &v, &h, &mut o, &mut lse).unwrap();
+        assert!(lse[1].is_nan() && o[dim..2 * dim].iter().all(|x| x.is_nan()));
+        let (want, ..) = attention_f64(&q, &k, &v, &q, &h);
+        for i in (0..dim).chain(2 * dim..3 * dim) {
+            assert!(
+                close(o[i], want[i], 1e-5),
+                "o[{i}] {} against {}",
+                o[i],
+                want[i]
+            );
+        }
+    }
+
+    /// The attention's `exp` against f64's on a sweep of `[−90, 0]`: within 2 ulp (relative
+    /// 2.4e-7) where the result is a normal float, 0 below −87 and at −∞.
+    #[test]
+    fn exp_nonpositive_is_within_two_ulp() {
+        let mut worst = 0f64;
+        for i in 0..=900_000 {
+            let x = -(i as f32) * 1e-4;
+            let got = exp_nonpositive(x);
+            if x < -87.0 {
+                assert_eq!(got, 0.0, "exp({x})");
+                continue;
+            }
+            let want = f64::from(x).exp();
+            let rel = ((f64::from(got) - want) / want).abs();
+            worst = worst.max(rel);
+            assert!(
+                rel < 2.4e-7,
+                "exp({x}) = {got}, want {want} (relative {rel:e})"
+            );
+        }
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert!(worst > 0.0);
     }
 
     #[test]

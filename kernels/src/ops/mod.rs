@@ -9,6 +9,7 @@ pub mod bnb;
 mod bnb_tables;
 pub mod fp8;
 pub mod fused;
+pub mod fused_bf16;
 pub mod gguf;
 pub mod int;
 pub mod mlx;

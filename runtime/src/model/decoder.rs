@@ -293,6 +293,22 @@ impl Resolver<'_> {
     }
 }
 
+/// How attention runs in a bf16 or f16 model, named after transformers' `attn_implementation`
+/// (an f32 model on the CPU runs the streamed kernel either way: the two agree to f32
+/// rounding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttnImplementation {
+    /// As transformers' `eager`: the scores and the probabilities rounded to the model's dtype,
+    /// each a `[batch, heads, t, t]` tensor. Calibration's default: llm-compressor's GPTQ codes
+    /// agree with kiln's most often this way.
+    #[default]
+    Eager,
+    /// As PyTorch's `scaled_dot_product_attention` (transformers 5's default): on the CPU the
+    /// streamed kernel with its f32 scores and sums (the queries, keys and values widened, the
+    /// output rounded to the model's dtype once), no `[t, t]` tensor held. Evaluation's choice.
+    Sdpa,
+}
+
 /// A decoder-only causal language model: Llama (with Llama 3 RoPE scaling), Mistral (sliding
 /// window), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Qwen3-MoE and Mixtral (top-k routing,
 /// normalised as each family does) and GPT-OSS (sinks, BMM experts), built from the
@@ -311,6 +327,8 @@ pub struct DecoderModel {
     /// Gradient checkpointing: where the layers' parameter gradients go (`None`: every
     /// activation is kept for the backward pass).
     checkpoint: Option<Arc<super::checkpoint::GradSink>>,
+    /// How a bf16 or f16 model's attention runs.
+    attn: AttnImplementation,
 }
 
 /// One attention layer's cached keys and values `[batch, kv_heads, positions, head_dim]`.
@@ -416,6 +434,9 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
     if super::fused::fusable(x) && w.dtype() == DType::F32 {
         return Ok(super::fused::rms_norm(x, w, eps)?);
+    }
+    if super::fused_bf16::runs(&[x, w]) {
+        return Ok(super::fused_bf16::rms_norm(x, w, eps)?);
     }
     rms_norm_unfused(x, w, eps)
 }
@@ -635,6 +656,7 @@ impl DecoderModel {
             act,
             adapters: None,
             checkpoint: None,
+            attn: AttnImplementation::default(),
         })
     }
 
@@ -753,6 +775,14 @@ impl DecoderModel {
         }
     }
 
+    /// The same model with a bf16 or f16 model's attention run as `attn` says.
+    pub fn with_attn_implementation(&self, attn: AttnImplementation) -> Self {
+        DecoderModel {
+            attn,
+            ..self.clone()
+        }
+    }
+
     /// Where checkpointed layers leave their parameters' gradients, when checkpointing is on.
     pub fn grad_sink(&self) -> Option<&Arc<super::checkpoint::GradSink>> {
         self.checkpoint.as_ref()
@@ -827,6 +857,13 @@ impl DecoderModel {
     /// variables holds one layer's intermediates at a time instead of every layer's until the
     /// logits are dropped.
     pub fn forward_inference(&self, ids: &Tensor) -> Result<Tensor, ModelError> {
+        self.forward_inference_from(ids, 0)
+    }
+
+    /// [`DecoderModel::forward_inference`]'s logits of the positions from `first` on only
+    /// (`[batch, t − first, vocab]`): the output layer runs on those rows alone (evaluation
+    /// scores the second half of each chunk).
+    pub fn forward_inference_from(&self, ids: &Tensor, first: usize) -> Result<Tensor, ModelError> {
         let mut h = self.embed(ids)?.detach();
         let rope = self.rope_tables(h.dim(1)?, h.dtype())?;
         for layer in 0..self.config.layers {
@@ -841,6 +878,17 @@ impl DecoderModel {
                 )?
                 .detach();
         }
+        let t = h.dim(1)?;
+        if first > t {
+            return Err(ModelError::Config(format!(
+                "the logits from position {first} of a sequence of {t}"
+            )));
+        }
+        let h = if first == 0 {
+            h
+        } else {
+            h.narrow(1, first, t - first)?
+        };
         Ok(self.head(&h, &mut NoObserver)?.detach())
     }
 
@@ -1390,6 +1438,9 @@ impl DecoderModel {
             if cos.rank() == 2 && super::fused::fusable(&x) {
                 return Ok(super::fused::rope(&x, cos, sin)?);
             }
+            if cos.rank() == 2 && super::fused_bf16::runs(&[&x, cos, sin]) {
+                return Ok(super::fused_bf16::rope(&x, cos, sin)?);
+            }
             rope_unfused(&x, cos, sin)
         };
         for l in [&a.q, &a.k, &a.v] {
@@ -1420,17 +1471,26 @@ impl DecoderModel {
         };
         let tk = k.dim(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        if a.sinks.is_none() && super::fused::fusable(&q) {
+        let streamed = super::fused::fusable(&q)
+            || (self.attn == AttnImplementation::Sdpa
+                && q.device().is_cpu()
+                && matches!(q.dtype(), DType::BF16 | DType::F16));
+        if a.sinks.is_none() && streamed {
             // Scores, masks, softmax and the values' sum in one streamed op that never holds
             // the [t, tk] scores or probabilities (the backward pass recomputes them from each
             // row's log-sum-exp), the grouped heads reading their shared keys in place.
-            // (A bf16 model keeps the unfused path below: it rounds the scores and the
-            // probabilities to bf16 as PyTorch's bf16 attention does — llm-compressor's
-            // GPTQ codes agree with kiln's less often when they are kept in f32.)
+            // (A bf16 model keeps the unfused path below unless asked for SDPA's: it rounds
+            // the scores and the probabilities to bf16 as PyTorch's eager bf16 attention does
+            // — llm-compressor's GPTQ codes agree with kiln's less often when they are kept in
+            // f32.)
             let causal = mask_values(t, tk, a.window);
-            let o = super::fused::attention(&q, &k, &v, scale, causal, key_mask)?
-                .transpose(1, 2)?
-                .reshape((b, t, nh * hd))?;
+            let dtype = q.dtype();
+            let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+            let o =
+                super::fused::attention(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale, causal, key_mask)?
+                    .to_dtype(dtype)?
+                    .transpose(1, 2)?
+                    .reshape((b, t, nh * hd))?;
             observer.linear_input(&a.o.name, &o)?;
             return self.linear(&a.o, &o, true);
         }
@@ -1502,6 +1562,8 @@ impl DecoderModel {
         let u = self.linear(&m.up, x, true)?;
         let gu = if super::fused::fusable(&g) && super::fused::fusable(&u) {
             super::fused::swiglu(&g, &u)?
+        } else if super::fused_bf16::runs(&[&g, &u]) {
+            super::fused_bf16::swiglu(&g, &u)?
         } else {
             (silu(&g)? * u)?
         };

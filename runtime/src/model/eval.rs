@@ -2,6 +2,7 @@
 
 use super::{DecoderModel, ModelError};
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 
 /// What an evaluation measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -109,14 +110,15 @@ pub fn chunks(ids: &[u32], ctx: usize, bos: Option<u32>) -> Vec<Vec<u32>> {
 fn scored_log_probs(model: &DecoderModel, chunk: &[u32]) -> Result<Vec<Vec<f64>>, ModelError> {
     let ctx = chunk.len();
     let ids = Tensor::from_vec(chunk.to_vec(), (1, ctx), model.device())?;
+    // The output layer on the scored rows alone.
     let logits = model
-        .forward_inference(&ids)?
+        .forward_inference_from(&ids, ctx / 2)?
         .to_dtype(DType::F32)?
         .squeeze(0)?
-        .narrow(0, ctx / 2, ctx - 1 - ctx / 2)?;
+        .narrow(0, 0, ctx - 1 - ctx / 2)?;
     let rows: Vec<Vec<f32>> = logits.to_vec2()?;
     Ok(rows
-        .into_iter()
+        .into_par_iter()
         .map(|row| {
             let lse = log_sum_exp(&row);
             row.iter().map(|&x| x as f64 - lse).collect()

@@ -10,6 +10,7 @@ mod config;
 mod decoder;
 pub mod eval;
 pub mod fused;
+mod fused_bf16;
 pub mod generate;
 mod loaded;
 pub mod lora;
@@ -19,7 +20,9 @@ pub mod packed;
 pub use candle_core as candle;
 pub use config::{DecoderConfig, MoeRouting, RopeScaling};
 pub(crate) use decoder::linear;
-pub use decoder::{DecoderModel, HeadPositions, KvCache, LayerCache, SCORE, new_score_head};
+pub use decoder::{
+    AttnImplementation, DecoderModel, HeadPositions, KvCache, LayerCache, SCORE, new_score_head,
+};
 pub use loaded::Loaded;
 pub use observe::{MaxCalibrator, NoObserver, Observer};
 
