@@ -119,6 +119,8 @@ def main():
     a.add_argument("--chunks", type=int, default=40)
     a.add_argument("--work", default="/tmp/kiln-gptq-quality")
     a.add_argument("--skip", nargs="*", default=[], help="methods already made (reuse)")
+    a.add_argument("--kiln-f32", action="store_true",
+                   help="also kiln's GPTQ calibrated in f32 (--calib-dtype f32), its most exact")
     o = a.parse_args()
     work = pathlib.Path(o.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,8 @@ def main():
 
     made = {}
     g = str(o.group_size)
-    for tool, method in [("kiln", "rtn"), ("kiln", "gptq"), ("llm-compressor", "rtn"), ("llm-compressor", "gptq")]:
+    runs = [("kiln", "rtn"), ("kiln", "gptq")] + [("kiln", "gptq_f32")] * o.kiln_f32
+    for tool, method in runs + [("llm-compressor", "rtn"), ("llm-compressor", "gptq")]:
         out = work / f"{tool}-{method}"
         key = f"{tool}-{method}"
         if key in o.skip and out.exists():
@@ -141,8 +144,9 @@ def main():
         if tool == "kiln":
             cmd = [o.kiln, "export", "--model", o.model, "--out", str(out), "--output-format",
                    "compressed-tensors", "--format", "w4a16", "--group-size", g, "--force"]
-            if method == "gptq":
-                cmd += ["--calib", str(calib), "--algorithm", "gptq", "--calib-dtype", "bf16"]
+            if method.startswith("gptq"):
+                dtype = "f32" if method == "gptq_f32" else "bf16"
+                cmd += ["--calib", str(calib), "--algorithm", "gptq", "--calib-dtype", dtype]
             cmd = ["/usr/bin/time", "-v"] + cmd
         else:
             cmd = ["/usr/bin/time", "-v", sys.executable, "-c", LLMC, o.model, str(out), method, g, str(calib)]
@@ -164,8 +168,9 @@ def main():
         tool, method = key.rsplit("-", 1)
         s = f"{secs:.1f}" if secs else "—"
         p = f"{peak:.0f}" if peak else "—"
+        label = f"GPTQ W4A16 g{g}, f32 calibration" if method == "gptq_f32" else f"{method.upper()} W4A16 g{g}"
         print(
-            f"| {tool} | {method.upper()} W4A16 g{g} | {r['ppl']:.3f} | {r['ppl'] - base['ppl']:+.3f} | "
+            f"| {tool} | {label} | {r['ppl']:.3f} | {r['ppl'] - base['ppl']:+.3f} | "
             f"{r['kl_mean']:.4f} | {r['kl_median']:.4f} | {r['kl_p99']:.4f} | {100 * r['top1']:.2f} % | {s} | {p} |"
         )
     print(f"\n{base['tokens']} scored tokens ({chunks} chunks of {o.ctx}, second halves).")

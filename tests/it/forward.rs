@@ -68,6 +68,18 @@ fn logits_match_transformers_for_every_family() {
     }
 }
 
+/// `m`'s logits of `ids` without a graph, as f32 values.
+fn inference_logits(m: &DecoderModel, ids: &Tensor) -> Vec<f32> {
+    m.forward_inference(ids)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// A bf16 model's two attentions (`AttnImplementation`): SDPA's (the streamed kernel on widened
 /// inputs, f32 scores) and eager's (scores and probabilities rounded to bf16), each against
 /// transformers' f32 logits. An f32 model's logits are the same bits either way. In bf16 both
@@ -84,14 +96,7 @@ fn bf16_sdpa_and_eager_attention_against_transformers_f32() {
             let m = DecoderModel::load(&c, dtype, &Device::Cpu)
                 .unwrap()
                 .with_attn_implementation(attn);
-            m.forward_inference(&ids)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
+            inference_logits(&m, &ids)
         };
         assert_eq!(
             logits(DType::F32, Eager),
@@ -126,6 +131,47 @@ fn bf16_sdpa_and_eager_attention_against_transformers_f32() {
         assert!(
             es.0 <= ee.0 * 1.1,
             "{model}: sdpa {es:?} against eager {ee:?}"
+        );
+    }
+}
+
+/// A bf16 model outside autograd (calibration, evaluation) runs fused bf16 steps — eager
+/// attention streamed with PyTorch's rounding points, RMSNorm, RoPE, SwiGLU — where a model
+/// whose weights are variables runs candle's unfused ops. They round at the same points, so the
+/// logits agree but for sums that run in another order: within one bf16 ulp at the logits'
+/// scale, and most of them the same bits.
+#[test]
+fn bf16_fused_inference_agrees_with_the_unfused_ops() {
+    for model in ["llama-tiny", "qwen3-tiny", "mistral-tiny"] {
+        let c = Checkpoint::open(compat_dir(model).join("model")).unwrap();
+        let (ids, _, _) = reference(model);
+        let ids = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
+        let unfused = DecoderModel::load(&c, DType::BF16, &Device::Cpu).unwrap();
+        let mut fused = unfused.clone();
+        fused.freeze().unwrap();
+        let (a, b) = (
+            inference_logits(&fused, &ids),
+            inference_logits(&unfused, &ids),
+        );
+        // One bf16 ulp at the logits' scale (small logits are differences of larger sums).
+        let ulp = b.iter().fold(0f32, |m, x| m.max(x.abs())) * 2f32.powi(-7);
+        let (mut same, mut worst) = (0, 0f32);
+        for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= ulp,
+                "{model}: logit {i}: fused {x}, unfused {y}"
+            );
+            same += usize::from(x == y);
+            worst = worst.max((x - y).abs());
+        }
+        println!(
+            "{model}: {same} of {} bf16 logits the same bits, the largest difference {worst:e} (an ulp at the scale: {ulp:e})",
+            a.len()
+        );
+        assert!(
+            same * 10 >= a.len() * 7,
+            "{model}: {same} of {} the same",
+            a.len()
         );
     }
 }
@@ -629,19 +675,22 @@ fn awq_search_agrees_with_modelopt() {
         ("llama-tiny", "w4a8-awq", int4, 0.9, DType::F32),
         // --group-size 64 / 32: ModelOpt's INT4 blocks set by `block_sizes {-1: N}`. Smaller
         // blocks flatten the loss over α further: layer 0 agrees everywhere, layer 1 (whose
-        // inputs carry the rounding of layer 0's forward) picks a neighbouring α on 2 of 7.
+        // inputs carry the rounding of layer 0's forward) picks a neighbouring α on 2 or 3 of
+        // 7. (Three at g64 since bf16 calibration's eager attention streams: the same rounding
+        // points, sums in another order — the change that raised GPTQ's agreement with
+        // llm-compressor in bf16 from 97.8–99.7 % to 98.8–99.8 % of codes.)
         (
             "llama-tiny",
             "int4-awq-g64",
             AwqWeight::Int4 { group: 64 },
-            0.8,
+            0.75,
             DType::BF16,
         ),
         (
             "llama-tiny",
             "int4-awq-g32",
             AwqWeight::Int4 { group: 32 },
-            0.8,
+            0.75,
             DType::BF16,
         ),
         ("qwen3-moe-awq-tiny", "int4-awq", int4, 0.7, DType::F32),

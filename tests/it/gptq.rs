@@ -228,8 +228,10 @@ fn gptq_matches_llm_compressor() {
         ));
         // In f32 the two forward passes agree to f32 rounding; in bf16 an activation an ulp
         // apart (a GEMM's summation order) now and then moves a later layer's Hessian enough
-        // to flip a code, which then moves the rest of its row.
-        let floor = if f32_model { 0.99 } else { 0.97 };
+        // to flip a code, which then moves the rest of its row (98.8–99.8 % agree since bf16
+        // calibration's attention streams with eager attention's rounding points; 97.8–99.7 %
+        // with candle's unfused bf16 ops).
+        let floor = if f32_model { 0.99 } else { 0.98 };
         if share < floor {
             failed.push(name.clone());
         }

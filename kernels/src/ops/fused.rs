@@ -281,6 +281,11 @@ pub struct Heads<'a> {
     pub causal: &'a [f32],
     /// `[batch, tk]`, added to every query of every head of its sequence.
     pub keys: Option<&'a [f32]>,
+    /// Round as PyTorch's eager attention on bf16 tensors rounds (the inputs bf16 values):
+    /// `q·k` to bf16, then `· scale`, `+ causal`, `+ keys` each rounded to bf16, the
+    /// probabilities (an f32 softmax) rounded to bf16 before they weigh the values; the caller
+    /// rounds the output. Forward only ([`attention_backward`] refuses it).
+    pub bf16: bool,
 }
 
 impl Heads<'_> {
@@ -478,6 +483,12 @@ fn exp_nonpositive(x: f32) -> f32 {
     if x < -87.0 { 0.0 } else { p * two_n }
 }
 
+/// `x` rounded to bf16 (to nearest, ties to even), as f32.
+#[inline(always)]
+fn bf16_round(x: f32) -> f32 {
+    super::fused_bf16::widen(super::fused_bf16::narrow(x))
+}
+
 /// `Σ x` in eight partial sums (the compiler keeps them in one vector).
 #[inline(always)]
 fn sum8(x: &[f32]) -> f32 {
@@ -606,6 +617,10 @@ impl Work for ForwardRows<'_, '_> {
                 for (j, x) in sr.iter_mut().enumerate() {
                     *x = match c.get(j) {
                         None | Some(&f32::NEG_INFINITY) => f32::NEG_INFINITY,
+                        Some(&cj) if h.bf16 => {
+                            let v = bf16_round(bf16_round(bf16_round(*x) * h.scale) + cj);
+                            keys.map_or(v, |m| bf16_round(v + m[j]))
+                        }
                         Some(&cj) => {
                             let v = *x * h.scale + cj;
                             keys.map_or(v, |m| v + m[j])
@@ -628,6 +643,11 @@ impl Work for ForwardRows<'_, '_> {
                 let sum = sum8(sr);
                 for x in sr.iter_mut() {
                     *x /= sum;
+                }
+                if h.bf16 {
+                    for x in sr.iter_mut() {
+                        *x = bf16_round(*x);
+                    }
                 }
                 self.lse[r0 + r] = max + sum.ln();
             }
@@ -764,6 +784,12 @@ pub fn attention_backward(
 ) -> Result<(), KernelError> {
     let op = "attention_backward";
     shape.check(op, q.len(), k.len(), v.len())?;
+    if shape.bf16 {
+        return Err(bad(
+            op,
+            "bf16 rounding is forward-only (inference and calibration)".into(),
+        ));
+    }
     let h = *shape;
     check_len(op, "o", o.len(), q.len(), &[q.len()])?;
     check_len(op, "d_o", d_o.len(), q.len(), &[q.len()])?;
@@ -1268,6 +1294,7 @@ mod tests {
                 scale: 1.0 / (dim as f32).sqrt(),
                 causal: &causal,
                 keys: keyed.then_some(&keys[..]),
+                bf16: false,
             };
             let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; batch * heads * tq]);
             attention(&q, &k, &v, &h, &mut o, &mut lse).unwrap();
@@ -1313,6 +1340,7 @@ mod tests {
             scale: 0.5,
             causal: &causal,
             keys: None,
+            bf16: false,
         };
         let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; tq]);
         attention(&q, &k, &v, &h, &mut o, &mut lse).unwrap();
@@ -1365,6 +1393,7 @@ mod tests {
             scale: 1.0,
             causal: &[0.0],
             keys: None,
+            bf16: false,
         };
         let e = attention(
             &[0.0; 3],

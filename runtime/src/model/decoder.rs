@@ -1475,6 +1475,16 @@ impl DecoderModel {
             || (self.attn == AttnImplementation::Sdpa
                 && q.device().is_cpu()
                 && matches!(q.dtype(), DType::BF16 | DType::F16));
+        if a.sinks.is_none() && !streamed && super::fused_bf16::runs(&[&q, &k, &v]) {
+            // Eager bf16 attention outside autograd (calibration): the same rounding points
+            // as the unfused ops below, streamed.
+            let causal = mask_values(t, tk, a.window);
+            let o = super::fused::attention_bf16_eager(&q, &k, &v, scale, causal, key_mask)?
+                .transpose(1, 2)?
+                .reshape((b, t, nh * hd))?;
+            observer.linear_input(&a.o.name, &o)?;
+            return self.linear(&a.o, &o, true);
+        }
         if a.sinks.is_none() && streamed {
             // Scores, masks, softmax and the values' sum in one streamed op that never holds
             // the [t, tk] scores or probabilities (the backward pass recomputes them from each

@@ -222,6 +222,8 @@ struct Attention {
     scale: f32,
     causal: Vec<f32>,
     keys: Option<Vec<f32>>,
+    /// Rounding as PyTorch's eager attention on bf16 tensors (forward only).
+    bf16: bool,
     /// Each query row's log-sum-exp, from the forward, for the backward.
     lse: Mutex<Vec<f32>>,
 }
@@ -247,6 +249,7 @@ impl Attention {
             scale: self.scale,
             causal: &self.causal,
             keys: self.keys.as_deref(),
+            bf16: self.bf16,
         })
     }
 }
@@ -344,7 +347,7 @@ impl CustomOp3 for Attention {
 /// `softmax(scale · q·kᵀ + causal + keys) · v` `[batch, heads, tq, head_dim]` for queries
 /// `q` `[batch, heads, tq, head_dim]` and keys and values `[batch, kv_heads, tk, head_dim]`
 /// (f32 on the CPU; grouped heads read their shared keys in place): `causal` `[tq, tk]` host
-/// values (0 or −∞), `keys` the key mask `[batch, 1, 1, tk]`. Streamed one query row at a time
+/// values (0 or −∞), `keys` the key mask `[batch, 1, 1, tk]`. Streamed four query rows at a time
 /// (`kiln_kernels::ops::fused::attention`): neither the scores nor the probabilities
 /// `[batch, heads, tq, tk]` are ever held, and the backward pass keeps only each row's
 /// log-sum-exp beside the inputs and output.
@@ -356,20 +359,57 @@ pub fn attention(
     causal: Vec<f32>,
     keys: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
-    let keys = match keys {
-        Some(m) => Some(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-        None => None,
-    };
     q.contiguous()?.apply_op3(
         &k.contiguous()?,
         &v.contiguous()?,
-        Attention {
+        Attention::new(scale, causal, keys, false)?,
+    )
+}
+
+impl Attention {
+    /// The op, its key mask read to the host.
+    fn new(
+        scale: f64,
+        causal: Vec<f32>,
+        keys: Option<&Tensor>,
+        bf16: bool,
+    ) -> candle_core::Result<Attention> {
+        let keys = match keys {
+            Some(m) => Some(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
+        Ok(Attention {
             scale: scale as f32,
             causal,
             keys,
+            bf16,
             lse: Mutex::new(Vec::new()),
-        },
-    )
+        })
+    }
+}
+
+/// [`attention`] of bf16 `q`, `k`, `v` outside autograd, rounded where transformers' eager
+/// attention on bf16 tensors rounds (`q·kᵀ`, `· scale`, each mask added, the f32 softmax's
+/// probabilities, the output: each to bf16), streamed as [`attention`] is: what the decoder's
+/// unfused bf16 composition computes without its `[batch, heads, tq, tk]` tensors. The sums
+/// run in another order than candle's bf16 matmul, so a rounded value now and then lands an
+/// ulp apart. A bf16 result.
+pub(crate) fn attention_bf16_eager(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: Vec<f32>,
+    keys: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+    f32(q)?
+        .apply_op3_no_bwd(
+            &f32(k)?,
+            &f32(v)?,
+            &Attention::new(scale, causal, keys, true)?,
+        )?
+        .to_dtype(DType::BF16)
 }
 
 // ---- The output layer with the per-token log-softmax, a chunk of rows at a time ---------
