@@ -462,7 +462,8 @@ const KEY_BLOCK: usize = 16;
 
 /// `e^x` for `x ≤ 0` (a score less the row's maximum), to about 2 ulp: `x = n·ln 2 + r` with
 /// `|r| ≤ ln 2 / 2`, `e^r` by its degree-6 Taylor polynomial, `2^n` from the exponent bits.
-/// `x < −87` (the result below f32's normal range) and −∞ give 0. Written lane-wise so that a
+/// `x < −87` (the result below f32's normal range) and −∞ give 0, NaN gives NaN. Written
+/// lane-wise so that a
 /// loop over a slice of them runs in vector registers.
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
@@ -480,7 +481,14 @@ fn exp_nonpositive(x: f32) -> f32 {
         p = p.mul_add(r, c);
     }
     let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if x < -87.0 { 0.0 } else { p * two_n }
+    if x < -87.0 {
+        0.0
+    } else if x.is_nan() {
+        // A NaN score (a NaN or infinite query or key) stays NaN.
+        x
+    } else {
+        p * two_n
+    }
 }
 
 /// `x` rounded to bf16 (to nearest, ties to even), as f32.
@@ -1378,6 +1386,7 @@ mod tests {
         }
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert!(exp_nonpositive(f32::NAN).is_nan());
         assert!(worst > 0.0);
     }
 

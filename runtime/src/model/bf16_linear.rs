@@ -8,7 +8,6 @@
 
 use super::ModelError;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
-use half::slice::HalfFloatSliceExt;
 use half::vec::HalfBitsVecExt;
 use kiln_kernels::cpu::bf16_matmul;
 
@@ -31,15 +30,6 @@ pub(crate) fn runs(x: &Tensor, w: &Tensor) -> bool {
 /// `x [m, k]` · `w [n, k]`ᵀ → `[m, n]` bf16 (both contiguous).
 struct Bf16Linear;
 
-fn bf16_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [u16]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::BF16(v), Some((a, b))) => Ok(v[a..b].reinterpret_cast()),
-        _ => Err(op_err(format!(
-            "a bf16 Linear's {what} must be bf16 and contiguous"
-        ))),
-    }
-}
-
 impl CustomOp2 for Bf16Linear {
     fn name(&self) -> &'static str {
         "bf16-linear"
@@ -59,8 +49,8 @@ impl CustomOp2 for Bf16Linear {
                 "a bf16 Linear of {wk} inputs given rows of {k}"
             )));
         }
-        let x = bf16_rows(xs, xl, "input")?;
-        let w = bf16_rows(ws, wl, "weight")?;
+        let x = super::fused_bf16::bits(xs, xl, "a bf16 Linear's input")?;
+        let w = super::fused_bf16::bits(ws, wl, "a bf16 Linear's weight")?;
         let mut y = vec![0u16; m * n];
         bf16_matmul::matmul_wt_bf16(x, w, &mut y, (m, n, k)).map_err(op_err)?;
         Ok((CpuStorage::BF16(y.reinterpret_into()), Shape::from((m, n))))
@@ -88,6 +78,7 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
     use half::bf16;
+    use half::slice::HalfFloatSliceExt;
     use kiln_kernels::ops::bf16_matmul as reference;
 
     fn values(n: usize, seed: u64, scale: f32) -> Vec<bf16> {

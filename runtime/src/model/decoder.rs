@@ -298,9 +298,10 @@ impl Resolver<'_> {
 /// rounding).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttnImplementation {
-    /// As transformers' `eager`: the scores and the probabilities rounded to the model's dtype,
-    /// each a `[batch, heads, t, t]` tensor. Calibration's default: llm-compressor's GPTQ codes
-    /// agree with kiln's most often this way.
+    /// As transformers' `eager`: the scores and the probabilities rounded to the model's dtype
+    /// (bf16 outside autograd on the CPU: streamed, no `[t, t]` tensor; otherwise candle's ops,
+    /// which hold `[batch, heads, t, t]` tensors). Calibration's default: llm-compressor's GPTQ
+    /// codes agree with kiln's most often this way.
     #[default]
     Eager,
     /// As PyTorch's `scaled_dot_product_attention` (transformers 5's default): on the CPU the
@@ -1489,10 +1490,10 @@ impl DecoderModel {
             // Scores, masks, softmax and the values' sum in one streamed op that never holds
             // the [t, tk] scores or probabilities (the backward pass recomputes them from each
             // row's log-sum-exp), the grouped heads reading their shared keys in place.
-            // (A bf16 model keeps the unfused path below unless asked for SDPA's: it rounds
-            // the scores and the probabilities to bf16 as PyTorch's eager bf16 attention does
-            // — llm-compressor's GPTQ codes agree with kiln's less often when they are kept in
-            // f32.)
+            // (A bf16 model under eager attention takes `attention_bf16_eager` above, or the
+            // unfused ops below inside autograd: they round the scores and the probabilities to
+            // bf16 as PyTorch's eager bf16 attention does — llm-compressor's GPTQ codes agree
+            // with kiln's less often when they are kept in f32.)
             let causal = mask_values(t, tk, a.window);
             let dtype = q.dtype();
             let f32 = |x: &Tensor| x.to_dtype(DType::F32);

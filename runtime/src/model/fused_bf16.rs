@@ -21,10 +21,10 @@ pub(crate) fn runs(ts: &[&Tensor]) -> bool {
 }
 
 /// `storage` under `layout` as contiguous bf16 bits.
-fn bits<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> candle_core::Result<&'a [u16]> {
+pub(crate) fn bits<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> candle_core::Result<&'a [u16]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::BF16(v), Some((a, b))) => Ok(v[a..b].reinterpret_cast()),
-        _ => Err(op_err(format!("{op}: a contiguous bf16 input only"))),
+        _ => Err(op_err(format!("{op}: must be bf16 and contiguous"))),
     }
 }
 
