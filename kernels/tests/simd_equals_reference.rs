@@ -562,6 +562,7 @@ proptest! {
         let short = &x[..x.len() - 96];
         for (ty, x) in [
             (GgufType::Q2K, &x[..]),
+            (GgufType::Q3K, &x[..]),
             (GgufType::Q4K, &x[..]),
             (GgufType::Q5K, &x[..]),
             (GgufType::Q6K, &x[..]),

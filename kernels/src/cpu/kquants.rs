@@ -1,5 +1,6 @@
 //! llama.cpp's k-quant scale searches (Q2_K, Q4_K, Q5_K, Q6_K; under an importance matrix
-//! Q2_K, Q3_K, Q4_K, Q5_K and Q6_K) over eight sub-blocks at once: the
+//! Q2_K, Q3_K, Q4_K, Q5_K and Q6_K) over eight sub-blocks at once (Q3_K without one: a
+//! sub-block's sixteen codes at once, [`make_q3_lanes`]): the
 //! searches that cost nearly all of a k-quant's time (Q4_K tries 21 candidate scales per
 //! 32-element sub-block, each a pass with a weighted least-squares fit).
 //!
@@ -54,6 +55,8 @@ pub(crate) trait Lanes: Copy {
     fn from_i8(a: &[i8; 8]) -> Self;
     /// The least lane (for lanes without NaN).
     fn hmin(self) -> f32;
+    /// A mask's lanes as bits, lane `k` in bit `k`.
+    fn bits(self) -> u32;
     /// The i-quants' neighbour search in these lanes over `lists`.
     fn neighbours(lists: &'static super::iquants::LaneLists) -> super::iquants::LaneSearch;
 }
@@ -160,6 +163,14 @@ impl Lanes for Portable {
     #[inline(always)]
     fn hmin(self) -> f32 {
         self.0.into_iter().fold(f32::INFINITY, f32::min)
+    }
+    #[inline(always)]
+    fn bits(self) -> u32 {
+        let mut b = 0;
+        for k in 0..8 {
+            b |= (self.0[k].to_bits() >> 31) << k;
+        }
+        b
     }
     fn neighbours(lists: &'static super::iquants::LaneLists) -> super::iquants::LaneSearch {
         super::iquants::LaneSearch::Portable(lists)
@@ -297,6 +308,11 @@ mod avx2 {
                 _mm_cvtss_f32(m)
             }
         }
+        #[inline(always)]
+        fn bits(self) -> u32 {
+            // SAFETY: AVX2 is available (see `Avx2`).
+            unsafe { _mm256_movemask_ps(self.0) as u32 }
+        }
         fn neighbours(
             lists: &'static crate::cpu::iquants::LaneLists,
         ) -> crate::cpu::iquants::LaneSearch {
@@ -324,7 +340,7 @@ pub(crate) fn quantize_blocks<V: Lanes>(
     }
     if !matches!(
         ty,
-        GgufType::Q2K | GgufType::Q4K | GgufType::Q5K | GgufType::Q6K
+        GgufType::Q2K | GgufType::Q3K | GgufType::Q4K | GgufType::Q5K | GgufType::Q6K
     ) {
         return crate::ops::gguf::quantize_blocks(ty, x, out);
     }
@@ -338,6 +354,7 @@ pub(crate) fn quantize_blocks<V: Lanes>(
         );
         match ty {
             GgufType::Q2K => q2_k::<V>(x, o),
+            GgufType::Q3K => q3_k::<V>(x, o),
             GgufType::Q4K => qk_asym::<V, 15>(x, o),
             GgufType::Q5K => qk_asym::<V, 31>(x, o),
             _ => q6_k::<V>(x, o),
@@ -662,6 +679,148 @@ fn q2_search<V: Lanes, const MAD: bool>(
     (scales, mins, l)
 }
 
+/// Q3_K without an importance matrix (`quantize_row_q3_K_ref`): each 16-element sub-block's
+/// `make_q3_quants` by [`make_q3_lanes`], then the reference's block scales and codes.
+#[inline(always)]
+fn q3_k<V: Lanes>(x: &[f32], o: &mut [u8]) {
+    let mut l = [0i8; 256];
+    let mut scales = [0f32; 16];
+    for j in 0..16 {
+        let xj: &[f32; 16] = x[16 * j..16 * j + 16].try_into().expect("16 values");
+        let lj: &mut [i8; 16] = (&mut l[16 * j..16 * j + 16]).try_into().expect("16 codes");
+        scales[j] = make_q3_lanes::<V>(xj, lj);
+    }
+    crate::ops::gguf::q3_k_ref_scales(o, &scales);
+    q3_k_codes::<V>(x, o, &mut l);
+}
+
+/// Q3_K's codes from the stored `d` and scales, eight at a time (the reference's
+/// `nearest_int(x / d)`, clamped), then packed; a sub-block whose step is zero keeps the codes
+/// its search left in `l`.
+#[inline(always)]
+fn q3_k_codes<V: Lanes>(x: &[f32], o: &mut [u8], l: &mut [i8; 256]) {
+    let d = crate::ops::gguf::q3_k_steps(o);
+    for j in 0..16 {
+        if d[j] == 0.0 {
+            continue;
+        }
+        let step = V::splat(d[j]);
+        for h in 0..2 {
+            let at = 16 * j + 8 * h;
+            let xs: &[f32; 8] = x[at..at + 8].try_into().expect("8 values");
+            let mut c = [0f32; 8];
+            V::load(xs).div(step).code(-4, 3).store(&mut c);
+            for k in 0..8 {
+                l[at + k] = c[k] as i8 + 4;
+            }
+        }
+    }
+    crate::ops::gguf::q3_k_pack(o, l);
+}
+
+/// ggml's `make_q3_quants` (`nmax` 4, `do_rmse`) on one 16-element sub-block, its refinement
+/// passes speculated in lanes. The reference walks the codes one at a time, each code's new
+/// value computed from the running sums `Σ w·x·l` and `Σ w·l²`, which change only where it
+/// accepts a move. So every code's candidate is computed at once from the current sums (the
+/// same f32 operations, lane-wise), and only the codes whose candidate differs go through the
+/// reference's acceptance test, in order; an accepted move changes the sums, and the candidates
+/// after it are computed again. Codes that do not move, nearly all of them, cost no scalar
+/// work. The initial sums are added element by element as the reference adds them.
+#[inline(always)]
+fn make_q3_lanes<V: Lanes>(x: &[f32; 16], l: &mut [i8; 16]) -> f32 {
+    const NMAX: i32 = 4;
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < 1e-15 {
+        l.fill(0);
+        return 0.0;
+    }
+    let iscale = -(NMAX as f32) / max;
+    let half = |h: usize| -> &[f32; 8] { x[8 * h..8 * h + 8].try_into().expect("8 values") };
+    let xv = [V::load(half(0)), V::load(half(1))];
+    let w = [xv[0].mul(xv[0]), xv[1].mul(xv[1])];
+    // `w * x[i]`, as the reference's left-to-right `w*x[i]*l` forms it.
+    let wx = [w[0].mul(xv[0]), w[1].mul(xv[1])];
+    let mut lv = [
+        xv[0].mul(V::splat(iscale)).code(-NMAX, NMAX - 1),
+        xv[1].mul(V::splat(iscale)).code(-NMAX, NMAX - 1),
+    ];
+    let (mut p, mut q) = ([[0f32; 8]; 2], [[0f32; 8]; 2]);
+    for h in 0..2 {
+        wx[h].mul(lv[h]).store(&mut p[h]);
+        w[h].mul(lv[h]).mul(lv[h]).store(&mut q[h]);
+    }
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for i in 0..16 {
+        sumlx += p[i / 8][i % 8];
+        suml2 += q[i / 8][i % 8];
+    }
+    let (mut wa, mut wxa) = ([[0f32; 8]; 2], [[0f32; 8]; 2]);
+    for h in 0..2 {
+        w[h].store(&mut wa[h]);
+        wx[h].store(&mut wxa[h]);
+    }
+    let zero = V::splat(0.0);
+    for _ in 0..5 {
+        let mut changed = false;
+        // Codes before `from` were settled in this pass under the current sums.
+        let mut from = 0;
+        'pass: loop {
+            let (mut slx, mut sl2, mut new) = ([[0f32; 8]; 2], [[0f32; 8]; 2], [[0f32; 8]; 2]);
+            let mut cand = 0u32;
+            for h in 0..2 {
+                let s = V::splat(sumlx).sub(wx[h].mul(lv[h]));
+                let s2 = V::splat(suml2).sub(w[h].mul(lv[h]).mul(lv[h]));
+                let n = xv[h].mul(s2).div(s).code(-NMAX, NMAX - 1);
+                cand |= zero.lt(s).and(n.ne(lv[h])).bits() << (8 * h);
+                s.store(&mut slx[h]);
+                s2.store(&mut sl2[h]);
+                n.store(&mut new[h]);
+            }
+            cand &= !((1u32 << from) - 1);
+            while cand != 0 {
+                let i = cand.trailing_zeros() as usize;
+                cand &= cand - 1;
+                let (h, k) = (i / 8, i % 8);
+                let n = new[h][k];
+                let s = slx[h][k] + wxa[h][k] * n;
+                let s2 = sl2[h][k] + wa[h][k] * n * n;
+                if s2 > 0.0 && s * s * suml2 > sumlx * sumlx * s2 {
+                    let mut codes = [[0f32; 8]; 2];
+                    lv[0].store(&mut codes[0]);
+                    lv[1].store(&mut codes[1]);
+                    codes[h][k] = n;
+                    lv = [V::load(&codes[0]), V::load(&codes[1])];
+                    sumlx = s;
+                    suml2 = s2;
+                    changed = true;
+                    from = i + 1;
+                    if from == 16 {
+                        break 'pass;
+                    }
+                    continue 'pass;
+                }
+            }
+            break;
+        }
+        if !changed {
+            break;
+        }
+    }
+    let mut codes = [[0f32; 8]; 2];
+    lv[0].store(&mut codes[0]);
+    lv[1].store(&mut codes[1]);
+    for i in 0..16 {
+        l[i] = codes[i / 8][i % 8] as i8 + NMAX as i8;
+    }
+    if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
+}
+
 /// Q3_K under an importance matrix: sixteen 16-element sub-blocks, eight lanes at a time
 /// (`make_qx_quants` with weights `qw · sqrt(σ² + x²)`); its block scales and codes as the
 /// reference computes them.
@@ -669,7 +828,8 @@ fn q2_search<V: Lanes, const MAD: bool>(
 fn q3_k_weighted<V: Lanes>(x: &[f32], qw: &[f32], o: &mut [u8]) {
     let (weights, sw) = crate::ops::gguf::k16_weights(x, qw, 2.0);
     let (scales, mut l) = qx_search::<V, 4>(x, Some(&weights));
-    crate::ops::gguf::q3_k_impl_finish(x, o, &scales, &sw, &mut l);
+    crate::ops::gguf::q3_k_impl_scales(o, &scales, &sw);
+    q3_k_codes::<V>(x, o, &mut l);
 }
 
 /// Q6_K under an importance matrix: `make_qx_quants` weighted by the importance weights

@@ -578,7 +578,8 @@ pub(crate) unsafe fn iq_fits(
 
 /// Whole blocks of `ty` from `x` into `out`: the legacy types and MXFP4 a block of 32 at a time
 /// in vectors (`cpu::legacy`), the k-quant searches of `cpu::kquants` (Q2_K, Q4_K, Q5_K, Q6_K,
-/// IQ4) eight sub-blocks a vector, the i-quants by `cpu::iquants`.
+/// IQ4) eight sub-blocks a vector and Q3_K's a sub-block's codes at once, the i-quants by
+/// `cpu::iquants`.
 ///
 /// # Safety
 /// AVX2 and F16C must be available.

@@ -338,8 +338,8 @@ pub(crate) fn quantize_blocks(ty: GgufType, x: &[f32], out: &mut [u8]) -> Result
 mod imatrix;
 pub(crate) use imatrix::{
     KVALUES_IQ4NL, iq4_finish, iq4_weights, k16_weights, legacy_blocks, legacy_pack_asym,
-    legacy_pack_sym, legacy_sigma2, q2_k_finish, q2_k_impl_finish, q3_k_impl_finish,
-    qk_asym_impl_finish, qk_asym_weights,
+    legacy_pack_sym, legacy_sigma2, q2_k_finish, q2_k_impl_finish, q3_k_impl_scales, q3_k_pack,
+    q3_k_ref_scales, q3_k_steps, qk_asym_impl_finish, qk_asym_weights,
 };
 #[path = "gguf_iq.rs"]
 mod iq;

@@ -439,34 +439,52 @@ fn q3_k_put_scale(sc: &mut [u8], j: usize, l: u8) {
     sc[j % 4 + 8] |= (l >> 4) << (2 * (j / 4));
 }
 
-/// Q3_K's codes from the stored `d` and scales (`o[96..110]`): 3-bit codes, the high bit of
-/// code `j` in bit `j / 32` of `hmask[j % 32]`, the low two bits packed.
-fn q3_k_codes(x: &[f32], o: &mut [u8], l: &mut [i8; 256]) {
+/// Q3_K's step of each sub-block, `d · scale_j`, from the stored `d` and 6-bit signed
+/// scales (`o[96..110]`).
+#[inline(always)]
+pub(crate) fn q3_k_steps(o: &[u8]) -> [f32; 16] {
     let d_all = unhalf(&o[108..110]);
     let sc: [u8; 12] = o[96..108].try_into().expect("12 scale bytes");
+    let mut d = [0f32; 16];
     for j in 0..16 {
         let low = if j < 8 { sc[j] & 0xf } else { sc[j - 8] >> 4 };
         let s = i32::from(low | ((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
-        let d = d_all * s as f32;
-        if d == 0.0 {
+        d[j] = d_all * s as f32;
+    }
+    d
+}
+
+/// Q3_K's 3-bit codes `l` (offset by 4, so `0..8`) into `o[..96]`: the high bit of code `j`
+/// in bit `j / 32` of `hmask[j % 32]`, the low two bits packed.
+#[inline(always)]
+pub(crate) fn q3_k_pack(o: &mut [u8], l: &[i8; 256]) {
+    let (hmask, qs) = o[..96].split_at_mut(32);
+    let mut high = [0u8; 32];
+    let mut codes = [0u8; 256];
+    for b in 0..8 {
+        for k in 0..32 {
+            let c = l[32 * b + k] as u8;
+            high[k] |= (c >> 2) << b;
+            codes[32 * b + k] = c & 3;
+        }
+    }
+    hmask.copy_from_slice(&high);
+    pack2(&codes, qs);
+}
+
+/// Q3_K's codes from the stored `d` and scales (`o[96..110]`), packed ([`q3_k_pack`]); a
+/// sub-block whose step is zero keeps the codes its search left in `l`.
+fn q3_k_codes(x: &[f32], o: &mut [u8], l: &mut [i8; 256]) {
+    let d = q3_k_steps(o);
+    for j in 0..16 {
+        if d[j] == 0.0 {
             continue;
         }
         for i in 0..16 {
-            l[16 * j + i] = (nearest_int(x[16 * j + i] / d).clamp(-4, 3) + 4) as i8;
+            l[16 * j + i] = (nearest_int(x[16 * j + i] / d[j]).clamp(-4, 3) + 4) as i8;
         }
     }
-    let (hmask, qs) = o[..96].split_at_mut(32);
-    hmask.fill(0);
-    let mut codes = [0u8; 256];
-    for j in 0..256 {
-        let mut c = l[j] as u8;
-        if c > 3 {
-            hmask[j % 32] |= 1 << (j / 32);
-            c -= 4;
-        }
-        codes[j] = c;
-    }
-    pack2(&codes, qs);
+    q3_k_pack(o, l);
 }
 
 /// `quantize_row_q3_K_ref`: sub-block scales by `make_q3_quants`, 6-bit signed scales against
@@ -474,9 +492,24 @@ fn q3_k_codes(x: &[f32], o: &mut [u8], l: &mut [i8; 256]) {
 pub(super) fn q3_k_ref(x: &[f32], o: &mut [u8]) {
     let mut l = [0i8; 256];
     let mut scales = [0f32; 16];
-    let (mut max_scale, mut amax) = (0f32, 0f32);
     for j in 0..16 {
         scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
+    }
+    q3_k_ref_finish(x, o, &scales, &mut l);
+}
+
+/// The rest of `quantize_row_q3_K_ref` once the sub-blocks' scales (and their codes, offset
+/// by 4, which a sub-block whose stored scale is zero keeps) are known.
+fn q3_k_ref_finish(x: &[f32], o: &mut [u8], scales: &[f32; 16], l: &mut [i8; 256]) {
+    q3_k_ref_scales(o, scales);
+    q3_k_codes(x, o, l);
+}
+
+/// `quantize_row_q3_K_ref`'s 6-bit signed scales against the largest sub-block scale
+/// (`-32 / max`), and `d`, into `o[96..110]`.
+pub(crate) fn q3_k_ref_scales(o: &mut [u8], scales: &[f32; 16]) {
+    let (mut max_scale, mut amax) = (0f32, 0f32);
+    for j in 0..16 {
         if scales[j].abs() > amax {
             amax = scales[j].abs();
             max_scale = scales[j];
@@ -494,7 +527,6 @@ pub(super) fn q3_k_ref(x: &[f32], o: &mut [u8]) {
     } else {
         o[108..110].copy_from_slice(&half(0.0));
     }
-    q3_k_codes(x, o, &mut l);
 }
 
 /// `quantize_row_q3_K_impl`: sub-block scales by `make_qx_quants` with weights
@@ -518,13 +550,20 @@ fn q3_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
 /// Q3_K under an importance matrix after its sub-block searches: the 6-bit scales by
 /// `make_qx_quants` weighted by `sw`, then the codes (shared with the lane search of
 /// `cpu::kquants`).
-pub(crate) fn q3_k_impl_finish(
+fn q3_k_impl_finish(
     x: &[f32],
     o: &mut [u8],
     scales: &[f32; 16],
     sw: &[f32; 16],
     l: &mut [i8; 256],
 ) {
+    q3_k_impl_scales(o, scales, sw);
+    q3_k_codes(x, o, l);
+}
+
+/// `quantize_row_q3_K_impl`'s 6-bit scales by `make_qx_quants` weighted by `sw`, and `d`,
+/// into `o[96..110]`.
+pub(crate) fn q3_k_impl_scales(o: &mut [u8], scales: &[f32; 16], sw: &[f32; 16]) {
     o[96..108].fill(0);
     let mut ls = [0i8; 16];
     let d_block = make_qx_quants(32, scales, &mut ls, Some(sw));
@@ -532,7 +571,6 @@ pub(crate) fn q3_k_impl_finish(
         q3_k_put_scale(&mut o[96..108], j, ls[j] as u8);
     }
     o[108..110].copy_from_slice(&half(d_block));
-    q3_k_codes(x, o, l);
 }
 
 /// `quantize_row_q{4,5}_K_impl`: sub-block (scale, min) by `make_qkx3_quants` with weights
