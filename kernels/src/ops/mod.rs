@@ -15,6 +15,7 @@ pub mod int;
 pub mod mlx;
 pub mod mx;
 pub mod nvfp4;
+pub mod optim;
 pub mod packed_matmul;
 
 /// Rounds to the nearest integer, ties to even (f32; exact for every f32).

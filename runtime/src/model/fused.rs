@@ -255,7 +255,7 @@ impl Attention {
 }
 
 /// The f32 values of `t`, a contiguous CPU tensor, while `g` holds its storage.
-fn cpu_values<'a>(
+pub(crate) fn cpu_values<'a>(
     g: &'a candle_core::StorageRef<'_>,
     layout: &Layout,
     op: &str,

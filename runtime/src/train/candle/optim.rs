@@ -38,6 +38,9 @@ impl AdamW {
     /// One step at learning rate `lr` with `grads` (in the variables' order; `None`: no
     /// gradient, the variable unchanged).
     pub fn update(&mut self, lr: f64, grads: &[Option<Tensor>]) -> candle_core::Result<()> {
+        if self.fusable(grads) {
+            return self.update_fused(lr, grads);
+        }
         let params = self
             .vars
             .iter()
@@ -60,6 +63,67 @@ impl AdamW {
     }
 }
 
+impl AdamW {
+    /// Whether every variable, gradient and moment is an f32 tensor on the CPU: then the step
+    /// runs as one pass per parameter ([`AdamW::update_fused`]).
+    fn fusable(&self, grads: &[Option<Tensor>]) -> bool {
+        let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+        self.vars.iter().all(|v| f32_cpu(v.as_tensor()))
+            && grads.iter().flatten().all(f32_cpu)
+            && self
+                .state
+                .moments
+                .iter()
+                .all(|s| f32_cpu(&s.m) && f32_cpu(&s.v))
+    }
+
+    /// [`AdamW::update`] as `kiln_kernels::ops::optim::adamw`: per parameter one pass over the
+    /// parameter, its gradient and moments on every core, where the composition of
+    /// [`crate::train::optim::AdamW::update`] makes thirteen tensors (each a fresh allocation,
+    /// the eight unary ones on one core). The same f32 operations in the same order: the same
+    /// bits.
+    fn update_fused(&mut self, lr: f64, grads: &[Option<Tensor>]) -> candle_core::Result<()> {
+        use crate::model::fused::cpu_values;
+        use kiln_kernels::ops::optim::{AdamWScalars, adamw};
+        let c = self.state.config;
+        self.state.step += 1;
+        let t = self.state.step as i32;
+        let hyper = (c.beta1, c.beta2, c.eps, c.weight_decay);
+        for ((slot, var), g) in self.state.moments.iter_mut().zip(&self.vars).zip(grads) {
+            let Some(g) = g else {
+                continue;
+            };
+            let s = AdamWScalars::new(hyper, lr, t, slot.decay);
+            let n = var.elem_count();
+            let (mut p_out, mut m_out, mut v_out) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            {
+                let (p, g) = (var.as_tensor().contiguous()?, g.contiguous()?);
+                let (m, v) = (slot.m.contiguous()?, slot.v.contiguous()?);
+                let (gp, lp) = p.storage_and_layout();
+                let (gg, lg) = g.storage_and_layout();
+                let (gm, lm) = m.storage_and_layout();
+                let (gv, lv) = v.storage_and_layout();
+                adamw(
+                    &s,
+                    cpu_values(&gp, lp, "adamw")?,
+                    cpu_values(&gg, lg, "adamw")?,
+                    cpu_values(&gm, lm, "adamw")?,
+                    cpu_values(&gv, lv, "adamw")?,
+                    &mut p_out,
+                    &mut m_out,
+                    &mut v_out,
+                )
+                .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", slot.name)))?;
+            }
+            let shape = var.shape().clone();
+            var.set(&Tensor::from_vec(p_out, shape.clone(), &Device::Cpu)?)?;
+            slot.m = Tensor::from_vec(m_out, shape.clone(), &Device::Cpu)?;
+            slot.v = Tensor::from_vec(v_out, shape, &Device::Cpu)?;
+        }
+        Ok(())
+    }
+}
+
 /// [`crate::train::optim::clip_grad_norm`] of candle gradients.
 pub fn clip_grad_norm(
     grads: &mut [Option<Tensor>],
@@ -72,7 +136,6 @@ pub fn clip_grad_norm(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     /// Two AdamW steps on one scalar, against the update written out in f64 from torch's
     /// formulas (bias-corrected moments, decoupled decay).
@@ -99,6 +162,105 @@ mod tests {
             assert!((got - p).abs() < 1e-6, "step {t}: {got} vs {p}");
         }
         assert!(!decays("model.norm.weight") && decays("model.layers.0.mlp.up_proj.weight"));
+    }
+
+    /// The fused step against the composition of tensor operations it replaces
+    /// ([`crate::train::optim::AdamW::update`] on candle's ops), three steps on parameters
+    /// that decay and that do not, gradients with zeros of both signs, tiny and huge values,
+    /// and a step where one parameter has no gradient: the parameters and both moments the
+    /// same bits.
+    #[test]
+    fn the_fused_step_equals_the_composition_bit_for_bit() -> candle_core::Result<()> {
+        let ops = CandleOps {
+            device: Device::Cpu,
+        };
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let values = |n: usize, seed: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| match i % 97 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    2 => 1e-30,
+                    3 => -3e4,
+                    _ => ((i as f32 + seed) * 0.7549).sin() * 0.02,
+                })
+                .collect()
+        };
+        let shapes: [(&str, &[usize]); 3] = [
+            ("model.layers.0.mlp.up_proj.weight", &[3, 40_000]),
+            ("model.norm.weight", &[7]),
+            ("lm_head.weight", &[5, 3]),
+        ];
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, (_, s))| {
+                Tensor::from_vec(values(s.iter().product(), k as f32), *s, &Device::Cpu)
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let vars = shapes
+            .iter()
+            .zip(&params)
+            .map(|((n, _), p)| Ok((n.to_string(), Var::from_tensor(&p.copy()?)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut fused = AdamW::new(cfg, vars)?;
+        let names: Vec<&str> = shapes.iter().map(|(n, _)| *n).collect();
+        let mut plain =
+            crate::train::optim::AdamW::new(&ops, cfg, names.iter().copied().zip(&params))?;
+        let mut plain_params = params.clone();
+        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_bits)
+                .collect())
+        };
+        for (step, lr) in [(0, 1e-3), (1, 5e-4), (2, 2e-3)] {
+            let grads: Vec<Option<Tensor>> = params
+                .iter()
+                .enumerate()
+                .map(|(k, p)| {
+                    (step != 1 || k != 1)
+                        .then(|| {
+                            let g = values(p.elem_count(), 10.0 * step as f32 + k as f32 + 0.5);
+                            Tensor::from_vec(g, p.shape(), &Device::Cpu)
+                        })
+                        .transpose()
+                })
+                .collect::<candle_core::Result<_>>()?;
+            assert!(fused.fusable(&grads));
+            fused.update(lr, &grads)?;
+            let refs: Vec<&Tensor> = plain_params.iter().collect();
+            let new = plain.update(&ops, lr, &refs, &grads)?;
+            for (p, n) in plain_params.iter_mut().zip(new) {
+                if let Some(n) = n {
+                    *p = n;
+                }
+            }
+            for k in 0..params.len() {
+                let (f, q) = (&fused.state.moments[k], &plain.moments[k]);
+                let pairs = [
+                    ("parameter", fused.vars[k].as_tensor(), &plain_params[k]),
+                    ("first moment", &f.m, &q.m),
+                    ("second moment", &f.v, &q.v),
+                ];
+                for (what, got, want) in pairs {
+                    let (got, want) = (bits(got)?, bits(want)?);
+                    let first = got.iter().zip(&want).position(|(a, b)| a != b);
+                    assert!(
+                        first.is_none(),
+                        "step {step}, {} {what}: element {first:?} differs",
+                        names[k]
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     #[test]
