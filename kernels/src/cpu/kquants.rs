@@ -736,6 +736,7 @@ fn make_q3_lanes<V: Lanes>(x: &[f32; 16], l: &mut [i8; 16]) -> f32 {
             max = v;
         }
     }
+    // ggml's `GROUP_MAX_EPS`: an all-but-zero sub-block gets zero codes and scale.
     if amax < 1e-15 {
         l.fill(0);
         return 0.0;
