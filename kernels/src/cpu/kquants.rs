@@ -761,10 +761,12 @@ fn make_q3_lanes<V: Lanes>(x: &[f32; 16], l: &mut [i8; 16]) -> f32 {
         sumlx += p[i / 8][i % 8];
         suml2 += q[i / 8][i % 8];
     }
-    let (mut wa, mut wxa) = ([[0f32; 8]; 2], [[0f32; 8]; 2]);
+    // Scalar copies: the weights and the codes (which `lv` holds in lanes).
+    let (mut wa, mut wxa, mut codes) = ([[0f32; 8]; 2], [[0f32; 8]; 2], [[0f32; 8]; 2]);
     for h in 0..2 {
         w[h].store(&mut wa[h]);
         wx[h].store(&mut wxa[h]);
+        lv[h].store(&mut codes[h]);
     }
     let zero = V::splat(0.0);
     for _ in 0..5 {
@@ -792,9 +794,6 @@ fn make_q3_lanes<V: Lanes>(x: &[f32; 16], l: &mut [i8; 16]) -> f32 {
                 let s = slx[h][k] + wxa[h][k] * n;
                 let s2 = sl2[h][k] + wa[h][k] * n * n;
                 if s2 > 0.0 && s * s * suml2 > sumlx * sumlx * s2 {
-                    let mut codes = [[0f32; 8]; 2];
-                    lv[0].store(&mut codes[0]);
-                    lv[1].store(&mut codes[1]);
                     codes[h][k] = n;
                     lv = [V::load(&codes[0]), V::load(&codes[1])];
                     sumlx = s;
@@ -813,9 +812,6 @@ fn make_q3_lanes<V: Lanes>(x: &[f32; 16], l: &mut [i8; 16]) -> f32 {
             break;
         }
     }
-    let mut codes = [[0f32; 8]; 2];
-    lv[0].store(&mut codes[0]);
-    lv[1].store(&mut codes[1]);
     for i in 0..16 {
         l[i] = codes[i / 8][i % 8] as i8 + NMAX as i8;
     }

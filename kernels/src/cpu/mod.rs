@@ -491,8 +491,8 @@ pub fn quantize_gguf_with(
 /// llama.cpp's GGUF quantization of rows of `cols` ([`ops::gguf::quantize`]), blocks spread
 /// over rayon's threads. The k-quants (Q2_K, Q4_K, Q5_K, Q6_K), IQ4_NL and IQ4_XS search eight
 /// sub-blocks at once in vector lanes (`kquants`), each lane in the reference's operation
-/// order; Q3_K speculates each sub-block's refinement pass in lanes; IQ2_S, IQ3_XXS and IQ3_S search eight lattice neighbours and fit eight candidate
-/// scales at once (`iquants`); the other types run the reference's own code per block. Either
+/// order; Q3_K speculates each sub-block's refinement pass in lanes; IQ2_S, IQ3_XXS and IQ3_S
+/// search eight lattice neighbours and fit eight candidate scales at once (`iquants`); the other types run the reference's own code per block. Either
 /// way the bytes equal the single-threaded reference's.
 pub fn quantize_gguf(
     ty: ops::gguf::GgufType,

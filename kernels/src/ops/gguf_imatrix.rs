@@ -495,14 +495,8 @@ pub(super) fn q3_k_ref(x: &[f32], o: &mut [u8]) {
     for j in 0..16 {
         scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
     }
-    q3_k_ref_finish(x, o, &scales, &mut l);
-}
-
-/// The rest of `quantize_row_q3_K_ref` once the sub-blocks' scales (and their codes, offset
-/// by 4, which a sub-block whose stored scale is zero keeps) are known.
-fn q3_k_ref_finish(x: &[f32], o: &mut [u8], scales: &[f32; 16], l: &mut [i8; 256]) {
-    q3_k_ref_scales(o, scales);
-    q3_k_codes(x, o, l);
+    q3_k_ref_scales(o, &scales);
+    q3_k_codes(x, o, &mut l);
 }
 
 /// `quantize_row_q3_K_ref`'s 6-bit signed scales against the largest sub-block scale
@@ -544,21 +538,8 @@ fn q3_k_impl(x: &[f32], qw: &[f32], o: &mut [u8]) {
             Some(&weights[16 * j..16 * j + 16]),
         );
     }
-    q3_k_impl_finish(x, o, &scales, &sw, &mut l);
-}
-
-/// Q3_K under an importance matrix after its sub-block searches: the 6-bit scales by
-/// `make_qx_quants` weighted by `sw`, then the codes (shared with the lane search of
-/// `cpu::kquants`).
-fn q3_k_impl_finish(
-    x: &[f32],
-    o: &mut [u8],
-    scales: &[f32; 16],
-    sw: &[f32; 16],
-    l: &mut [i8; 256],
-) {
-    q3_k_impl_scales(o, scales, sw);
-    q3_k_codes(x, o, l);
+    q3_k_impl_scales(o, &scales, &sw);
+    q3_k_codes(x, o, &mut l);
 }
 
 /// `quantize_row_q3_K_impl`'s 6-bit scales by `make_qx_quants` weighted by `sw`, and `d`,

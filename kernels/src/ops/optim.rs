@@ -8,7 +8,8 @@
 use crate::error::{KernelError, check_len};
 use rayon::prelude::*;
 
-/// One step's scalars for one parameter, each as the composition rounds it to f32.
+/// One step's scalars for one parameter, each as the composition rounds it to f32 (an
+/// `affine`'s `mul` and `add` are rounded to the tensor's dtype).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWScalars {
     /// `1 − lr · weight_decay` where the parameter decays (`None`: it does not, or the decay
@@ -26,29 +27,6 @@ pub struct AdamWScalars {
     pub eps: f32,
     /// `lr / (1 − β1^t)`.
     pub step_size: f32,
-}
-
-impl AdamWScalars {
-    /// The scalars of step `t` (from 1) at learning rate `lr`, from the f64 hyper-parameters
-    /// as the composition computes them before rounding each to f32.
-    pub fn new(
-        (beta1, beta2, eps, weight_decay): (f64, f64, f64, f64),
-        lr: f64,
-        t: i32,
-        decays: bool,
-    ) -> Self {
-        let bc1 = 1.0 - beta1.powi(t);
-        let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
-        AdamWScalars {
-            decay: (decays && weight_decay != 0.0).then_some((1.0 - lr * weight_decay) as f32),
-            one_minus_beta1: (1.0 - beta1) as f32,
-            beta2: beta2 as f32,
-            one_minus_beta2: (1.0 - beta2) as f32,
-            inv_bias2_sqrt: (1.0 / bc2_sqrt) as f32,
-            eps: eps as f32,
-            step_size: (lr / bc1) as f32,
-        }
-    }
 }
 
 /// Elements per parallel task.
@@ -153,9 +131,17 @@ mod tests {
 
     #[test]
     fn one_step_by_hand() {
-        // t = 1, lr 0.1, decay 0.5: p1 = 1 · 0.95; m' = 0.1 · 2; v' = 0.001 · 4;
-        // p' = 0.95 − (0.2 / (sqrt(0.004) / sqrt(0.001) + ε)) · (0.1 / 0.1).
-        let s = AdamWScalars::new((0.9, 0.999, 1e-8, 0.5), 0.1, 1, true);
+        // Step 1 at lr 0.1, weight decay 0.5, β 0.9 / 0.999: p1 = 1 · 0.95; m' = 0.1 · 2;
+        // v' = 0.001 · 4; p' = 0.95 − (0.2 / (sqrt(0.004) / sqrt(0.001) + ε)) · (0.1 / 0.1).
+        let s = AdamWScalars {
+            decay: Some(0.95),
+            one_minus_beta1: 0.1,
+            beta2: 0.999,
+            one_minus_beta2: 0.001,
+            inv_bias2_sqrt: (1.0 / 0.001f64.sqrt()) as f32,
+            eps: 1e-8,
+            step_size: 1.0,
+        };
         let (mut p, mut m, mut v) = ([0f32], [0f32], [0f32]);
         adamw(&s, &[1.0], &[2.0], &[0.0], &[0.0], &mut p, &mut m, &mut v).unwrap();
         let want = 0.95 - 0.2 / ((0.004f64.sqrt() / 0.001f64.sqrt()) + 1e-8) * (0.1 / 0.1);
@@ -169,7 +155,15 @@ mod tests {
 
     #[test]
     fn lengths_must_agree() {
-        let s = AdamWScalars::new((0.9, 0.999, 1e-8, 0.0), 0.1, 1, false);
+        let s = AdamWScalars {
+            decay: None,
+            one_minus_beta1: 0.1,
+            beta2: 0.999,
+            one_minus_beta2: 0.001,
+            inv_bias2_sqrt: 1.0,
+            eps: 1e-8,
+            step_size: 0.1,
+        };
         let mut o = [0f32; 2];
         let (mut m, mut v) = ([0f32; 2], [0f32; 2]);
         let e = adamw(

@@ -62,6 +62,54 @@ pub struct AdamW<T> {
     pub step: u64,
 }
 
+/// One AdamW step's scalars (f64, as the tensor operations take them), computed once per
+/// step: every backend's update — the composition below and candle's fused CPU pass — uses
+/// these.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepScalars {
+    /// `1 − lr · weight_decay` (`None` where the weight decay is zero).
+    pub decay_mul: Option<f64>,
+    /// `1 − β1`.
+    pub one_minus_beta1: f64,
+    /// `β2`.
+    pub beta2: f64,
+    /// `1 − β2`.
+    pub one_minus_beta2: f64,
+    /// `1 / sqrt(1 − β2^t)`.
+    pub inv_bias2_sqrt: f64,
+    /// `ε`.
+    pub eps: f64,
+    /// `lr / (1 − β1^t)`.
+    pub step_size: f64,
+}
+
+impl StepScalars {
+    /// The decay multiplier of a parameter that `decays` (or not).
+    pub fn decay(&self, decays: bool) -> Option<f64> {
+        self.decay_mul.filter(|_| decays)
+    }
+}
+
+impl<T> AdamW<T> {
+    /// Counts a step at learning rate `lr` and returns its scalars.
+    pub fn next_step(&mut self, lr: f64) -> StepScalars {
+        self.step += 1;
+        let c = self.config;
+        let t = self.step as i32;
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
+        StepScalars {
+            decay_mul: (c.weight_decay != 0.0).then_some(1.0 - lr * c.weight_decay),
+            one_minus_beta1: 1.0 - c.beta1,
+            beta2: c.beta2,
+            one_minus_beta2: 1.0 - c.beta2,
+            inv_bias2_sqrt: 1.0 / bc2_sqrt,
+            eps: c.eps,
+            step_size: lr / bc1,
+        }
+    }
+}
+
 impl<T: Clone> AdamW<T> {
     /// Zero moments for `params` (name and value).
     pub fn new<'p, O: TensorOps<T = T>>(
@@ -99,34 +147,29 @@ impl<T: Clone> AdamW<T> {
         params: &[&T],
         grads: &[Option<T>],
     ) -> Result<Vec<Option<T>>, O::Error> {
-        self.step += 1;
-        let c = self.config;
-        let t = self.step as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
+        let k = self.next_step(lr);
         let mut out = Vec::with_capacity(params.len());
         for ((slot, p), g) in self.moments.iter_mut().zip(params).zip(grads) {
             let Some(g) = g else {
                 out.push(None);
                 continue;
             };
-            let p = if slot.decay && c.weight_decay != 0.0 {
-                ops.affine(p, 1.0 - lr * c.weight_decay, 0.0)?
-            } else {
-                (*p).clone()
+            let p = match k.decay(slot.decay) {
+                Some(d) => ops.affine(p, d, 0.0)?,
+                None => (*p).clone(),
             };
             // exp_avg.lerp_(grad, 1 − β₁); exp_avg_sq.mul_(β₂).addcmul_(grad, grad, 1 − β₂)
             slot.m = ops.add(
                 &slot.m,
-                &ops.affine(&ops.sub(g, &slot.m)?, 1.0 - c.beta1, 0.0)?,
+                &ops.affine(&ops.sub(g, &slot.m)?, k.one_minus_beta1, 0.0)?,
             )?;
             slot.v = ops.add(
-                &ops.affine(&slot.v, c.beta2, 0.0)?,
-                &ops.affine(&ops.sqr(g)?, 1.0 - c.beta2, 0.0)?,
+                &ops.affine(&slot.v, k.beta2, 0.0)?,
+                &ops.affine(&ops.sqr(g)?, k.one_minus_beta2, 0.0)?,
             )?;
             // denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-            let denom = ops.affine(&ops.sqrt(&slot.v)?, 1.0 / bc2_sqrt, c.eps)?;
-            let step = ops.affine(&ops.div(&slot.m, &denom)?, lr / bc1, 0.0)?;
+            let denom = ops.affine(&ops.sqrt(&slot.v)?, k.inv_bias2_sqrt, k.eps)?;
+            let step = ops.affine(&ops.div(&slot.m, &denom)?, k.step_size, 0.0)?;
             out.push(Some(ops.sub(&p, &step)?));
         }
         Ok(out)

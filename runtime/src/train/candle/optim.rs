@@ -85,15 +85,21 @@ impl AdamW {
     fn update_fused(&mut self, lr: f64, grads: &[Option<Tensor>]) -> candle_core::Result<()> {
         use crate::model::fused::cpu_values;
         use kiln_kernels::ops::optim::{AdamWScalars, adamw};
-        let c = self.state.config;
-        self.state.step += 1;
-        let t = self.state.step as i32;
-        let hyper = (c.beta1, c.beta2, c.eps, c.weight_decay);
+        let k = self.state.next_step(lr);
         for ((slot, var), g) in self.state.moments.iter_mut().zip(&self.vars).zip(grads) {
             let Some(g) = g else {
                 continue;
             };
-            let s = AdamWScalars::new(hyper, lr, t, slot.decay);
+            // Each scalar rounded to f32 as candle's `affine` rounds its `mul` and `add`.
+            let s = AdamWScalars {
+                decay: k.decay(slot.decay).map(|d| d as f32),
+                one_minus_beta1: k.one_minus_beta1 as f32,
+                beta2: k.beta2 as f32,
+                one_minus_beta2: k.one_minus_beta2 as f32,
+                inv_bias2_sqrt: k.inv_bias2_sqrt as f32,
+                eps: k.eps as f32,
+                step_size: k.step_size as f32,
+            };
             let n = var.elem_count();
             let (mut p_out, mut m_out, mut v_out) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
             {
