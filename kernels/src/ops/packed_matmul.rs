@@ -296,6 +296,121 @@ pub fn matmul_w(
     Ok(())
 }
 
+/// A dense Linear's three products, for a weight `W [n, k]` held row-major in f32 (a trained
+/// weight): each one threaded GEMM with its operands laid out as candle's
+/// `x.matmul(&w.t())` and that product's backward lay them, so the same values as candle's
+/// matmul, bit for bit.
+pub mod dense {
+    use super::{KernelError, check_len, product_w, product_wt};
+
+    /// `y [m, n] = x [m, k] · Wᵀ`.
+    pub fn forward(
+        x: &[f32],
+        w: &[f32],
+        (m, n, k): (usize, usize, usize),
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let op = "dense::forward";
+        check_len(op, "x", x.len(), m * k, &[m, k])?;
+        check_len(op, "w", w.len(), n * k, &[n, k])?;
+        check_len(op, "y", y.len(), m * n, &[m, n])?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            y.fill(0.0);
+            return Ok(());
+        }
+        product_wt(x, m, k, w, 0, y);
+        Ok(())
+    }
+
+    /// `dx [m, k] = dy [m, n] · W`: the gradient with respect to the input.
+    pub fn input_grad(
+        dy: &[f32],
+        w: &[f32],
+        (m, n, k): (usize, usize, usize),
+        dx: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let op = "dense::input_grad";
+        check_len(op, "dy", dy.len(), m * n, &[m, n])?;
+        check_len(op, "w", w.len(), n * k, &[n, k])?;
+        check_len(op, "dx", dx.len(), m * k, &[m, k])?;
+        if m == 0 || k == 0 {
+            return Ok(());
+        }
+        if n == 0 {
+            dx.fill(0.0);
+            return Ok(());
+        }
+        product_w(dy, m, w, 0, dx, false);
+        Ok(())
+    }
+
+    /// `dW [n, k] = (xᵀ · dy)ᵀ`: the gradient with respect to the weight, as candle computes it
+    /// for `x.matmul(&w.t())` — the product `xᵀ [k, m] · dy [m, n]` (one GEMM into a `[k, n]`
+    /// buffer), then transposed into `W`'s layout as `0 + value` (candle adds it to a zeroed
+    /// gradient, which turns a `-0` into `+0`).
+    pub fn weight_grad(
+        x: &[f32],
+        dy: &[f32],
+        (m, n, k): (usize, usize, usize),
+        dw: &mut [f32],
+    ) -> Result<(), KernelError> {
+        use rayon::prelude::*;
+        let op = "dense::weight_grad";
+        check_len(op, "x", x.len(), m * k, &[m, k])?;
+        check_len(op, "dy", dy.len(), m * n, &[m, n])?;
+        check_len(op, "dw", dw.len(), n * k, &[n, k])?;
+        if n == 0 || k == 0 {
+            return Ok(());
+        }
+        let mut r = vec![0f32; k * n];
+        if m > 0 {
+            // SAFETY: `r` is `[k, n]` row-major; `x` is read as `xᵀ [k, m]` (row stride 1,
+            // column stride k) and `dy` as `[m, n]` (row stride n), every element within its
+            // slice (lengths checked above).
+            unsafe {
+                gemm::gemm(
+                    k,
+                    n,
+                    m,
+                    r.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    k as isize,
+                    1,
+                    dy.as_ptr(),
+                    1,
+                    n as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(rayon::current_num_threads().max(1)),
+                );
+            }
+        }
+        // The transpose a block of 64 rows of `dW` at a time (each reading 64 columns of `r`).
+        dw.par_chunks_mut(64 * k).enumerate().for_each(|(b, rows)| {
+            let j0 = b * 64;
+            for i0 in (0..k).step_by(64) {
+                let i1 = (i0 + 64).min(k);
+                for (jj, row) in rows.chunks_mut(k).enumerate() {
+                    let j = j0 + jj;
+                    for i in i0..i1 {
+                        row[i] = 0.0 + r[i * n + j];
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
 /// A matrix operand: its values and the (row, column) strides reading it.
 #[derive(Clone, Copy)]
 struct Operand<'a>(&'a [f32], usize, usize);

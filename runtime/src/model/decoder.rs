@@ -411,6 +411,13 @@ fn frozen_or_dense(weights: &Weights, w: Tensor) -> LinearWeight {
 }
 
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor, ModelError> {
+    if super::dense_linear::runs(x, w) {
+        let y = super::dense_linear::linear(x, w)?;
+        return Ok(match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        });
+    }
     let dims = x.dims().to_vec();
     let (inputs, outputs) = (dims[dims.len() - 1], w.dim(0)?);
     let rows: usize = dims[..dims.len() - 1].iter().product();

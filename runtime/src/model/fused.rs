@@ -21,7 +21,11 @@ pub fn fusable(t: &Tensor) -> bool {
 }
 
 /// `storage` under `layout` as a contiguous f32 slice.
-fn slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
+pub(crate) fn slice<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
     let CpuStorage::F32(data) = storage else {
         return Err(op_err(format!("{op}: f32 only")));
     };

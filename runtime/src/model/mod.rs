@@ -8,6 +8,7 @@ mod bf16_linear;
 pub mod checkpoint;
 mod config;
 mod decoder;
+pub mod dense_linear;
 pub mod eval;
 pub mod fused;
 mod fused_bf16;

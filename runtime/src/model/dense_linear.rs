@@ -1,0 +1,262 @@
+//! A trained Linear's `y = x · Wᵀ` on the CPU in f32 as one candle op with both gradients
+//! (`dx = dy · W`, `dW = dyᵀ · x`, [`kiln_kernels::ops::packed_matmul::dense`]).
+//!
+//! candle's composition, `x.reshape(rows).matmul(&w.t()).reshape(..)`, puts four nodes in the
+//! graph, and candle's backward gives each node's input a zeroed gradient and adds the node's
+//! contribution into it (`GradStore::or_insert`, then `add`): a fresh allocation and a pass
+//! over memory per node, three of them the size of the layer's input, output or weight for
+//! nothing, and the weight's a strided add (the transpose's gradient). As one op only the
+//! input and the weight receive gradients. The GEMMs are candle's own calls with the same
+//! operand layouts, so the values are the composition's, bit for bit
+//! (`dense_linear_equals_candles_matmul_bit_for_bit`).
+
+use super::ModelError;
+use super::fused::slice;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use kiln_kernels::ops::packed_matmul::dense;
+
+fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// Whether `x · wᵀ` runs as [`linear`]: both f32 on the CPU, the weight a contiguous
+/// `[n, k]` matrix.
+pub fn runs(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
+        && w.device().is_cpu()
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && w.rank() == 2
+        && w.is_contiguous()
+}
+
+/// `x · wᵀ` for `x` of any rank (the last dimension the input), differentiable with respect to
+/// both; see [`runs`] for what it takes.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+    Ok(x.contiguous()?.apply_op2(w, DenseLinear)?)
+}
+
+/// `(m, n, k)` of `x [.., k] · w [n, k]ᵀ`, or an error naming the mismatch.
+fn dims(x: &Shape, w: &Shape, op: &str) -> candle_core::Result<(usize, usize, usize)> {
+    let (n, k) = w.dims2()?;
+    match x.dims().last() {
+        Some(&xk) if xk == k => Ok((x.elem_count() / k.max(1), n, k)),
+        _ => Err(op_err(format!(
+            "{op}: an input of shape {x:?} for a weight of shape {w:?}"
+        ))),
+    }
+}
+
+/// `x [.., k], w [n, k] → y [.., n]`.
+struct DenseLinear;
+
+/// `dy [.., n], w [n, k] → dx [.., k]`.
+struct InputGrad;
+
+/// `x [.., k], dy [.., n] → dW [n, k]`.
+struct WeightGrad;
+
+fn with_last(shape: &Shape, last: usize) -> Shape {
+    let mut d = shape.dims().to_vec();
+    if let Some(l) = d.last_mut() {
+        *l = last;
+    }
+    Shape::from(d)
+}
+
+impl CustomOp2 for DenseLinear {
+    fn name(&self) -> &'static str {
+        "dense-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, n, k) = dims(l1.shape(), l2.shape(), "dense-linear")?;
+        let (x, w) = (
+            slice(s1, l1, "dense-linear")?,
+            slice(s2, l2, "dense-linear")?,
+        );
+        let mut y = vec![0f32; m * n];
+        dense::forward(x, w, (m, n, k), &mut y).map_err(op_err)?;
+        Ok((CpuStorage::F32(y), with_last(l1.shape(), n)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        // A gradient nobody reads (an input or weight outside autograd) is not computed.
+        let dx = match x.track_op() {
+            true => Some(dy.apply_op2_no_bwd(w, &InputGrad)?),
+            false => None,
+        };
+        let dw = match w.track_op() {
+            true => Some(x.apply_op2_no_bwd(&dy, &WeightGrad)?),
+            false => None,
+        };
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp2 for InputGrad {
+    fn name(&self) -> &'static str {
+        "dense-linear-input-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = l2.shape().dims2()?;
+        let m = dims(l1.shape(), &Shape::from((k, n)), "dense-linear-input-grad")?.0;
+        let (dy, w) = (
+            slice(s1, l1, "dense-linear-input-grad")?,
+            slice(s2, l2, "dense-linear-input-grad")?,
+        );
+        let mut dx = vec![0f32; m * k];
+        dense::input_grad(dy, w, (m, n, k), &mut dx).map_err(op_err)?;
+        Ok((CpuStorage::F32(dx), with_last(l1.shape(), k)))
+    }
+}
+
+impl CustomOp2 for WeightGrad {
+    fn name(&self) -> &'static str {
+        "dense-linear-weight-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let k = l1.shape().dims().last().copied().unwrap_or(0);
+        let n = l2.shape().dims().last().copied().unwrap_or(0);
+        let m = l1.shape().elem_count() / k.max(1);
+        if l2.shape().elem_count() != m * n {
+            return Err(op_err(format!(
+                "dense-linear-weight-grad: an input of shape {:?} with a gradient of shape {:?}",
+                l1.shape(),
+                l2.shape()
+            )));
+        }
+        let (x, dy) = (
+            slice(s1, l1, "dense-linear-weight-grad")?,
+            slice(s2, l2, "dense-linear-weight-grad")?,
+        );
+        let mut dw = vec![0f32; n * k];
+        dense::weight_grad(x, dy, (m, n, k), &mut dw).map_err(op_err)?;
+        Ok((CpuStorage::F32(dw), Shape::from((n, k))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The old composition, as `decoder::linear` ran it.
+    fn composition(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let k = dims[dims.len() - 1];
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x.reshape((rows, k))?.matmul(&w.t()?)?;
+        let mut out = dims;
+        let last = out.len() - 1;
+        out[last] = w.dim(0)?;
+        y.reshape(out)
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+
+    #[test]
+    fn dense_linear_equals_candles_matmul_bit_for_bit() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        // Shapes across gemm's blockings: tiny, odd, and wider than one panel in every
+        // dimension; 2-D and 3-D inputs.
+        for (lead, k, n) in [
+            (vec![3usize], 5usize, 7usize),
+            (vec![2, 9], 33, 17),
+            (vec![4, 50], 130, 260),
+            (vec![300], 257, 96),
+        ] {
+            let mut xs = lead.clone();
+            xs.push(k);
+            let x0 = Tensor::randn(0f32, 1.0, xs.as_slice(), &dev)?;
+            let w0 = Tensor::randn(0f32, 0.5, (n, k), &dev)?;
+            let mut ys = lead.clone();
+            ys.push(n);
+            // A weight on the output's gradient that is not uniform, so every entry of dy
+            // differs.
+            let c = Tensor::randn(0f32, 1.0, ys.as_slice(), &dev)?;
+            let run = |fused: bool| -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+                let (x, w) = (Var::from_tensor(&x0)?, Var::from_tensor(&w0)?);
+                let y = if fused {
+                    linear(x.as_tensor(), w.as_tensor()).map_err(op_err)?
+                } else {
+                    composition(x.as_tensor(), w.as_tensor())?
+                };
+                let grads = (&y * &c)?.sum_all()?.backward()?;
+                let dx = grads.get(x.as_tensor()).expect("dx").clone();
+                let dw = grads.get(w.as_tensor()).expect("dw").clone();
+                Ok((y, dx, dw))
+            };
+            let (y1, dx1, dw1) = run(true)?;
+            let (y0, dx0, dw0) = run(false)?;
+            assert_eq!(y1.dims(), y0.dims(), "{lead:?} {k} {n}");
+            assert_eq!(dx1.dims(), x0.dims());
+            assert_eq!(dw1.dims(), w0.dims());
+            assert_eq!(bits(&y1), bits(&y0), "y, {lead:?} k {k} n {n}");
+            assert_eq!(bits(&dx1), bits(&dx0), "dx, {lead:?} k {k} n {n}");
+            assert_eq!(bits(&dw1), bits(&dw0), "dW, {lead:?} k {k} n {n}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn dense_linear_computes_no_gradient_for_a_tensor_outside_autograd() -> candle_core::Result<()>
+    {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 6), &dev)?)?;
+        let w = Tensor::randn(0f32, 1.0, (3, 6), &dev)?;
+        let y = linear(x.as_tensor(), &w).map_err(op_err)?;
+        let grads = y.sum_all()?.backward()?;
+        assert!(grads.get(&w).is_none());
+        // dx = 1 · W summed over the outputs, for every row.
+        let want = w.sum(0)?.unsqueeze(0)?.broadcast_as((4, 6))?;
+        let got = grads.get(x.as_tensor()).expect("dx");
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        Ok(())
+    }
+
+    #[test]
+    fn dense_linear_names_a_shape_mismatch() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 5), DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+        let e = linear(&x, &w).unwrap_err().to_string();
+        assert!(e.contains("dense-linear") && e.contains("[2, 5]"), "{e}");
+    }
+}
