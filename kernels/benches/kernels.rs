@@ -2,7 +2,8 @@
 //! thread and on all threads, in bytes read + written per second — beside a plain copy of the
 //! input's bytes measured in the same run (the memory ceiling).
 //!
-//! `cargo bench -p kiln-kernels` (`KILN_BENCH_SIZES=4096` to run one size).
+//! `cargo bench -p kiln-kernels` (`KILN_BENCH_SIZES=4096` to run one size); the group
+//! `vocab_rows_1024x32000`: the output layer's passes over the vocabulary.
 
 mod common;
 
@@ -160,5 +161,54 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// The passes over the vocabulary a training step's output layer runs per chunk of rows
+/// (`ops::fused`: the log-softmax at the label with the row's log-sum-exp, the entropy TRL
+/// logs, the log-softmax's backward), on 1024 rows of a 32000-entry vocabulary (f32 logits, the
+/// 254M demo model's), all threads, in bytes of logits read (+ written, for the backward) per
+/// second, beside a copy of the logits in the same run.
+fn vocab_rows(c: &mut Criterion) {
+    use kiln_kernels::ops::fused::{Rows, token_entropy, token_logps, token_logps_backward};
+    let (rows, vocab) = (1024, 32000);
+    let logits: Vec<f32> = weights(rows * vocab)
+        .iter()
+        .map(|w| w.to_f32() * 8.0)
+        .collect();
+    let r = Rows {
+        rows,
+        vocab,
+        per_group: rows,
+        group_stride: rows * vocab,
+        start: 0,
+    };
+    let labels: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
+    let (mut out, mut lse, mut ent) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
+    let g = vec![1f32 / rows as f32; rows];
+    let mut d = vec![0f32; rows * vocab];
+    let bytes = (rows * vocab * 4) as u64;
+    let mut group = c.benchmark_group("vocab_rows_1024x32000");
+    group.sample_size(20);
+    group.throughput(Throughput::Bytes(bytes));
+    group.bench_function("copy", |b| {
+        b.iter(|| {
+            use rayon::prelude::*;
+            d.par_chunks_mut(vocab)
+                .zip(logits.par_chunks(vocab))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            black_box(&d);
+        })
+    });
+    group.bench_function("token_logps", |b| {
+        b.iter(|| token_logps(&logits, &r, &labels, &mut out, &mut lse).unwrap())
+    });
+    group.bench_function("token_entropy", |b| {
+        b.iter(|| token_entropy(&logits, &r, &mut ent).unwrap())
+    });
+    group.throughput(Throughput::Bytes(2 * bytes));
+    group.bench_function("token_logps_backward", |b| {
+        b.iter(|| token_logps_backward(&logits, &r, &labels, &lse, &g, &mut d).unwrap())
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, vocab_rows);
 criterion_main!(benches);

@@ -397,7 +397,7 @@ impl Isa {
     /// into a function with those features). Called inside each rayon task: a closure handed
     /// to rayon is compiled apart from its caller's target features.
     #[inline(always)]
-    fn run<W: Work>(self, w: W) {
+    fn run<W: Work>(self, w: W) -> W::Out {
         #[cfg(target_arch = "x86_64")]
         if self.avx2_fma {
             // SAFETY: `avx2_fma` is true only where `detect` found AVX2 and FMA.
@@ -407,9 +407,46 @@ impl Isa {
     }
 }
 
+impl Isa {
+    /// [`RowExpSum`]: AVX2 + FMA in vector registers where the CPU has them, else the
+    /// portable lanes (the same operations in the same order: the same bits).
+    #[inline(always)]
+    fn exp_sum(self, x: &[f32]) -> (f32, f32) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2_fma {
+            // SAFETY: `avx2_fma` is true only where `detect` found AVX2 and FMA.
+            return unsafe { rows_avx2::exp_sum(x) };
+        }
+        RowExpSum(x).work()
+    }
+
+    /// [`RowEntropy`], as [`Isa::exp_sum`] dispatches.
+    #[inline(always)]
+    fn entropy(self, x: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2_fma {
+            // SAFETY: as in `exp_sum`.
+            return unsafe { rows_avx2::entropy(x) };
+        }
+        RowEntropy(x).work()
+    }
+
+    /// [`RowSoftmaxGrad`], as [`Isa::exp_sum`] dispatches.
+    #[inline(always)]
+    fn softmax_grad(self, x: &[f32], d: &mut [f32], lse: f32, g: f32) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2_fma {
+            // SAFETY: as in `exp_sum`.
+            return unsafe { rows_avx2::softmax_grad(x, d, lse, g) };
+        }
+        RowSoftmaxGrad { x, d, lse, g }.work()
+    }
+}
+
 /// A task's work, compiled once per instruction set ([`Isa::run`]).
 trait Work {
-    fn work(self);
+    type Out;
+    fn work(self) -> Self::Out;
 }
 
 /// `w.work()` compiled for AVX2 and FMA.
@@ -418,7 +455,7 @@ trait Work {
 /// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn avx2_fma<W: Work>(w: W) {
+unsafe fn avx2_fma<W: Work>(w: W) -> W::Out {
     w.work()
 }
 
@@ -551,6 +588,7 @@ struct ForwardRows<'a, 'h> {
 }
 
 impl Work for ForwardRows<'_, '_> {
+    type Out = ();
     #[inline(always)]
     fn work(self) {
         const QB: usize = QUERY_BLOCK;
@@ -707,6 +745,7 @@ struct BackwardRows<'a, 'h> {
 }
 
 impl Work for BackwardRows<'_, '_> {
+    type Out = ();
     #[inline(always)]
     fn work(self) {
         let (h, t, dim) = (self.h, &self.t, self.h.dim);
@@ -888,18 +927,235 @@ pub fn token_logps(
             format!("label {l} outside a vocabulary of {}", rows.vocab),
         ));
     }
+    let isa = Isa::detect();
     out.par_iter_mut()
         .zip(lse.par_iter_mut())
         .enumerate()
         .for_each(|(r, (o, lse))| {
             let x = &logits[rows.at(r)..rows.at(r) + rows.vocab];
-            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = x.iter().map(|&v| (v - max).exp()).sum();
+            let (max, sum) = isa.exp_sum(x);
             let l = sum.ln();
             *lse = l + max;
             *o = (x[labels[r] as usize] - max) - l;
         });
     Ok(())
+}
+
+/// Lanes of the vocabulary's row passes: eight f32 (one AVX2 vector).
+const ROW_LANES: usize = 8;
+
+/// The largest of `x` (a NaN ignored, as `f32::max` ignores it), lane by lane then across the
+/// lanes: the same value as a sequential fold (the maximum does not depend on the order).
+#[inline(always)]
+fn row_max(x: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; ROW_LANES];
+    let mut chunks = x.chunks_exact(ROW_LANES);
+    for c in &mut chunks {
+        for (m, &v) in m.iter_mut().zip(c) {
+            *m = m.max(v);
+        }
+    }
+    let tail = chunks.remainder().iter().copied();
+    m.into_iter().chain(tail).fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// A row's maximum and `Σ exp(x − max)` ([`exp_nonpositive`], to about 2 ulp), in
+/// [`ROW_LANES`] partial sums.
+struct RowExpSum<'a>(&'a [f32]);
+
+impl Work for RowExpSum<'_> {
+    type Out = (f32, f32);
+    #[inline(always)]
+    fn work(self) -> (f32, f32) {
+        let max = row_max(self.0);
+        let mut s = [0f32; ROW_LANES];
+        let mut chunks = self.0.chunks_exact(ROW_LANES);
+        for c in &mut chunks {
+            for (s, &v) in s.iter_mut().zip(c) {
+                *s += exp_nonpositive(v - max);
+            }
+        }
+        let tail: f32 = chunks
+            .remainder()
+            .iter()
+            .map(|&v| exp_nonpositive(v - max))
+            .sum();
+        (max, s.iter().sum::<f32>() + tail)
+    }
+}
+
+/// `(Σ e, Σ e·(x − max))` with `e = exp(x − max)`, in order: a row's last values past its
+/// whole lanes.
+#[inline(always)]
+fn entropy_sums(x: &[f32], max: f32) -> (f32, f32) {
+    let (mut z, mut s) = (0f32, 0f32);
+    for &v in x {
+        let d = v - max;
+        let e = exp_nonpositive(d);
+        z += e;
+        s += e * d;
+    }
+    (z, s)
+}
+
+/// A row's entropy `ln Z − Σ e·(x − max) / Z` (`e = exp(x − max)`, `Z = Σ e`), the sums in
+/// [`ROW_LANES`] partial sums.
+struct RowEntropy<'a>(&'a [f32]);
+
+impl Work for RowEntropy<'_> {
+    type Out = f32;
+    #[inline(always)]
+    fn work(self) -> f32 {
+        let max = row_max(self.0);
+        let (mut z, mut s) = ([0f32; ROW_LANES], [0f32; ROW_LANES]);
+        let mut chunks = self.0.chunks_exact(ROW_LANES);
+        for c in &mut chunks {
+            for ((z, s), &v) in z.iter_mut().zip(s.iter_mut()).zip(c) {
+                let d = v - max;
+                let e = exp_nonpositive(d);
+                *z += e;
+                *s += e * d;
+            }
+        }
+        let (zt, st) = entropy_sums(chunks.remainder(), max);
+        let (z, s) = (z.iter().sum::<f32>() + zt, s.iter().sum::<f32>() + st);
+        z.ln() - s / z
+    }
+}
+
+/// `d = −g · exp(x − lse)` over a row (the softmax part of the log-softmax's backward).
+struct RowSoftmaxGrad<'a> {
+    x: &'a [f32],
+    d: &'a mut [f32],
+    lse: f32,
+    g: f32,
+}
+
+impl Work for RowSoftmaxGrad<'_> {
+    type Out = ();
+    #[inline(always)]
+    fn work(self) {
+        for (d, &x) in self.d.iter_mut().zip(self.x) {
+            *d = -self.g * exp_nonpositive(x - self.lse);
+        }
+    }
+}
+
+/// The vocabulary's row passes in AVX2 + FMA registers: [`RowExpSum`], [`RowEntropy`] and
+/// [`RowSoftmaxGrad`] with [`exp_nonpositive`] eight lanes at a time, each operation the
+/// portable lanes' own in the same order (the same bits:
+/// `vocabulary_row_passes_match_f64_at_every_length`).
+#[cfg(target_arch = "x86_64")]
+mod rows_avx2 {
+    use super::{ROW_LANES, entropy_sums, exp_nonpositive, row_max};
+    use std::arch::x86_64::*;
+
+    /// [`exp_nonpositive`] on eight lanes.
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        // SAFETY (all intrinsics here): the caller runs with AVX2 and FMA.
+        unsafe {
+            let xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+            let round = _mm256_set1_ps(12_582_912.0);
+            let n = _mm256_sub_ps(
+                _mm256_fmadd_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E), round),
+                round,
+            );
+            let r = _mm256_fmadd_ps(
+                n,
+                _mm256_set1_ps(-1.428_606_8e-6),
+                _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_145_75), xc),
+            );
+            let mut p = _mm256_set1_ps(1.0 / 720.0);
+            for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+            let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e));
+            let v = _mm256_mul_ps(p, two_n);
+            let low = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+            let v = _mm256_blendv_ps(v, _mm256_setzero_ps(), low);
+            _mm256_blendv_ps(v, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+        }
+    }
+
+    fn lanes(v: __m256) -> [f32; ROW_LANES] {
+        let mut a = [0f32; ROW_LANES];
+        // SAFETY: `a` holds eight f32 (an unaligned store).
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        a
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_sum(x: &[f32]) -> (f32, f32) {
+        let max = row_max(x);
+        let mut chunks = x.chunks_exact(ROW_LANES);
+        // SAFETY: each load reads one whole chunk of eight; AVX2 and FMA are available.
+        let s = unsafe {
+            let (m, mut s) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+            for c in &mut chunks {
+                s = _mm256_add_ps(s, exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m)));
+            }
+            s
+        };
+        let tail: f32 = chunks
+            .remainder()
+            .iter()
+            .map(|&v| exp_nonpositive(v - max))
+            .sum();
+        (max, lanes(s).iter().sum::<f32>() + tail)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn entropy(x: &[f32]) -> f32 {
+        let max = row_max(x);
+        let mut chunks = x.chunks_exact(ROW_LANES);
+        // SAFETY: as in `exp_sum`.
+        let (z, s) = unsafe {
+            let (m, mut z, mut s) = (
+                _mm256_set1_ps(max),
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+            );
+            for c in &mut chunks {
+                let d = _mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m);
+                let e = exp8(d);
+                z = _mm256_add_ps(z, e);
+                s = _mm256_add_ps(s, _mm256_mul_ps(e, d));
+            }
+            (z, s)
+        };
+        let (zt, st) = entropy_sums(chunks.remainder(), max);
+        let (z, s) = (
+            lanes(z).iter().sum::<f32>() + zt,
+            lanes(s).iter().sum::<f32>() + st,
+        );
+        z.ln() - s / z
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn softmax_grad(x: &[f32], d: &mut [f32], lse: f32, g: f32) {
+        let n = x.len().min(d.len());
+        let whole = n / ROW_LANES * ROW_LANES;
+        // SAFETY: each load and store touches eight values below `whole ≤ n`, within both
+        // slices; AVX2 and FMA are available.
+        unsafe {
+            let (l, ng) = (_mm256_set1_ps(lse), _mm256_set1_ps(-g));
+            for i in (0..whole).step_by(ROW_LANES) {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(i)), l));
+                _mm256_storeu_ps(d.as_mut_ptr().add(i), _mm256_mul_ps(ng, e));
+            }
+        }
+        for i in whole..n {
+            d[i] = -g * exp_nonpositive(x[i] - lse);
+        }
+    }
 }
 
 /// The backward of [`token_logps`]: `dlogits[r] = g[r] · (onehot(label) − softmax(row))`,
@@ -919,11 +1175,10 @@ pub fn token_logps_backward(
     }
     let v = rows.vocab;
     check_len(op, "dlogits", dlogits.len(), rows.rows * v, &[rows.rows, v])?;
+    let isa = Isa::detect();
     dlogits.par_chunks_mut(v).enumerate().for_each(|(r, d)| {
         let x = &logits[rows.at(r)..rows.at(r) + v];
-        for (d, &x) in d.iter_mut().zip(x) {
-            *d = -g[r] * (x - lse[r]).exp();
-        }
+        isa.softmax_grad(x, &mut *d, lse[r], g[r]);
         d[labels[r] as usize] += g[r];
     });
     Ok(())
@@ -936,17 +1191,10 @@ pub fn token_entropy(logits: &[f32], rows: &Rows, out: &mut [f32]) -> Result<(),
     let op = "token_entropy";
     rows.check(op, logits.len())?;
     check_len(op, "out", out.len(), rows.rows, &[rows.rows])?;
+    let isa = Isa::detect();
     out.par_iter_mut().enumerate().for_each(|(r, o)| {
         let x = &logits[rows.at(r)..rows.at(r) + rows.vocab];
-        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (mut z, mut s) = (0f32, 0f32);
-        for &v in x {
-            let d = v - max;
-            let e = d.exp();
-            z += e;
-            s += e * d;
-        }
-        *o = z.ln() - s / z;
+        *o = isa.entropy(x);
     });
     Ok(())
 }
@@ -1147,6 +1395,109 @@ mod tests {
         }
         let bad_label = [7u32, 0, 0, 0, 0, 0];
         assert!(token_logps(&logits, &rows, &bad_label, &mut out, &mut lse).is_err());
+    }
+
+    /// The vocabulary's row passes (eight lanes, a polynomial `exp`) against f64 on rows of
+    /// every length around the lane width and long ones, logits spread wide enough that most
+    /// `exp` underflow, one row with a masked (−∞) logit, on the dispatched build and the
+    /// portable one.
+    #[test]
+    fn vocabulary_row_passes_match_f64_at_every_length() {
+        for v in [1usize, 2, 7, 8, 9, 15, 16, 17, 63, 300, 4099] {
+            for (seed, scale) in [(3u64, 1.0f32), (4, 40.0)] {
+                let mut logits = values(3 * v, seed + v as u64, scale);
+                if v > 1 {
+                    // Not the row's only logit (a row all −∞ is NaN, in f64 too).
+                    logits[v + v / 2] = f32::NEG_INFINITY;
+                }
+                let rows = Rows {
+                    rows: 3,
+                    vocab: v,
+                    per_group: 3,
+                    group_stride: 3 * v,
+                    start: 0,
+                };
+                let labels = [0u32, (v / 3) as u32, (v - 1) as u32];
+                let (mut out, mut lse, mut ent) = (vec![0.0; 3], vec![0.0; 3], vec![0.0; 3]);
+                token_logps(&logits, &rows, &labels, &mut out, &mut lse).unwrap();
+                token_entropy(&logits, &rows, &mut ent).unwrap();
+                let g = [0.5f32, -1.25, 2.0];
+                let mut d = vec![0.0; 3 * v];
+                token_logps_backward(&logits, &rows, &labels, &lse, &g, &mut d).unwrap();
+                for r in 0..3 {
+                    let x: Vec<f64> = logits[r * v..(r + 1) * v]
+                        .iter()
+                        .map(|&x| f64::from(x))
+                        .collect();
+                    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = x.iter().map(|x| (x - m).exp()).sum();
+                    let lz = m + z.ln();
+                    let h = z.ln()
+                        - x.iter()
+                            .map(|x| {
+                                let e = (x - m).exp();
+                                if e > 0.0 { e * (x - m) } else { 0.0 }
+                            })
+                            .sum::<f64>()
+                            / z;
+                    let l = labels[r] as usize;
+                    let at = format!("vocab {v}, scale {scale}, row {r}");
+                    assert!(
+                        close(out[r], x[l] - lz, 1e-6),
+                        "logp {at}: {} vs {}",
+                        out[r],
+                        x[l] - lz
+                    );
+                    assert!(close(lse[r], lz, 1e-6), "lse {at}");
+                    if r == 1 && v > 1 {
+                        // `e · (x − max)` is 0 · −∞ at a masked logit: NaN, as PyTorch's
+                        // `Σ softmax · logits` (TRL's `entropy_from_logits`) gives.
+                        assert!(ent[r].is_nan(), "entropy {at}: {}", ent[r]);
+                    } else {
+                        assert!(close(ent[r], h, 2e-6), "entropy {at}: {} vs {h}", ent[r]);
+                    }
+                    // `x − lse` carries the rounding of `lse` (an ulp of its magnitude), which
+                    // `1 − softmax` at the label can magnify: the f32 formula's own error.
+                    let slack = f64::from(g[r].abs() * 8.0 * f32::EPSILON * lse[r].abs().max(1.0));
+                    for j in 0..v {
+                        let want =
+                            f64::from(g[r]) * (f64::from(u8::from(j == l)) - (x[j] - lz).exp());
+                        assert!(
+                            (f64::from(d[r * v + j]) - want).abs()
+                                <= 1e-6 * (1.0 + want.abs()) + slack,
+                            "d {at}, {j}: {} vs {want}",
+                            d[r * v + j]
+                        );
+                    }
+                    // The portable build (no AVX2 + FMA: `mul_add` in software, the same lanes
+                    // in the same order) computes the same bits as the dispatched one.
+                    let row = &logits[r * v..(r + 1) * v];
+                    let isa = Isa::detect();
+                    let (a, b) = (RowExpSum(row).work(), isa.exp_sum(row));
+                    assert_eq!(
+                        (a.0.to_bits(), a.1.to_bits()),
+                        (b.0.to_bits(), b.1.to_bits()),
+                        "{at}"
+                    );
+                    let (a, b) = (RowEntropy(row).work(), isa.entropy(row));
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{at}"
+                    );
+                    let (mut da, mut db) = (vec![0f32; v], vec![0f32; v]);
+                    RowSoftmaxGrad {
+                        x: row,
+                        d: &mut da,
+                        lse: lse[r],
+                        g: g[r],
+                    }
+                    .work();
+                    isa.softmax_grad(row, &mut db, lse[r], g[r]);
+                    let bits = |d: &[f32]| d.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&da), bits(&db), "{at}");
+                }
+            }
+        }
     }
 
     #[test]
