@@ -20,13 +20,15 @@ fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
 }
 
 /// Whether `x · wᵀ` runs as [`linear`]: both f32 on the CPU, the weight a contiguous
-/// `[n, k]` matrix.
+/// `[n, k]` matrix with `k > 0` (an empty input row leaves the row count unknowable from the
+/// element count; candle's matmul takes that case).
 pub fn runs(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cpu()
         && w.device().is_cpu()
         && x.dtype() == DType::F32
         && w.dtype() == DType::F32
         && w.rank() == 2
+        && w.dims()[1] > 0
         && w.is_contiguous()
 }
 
@@ -249,6 +251,21 @@ mod tests {
         let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{diff}");
         Ok(())
+    }
+
+    #[test]
+    fn an_empty_input_row_takes_candles_matmul() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 3, 0), DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((4, 0), DType::F32, &dev).unwrap();
+        assert!(!runs(&x, &w));
+        let y = crate::model::decoder::linear(&x, &w, None).unwrap();
+        assert_eq!(y.dims(), &[2, 3, 4]);
+        // No rows at all is fine for the op.
+        let x = Tensor::zeros((0, 5), DType::F32, &dev).unwrap();
+        let w = Tensor::ones((4, 5), DType::F32, &dev).unwrap();
+        assert!(runs(&x, &w));
+        assert_eq!(linear(&x, &w).unwrap().dims(), &[0, 4]);
     }
 
     #[test]
