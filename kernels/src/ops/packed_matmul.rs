@@ -44,21 +44,22 @@ pub trait PackedRows: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// A plain f32 matrix as [`PackedRows`] (tests, and weights a format leaves unquantized).
+/// A plain f32 matrix as [`PackedRows`] (tests, weights a format leaves unquantized, and —
+/// borrowed, `DenseRows<&[f32]>` — a trained weight's own values in [`dense`]).
 #[derive(Debug, Clone)]
-pub struct DenseRows {
-    values: Vec<f32>,
+pub struct DenseRows<V = Vec<f32>> {
+    values: V,
     rows: usize,
     cols: usize,
 }
 
-impl DenseRows {
+impl<V: AsRef<[f32]>> DenseRows<V> {
     /// `values` row-major `[rows, cols]`.
-    pub fn new(values: Vec<f32>, rows: usize, cols: usize) -> Result<Self, KernelError> {
+    pub fn new(values: V, rows: usize, cols: usize) -> Result<Self, KernelError> {
         check_len(
             "DenseRows",
             "values",
-            values.len(),
+            values.as_ref().len(),
             rows * cols,
             &[rows, cols],
         )?;
@@ -66,7 +67,7 @@ impl DenseRows {
     }
 }
 
-impl PackedRows for DenseRows {
+impl<V: AsRef<[f32]> + Send + Sync + std::fmt::Debug> PackedRows for DenseRows<V> {
     fn rows(&self) -> usize {
         self.rows
     }
@@ -76,6 +77,7 @@ impl PackedRows for DenseRows {
     fn decode_rows(&self, start: usize, out: &mut [f32]) -> Result<(), KernelError> {
         let src = self
             .values
+            .as_ref()
             .get(start * self.cols..start * self.cols + out.len())
             .ok_or_else(|| KernelError::Parameter {
                 op: "DenseRows::decode_rows",
@@ -85,10 +87,10 @@ impl PackedRows for DenseRows {
         Ok(())
     }
     fn packed_bytes(&self) -> usize {
-        self.values.len() * 4
+        self.values.as_ref().len() * 4
     }
     fn with_dense(&self, f: &mut dyn FnMut(&[f32])) -> bool {
-        f(&self.values);
+        f(self.values.as_ref());
         true
     }
 }
@@ -279,8 +281,9 @@ pub fn matmul_w(
     let (n, k) = (w.rows(), w.cols());
     check_len(op, "dy", dy.len(), m * n, &[m, n])?;
     check_len(op, "dx", dx.len(), m * k, &[m, k])?;
-    dx.fill(0.0);
     if m == 0 || n == 0 || k == 0 {
+        // No product writes `dx` (its first one overwrites it otherwise).
+        dx.fill(0.0);
         return Ok(());
     }
     if w.with_dense(&mut |wd| product_w(dy, m, wd, 0, dx, false)) {
@@ -301,50 +304,26 @@ pub fn matmul_w(
 /// `x.matmul(&w.t())` and that product's backward lay them, so the same values as candle's
 /// matmul, bit for bit.
 pub mod dense {
-    use super::{KernelError, check_len, product_w, product_wt};
+    use super::{DenseRows, KernelError, check_len, matmul_w, matmul_wt};
 
-    /// `y [m, n] = x [m, k] · Wᵀ`.
+    /// `y [m, n] = x [m, k] · Wᵀ` ([`matmul_wt`] on the weight's own values).
     pub fn forward(
         x: &[f32],
         w: &[f32],
         (m, n, k): (usize, usize, usize),
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        let op = "dense::forward";
-        check_len(op, "x", x.len(), m * k, &[m, k])?;
-        check_len(op, "w", w.len(), n * k, &[n, k])?;
-        check_len(op, "y", y.len(), m * n, &[m, n])?;
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
-            y.fill(0.0);
-            return Ok(());
-        }
-        product_wt(x, m, k, w, 0, y);
-        Ok(())
+        matmul_wt(x, m, &DenseRows::new(w, n, k)?, y)
     }
 
-    /// `dx [m, k] = dy [m, n] · W`: the gradient with respect to the input.
+    /// `dx [m, k] = dy [m, n] · W`, the gradient with respect to the input ([`matmul_w`]).
     pub fn input_grad(
         dy: &[f32],
         w: &[f32],
         (m, n, k): (usize, usize, usize),
         dx: &mut [f32],
     ) -> Result<(), KernelError> {
-        let op = "dense::input_grad";
-        check_len(op, "dy", dy.len(), m * n, &[m, n])?;
-        check_len(op, "w", w.len(), n * k, &[n, k])?;
-        check_len(op, "dx", dx.len(), m * k, &[m, k])?;
-        if m == 0 || k == 0 {
-            return Ok(());
-        }
-        if n == 0 {
-            dx.fill(0.0);
-            return Ok(());
-        }
-        product_w(dy, m, w, 0, dx, false);
-        Ok(())
+        matmul_w(dy, m, &DenseRows::new(w, n, k)?, dx)
     }
 
     /// `dW [n, k] = (xᵀ · dy)ᵀ`: the gradient with respect to the weight, as candle computes it
