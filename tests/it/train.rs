@@ -1836,8 +1836,12 @@ fn checkpointing_case(
 /// activation — full fine-tuning, LoRA with dropout (the recomputation must draw the same
 /// masks), a preference task with a reference pass, a padded batch — and it is in effect:
 /// every decoder layer of every forward pass that trains is recomputed once per step.
+/// Without it, each layer's graph is kept by an op of its own and freed by the backward pass:
+/// the steps are bit for bit those of one graph for the whole model, and no layer's graph
+/// outlives its step.
 #[test]
 fn gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
+    use kiln_runtime::model::checkpoint::LayerBackward;
     use kiln_runtime::train::candle::{Candle, Setup, run as train_run};
     use kiln_runtime::train::task::build;
     let all = reference();
@@ -1849,25 +1853,53 @@ fn gradient_checkpointing_takes_the_same_steps_as_keeping_every_activation() {
     ] {
         let out = tempfile::tempdir().unwrap();
         let mut runs = Vec::new();
-        for on in [false, true] {
-            let dir = out.path().join(format!("run-{on}"));
+        // Checkpointing off with each layer's graph kept by its op, off with one graph for the
+        // whole model, on.
+        for (run, on) in [("kept", false), ("one-graph", false), ("recompute", true)] {
+            let dir = out.path().join(run);
             let cfg = checkpointing_case(name, &all[name], &dir, dropout, on, "candle");
-            let setup = Setup::load(&cfg).unwrap();
-            assert_eq!(setup.model.grad_sink().is_some(), on, "{name}");
+            let mut setup = Setup::load(&cfg).unwrap();
+            let sink = setup
+                .model
+                .grad_sink()
+                .expect("layers' backward passes run by layer");
+            let mode = if on {
+                LayerBackward::Recompute
+            } else {
+                LayerBackward::Kept
+            };
+            assert_eq!(sink.mode(), mode, "{name}");
+            let sink = sink.clone();
+            if run == "one-graph" {
+                setup.model = setup.model.with_gradient_checkpointing(None);
+            }
             let mut task = build::<Candle>(&cfg.task, &cfg, &setup).unwrap();
             let mut seen = Collect::default();
             train_run(&setup, &mut *task, &mut seen).unwrap();
-            if let Some(sink) = setup.model.grad_sink() {
-                let layers = setup.model.config().layers;
+            let layers = setup.model.config().layers;
+            if on {
                 assert!(
                     sink.recomputed() >= 3 * layers,
                     "{name}: {} layers recomputed in 3 steps of {layers} layers",
                     sink.recomputed()
                 );
             }
+            assert_eq!(
+                sink.held(),
+                0,
+                "{name} {run}: a layer's graph outlived its step"
+            );
             runs.push(seen.0);
         }
-        same_steps(name, &runs[0], &runs[1]);
+        for (a, b) in runs[0].iter().zip(&runs[1]) {
+            assert_eq!(
+                (a.loss.to_bits(), a.grad_norm.map(f64::to_bits)),
+                (b.loss.to_bits(), b.grad_norm.map(f64::to_bits)),
+                "{name} step {}: kept layer graphs vs one graph",
+                a.step
+            );
+        }
+        same_steps(name, &runs[1], &runs[2]);
     }
 }
 

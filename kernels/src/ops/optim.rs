@@ -32,8 +32,8 @@ pub struct AdamWScalars {
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
 
-/// One AdamW step: from the parameter `p`, its gradient `g` and moments `m`, `v`, the new
-/// parameter and moments into `p_out`, `m_out`, `v_out` (all the same length). Per element:
+/// One AdamW step on the parameter `p` from its gradient `g`, with the moments `m`, `v`: the
+/// parameter and both moments updated where they lie (all the same length). Per element:
 ///
 /// ```text
 /// p1 = p · decay + 0          (p where it does not decay)
@@ -43,86 +43,48 @@ const CHUNK: usize = 1 << 14;
 /// ```
 ///
 /// The `+ 0` are the composition's: they turn a −0 into +0. Spread over rayon's threads in
-/// chunks; every element's arithmetic is its own, so the bytes do not depend on the split.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw(
+/// chunks; every element's arithmetic is its own (its outputs depend on its inputs only), so
+/// the bytes depend neither on the split nor on writing in place.
+pub fn adamw_in_place(
     s: &AdamWScalars,
-    p: &[f32],
+    p: &mut [f32],
     g: &[f32],
-    m: &[f32],
-    v: &[f32],
-    p_out: &mut [f32],
-    m_out: &mut [f32],
-    v_out: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
 ) -> Result<(), KernelError> {
     let n = p.len();
     for (what, len) in [
         ("gradient", g.len()),
         ("first moment", m.len()),
         ("second moment", v.len()),
-        ("parameter out", p_out.len()),
-        ("first moment out", m_out.len()),
-        ("second moment out", v_out.len()),
     ] {
         check_len("adamw", what, len, n, &[n])?;
     }
-    p_out
-        .par_chunks_mut(CHUNK)
-        .zip(m_out.par_chunks_mut(CHUNK))
-        .zip(v_out.par_chunks_mut(CHUNK))
+    p.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
         .enumerate()
-        .for_each(|(c, ((po, mo), vo))| {
-            let at = c * CHUNK;
-            let r = at..at + po.len();
-            chunk(
-                s,
-                &p[r.clone()],
-                &g[r.clone()],
-                &m[r.clone()],
-                &v[r],
-                po,
-                mo,
-                vo,
-            );
+        .for_each(|(c, ((p, m), v))| {
+            let g = &g[c * CHUNK..c * CHUNK + p.len()];
+            let (m, v) = (&mut m[..p.len()], &mut v[..p.len()]);
+            for i in 0..p.len() {
+                (p[i], m[i], v[i]) = element(s, p[i], g[i], m[i], v[i]);
+            }
         });
     Ok(())
 }
 
-/// [`adamw`] on one chunk, element by element (written so that the compiler can put it in
-/// vectors: every operation is lane-wise and IEEE-exact).
-#[allow(clippy::too_many_arguments)]
-#[inline]
-fn chunk(
-    s: &AdamWScalars,
-    p: &[f32],
-    g: &[f32],
-    m: &[f32],
-    v: &[f32],
-    po: &mut [f32],
-    mo: &mut [f32],
-    vo: &mut [f32],
-) {
-    let n = po.len();
-    let (p, g, m, v, mo, vo) = (
-        &p[..n],
-        &g[..n],
-        &m[..n],
-        &v[..n],
-        &mut mo[..n],
-        &mut vo[..n],
-    );
-    for i in 0..n {
-        let p1 = match s.decay {
-            Some(d) => p[i] * d + 0.0,
-            None => p[i],
-        };
-        let m1 = m[i] + ((g[i] - m[i]) * s.one_minus_beta1 + 0.0);
-        let v1 = (v[i] * s.beta2 + 0.0) + ((g[i] * g[i]) * s.one_minus_beta2 + 0.0);
-        let denom = v1.sqrt() * s.inv_bias2_sqrt + s.eps;
-        po[i] = p1 - ((m1 / denom) * s.step_size + 0.0);
-        mo[i] = m1;
-        vo[i] = v1;
-    }
+/// One element's step: the new parameter and moments.
+#[inline(always)]
+fn element(s: &AdamWScalars, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+    let p1 = match s.decay {
+        Some(d) => p * d + 0.0,
+        None => p,
+    };
+    let m1 = m + ((g - m) * s.one_minus_beta1 + 0.0);
+    let v1 = (v * s.beta2 + 0.0) + ((g * g) * s.one_minus_beta2 + 0.0);
+    let denom = v1.sqrt() * s.inv_bias2_sqrt + s.eps;
+    (p1 - ((m1 / denom) * s.step_size + 0.0), m1, v1)
 }
 
 #[cfg(test)]
@@ -142,8 +104,8 @@ mod tests {
             eps: 1e-8,
             step_size: 1.0,
         };
-        let (mut p, mut m, mut v) = ([0f32], [0f32], [0f32]);
-        adamw(&s, &[1.0], &[2.0], &[0.0], &[0.0], &mut p, &mut m, &mut v).unwrap();
+        let (mut p, mut m, mut v) = ([1f32], [0f32], [0f32]);
+        adamw_in_place(&s, &mut p, &[2.0], &mut m, &mut v).unwrap();
         let want = 0.95 - 0.2 / ((0.004f64.sqrt() / 0.001f64.sqrt()) + 1e-8) * (0.1 / 0.1);
         assert!(
             (f64::from(p[0]) - want).abs() < 1e-6,
@@ -151,6 +113,67 @@ mod tests {
             p[0]
         );
         assert!((m[0] - 0.2).abs() < 1e-7 && (v[0] - 0.004).abs() < 1e-9);
+    }
+
+    /// Against the formula written out one rounded f32 operation at a time, bit for bit, over
+    /// chunk boundaries, with and without decay, on values spread over many magnitudes (zeros
+    /// of both signs among them).
+    #[test]
+    fn every_element_is_the_formulas_bits() {
+        let n = 3 * CHUNK + 17;
+        let val = |i: usize, k: u32| -> f32 {
+            let x = ((i as u32)
+                .wrapping_mul(2654435761)
+                .wrapping_add(k.wrapping_mul(40503))
+                >> 8) as f32
+                / (1u32 << 24) as f32;
+            match i % 11 {
+                0 => 0.0,
+                1 => -0.0,
+                _ => (x - 0.5) * 10f32.powi((i % 7) as i32 - 4),
+            }
+        };
+        for decay in [None, Some(0.999f32)] {
+            let s = AdamWScalars {
+                decay,
+                one_minus_beta1: 0.1,
+                beta2: 0.999,
+                one_minus_beta2: 1.0 - 0.999f32,
+                inv_bias2_sqrt: 1.0 / (1.0 - 0.999f32.powi(3)).sqrt(),
+                eps: 1e-8,
+                step_size: 1e-3 / (1.0 - 0.9f32.powi(3)),
+            };
+            let p0: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
+            let g: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
+            let m0: Vec<f32> = (0..n).map(|i| val(i, 3)).collect();
+            let v0: Vec<f32> = (0..n).map(|i| val(i, 4).abs()).collect();
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            adamw_in_place(&s, &mut p, &g, &mut m, &mut v).unwrap();
+            for i in 0..n {
+                let mut p1 = p0[i];
+                if let Some(d) = decay {
+                    let scaled = p1 * d;
+                    p1 = scaled + 0.0;
+                }
+                let diff = g[i] - m0[i];
+                let step1 = diff * s.one_minus_beta1 + 0.0;
+                let m1 = m0[i] + step1;
+                let kept = v0[i] * s.beta2 + 0.0;
+                let sq = g[i] * g[i];
+                let added = sq * s.one_minus_beta2 + 0.0;
+                let v1 = kept + added;
+                let root = v1.sqrt();
+                let denom = root * s.inv_bias2_sqrt + s.eps;
+                let ratio = m1 / denom;
+                let delta = ratio * s.step_size + 0.0;
+                let p2 = p1 - delta;
+                assert_eq!(
+                    (p[i].to_bits(), m[i].to_bits(), v[i].to_bits()),
+                    (p2.to_bits(), m1.to_bits(), v1.to_bits()),
+                    "element {i}, decay {decay:?}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -164,18 +187,9 @@ mod tests {
             eps: 1e-8,
             step_size: 0.1,
         };
-        let mut o = [0f32; 2];
-        let (mut m, mut v) = ([0f32; 2], [0f32; 2]);
-        let e = adamw(
-            &s,
-            &[1.0, 2.0],
-            &[1.0],
-            &[0.0; 2],
-            &[0.0; 2],
-            &mut o,
-            &mut m,
-            &mut v,
-        );
-        assert!(e.is_err());
+        let (mut p, mut m, mut v) = ([0f32; 2], [0f32; 2], [0f32; 1]);
+        let e = adamw_in_place(&s, &mut p, &[1.0, 2.0], &mut m, &mut v);
+        assert!(e.unwrap_err().to_string().contains("second moment"));
+        assert!(adamw_in_place(&s, &mut p, &[1.0], &mut [0.0; 2], &mut [0.0; 2]).is_err());
     }
 }

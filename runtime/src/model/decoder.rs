@@ -770,9 +770,12 @@ impl DecoderModel {
         }
     }
 
-    /// The same model with gradient checkpointing (`Some`: each decoder layer of a forward pass
-    /// that builds a graph keeps only its input and is run again in the backward pass, its
-    /// parameters' gradients left in `sink`; `None`: off). See [`super::checkpoint`].
+    /// The same model with its decoder layers' backward passes run by layer (`Some`: each
+    /// decoder layer of a forward pass that builds a graph is an op of its own, its parameters'
+    /// gradients left in `sink`; the layer run again in the backward pass from its input —
+    /// gradient checkpointing — or its graph kept and freed by the backward pass, as the
+    /// sink's [`super::checkpoint::LayerBackward`] says; `None`: one graph for the whole
+    /// model). See [`super::checkpoint`].
     pub fn with_gradient_checkpointing(
         &self,
         sink: Option<Arc<super::checkpoint::GradSink>>,
@@ -791,7 +794,8 @@ impl DecoderModel {
         }
     }
 
-    /// Where checkpointed layers leave their parameters' gradients, when checkpointing is on.
+    /// Where the layers' ops leave their parameters' gradients (gradient checkpointing, or
+    /// layers whose graphs the backward pass frees).
     pub fn grad_sink(&self) -> Option<&Arc<super::checkpoint::GradSink>> {
         self.checkpoint.as_ref()
     }
@@ -1223,6 +1227,16 @@ impl DecoderModel {
             }
             return Ok(h);
         };
+        if sink.mode() == super::checkpoint::LayerBackward::Kept {
+            // Each layer's graph in an op of its own, freed as the backward pass leaves it.
+            for layer in 0..self.config.layers {
+                let forward = |x: &Tensor| {
+                    self.run_layer(x, self.layer_at(layer)?, &rope, key_mask, None, observer)
+                };
+                h = super::checkpoint::kept_layer(&h, forward, sink)?;
+            }
+            return Ok(h);
+        }
         // The model each recomputation runs (its adapters set per layer, below).
         let base = Arc::new(self.with_gradient_checkpointing(None));
         for layer in 0..self.config.layers {

@@ -35,6 +35,40 @@ pub(crate) fn slice<'a>(
     }
 }
 
+/// Runs `f` on the f32 values of the contiguous CPU tensor `t`, in place (an in-place op:
+/// candle holds `t`'s storage locked for writing meanwhile, so nothing else reads it half
+/// written). Every tensor sharing `t`'s storage sees the new values.
+pub(crate) fn with_cpu_values_mut(
+    t: &Tensor,
+    op: &'static str,
+    f: impl FnOnce(&mut [f32]) -> candle_core::Result<()>,
+) -> candle_core::Result<()> {
+    struct InPlace<F> {
+        op: &'static str,
+        f: Mutex<Option<F>>,
+    }
+    impl<F: FnOnce(&mut [f32]) -> candle_core::Result<()>> candle_core::InplaceOp1 for InPlace<F> {
+        fn name(&self) -> &'static str {
+            self.op
+        }
+        fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+            let CpuStorage::F32(data) = storage else {
+                return Err(op_err(format!("{}: f32 only", self.op)));
+            };
+            let Some((a, b)) = layout.contiguous_offsets() else {
+                return Err(op_err(format!("{}: a contiguous tensor only", self.op)));
+            };
+            let f = self.f.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let f = f.ok_or_else(|| op_err(format!("{}: run twice", self.op)))?;
+            f(&mut data[a..b])
+        }
+    }
+    t.inplace_op1(&InPlace {
+        op,
+        f: Mutex::new(Some(f)),
+    })
+}
+
 fn out(v: Vec<f32>, shape: &Shape) -> (CpuStorage, Shape) {
     (CpuStorage::F32(v), shape.clone())
 }

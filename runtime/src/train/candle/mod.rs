@@ -19,7 +19,7 @@ use super::ops::TensorOps;
 use super::task::{Backend, Host, Task};
 use super::{TrainConfig, TrainError, TrainObserver, TrainReport};
 use crate::checkpoint::Checkpoint;
-use crate::model::checkpoint::GradSink;
+use crate::model::checkpoint::{GradSink, LayerBackward};
 use crate::model::lora::{Adapters, LoraSpec};
 use crate::model::{DecoderModel, ModelError};
 use candle_core::{DType, Tensor, Var};
@@ -217,10 +217,17 @@ impl Setup {
             let dropout = !config.disable_dropout()?;
             model = model.with_adapters(Some(Arc::new(a.set_training(dropout))));
         }
-        if config.gradient_checkpointing()? {
-            let sink = GradSink::new(trainable.iter().map(|(_, v)| v));
-            model = model.with_gradient_checkpointing(Some(Arc::new(sink)));
-        }
+        // Each decoder layer's backward pass runs by itself: recomputed from the layer's input
+        // under gradient checkpointing, else through the layer's kept graph, which it then frees
+        // (so the activations of the layers already gone through are not held beside the
+        // gradients, as candle's one graph would hold them until its backward pass ends).
+        let mode = if config.gradient_checkpointing()? {
+            LayerBackward::Recompute
+        } else {
+            LayerBackward::Kept
+        };
+        let sink = GradSink::with_mode(trainable.iter().map(|(_, v)| v), mode);
+        model = model.with_gradient_checkpointing(Some(Arc::new(sink)));
         let mut trainable = trainable;
         let value = match crate::train::value_model_dir(config)? {
             Some(dir) => {

@@ -64,27 +64,31 @@ impl AdamW {
 }
 
 impl AdamW {
-    /// Whether every variable, gradient and moment is an f32 tensor on the CPU: then the step
-    /// runs as one pass per parameter ([`AdamW::update_fused`]).
+    /// Whether every variable, gradient and moment is an f32 tensor on the CPU, the variables
+    /// and moments contiguous: then the step runs as one pass per parameter, in place
+    /// ([`AdamW::update_fused`]). (Each moment has a storage of its own: made by `zeros_like`
+    /// or read from a checkpoint, never a view of another tensor.)
     fn fusable(&self, grads: &[Option<Tensor>]) -> bool {
         let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-        self.vars.iter().all(|v| f32_cpu(v.as_tensor()))
+        let in_place = |t: &Tensor| f32_cpu(t) && t.is_contiguous();
+        self.vars.iter().all(|v| in_place(v.as_tensor()))
             && grads.iter().flatten().all(f32_cpu)
             && self
                 .state
                 .moments
                 .iter()
-                .all(|s| f32_cpu(&s.m) && f32_cpu(&s.v))
+                .all(|s| in_place(&s.m) && in_place(&s.v))
     }
 
-    /// [`AdamW::update`] as `kiln_kernels::ops::optim::adamw`: per parameter one pass over the
-    /// parameter, its gradient and moments on every core, where the composition of
+    /// [`AdamW::update`] as `kiln_kernels::ops::optim::adamw_in_place`: per parameter one pass
+    /// over the parameter, its gradient and moments on every core, writing the parameter and
+    /// moments where they lie, where the composition of
     /// [`crate::train::optim::AdamW::update`] makes thirteen tensors (each a fresh allocation,
     /// the eight unary ones on one core). The same f32 operations in the same order: the same
     /// bits.
     fn update_fused(&mut self, lr: f64, grads: &[Option<Tensor>]) -> candle_core::Result<()> {
-        use crate::model::fused::cpu_values;
-        use kiln_kernels::ops::optim::{AdamWScalars, adamw};
+        use crate::model::fused::{cpu_values, with_cpu_values_mut};
+        use kiln_kernels::ops::optim::{AdamWScalars, adamw_in_place};
         let k = self.state.next_step(lr);
         for ((slot, var), g) in self.state.moments.iter_mut().zip(&self.vars).zip(grads) {
             let Some(g) = g else {
@@ -100,31 +104,22 @@ impl AdamW {
                 eps: k.eps as f32,
                 step_size: k.step_size as f32,
             };
-            let n = var.elem_count();
-            let (mut p_out, mut m_out, mut v_out) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-            {
-                let (p, g) = (var.as_tensor().contiguous()?, g.contiguous()?);
-                let (m, v) = (slot.m.contiguous()?, slot.v.contiguous()?);
-                let (gp, lp) = p.storage_and_layout();
-                let (gg, lg) = g.storage_and_layout();
-                let (gm, lm) = m.storage_and_layout();
-                let (gv, lv) = v.storage_and_layout();
-                adamw(
-                    &s,
-                    cpu_values(&gp, lp, "adamw")?,
-                    cpu_values(&gg, lg, "adamw")?,
-                    cpu_values(&gm, lm, "adamw")?,
-                    cpu_values(&gv, lv, "adamw")?,
-                    &mut p_out,
-                    &mut m_out,
-                    &mut v_out,
-                )
-                .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", slot.name)))?;
-            }
-            let shape = var.shape().clone();
-            var.set(&Tensor::from_vec(p_out, shape.clone(), &Device::Cpu)?)?;
-            slot.m = Tensor::from_vec(m_out, shape.clone(), &Device::Cpu)?;
-            slot.v = Tensor::from_vec(v_out, shape, &Device::Cpu)?;
+            // The parameter and both moments updated where they lie: no new buffers (a step
+            // of the 254M model would otherwise allocate, fault in and fill 3 GB of fresh pages,
+            // and hold three copies of its largest parameter at once).
+            let g = g.contiguous()?;
+            let (gg, lg) = g.storage_and_layout();
+            let g = cpu_values(&gg, lg, "adamw")?;
+            let name = &slot.name;
+            let err =
+                |e: kiln_kernels::KernelError| candle_core::Error::Msg(format!("{name}: {e}"));
+            with_cpu_values_mut(&slot.m, "adamw", |m| {
+                with_cpu_values_mut(&slot.v, "adamw", |v| {
+                    with_cpu_values_mut(var.as_tensor(), "adamw", |p| {
+                        adamw_in_place(&s, p, g, m, v).map_err(err)
+                    })
+                })
+            })?;
         }
         Ok(())
     }
