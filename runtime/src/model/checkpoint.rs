@@ -19,7 +19,7 @@
 //! un-checkpointed pass (this file's tests) and by TRL parity (`tests/it/train.rs`, where it is
 //! on, as TRL's default is).
 //!
-//! Without checkpointing the same op serves the other end of the trade
+//! Under full fine-tuning without checkpointing the same op serves the other end of the trade
 //! ([`LayerBackward::Kept`]): the op keeps the layer's graph (every intermediate, as candle's
 //! one graph would) and its backward pass goes through that graph and then drops it. candle's
 //! `backward` holds every node of a graph until it returns, so in one graph the activations of

@@ -217,17 +217,24 @@ impl Setup {
             let dropout = !config.disable_dropout()?;
             model = model.with_adapters(Some(Arc::new(a.set_training(dropout))));
         }
-        // Each decoder layer's backward pass runs by itself: recomputed from the layer's input
-        // under gradient checkpointing, else through the layer's kept graph, which it then frees
-        // (so the activations of the layers already gone through are not held beside the
-        // gradients, as candle's one graph would hold them until its backward pass ends).
+        // Each decoder layer's backward pass runs by itself under gradient checkpointing
+        // (recomputed from the layer's input) and under full fine-tuning without it (through
+        // the layer's kept graph, which it then frees, so the activations of the layers already
+        // gone through are not held beside the weights' gradients as they arrive, as candle's
+        // one graph would hold them until its backward pass ends). Under LoRA the gradients
+        // that arrive are the adapters' (small): the peak is the forward's end either way, and
+        // one graph spares the layer ops' copies of their inputs and outputs.
         let mode = if config.gradient_checkpointing()? {
-            LayerBackward::Recompute
+            Some(LayerBackward::Recompute)
+        } else if adapters.is_none() {
+            Some(LayerBackward::Kept)
         } else {
-            LayerBackward::Kept
+            None
         };
-        let sink = GradSink::with_mode(trainable.iter().map(|(_, v)| v), mode);
-        model = model.with_gradient_checkpointing(Some(Arc::new(sink)));
+        if let Some(mode) = mode {
+            let sink = GradSink::with_mode(trainable.iter().map(|(_, v)| v), mode);
+            model = model.with_gradient_checkpointing(Some(Arc::new(sink)));
+        }
         let mut trainable = trainable;
         let value = match crate::train::value_model_dir(config)? {
             Some(dir) => {
