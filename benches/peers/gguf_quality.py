@@ -10,12 +10,16 @@ parts:
   --imatrix-chunks of them): `kiln imatrix` on the Hugging Face folder and `llama-imatrix` on the
   bf16 GGUF, each timed with its peak RSS (`/usr/bin/time -v`), compared entry by entry;
 - for each file type (--types; q4-k-m q3-k-m q2-k iq4-xs by default): `kiln export` without an
-  importance matrix and with kiln's, `llama-quantize` of the bf16 GGUF without one, with
-  llama-imatrix's and with kiln's; kiln's files are compared tensor by tensor (type, shape,
-  bytes; gguf-py) with llama-quantize's made from the same importance matrix (none, or kiln's
-  file): kiln promises llama-quantize's tensor bytes (the tensors' order in the file is not
-  the same: llama-quantize writes them sorted by layer, then name);
-- every GGUF scored by `llama-perplexity --kl-divergence` against the bf16 GGUF on the held-out
+  importance matrix (where llama-quantize allows one: not for IQ3_XXS and the IQ2/IQ1 types)
+  and with kiln's, `llama-quantize` of the bf16 GGUF the same ways and, for a scored type, with
+  llama-imatrix's; as each type is made, kiln's files are compared tensor by tensor (type,
+  shape, bytes; gguf-py) and as whole files with llama-quantize's made from the same importance
+  matrix (none, or kiln's file): kiln promises llama-quantize's tensor bytes (the tensors'
+  order may differ: llama-quantize writes them sorted by layer, then name, kiln in the
+  converter's order);
+- every GGUF of a scored type (--score-types, by default all of --types; given with no type,
+  the files are only made and compared, and with --discard-unscored deleted once compared)
+  scored by `llama-perplexity --kl-divergence` against the bf16 GGUF on the held-out
   text (chunks of --ctx tokens, the first --chunks of them, the second half of each scored):
   perplexity, KL divergence of each token's distribution from the base's (mean, median, 99th
   percentile), how often the top token is the base's;
@@ -40,7 +44,9 @@ agree for any other n.
 `bible` program's compressed format) and `bible-kjv` (the program) with `apt-get download`,
 dumps Genesis 1:1 to Revelation 22:21 in book order, one verse a line without its reference, and
 writes calib.txt (the first 200 000 characters) and heldout.txt (the last 300 000).
-SMOLLM2_HF comes from `benches/peers/smollm2_hf.py`. Needs numpy and pyyaml (gguf-py's) and
+SMOLLM2_HF comes from `benches/peers/smollm2_hf.py` (576-wide rows: the K and IQ types fall back
+on most matrices); `benches/peers/qwen25_coder_hf.py` makes a model whose rows are all whole
+256-blocks. A kiln file whose tensors equal llama-quantize's is not scored twice. Needs numpy and pyyaml (gguf-py's) and
 llama.cpp's tools and gguf-py (`scripts/gguf/build-llama-cpp.sh`). Nothing is written into the
 repository; the table it prints is what BENCHMARKS.md records.
 """
@@ -110,6 +116,17 @@ def run(cmd, log, timed=True):
         sys.exit(f"{cmd[0]} failed ({p.returncode}), see {log}:\n{p.stdout[-3000:]}")
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stdout)
     return secs, (int(m.group(1)) / 1024 if m else None), p.stdout
+
+
+# llama-quantize refuses these without an importance matrix.
+NEED_IMATRIX = {"iq3-xxs", "iq2-xxs", "iq2-xs", "iq2-s", "iq1-s", "iq1-m", "q2-k-s"}
+
+
+def imatrices(typ, tool, o):
+    """The importance matrices `tool` quantizes `typ` with: none (where allowed) and kiln's for
+    both tools; llama-imatrix's too for llama-quantize on a scored type."""
+    ims = ([] if typ in NEED_IMATRIX else ["none"]) + ["kiln"]
+    return ims + (["llama.cpp"] if tool == "llama.cpp" and typ in o.score_types else [])
 
 
 def llama_type(t):
@@ -250,15 +267,22 @@ def main():
     a.add_argument("--ctx", type=int, default=512)
     a.add_argument("--chunks", type=int, default=20, help="held-out chunks scored")
     a.add_argument("--imatrix-chunks", type=int, help="calibration chunks (default: all)")
-    a.add_argument("--types", nargs="+", default=TYPES)
+    a.add_argument("--types", nargs="+", default=TYPES, help="the file types made by both tools and compared")
+    a.add_argument("--score-types", nargs="*", help="the types scored by llama-perplexity (default: --types; "
+                   "none given: the files are only made and compared)")
     a.add_argument("--threads", type=int, default=2, help="llama.cpp tools' -t")
     a.add_argument("--kiln-eval", default="q4-k-m", help="the type whose files kiln eval scores too ('' for none)")
     a.add_argument("--gguf-py", default=str(GGUF_PY))
+    a.add_argument("--discard-unscored", action="store_true",
+                   help="delete an unscored type's files once compared (a large model's files fill the disk)")
     a.add_argument("--reuse", action="store_true", help="keep files already made in --work (their time is then not measured)")
     o = a.parse_args()
     if o.make_text:
         make_text(o.make_text)
         return
+    o.score_types = o.types if o.score_types is None else o.score_types
+    if not set(o.score_types) <= set(o.types):
+        a.error("--score-types must be among --types")
     for k in ["kiln", "llama_bin", "model", "calib", "heldout"]:
         if getattr(o, k) is None:
             a.error(f"--{k.replace('_', '-')} is required")
@@ -304,10 +328,12 @@ def main():
     imx_cmp = compare_imatrix(imx["kiln"], imx["llama.cpp"])
     print(f"imatrix kiln vs llama.cpp: {imx_cmp}")
 
-    # Quantized files: (tool, type, imatrix) -> path.
-    files = {}
+    # Quantized files: (tool, type, imatrix) -> path. Every type is made by both tools without an
+    # importance matrix (where llama-quantize allows it) and with kiln's; the scored ones with
+    # llama-imatrix's too.
+    files, same, mixes_of = {}, {}, {}
     for typ in o.types:
-        for im in ["none", "kiln"]:
+        for im in imatrices(typ, "kiln", o):
             out = work / f"kiln-{typ}-{im}"
             files[("kiln", typ, im)] = out / "model.gguf"
             if made(out / "model.gguf"):
@@ -315,7 +341,7 @@ def main():
             cmd = [o.kiln, "export", "--model", o.model, "--output-format", "gguf", "--format", typ,
                    "--out", out, "--force"] + (["--imatrix", imx["kiln"]] if im == "kiln" else [])
             stats[("kiln", typ, im)] = run(cmd, logs / f"kiln-{typ}-{im}.log")[:2]
-        for im in ["none", "llama.cpp", "kiln"]:
+        for im in imatrices(typ, "llama.cpp", o):
             out = work / f"llama-{typ}-{im}.gguf"
             files[("llama.cpp", typ, im)] = out
             if made(out):
@@ -323,23 +349,25 @@ def main():
             cmd = [bin_ / "llama-quantize"] + (["--imatrix", imx[im]] if im != "none" else []) + \
                   [base, out, llama_type(typ), o.threads]
             stats[("llama.cpp", typ, im)] = run(cmd, logs / f"llama-{typ}-{im}.log")[:2]
-        for im in ["none", "kiln"]:
+        # kiln's file against llama-quantize's from the same importance matrix, as each is made.
+        for im in imatrices(typ, "kiln", o):
             s = [stats.get((t, typ, im)) for t in ("kiln", "llama.cpp")]
-            print(f"{typ} imatrix {im}: " + ", ".join(
-                f"{t} {x[0]:.1f} s {x[1]:.0f} MB" for t, x in zip(("kiln", "llama-quantize"), s) if x))
-
-    # kiln's files against llama-quantize's from the same importance matrix.
-    same = {}
-    for typ in o.types:
-        for im in ["none", "kiln"]:
             c = same[(typ, im)] = compare_gguf(files[("kiln", typ, im)], files[("llama.cpp", typ, im)])
-            print(f"kiln vs llama-quantize, {typ}, imatrix {im}: {describe(c)}")
+            print(f"{typ} imatrix {im}: " + ", ".join(
+                f"{t} {x[0]:.1f} s {x[1]:.0f} MB" for t, x in zip(("kiln", "llama-quantize"), s) if x)
+                + f"; kiln vs llama-quantize: {describe(c)}", flush=True)
+        if o.discard_unscored and typ not in o.score_types:
+            for im in imatrices(typ, "llama.cpp", o):
+                mixes_of[typ, im] = tensor_mix(files[("llama.cpp", typ, im)])
+            for tool in ("kiln", "llama.cpp"):
+                for im in imatrices(typ, tool, o):
+                    pathlib.Path(files[(tool, typ, im)]).unlink()
 
     # The type mix (what the 256-wide types fell back to), from the files and llama-quantize's log.
     mixes = {}
     for typ in o.types:
-        for im in ["none", "llama.cpp"]:
-            mix, types = tensor_mix(files[("llama.cpp", typ, im)])
+        for im in [im for im in imatrices(typ, "llama.cpp", o) if im != "kiln"]:
+            mix, types = mixes_of.get((typ, im)) or tensor_mix(files[("llama.cpp", typ, im)])
             log = (logs / f"llama-{typ}-{im}.log")
             fallbacks = {}
             if log.exists():
@@ -356,6 +384,14 @@ def main():
                 f"{r}: " + ", ".join(f"{c} {t}" for t, c in sorted(v.items())) for r, v in sorted(by_role.items())
                 if not r.endswith("norm.weight")))
 
+    if not o.score_types:
+        print("\nkiln's file == llama-quantize's from the same importance matrix (tensor data, gguf-py):")
+        for (typ, im), c in same.items():
+            print(f"- {typ}, imatrix {im}: {describe(c)}")
+        print(f"\nimportance matrices, kiln vs llama-imatrix: {imx_cmp}")
+        print(f"{versions}; total {time.time() - t0:.0f} s")
+        return
+
     # Scores: llama-perplexity, the bf16 GGUF's log-probabilities saved once.
     base_kld = work / "bf16.kld"
     secs, _, out = run([bin_ / "llama-perplexity", "-m", base, "-f", o.heldout, "-c", o.ctx, "--chunks", o.chunks,
@@ -366,9 +402,19 @@ def main():
     scores = {}
     for key, path in files.items():
         tool, typ, im = key
+        if typ not in o.score_types:
+            continue
+        if tool == "kiln" and same[(typ, im)]["identical"]:
+            # The same tensors, type for type and byte for byte: the same figures.
+            scores[key] = dict(scores.get(("llama.cpp", typ, im)) or perplexity_kl(
+                o, files[("llama.cpp", typ, im)], base_kld, logs / f"ppl-llama.cpp-{typ}-{im}.log"), eval_s=0.0)
+            scores[("llama.cpp", typ, im)] = scores.get(("llama.cpp", typ, im)) or dict(scores[key])
+            continue
+        if key in scores:
+            continue
         scores[key] = perplexity_kl(o, path, base_kld, logs / f"ppl-{tool}-{typ}-{im}.log")
         s = scores[key]
-        print(f"{tool} {typ} imatrix {im}: ppl {s['ppl']:.4f}, KL {s['kl_mean']:.5f} ({s['eval_s']:.0f} s)")
+        print(f"{tool} {typ} imatrix {im}: ppl {s['ppl']:.4f}, KL {s['kl_mean']:.5f} ({s['eval_s']:.0f} s)", flush=True)
 
     # kiln eval on two of the same files: llama-quantize's, without and with llama-imatrix's matrix.
     kiln_eval = {}
@@ -393,9 +439,11 @@ def main():
     print("\n| tool | type | imatrix | ppl | Δppl | KL mean | KL median | KL p99 | same top % | quantize s | peak RSS MB |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| kiln export | bf16 (base) | — | {base_ppl:.4f} | — | — | — | — | — | — | — |")
-    for typ in o.types:
+    for typ in o.score_types:
         for tool, im in [("kiln", "none"), ("llama.cpp", "none"), ("kiln", "kiln"), ("llama.cpp", "kiln"),
                          ("llama.cpp", "llama.cpp")]:
+            if (tool, typ, im) not in scores:
+                continue
             s = scores[(tool, typ, im)]
             secs, peak = stats.get((tool, typ, im), (None, None))
             name = "kiln export" if tool == "kiln" else "llama-quantize"

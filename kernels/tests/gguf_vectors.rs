@@ -1,7 +1,8 @@
 //! kiln's GGUF quantizers (`ops::gguf`) against llama.cpp's own: `tests/vectors/gguf_cases.json`,
 //! written by `quantize_<type>` of ggml-quants.c (llama-cpp-python 0.3.36's sources, built
 //! with `-ffp-contract=off`; `tests/vectors/gguf_gen.py`) for random, heavy-tailed, one-signed,
-//! zero, constant, outlier and exact-grid inputs, each without importance weights and (every
+//! zero, constant, outlier and exact-grid inputs and all-zero groups inside non-zero blocks,
+//! each without importance weights and (every
 //! type that reads them) with two sets shaped like an imatrix's, one with dead columns. Every
 //! output byte must match, and decoding
 //! must give gguf-py's dequantized values (within 1e-6 relative: numpy may

@@ -86,9 +86,30 @@ pub fn imatrix(args: &ImatrixArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
         all.truncate(n);
     }
     let device = args.device.device()?;
-    let model = super::eval::open_model(&args.model, candle::DType::F32, &device, false)?;
-    let experts = model.config().moe.as_ref().map_or(0, |m| m.experts);
-    let tied = model.config().tie_word_embeddings;
+    // A Hugging Face checkpoint runs one decoder layer at a time (as calibration does): one
+    // layer's weights in memory with every chunk's hidden states, whatever the model's size. An
+    // export (GGUF, compressed-tensors, ...) is decoded whole.
+    enum Source {
+        Layers(kiln_runtime::checkpoint::Checkpoint),
+        Whole(kiln_runtime::model::DecoderModel),
+    }
+    let source = if kiln_runtime::formats::detect(&args.model)?.is_none() {
+        Source::Layers(kiln_runtime::checkpoint::Checkpoint::open(&args.model)?)
+    } else {
+        Source::Whole(super::eval::open_model(
+            &args.model,
+            candle::DType::F32,
+            &device,
+            false,
+        )?)
+    };
+    let config = match &source {
+        Source::Layers(c) => kiln_runtime::model::DecoderConfig::from_json(c.config().raw())
+            .with_context(|| format!("{}: config.json", args.model.display()))?,
+        Source::Whole(m) => m.config().clone(),
+    };
+    let experts = config.moe.as_ref().map_or(0, |m| m.experts);
+    let tied = config.tie_word_embeddings;
     if args.process_output && tied {
         writeln!(
             err,
@@ -97,18 +118,40 @@ pub fn imatrix(args: &ImatrixArgs, out: &mut dyn Write, err: &mut dyn Write) -> 
             args.model.display()
         )?;
     }
-    let mut collector = Collector::new(experts, args.process_output, tied);
-    let bar = indicatif::ProgressBar::new(all.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks")
-            .expect("a valid template"),
-    );
+    let collector = Collector::new(experts, args.process_output, tied);
     let started = std::time::Instant::now();
-    for chunk in &all {
-        let ids = candle::Tensor::from_vec(chunk.clone(), (1, chunk.len()), &device)?;
-        model.forward_observed(&ids, &mut collector)?;
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+    let collector = match &source {
+        Source::Layers(checkpoint) => {
+            let bar = indicatif::ProgressBar::new(config.layers as u64 + 1).with_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} layers and the head")
+                    .expect("a valid template"),
+            );
+            let c = kiln_runtime::calibrate::max::calibrate_by_layer(
+                checkpoint,
+                candle::DType::F32,
+                &device,
+                &all,
+                collector,
+                |done, _| bar.set_position(done as u64),
+            )?;
+            bar.finish_and_clear();
+            c
+        }
+        Source::Whole(model) => {
+            let mut collector = collector;
+            let bar = indicatif::ProgressBar::new(all.len() as u64).with_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks")
+                    .expect("a valid template"),
+            );
+            for chunk in &all {
+                let ids = candle::Tensor::from_vec(chunk.clone(), (1, chunk.len()), &device)?;
+                model.forward_observed(&ids, &mut collector)?;
+                bar.inc(1);
+            }
+            bar.finish_and_clear();
+            collector
+        }
+    };
     let m = collector.finish(
         vec![args.data.display().to_string()],
         all.len() as u32,

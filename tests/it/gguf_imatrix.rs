@@ -7,6 +7,7 @@
 //!   `llama-quantize`'s output (SHA-256), and then the whole file;
 //! - `kiln imatrix` on the same text equals `llama-imatrix`'s sums to float rounding.
 
+use crate::common;
 use kiln_runtime::demo::{DemoConfig, write_demo_model};
 use kiln_runtime::export::recipe::{Format, Recipe};
 use kiln_runtime::export::run::{ExportOptions, OutputFormat, run};
@@ -157,6 +158,40 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
     }
 }
 
+/// The library path: the whole model (f32, loaded at once) run over the first `n` chunks of
+/// `ctx` tokens of the references' text, chunk by chunk, into a [`Collector`]; and its config.
+fn whole_model_imatrix(
+    model: &Path,
+    ctx: usize,
+    n: usize,
+    process_output: bool,
+) -> (Imatrix, kiln_runtime::model::DecoderConfig) {
+    let text = std::fs::read_to_string(refs_dir().join("text.txt")).unwrap();
+    let (ids, bos) =
+        kiln_runtime::model::eval::tokenize_text(&model.join("tokenizer.json"), &text).unwrap();
+    let device = kiln_runtime::model::candle::Device::Cpu;
+    let m = kiln_runtime::model::DecoderModel::load(
+        &kiln_runtime::checkpoint::Checkpoint::open(model).unwrap(),
+        kiln_runtime::model::candle::DType::F32,
+        &device,
+    )
+    .unwrap();
+    let config = m.config().clone();
+    let experts = config.moe.as_ref().map_or(0, |r| r.experts);
+    let mut c = Collector::new(experts, process_output, config.tie_word_embeddings);
+    for chunk in kiln_runtime::model::eval::chunks(&ids, ctx, bos)
+        .into_iter()
+        .take(n)
+    {
+        let ids = kiln_runtime::model::candle::Tensor::from_vec(chunk, (1, ctx), &device).unwrap();
+        m.forward_observed(&ids, &mut c).unwrap();
+    }
+    (
+        c.finish(vec!["text.txt".into()], n as u32, ctx as u32),
+        config,
+    )
+}
+
 #[test]
 fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
     let tmp = tempfile::tempdir().unwrap();
@@ -170,27 +205,7 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
         refs["chunks"].as_u64().unwrap() as usize,
     );
     // The library path: the observer over the chunks llama-imatrix processes.
-    let text = std::fs::read_to_string(refs_dir().join("text.txt")).unwrap();
-    let (ids, bos) =
-        kiln_runtime::model::eval::tokenize_text(&model.join("tokenizer.json"), &text).unwrap();
-    let chunks: Vec<Vec<u32>> = kiln_runtime::model::eval::chunks(&ids, ctx, bos)
-        .into_iter()
-        .take(n)
-        .collect();
-    let device = kiln_runtime::model::candle::Device::Cpu;
-    let m = kiln_runtime::model::DecoderModel::load(
-        &kiln_runtime::checkpoint::Checkpoint::open(&model).unwrap(),
-        kiln_runtime::model::candle::DType::F32,
-        &device,
-    )
-    .unwrap();
-    let mut c = Collector::new(0, false, false);
-    for chunk in &chunks {
-        let ids = kiln_runtime::model::candle::Tensor::from_vec(chunk.clone(), (1, ctx), &device)
-            .unwrap();
-        m.forward_observed(&ids, &mut c).unwrap();
-    }
-    let ours = c.finish(vec!["text.txt".into()], n as u32, ctx as u32);
+    let ours = whole_model_imatrix(&model, ctx, n, false).0;
     let theirs = Imatrix::read(&refs_dir().join("llama-imatrix.gguf")).unwrap();
     assert_eq!(
         ours.entries.keys().collect::<Vec<_>>(),
@@ -211,7 +226,9 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
     // Measured 6e-6: the same activations up to f32 summation order.
     assert!(worst < 1e-4, "largest relative difference {worst}");
 
-    // The command writes the same file; `--output-format dat` the legacy one.
+    // The command writes the same sums, bit for bit, though it runs one decoder layer at a
+    // time over every chunk (a checkpoint folder; the library path above ran the whole model
+    // chunk by chunk); `--output-format dat` writes the legacy file.
     let out = tmp.path().join("kiln.gguf");
     let dat = tmp.path().join("kiln.dat");
     for (file, layout) in [(&out, "gguf"), (&dat, "dat")] {
@@ -273,6 +290,64 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
                 .zip(&b)
                 .all(|(x, y)| (x - y).abs() <= 1e-6 * x.abs())
         );
+    }
+}
+
+/// `kiln imatrix` runs a checkpoint one decoder layer at a time; on MoE models (each expert's
+/// inputs summed apart) and one with biases, its sums equal the whole model's run chunk by chunk
+/// bit for bit, and every routed token is counted by the experts it went to.
+#[test]
+fn layer_by_layer_imatrix_equals_the_whole_models_with_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ctx, n) = (32usize, 3usize);
+    for name in ["qwen3-moe-tiny", "mixtral-tiny", "qwen2-tiny"] {
+        let model = common::family(name, tmp.path());
+        let out = tmp.path().join(format!("{name}.gguf"));
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["imatrix", "--process-output", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(refs_dir().join("text.txt"))
+            .arg("--out")
+            .arg(&out)
+            .args(["--ctx", &ctx.to_string(), "--chunks", &n.to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let cli = Imatrix::read(&out).unwrap();
+
+        let (ours, config) = whole_model_imatrix(&model, ctx, n, true);
+        let moe = config.moe.clone();
+        assert_eq!(cli.entries, ours.entries, "{name}");
+        // Every layer's matrices (and an MoE block's router, `ffn_gate_inp`) and the output.
+        let layers = config.layers;
+        let per_layer = if moe.is_some() { 8 } else { 7 };
+        assert_eq!(cli.entries.len(), per_layer * layers + 1, "{name}");
+        assert_eq!(
+            cli.entries.contains_key("blk.0.ffn_gate_inp.weight"),
+            moe.is_some(),
+            "{name}"
+        );
+        assert_eq!(cli.entries["output.weight"].counts, vec![(n * ctx) as i64]);
+        if let Some(m) = moe {
+            let e = &cli.entries["blk.0.ffn_down_exps.weight"];
+            assert_eq!(e.counts.len(), m.experts, "{name}: one count per expert");
+            assert_eq!(
+                e.counts.iter().sum::<i64>(),
+                (n * ctx * m.top_k) as i64,
+                "{name}: every token counted by each of its top-{} experts",
+                m.top_k
+            );
+        } else {
+            assert_eq!(
+                cli.entries["blk.0.attn_q.weight"].counts,
+                vec![(n * ctx) as i64]
+            );
+        }
     }
 }
 

@@ -712,6 +712,12 @@ fn iq3<N: Neighbours>(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8],
     let mut max_scale = 0f32;
     let sigma2 = 2.0 * sum_sq(x) / 256.0;
     let mut l = [0i8; 32];
+    // IQ3_S's point bytes and sign bytes are written through pointers that ggml advances only
+    // past a sub-block it quantized: after an all-zero sub-block (`!max`, skipped by a
+    // `continue` before the advance) the next ones land a slot early and the last slots stay
+    // zero, while the ninth index bits and the scales stay at their own sub-block. llama-quantize
+    // writes that, so kiln does (its decoder reads it as ggml's does).
+    let mut slot = 0;
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let sub = Sub::new(
@@ -758,15 +764,17 @@ fn iq3<N: Neighbours>(ty: GgufType, x: &[f32], qw: Option<&[f32]>, o: &mut [u8],
             }
         }
         let mut packed = 0u32;
+        let at = if is_s { slot } else { ib };
         for k in 0..8 {
             let g = lat.index(&l[4 * k..4 * k + 4]);
-            o[2 + 8 * ib + k] = (g & 255) as u8;
+            o[2 + 8 * at + k] = (g & 255) as u8;
             if is_s {
                 o[66 + ib] |= ((g >> 8) << k) as u8;
             }
         }
+        slot += 1;
         if is_s {
-            o[74 + 4 * ib..78 + 4 * ib].copy_from_slice(&bsigns);
+            o[74 + 4 * at..78 + 4 * at].copy_from_slice(&bsigns);
         } else {
             for (k, &s) in bsigns.iter().enumerate() {
                 packed |= u32::from(s) << (7 * k);

@@ -141,6 +141,20 @@ def inputs(rng):
     yield "constant", np.full((2, cols), 0.25, np.float32)
     g = rng.integers(-8, 8, (4, cols)).astype(np.float32) * np.float32(0.125)
     yield "grid", g  # exact grid points and ties of the legacy types
+    # All-zero groups of 32 (and 16) inside blocks whose other groups are not zero, as a model
+    # dequantized from a 4-bit file has them: ggml's IQ3_S skips such a group without advancing
+    # its point and sign pointers, so the later groups' bytes move up a slot.
+    zg = (rng.standard_normal((4, cols)) * 0.02).astype(np.float32)
+    zg[0, 0:32] = 0.0
+    zg[1, 64:96] = 0.0
+    zg[1, 160:192] = 0.0
+    zg[1, 256 + 224:] = 0.0
+    zg[2, :224] = 0.0
+    zg[2, 256 + 32:256 + 64] = 0.0
+    zg[3, 16:32] = 0.0
+    zg[3, 192:224] = 0.0
+    zg[3, 256::3] = 0.0
+    yield "zero-groups", zg
 
 
 def importance(rng, cols):

@@ -490,6 +490,11 @@ impl crate::model::Observer for Collector {
     }
 }
 
+/// A layer-by-layer run ([`crate::calibrate::max::calibrate_by_layer`]) collects the same sums:
+/// each matrix sees the chunks in the same order either way.
+#[cfg(feature = "exec")]
+impl crate::calibrate::max::LayerCalibration for Collector {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
