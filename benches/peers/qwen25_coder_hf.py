@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 # The GGUF names of a Llama-style block are Qwen2's too.
-from smollm2_hf import BLOCK, GLOBAL, GGUF_PY, bf16_bits, f32_repr, field, pre_hash, write_safetensors  # noqa: E402
+from smollm2_hf import BLOCK, GLOBAL, GGUF_PY, bf16_bits, f32_repr, field, pre_hash, write_folder  # noqa: E402
 
 PARTS = 22
 SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
@@ -187,14 +187,8 @@ def main():
             tensors[hf_name(t.name)] = bf16_bits(w)
         cfg = config(r)
         assert len(tensors) == 12 * cfg["num_hidden_layers"] + 3, len(tensors)
-        write_safetensors(out / "model.safetensors", tensors)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (out / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-             "pad_token_id": cfg["pad_token_id"]}, indent=2) + "\n")
         tok, tc = tokenizer(r)
-        tok.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+        write_folder(out, tensors, cfg, tok, tc)
         pre, h = pre_hash(tok)
         if pre != "qwen2":
             sys.exit(f"tokenizer.json hashes as {pre!r} ({h}), not llama.cpp's `qwen2`")

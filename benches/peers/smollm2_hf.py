@@ -106,6 +106,18 @@ def write_safetensors(path, tensors):
             f.write(np.ascontiguousarray(tensors[n]).astype("<u2").tobytes())
 
 
+def write_folder(out, tensors, cfg, tok, tc):
+    """The Hugging Face folder: model.safetensors, config.json, generation_config.json,
+    tokenizer.json and tokenizer_config.json."""
+    write_safetensors(out / "model.safetensors", tensors)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
+         "pad_token_id": cfg["pad_token_id"]}, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+
+
 def field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -244,14 +256,8 @@ def main():
         cfg = config(r, tied)
         n_layer = cfg["num_hidden_layers"]
         assert len(tensors) == 9 * n_layer + 2 + (not tied), len(tensors)
-        write_safetensors(out / "model.safetensors", tensors)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (out / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-             "pad_token_id": cfg["pad_token_id"]}, indent=2) + "\n")
         tok, tc = tokenizer(r)
-        tok.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+        write_folder(out, tensors, cfg, tok, tc)
         pre, h = pre_hash(tok)
         if pre != "smollm":
             sys.exit(f"tokenizer.json hashes as {pre!r} ({h}), not llama.cpp's `smollm`")

@@ -158,6 +158,30 @@ fn every_file_type_with_and_without_an_imatrix_equals_llama_quantize() {
     }
 }
 
+/// Runs `kiln imatrix` on the references' text (`ctx`, the first `chunks`, then `extra`
+/// arguments) into `out`, and reads the file.
+fn kiln_imatrix(model: &Path, out: &Path, ctx: usize, chunks: usize, extra: &[&str]) -> Imatrix {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("imatrix")
+        .args(extra)
+        .arg("--model")
+        .arg(model)
+        .arg("--data")
+        .arg(refs_dir().join("text.txt"))
+        .arg("--out")
+        .arg(out)
+        .args(["--ctx", &ctx.to_string(), "--chunks", &chunks.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}: {}",
+        model.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Imatrix::read(out).unwrap()
+}
+
 /// The library path: the whole model (f32, loaded at once) run over the first `n` chunks of
 /// `ctx` tokens of the references' text, chunk by chunk, into a [`Collector`]; and its config.
 fn whole_model_imatrix(
@@ -231,21 +255,8 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
     // chunk by chunk); `--output-format dat` writes the legacy file.
     let out = tmp.path().join("kiln.gguf");
     let dat = tmp.path().join("kiln.dat");
-    for (file, layout) in [(&out, "gguf"), (&dat, "dat")] {
-        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(["imatrix", "--model"])
-            .arg(&model)
-            .arg("--data")
-            .arg(refs_dir().join("text.txt"))
-            .arg("--out")
-            .arg(file)
-            .args(["--ctx", &ctx.to_string(), "--chunks", &n.to_string()])
-            .args(["--output-format", layout])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
-    let cli = Imatrix::read(&out).unwrap();
+    let cli = kiln_imatrix(&model, &out, ctx, n, &["--output-format", "gguf"]);
+    let legacy = kiln_imatrix(&model, &dat, ctx, n, &["--output-format", "dat"]);
     assert_eq!(cli.entries, ours.entries);
     // The file's layout is llama-imatrix's: the same tensors, names, dimensions (a dense
     // matrix's sums 1-D, as ggml trims them) and the same metadata keys.
@@ -267,21 +278,9 @@ fn kiln_imatrix_equals_llama_imatrix_to_float_rounding() {
     // --process-output adds the output's entry (the demo's output is not tied), over every
     // token of the chunks.
     let with_output = tmp.path().join("out.gguf");
-    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["imatrix", "--process-output", "--model"])
-        .arg(&model)
-        .arg("--data")
-        .arg(refs_dir().join("text.txt"))
-        .arg("--out")
-        .arg(&with_output)
-        .args(["--ctx", &ctx.to_string(), "--chunks", "2"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let w = Imatrix::read(&with_output).unwrap();
+    let w = kiln_imatrix(&model, &with_output, ctx, 2, &["--process-output"]);
     assert_eq!(w.entries.len(), ours.entries.len() + 1);
     assert_eq!(w.entries["output.weight"].counts, vec![2 * ctx as i64]);
-    let legacy = Imatrix::read(&dat).unwrap();
     assert!(legacy.legacy);
     for name in ours.entries.keys() {
         let (a, b) = (ours.weights(name).unwrap(), legacy.weights(name).unwrap());
@@ -303,22 +302,7 @@ fn layer_by_layer_imatrix_equals_the_whole_models_with_experts() {
     for name in ["qwen3-moe-tiny", "mixtral-tiny", "qwen2-tiny"] {
         let model = common::family(name, tmp.path());
         let out = tmp.path().join(format!("{name}.gguf"));
-        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(["imatrix", "--process-output", "--model"])
-            .arg(&model)
-            .arg("--data")
-            .arg(refs_dir().join("text.txt"))
-            .arg("--out")
-            .arg(&out)
-            .args(["--ctx", &ctx.to_string(), "--chunks", &n.to_string()])
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let cli = Imatrix::read(&out).unwrap();
+        let cli = kiln_imatrix(&model, &out, ctx, n, &["--process-output"]);
 
         let (ours, config) = whole_model_imatrix(&model, ctx, n, true);
         let moe = config.moe.clone();
