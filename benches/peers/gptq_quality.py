@@ -69,6 +69,19 @@ oneshot(**args)
 '''
 
 
+def timed_log(log):
+    """(wall seconds, peak RSS in MB) from the `/usr/bin/time -v` report at the end of `log`."""
+    secs = peak = None
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if "Elapsed (wall clock) time" in line:
+                parts = [float(v) for v in line.rsplit(": ", 1)[1].split(":")]
+                secs = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
+            elif "Maximum resident set size" in line:
+                peak = int(line.split(":")[1]) / 1024
+    return secs, peak
+
+
 def evaluate(path, ids, ctx, chunks, base_logprobs=None):
     """llama-perplexity's protocol on `ids`: per chunk of `ctx` tokens, the log-probabilities of
     tokens ctx/2+1 .. ctx-1 given what precedes them in the chunk. Returns (nll per token,
@@ -93,6 +106,10 @@ def evaluate(path, ids, ctx, chunks, base_logprobs=None):
                 base = base_logprobs[c]
                 kls.append((base.exp() * (base - lp)).sum(-1))
                 top1 += (base.argmax(-1) == lp.argmax(-1)).sum().item()
+    # Free the model before the next one loads (a 1.5B model in f32 is 7 GB, and three of
+    # them left to the garbage collector exhausted 24 GB).
+    del model
+    __import__("gc").collect()
     out = {"ppl": float(torch.tensor(nll / count).exp()), "tokens": count}
     if base_logprobs is None:
         return out, rows
@@ -118,7 +135,11 @@ def main():
     a.add_argument("--ctx", type=int, default=512)
     a.add_argument("--chunks", type=int, default=40)
     a.add_argument("--work", default="/tmp/kiln-gptq-quality")
-    a.add_argument("--skip", nargs="*", default=[], help="methods already made (reuse)")
+    a.add_argument("--skip", nargs="*", default=[],
+                   help="runs already made (reuse; their time and peak RSS read from WORK/RUN.log)")
+    a.add_argument("--runs", nargs="*", default=None,
+                   help="make only these runs (kiln-rtn kiln-gptq kiln-gptq_f32 llm-compressor-rtn llm-compressor-gptq)")
+    a.add_argument("--no-eval", action="store_true", help="make the checkpoints and stop")
     a.add_argument("--kiln-f32", action="store_true",
                    help="also kiln's GPTQ calibrated in f32 (--calib-dtype f32), its most exact")
     o = a.parse_args()
@@ -137,8 +158,10 @@ def main():
     for tool, method in runs + [("llm-compressor", "rtn"), ("llm-compressor", "gptq")]:
         out = work / f"{tool}-{method}"
         key = f"{tool}-{method}"
+        if o.runs is not None and key not in o.runs:
+            continue
         if key in o.skip and out.exists():
-            made[key] = (out, None, None)
+            made[key] = (out, *timed_log(work / f"{key}.log"))
             continue
         shutil.rmtree(out, ignore_errors=True)
         if tool == "kiln":
@@ -151,13 +174,11 @@ def main():
         else:
             cmd = ["/usr/bin/time", "-v", sys.executable, "-c", LLMC, o.model, str(out), method, g, str(calib)]
         log = work / f"{key}.log"
-        secs = run_timed(cmd, log)
-        peak = next(
-            (int(l.split(":")[1]) / 1024 for l in log.read_text().splitlines() if "Maximum resident set size" in l),
-            None,
-        )
-        made[key] = (out, secs, peak)
-        print(f"{key}: {secs:.1f} s, peak RSS {peak:.0f} MB")
+        run_timed(cmd, log)
+        made[key] = (out, *timed_log(log))
+        print(f"{key}: {made[key][1]:.1f} s, peak RSS {made[key][2]:.0f} MB")
+    if o.no_eval:
+        return
 
     base, base_rows = evaluate(o.model, held, o.ctx, chunks)
     print(f"\n| model | method | ppl | Δppl | KL mean | KL median | KL p99 | top-1 | quantize s | peak RSS MB |")

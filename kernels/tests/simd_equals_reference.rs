@@ -684,12 +684,13 @@ proptest! {
     #[test]
     fn weighted_kquant_searches_equal_the_reference(
         x in kquant_values(),
-        w in prop::collection::vec(-3.0f32..3.0, 256),
+        w in prop::collection::vec(-3.0f32..3.0, 768),
     ) {
         use kiln_kernels::ops::gguf::{GgufType, quantize_with};
         let cols = 256;
         // Importance weights spread over six decades, one per column.
-        let qw: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
+        let wide: Vec<f32> = w.iter().map(|e| 10f32.powf(*e)).collect();
+        let qw = &wide[..256];
         // The legacy types' σ² runs over the whole row: also one row of 288 (a group of eight
         // blocks and one left over).
         let long: Vec<f32> = qw.iter().chain(&qw[..32]).copied().collect();
@@ -708,8 +709,15 @@ proptest! {
             GgufType::Iq4Xs,
         ]
         .into_iter()
-        .map(|ty| (ty, &x[..], cols, &qw[..]))
+        .map(|ty| (ty, &x[..], cols, qw))
         .collect();
+        // The k-quants also on one row of all the super-blocks (Q4_K and Q5_K search two
+        // at a time, the last one of an odd count alone).
+        if x.len() >= 512 {
+            for ty in [GgufType::Q2K, GgufType::Q3K, GgufType::Q4K, GgufType::Q5K, GgufType::Q6K] {
+                cases.push((ty, &x[..], x.len(), &wide[..x.len()]));
+            }
+        }
         if let Some(row) = legacy_row {
             for ty in [GgufType::Q4_0, GgufType::Q4_1, GgufType::Q5_0, GgufType::Q5_1] {
                 cases.push((ty, row, 288, &long[..]));

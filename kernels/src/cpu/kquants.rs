@@ -12,6 +12,11 @@
 //! The bytes are therefore the reference's (`tests/simd_equals_reference.rs`; inputs holding
 //! NaN excepted, whose payloads IEEE 754 lets an addition pick either way).
 //!
+//! `make_qkx2_quants` takes each candidate scale from the minimum the candidates before it
+//! left, so a vector's candidates run one after another, each a chain of dependent adds: the
+//! searches of Q2_K (a super-block's two halves) and Q4_K / Q5_K (two super-blocks) run two
+//! vectors side by side ([`make_qkx2_quants_k`]), their chains interleaved.
+//!
 //! The searches are written once over [`Lanes`], eight f32 lanes: [`Portable`] (an array, any
 //! CPU) and, on x86-64, `Avx2` (one `__m256`). Everything down to the lane operations is
 //! `#[inline(always)]`, so inside the AVX2 `target_feature` entry point (`x86::quantize_gguf`, which AVX-512 machines run too)
@@ -347,7 +352,24 @@ pub(crate) fn quantize_blocks<V: Lanes>(
     // Plain index loops (not iterator adapters): a generic helper left un-inlined is a
     // function of its own, compiled without the caller's target features.
     let bytes = ty.block_bytes();
-    for b in 0..x.len() / 256 {
+    let blocks = x.len() / 256;
+    let mut b = 0;
+    // Q4_K and Q5_K search two super-blocks at once (their add chains interleaved).
+    if matches!(ty, GgufType::Q4K | GgufType::Q5K) {
+        while b + 2 <= blocks {
+            let (x, o) = (
+                &x[256 * b..256 * b + 512],
+                &mut out[bytes * b..bytes * b + 2 * bytes],
+            );
+            if ty == GgufType::Q4K {
+                qk_asym::<V, 15, 2>(x, o);
+            } else {
+                qk_asym::<V, 31, 2>(x, o);
+            }
+            b += 2;
+        }
+    }
+    while b < blocks {
         let (x, o) = (
             &x[256 * b..256 * b + 256],
             &mut out[bytes * b..bytes * b + bytes],
@@ -355,10 +377,11 @@ pub(crate) fn quantize_blocks<V: Lanes>(
         match ty {
             GgufType::Q2K => q2_k::<V>(x, o),
             GgufType::Q3K => q3_k::<V>(x, o),
-            GgufType::Q4K => qk_asym::<V, 15>(x, o),
-            GgufType::Q5K => qk_asym::<V, 31>(x, o),
+            GgufType::Q4K => qk_asym::<V, 15, 1>(x, o),
+            GgufType::Q5K => qk_asym::<V, 31, 1>(x, o),
             _ => q6_k::<V>(x, o),
         }
+        b += 1;
     }
     Ok(())
 }
@@ -426,17 +449,33 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
             &x[cols * r..cols * r + cols],
             &mut out[row_bytes * r..row_bytes * r + row_bytes],
         );
-        for b in 0..cols / 256 {
+        let (blocks, mut b) = (cols / 256, 0);
+        // Q4_K and Q5_K search two super-blocks at once (their add chains interleaved).
+        if matches!(ty, GgufType::Q4K | GgufType::Q5K) {
+            while b + 2 <= blocks {
+                let xb = &xr[256 * b..256 * b + 512];
+                let qb = &qw[256 * b..256 * b + 512];
+                let ob = &mut or[bytes * b..bytes * b + 2 * bytes];
+                if ty == GgufType::Q4K {
+                    qk_asym_weighted::<V, 15, 2>(xb, qb, ob);
+                } else {
+                    qk_asym_weighted::<V, 31, 2>(xb, qb, ob);
+                }
+                b += 2;
+            }
+        }
+        while b < blocks {
             let xb = &xr[256 * b..256 * b + 256];
             let qb = &qw[256 * b..256 * b + 256];
             let ob = &mut or[bytes * b..bytes * b + bytes];
             match ty {
                 GgufType::Q2K => q2_k_weighted::<V>(xb, qb, ob),
                 GgufType::Q3K => q3_k_weighted::<V>(xb, qb, ob),
-                GgufType::Q4K => qk_asym_weighted::<V, 15>(xb, qb, ob),
-                GgufType::Q5K => qk_asym_weighted::<V, 31>(xb, qb, ob),
+                GgufType::Q4K => qk_asym_weighted::<V, 15, 1>(xb, qb, ob),
+                GgufType::Q5K => qk_asym_weighted::<V, 31, 1>(xb, qb, ob),
                 _ => q6_k_weighted::<V>(xb, qb, ob),
             }
+            b += 1;
         }
     }
     Ok(())
@@ -446,13 +485,30 @@ pub(crate) fn quantize_rows_with<V: Lanes>(
 /// one per lane (`quantize_row_q4_K_impl`'s search; its block scales and codes as the
 /// reference computes them).
 #[inline(always)]
-fn qk_asym_weighted<V: Lanes, const NMAX: i32>(x: &[f32], qw: &[f32], o: &mut [u8]) {
-    let (weights, sw) = qk_asym_weights(x, qw);
-    let xs: [V; 32] = lanes(&transpose::<32>(x, 0));
-    let ws: [V; 32] = lanes(&transpose::<32>(&weights, 0));
-    let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &ws, -0.9, 0.05, 36);
-    let (s, m, mut l) = untranspose32(scales, mins, &codes);
-    qk_asym_impl_finish(x, o, NMAX, &s, &m, &sw, &mut l);
+fn qk_asym_weighted<V: Lanes, const NMAX: i32, const K: usize>(
+    x: &[f32],
+    qw: &[f32],
+    o: &mut [u8],
+) {
+    let zero = V::splat(0.0);
+    let (mut xs, mut ws) = ([[zero; 32]; K], [[zero; 32]; K]);
+    let mut sw = [[0f32; 8]; K];
+    for k in 0..K {
+        let (xk, qk) = (&x[256 * k..256 * k + 256], &qw[256 * k..256 * k + 256]);
+        let (weights, swk) = qk_asym_weights(xk, qk);
+        sw[k] = swk;
+        xs[k] = lanes(&transpose::<32>(xk, 0));
+        ws[k] = lanes(&transpose::<32>(&weights, 0));
+    }
+    let found = make_qkx2_quants_k::<V, NMAX, 32, false, K>(&xs, &ws, -0.9, 0.05, 36);
+    let bytes = o.len() / K;
+    for k in 0..K {
+        let (scales, mins, codes) = found[k];
+        let (s, m, mut l) = untranspose32(scales, mins, &codes);
+        let xk = &x[256 * k..256 * k + 256];
+        let ok = &mut o[bytes * k..bytes * k + bytes];
+        qk_asym_impl_finish(xk, ok, NMAX, &s, &m, &sw[k], &mut l);
+    }
 }
 
 /// One row of a legacy type (Q4_0, Q4_1, Q5_0, Q5_1) under the importance weights `qw`: σ²
@@ -660,10 +716,18 @@ fn q2_search<V: Lanes, const MAD: bool>(
 ) -> ([f32; 16], [f32; 16], [u8; 256]) {
     let mut l = [0u8; 256];
     let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    // Both halves in one search, their sums interleaved.
+    let xs: [[V; 16]; 2] = [
+        lanes(&transpose::<16>(x, 0)),
+        lanes(&transpose::<16>(x, 128)),
+    ];
+    let ws = [
+        weight_lanes(&xs[0], weights, 0, V::abs),
+        weight_lanes(&xs[1], weights, 1, V::abs),
+    ];
+    let found = make_qkx2_quants_k::<V, 3, 16, MAD, 2>(&xs, &ws, rmin, rdelta, nstep);
     for half in 0..2 {
-        let xs: [V; 16] = lanes(&transpose::<16>(x, 128 * half));
-        let ws = weight_lanes(&xs, weights, half, V::abs);
-        let (scale, min, codes) = make_qkx2_quants::<V, 3, 16, MAD>(&xs, &ws, rmin, rdelta, nstep);
+        let (scale, min, codes) = found[half];
         let code = |c: f32| c as u8;
         untranspose16(
             half,
@@ -948,24 +1012,41 @@ fn transpose<const E: usize>(x: &[f32], start: usize) -> [[f32; 8]; E] {
     t
 }
 
-/// Q4_K / Q5_K: the eight 32-element sub-blocks of one super-block, one per lane.
+/// Q4_K / Q5_K: the eight 32-element sub-blocks of each of `K` super-blocks (`x` holds
+/// `256·K` values, `o` their `K` blocks), one sub-block per lane, the `K` searches
+/// interleaved.
 #[inline(always)]
-fn qk_asym<V: Lanes, const NMAX: i32>(x: &[f32], o: &mut [u8]) {
-    let xt = transpose::<32>(x, 0);
-    let xs: [V; 32] = lanes(&xt);
-    let mut sum_x2 = V::splat(0.0);
-    for v in xs {
-        sum_x2 = sum_x2.add(v.mul(v));
-    }
-    let av_x = sum_x2.div(V::splat(32.0)).sqrt();
-    let mut w = xs;
-    for i in 0..32 {
-        w[i] = av_x.add(xs[i].abs());
+fn qk_asym<V: Lanes, const NMAX: i32, const K: usize>(x: &[f32], o: &mut [u8]) {
+    let zero = V::splat(0.0);
+    let mut xs = [[zero; 32]; K];
+    let mut w = [[zero; 32]; K];
+    for k in 0..K {
+        xs[k] = lanes(&transpose::<32>(x, 256 * k));
+        let mut sum_x2 = zero;
+        for i in 0..32 {
+            sum_x2 = sum_x2.add(xs[k][i].mul(xs[k][i]));
+        }
+        let av_x = sum_x2.div(V::splat(32.0)).sqrt();
+        for i in 0..32 {
+            w[k][i] = av_x.add(xs[k][i].abs());
+        }
     }
     let (rmin, nstep) = qk_asym_grid(NMAX);
-    let (scales, mins, codes) = make_qkx2_quants::<V, NMAX, 32, false>(&xs, &w, rmin, 0.1, nstep);
-    let (s, m, mut l) = untranspose32(scales, mins, &codes);
-    qk_asym_finish(x, o, NMAX, &s, &m, &mut l);
+    let found = make_qkx2_quants_k::<V, NMAX, 32, false, K>(&xs, &w, rmin, 0.1, nstep);
+    let bytes = o.len() / K;
+    for k in 0..K {
+        let (scales, mins, codes) = found[k];
+        let (s, m, mut l) = untranspose32(scales, mins, &codes);
+        let xk = &x[256 * k..256 * k + 256];
+        qk_asym_finish(
+            xk,
+            &mut o[bytes * k..bytes * k + bytes],
+            NMAX,
+            &s,
+            &m,
+            &mut l,
+        );
+    }
 }
 
 #[inline(always)]
@@ -995,72 +1076,133 @@ fn make_qkx2_quants<V: Lanes, const NMAX: i32, const N: usize, const MAD: bool>(
     rdelta: f32,
     nstep: i32,
 ) -> (V, V, [V; N]) {
+    let [r] = make_qkx2_quants_k::<V, NMAX, N, MAD, 1>(
+        std::array::from_ref(x),
+        std::array::from_ref(weights),
+        rmin,
+        rdelta,
+        nstep,
+    );
+    r
+}
+
+/// [`make_qkx2_quants`] on `K` vectors of eight sub-blocks at once: the same operations per
+/// lane, the `K` vectors' running sums interleaved so that their add chains overlap (each
+/// candidate's scale depends on the one before through `min`, so a vector alone waits on its
+/// own sums).
+#[inline(always)]
+fn make_qkx2_quants_k<
+    V: Lanes,
+    const NMAX: i32,
+    const N: usize,
+    const MAD: bool,
+    const K: usize,
+>(
+    x: &[[V; N]; K],
+    weights: &[[V; N]; K],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+) -> [(V, V, [V; N]); K] {
     // `|d|` or `d²`, as the reference's `use_mad` chooses.
     let err = |d: V| if MAD { d.abs() } else { d.mul(d) };
-    let (mut min, mut max) = (x[0], x[0]);
-    let mut sum_w = weights[0];
-    let mut sum_x = sum_w.mul(x[0]);
-    for i in 1..N {
-        min = x[i].lt(min).select(x[i], min);
-        max = max.lt(x[i]).select(x[i], max);
-        sum_w = sum_w.add(weights[i]);
-        sum_x = sum_x.add(weights[i].mul(x[i]));
-    }
     let zero = V::splat(0.0);
-    min = zero.lt(min).select(zero, min);
+    let (mut min, mut max, mut sum_w, mut sum_x) = ([zero; K], [zero; K], [zero; K], [zero; K]);
+    for k in 0..K {
+        (min[k], max[k]) = (x[k][0], x[k][0]);
+        sum_w[k] = weights[k][0];
+        sum_x[k] = sum_w[k].mul(x[k][0]);
+    }
+    for i in 1..N {
+        for k in 0..K {
+            let xi = x[k][i];
+            min[k] = xi.lt(min[k]).select(xi, min[k]);
+            max[k] = max[k].lt(xi).select(xi, max[k]);
+            sum_w[k] = sum_w[k].add(weights[k][i]);
+            sum_x[k] = sum_x[k].add(weights[k][i].mul(xi));
+        }
+    }
+    let nmax_f = V::splat(NMAX as f32);
     // Lanes whose sub-block is constant return early in the reference; here they run along
     // (on infinite scales) and are set at the end.
-    let flat = max.eq(min);
-    let flat_min = min;
-    let nmax_f = V::splat(NMAX as f32);
-    let iscale = nmax_f.div(max.sub(min));
-    let mut scale = V::splat(1.0).div(iscale);
-    let mut best_error = zero;
-    let mut l = [zero; N];
-    for i in 0..N {
-        l[i] = iscale.mul(x[i].sub(min)).code(0, NMAX);
-        let diff = scale.mul(l[i]).add(min).sub(x[i]);
-        best_error = best_error.add(weights[i].mul(err(diff)));
+    let (mut flat, mut flat_min, mut scale, mut best_error) =
+        ([zero; K], [zero; K], [zero; K], [zero; K]);
+    let mut iscale = [zero; K];
+    for k in 0..K {
+        min[k] = zero.lt(min[k]).select(zero, min[k]);
+        flat[k] = max[k].eq(min[k]);
+        flat_min[k] = min[k];
+        iscale[k] = nmax_f.div(max[k].sub(min[k]));
+        scale[k] = V::splat(1.0).div(iscale[k]);
     }
-    let mut laux = [zero; N];
+    let mut l = [[zero; N]; K];
+    for i in 0..N {
+        for k in 0..K {
+            l[k][i] = iscale[k].mul(x[k][i].sub(min[k])).code(0, NMAX);
+            let diff = scale[k].mul(l[k][i]).add(min[k]).sub(x[k][i]);
+            best_error[k] = best_error[k].add(weights[k][i].mul(err(diff)));
+        }
+    }
+    let mut laux = [[zero; N]; K];
     for is in 0..=nstep {
         // `min` moves with each better candidate, as in the reference.
-        let iscale = V::splat(rmin + rdelta * is as f32 + NMAX as f32).div(max.sub(min));
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
-        for i in 0..N {
-            let q = iscale.mul(x[i].sub(min)).code(0, NMAX);
-            laux[i] = q;
-            let wq = weights[i].mul(q);
-            sum_l = sum_l.add(wq);
-            sum_l2 = sum_l2.add(wq.mul(q));
-            sum_xl = sum_xl.add(wq.mul(x[i]));
+        let c = V::splat(rmin + rdelta * is as f32 + NMAX as f32);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = ([zero; K], [zero; K], [zero; K]);
+        for k in 0..K {
+            iscale[k] = c.div(max[k].sub(min[k]));
         }
-        let det = sum_w.mul(sum_l2).sub(sum_l.mul(sum_l));
-        let mut this_scale = sum_w.mul(sum_xl).sub(sum_x.mul(sum_l)).div(det);
-        let mut this_min = sum_l2.mul(sum_x).sub(sum_l.mul(sum_xl)).div(det);
-        let positive = zero.lt(this_min);
-        this_scale = positive.select(sum_xl.div(sum_l2), this_scale);
-        this_min = positive.select(zero, this_min);
-        let mut cur_error = zero;
         for i in 0..N {
-            let diff = this_scale.mul(laux[i]).add(this_min).sub(x[i]);
-            cur_error = cur_error.add(weights[i].mul(err(diff)));
+            for k in 0..K {
+                let q = iscale[k].mul(x[k][i].sub(min[k])).code(0, NMAX);
+                laux[k][i] = q;
+                let wq = weights[k][i].mul(q);
+                sum_l[k] = sum_l[k].add(wq);
+                sum_l2[k] = sum_l2[k].add(wq.mul(q));
+                sum_xl[k] = sum_xl[k].add(wq.mul(x[k][i]));
+            }
         }
-        // The reference takes a candidate when `det > 0` and its error is lower.
-        let better = zero.lt(det).and(cur_error.lt(best_error));
+        let (mut this_scale, mut this_min, mut det) = ([zero; K], [zero; K], [zero; K]);
+        for k in 0..K {
+            det[k] = sum_w[k].mul(sum_l2[k]).sub(sum_l[k].mul(sum_l[k]));
+            let s = sum_w[k]
+                .mul(sum_xl[k])
+                .sub(sum_x[k].mul(sum_l[k]))
+                .div(det[k]);
+            let m = sum_l2[k]
+                .mul(sum_x[k])
+                .sub(sum_l[k].mul(sum_xl[k]))
+                .div(det[k]);
+            let positive = zero.lt(m);
+            this_scale[k] = positive.select(sum_xl[k].div(sum_l2[k]), s);
+            this_min[k] = positive.select(zero, m);
+        }
+        let mut cur_error = [zero; K];
         for i in 0..N {
-            l[i] = better.select(laux[i], l[i]);
+            for k in 0..K {
+                let diff = this_scale[k].mul(laux[k][i]).add(this_min[k]).sub(x[k][i]);
+                cur_error[k] = cur_error[k].add(weights[k][i].mul(err(diff)));
+            }
         }
-        best_error = better.select(cur_error, best_error);
-        scale = better.select(this_scale, scale);
-        min = better.select(this_min, min);
+        for k in 0..K {
+            // The reference takes a candidate when `det > 0` and its error is lower.
+            let better = zero.lt(det[k]).and(cur_error[k].lt(best_error[k]));
+            for i in 0..N {
+                l[k][i] = better.select(laux[k][i], l[k][i]);
+            }
+            best_error[k] = better.select(cur_error[k], best_error[k]);
+            scale[k] = better.select(this_scale[k], scale[k]);
+            min[k] = better.select(this_min[k], min[k]);
+        }
     }
-    for c in l.iter_mut() {
-        *c = flat.select(zero, *c);
+    let mut out = [(zero, zero, [zero; N]); K];
+    for k in 0..K {
+        for i in 0..N {
+            out[k].2[i] = flat[k].select(zero, l[k][i]);
+        }
+        out[k].0 = flat[k].select(zero, scale[k]);
+        out[k].1 = flat[k].select(flat_min[k], min[k]).neg();
     }
-    scale = flat.select(zero, scale);
-    min = flat.select(flat_min, min);
-    (scale, min.neg(), l)
+    out
 }
 
 /// Q6_K: the sixteen 16-element sub-blocks of one super-block, eight lanes at a time.

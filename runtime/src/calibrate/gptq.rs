@@ -27,6 +27,7 @@ use super::max::LayerCalibration;
 use crate::checkpoint::Checkpoint;
 use crate::model::{DecoderModel, ModelError, NoObserver, Observer};
 use candle_core::{DType, Device, Tensor};
+use kiln_kernels::ops::round_half_even;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -147,7 +148,7 @@ pub fn quantize(
             quantize_fixed(w, rows, cols, h, grid.group, settings, |r, g, x| {
                 let (s, zp) = params[r * groups + g];
                 let zp = f32::from(zp);
-                let q = (x / s + zp).clamp(lo, hi).round_ties_even();
+                let q = round_half_even((x / s + zp).clamp(lo, hi));
                 (q as i8, round((q - zp) * s))
             })
         }
@@ -341,7 +342,7 @@ fn quantize_affine(
                     for r in 0..n {
                         let (s, b) = params[r * groups + g];
                         let wr = &mut w[r * cols..(r + 1) * cols];
-                        let q = ((wr[i] - b) / s).round_ties_even().clamp(0.0, n_bins);
+                        let q = round_half_even((wr[i] - b) / s).clamp(0.0, n_bins);
                         let dq = s * q + b;
                         codes[r * cols + i] = q as u8 as i8;
                         deq[r * cols + i] = dq;
@@ -546,8 +547,34 @@ struct Hessians<'f> {
     keep: &'f (dyn Fn(&str) -> bool + Sync),
     /// Module → (`Σ 2 XᵀX`, samples).
     sums: BTreeMap<String, (Tensor, usize)>,
-    /// The last input seen and its `2 XᵀX`: q/k/v (and gate/up) share one input.
+    /// The last input seen and its `XᵀX`: q/k/v (and gate/up) share one input.
     last: Option<(candle_core::TensorId, Tensor)>,
+}
+
+/// `sum += 2·xtx` where the sum lies, on the CPU in f32: each value `sum + (xtx·2 + 0)`, the
+/// bits of candle's `sum + (xtx * 2.0)` (its `affine` adds the zero) without the two
+/// `[cols, cols]` tensors that composition allocates per sample and module (at 8960 inputs,
+/// 321 MB each, every one faulted in fresh). Elsewhere, that composition.
+fn add_twice(sum: &mut Tensor, xtx: &Tensor) -> Result<(), ModelError> {
+    use crate::model::fused::{cpu_values, fusable, with_cpu_values_mut};
+    if !(fusable(sum) && fusable(xtx) && sum.is_contiguous() && sum.dims() == xtx.dims()) {
+        *sum = (&*sum + (xtx * 2.0)?)?;
+        return Ok(());
+    }
+    let x = xtx.contiguous()?;
+    let (xs, xl) = x.storage_and_layout();
+    let x = cpu_values(&xs, xl, "hessian")?;
+    with_cpu_values_mut(sum, "hessian", |s| {
+        s.par_chunks_mut(1 << 16)
+            .zip(x.par_chunks(1 << 16))
+            .for_each(|(s, x)| {
+                for (s, x) in s.iter_mut().zip(x) {
+                    *s += *x * 2.0 + 0.0;
+                }
+            });
+        Ok(())
+    })?;
+    Ok(())
 }
 
 impl Observer for Hessians<'_> {
@@ -563,18 +590,19 @@ impl Observer for Hessians<'_> {
                 // Detached: the input carries the layer's graph, and a kept graph keeps every
                 // sample's activations.
                 let x32 = x.detach().to_dtype(DType::F32)?.reshape(((), cols))?;
-                let xtx = (x32.t()?.matmul(&x32)? * 2.0)?;
+                let xtx = x32.t()?.matmul(&x32)?;
                 self.last = Some((x.id(), xtx.clone()));
                 xtx
             }
         };
         match self.sums.get_mut(module) {
             Some((sum, n)) => {
-                *sum = (&*sum + xtx)?;
+                add_twice(sum, &xtx)?;
                 *n += batch;
             }
             None => {
-                self.sums.insert(module.to_string(), (xtx, batch));
+                // A tensor of its own (not `xtx`'s storage, which later modules read).
+                self.sums.insert(module.to_string(), ((xtx * 2.0)?, batch));
             }
         }
         Ok(())
@@ -979,6 +1007,30 @@ mod tests {
             },
         );
         assert!(out_err(&ordered.values) < out_err(&rtn));
+    }
+
+    #[test]
+    fn hessian_sums_in_place_equal_candles_composition() {
+        let dev = Device::Cpu;
+        let mut seed = 11;
+        let inputs: Vec<Tensor> = (0..4)
+            .map(|_| {
+                let v: Vec<f32> = (0..50 * 24).map(|_| lcg(&mut seed)).collect();
+                Tensor::from_vec(v, (50, 24), &dev).unwrap()
+            })
+            .collect();
+        let xtx = |x: &Tensor| x.t().unwrap().matmul(x).unwrap();
+        let mut want = (xtx(&inputs[0]) * 2.0).unwrap();
+        let mut got = (xtx(&inputs[0]) * 2.0).unwrap();
+        for x in &inputs[1..] {
+            want = (&want + (xtx(x) * 2.0).unwrap()).unwrap();
+            add_twice(&mut got, &xtx(x)).unwrap();
+        }
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        assert_eq!(bits(&got), bits(&want));
     }
 
     #[test]

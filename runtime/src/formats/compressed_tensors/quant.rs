@@ -13,6 +13,7 @@ use kiln_kernels::Element;
 use kiln_kernels::formats::Overflow;
 use kiln_kernels::formats::fp4::{e2m1_to_f32, f32_to_e2m1_nvfp4};
 use kiln_kernels::formats::fp8::{e4m3_to_f32, f32_to_e4m3};
+use kiln_kernels::ops::round_half_even;
 
 /// FP8 E4M3's largest value.
 const FP8_MAX: f32 = 448.0;
@@ -72,7 +73,7 @@ pub fn int4_scale<T: Element>(amax: f32) -> f32 {
 
 /// A symmetric integer: `round(clamp(T(x / s), lo, hi))`, ties to even (`torch.round`).
 pub fn int<T: Element>(x: T, scale: f32, lo: f32, hi: f32) -> i8 {
-    r::<T>(x.to_f32() / scale).clamp(lo, hi).round_ties_even() as i8
+    round_half_even(r::<T>(x.to_f32() / scale).clamp(lo, hi)) as i8
 }
 
 /// Asymmetric integer group parameters for `bits`-bit codes in `[lo, hi] = [−2^(bits−1),
@@ -96,9 +97,7 @@ pub fn asym_params<T: Element>(lo: f32, hi: f32, bits: u32) -> (f32, i8) {
     if s == 0.0 {
         return (eps::<T>(), 0);
     }
-    let zp = r::<T>(qlo - r::<T>(lo / s))
-        .clamp(qlo, qhi)
-        .round_ties_even() as i8;
+    let zp = round_half_even(r::<T>(qlo - r::<T>(lo / s)).clamp(qlo, qhi)) as i8;
     (s, zp)
 }
 
@@ -116,9 +115,7 @@ pub fn int_range(bits: u32) -> (f32, f32) {
 /// An asymmetric integer: `round(clamp(T(T(x / s) + zp), lo, hi))` in `bits`' range.
 pub fn int_asym<T: Element>(x: T, scale: f32, zp: i8, bits: u32) -> i8 {
     let (lo, hi) = int_range(bits);
-    r::<T>(r::<T>(x.to_f32() / scale) + f32::from(zp))
-        .clamp(lo, hi)
-        .round_ties_even() as i8
+    round_half_even(r::<T>(r::<T>(x.to_f32() / scale) + f32::from(zp)).clamp(lo, hi)) as i8
 }
 
 /// An asymmetric INT4 value: `round(clamp(T(T(x / s) + zp), −8, 7))`.
