@@ -12,6 +12,7 @@ pub mod fused;
 pub mod fused_bf16;
 pub mod gguf;
 pub mod int;
+pub mod linalg;
 pub mod mlx;
 pub mod mx;
 pub mod nvfp4;

@@ -27,6 +27,7 @@ use super::max::LayerCalibration;
 use crate::checkpoint::Checkpoint;
 use crate::model::{DecoderModel, ModelError, NoObserver, Observer};
 use candle_core::{DType, Device, Tensor};
+use kiln_kernels::ops::linalg::sub_matmul_f32;
 use kiln_kernels::ops::round_half_even;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -211,58 +212,53 @@ fn quantize_fixed(
         }
     }
     let (u, rtn_fallback) = inverse_factor(&mut hp, cols, settings.dampening);
-    // Each row is independent given U: tiles of rows run in parallel, each column by column
-    // with llm-compressor's block-lazy update (the same arithmetic row by row); a tile shares
-    // each row of U it reads.
-    const TILE: usize = 8;
-    let tiles: Vec<(Vec<i8>, Vec<f32>, f64)> = wp
-        .par_chunks(cols * TILE)
-        .enumerate()
-        .map(|(t, tile)| {
-            let n = tile.len() / cols;
-            let mut w = tile.to_vec();
-            let mut codes = vec![0i8; tile.len()];
-            let mut deq = vec![0f32; tile.len()];
-            let mut loss = 0f64;
-            let mut err = vec![0f32; settings.block * n];
-            for i1 in (0..cols).step_by(settings.block) {
-                let i2 = (i1 + settings.block).min(cols);
+    drop(hp);
+    // llm-compressor's block-lazy update: within a block of columns, column by column and
+    // row by row (rows in parallel); then every later column at once, `W[:, i2:] −=
+    // Err · U[i1:i2, i2:]` (one GEMM).
+    let mut w = wp;
+    let mut codes = vec![0i8; rows * cols];
+    let mut deq = vec![0f32; rows * cols];
+    let mut losses = vec![0f64; rows];
+    let mut err = Vec::new();
+    for i1 in (0..cols).step_by(settings.block.max(1)) {
+        let i2 = (i1 + settings.block.max(1)).min(cols);
+        let bw = i2 - i1;
+        err.clear();
+        err.resize(rows * bw, 0f32);
+        w.par_chunks_mut(cols)
+            .zip(codes.par_chunks_mut(cols))
+            .zip(deq.par_chunks_mut(cols))
+            .zip(err.par_chunks_mut(bw))
+            .zip(losses.par_iter_mut())
+            .enumerate()
+            .with_min_len(8)
+            .for_each(|(r, ((((wr, cr), dr), er), loss))| {
                 for i in i1..i2 {
                     let g = perm[i] / group;
                     let urow = &u[i * cols..i * cols + i2];
-                    for r in 0..n {
-                        let wr = &mut w[r * cols..(r + 1) * cols];
-                        let (code, dq) = q(t * TILE + r, g, wr[i]);
-                        codes[r * cols + i] = code;
-                        deq[r * cols + i] = dq;
-                        let e = (wr[i] - dq) / urow[i];
-                        loss += f64::from(e) * f64::from(e);
-                        err[r * settings.block + i - i1] = e;
-                        for j in i + 1..i2 {
-                            wr[j] -= e * urow[j];
-                        }
-                    }
+                    let (code, dq) = q(r, g, wr[i]);
+                    cr[i] = code;
+                    dr[i] = dq;
+                    settle(wr, er, loss, urow, i - i1, i, dq);
                 }
-                later_columns(&mut w, &err, &u, n, cols, settings.block, i1, i2);
-            }
-            (codes, deq, loss / 2.0)
-        })
-        .collect();
-    let mut codes = vec![0i8; rows * cols];
-    let mut values = vec![0f32; rows * cols];
-    let mut loss = 0f64;
-    for (t, (c, d, l)) in tiles.into_iter().enumerate() {
-        for r in 0..c.len() / cols {
-            let row = (t * TILE + r) * cols;
-            for (i, &pi) in perm.iter().enumerate() {
-                codes[row + pi] = c[r * cols + i];
-                values[row + pi] = d[r * cols + i];
-            }
-        }
-        loss += l;
+            });
+        later_columns(&mut w, rows, cols, &err, &u, i1, i2);
     }
+    let loss = losses.iter().sum::<f64>() / 2.0;
+    let (mut out_codes, mut values) = (vec![0i8; rows * cols], vec![0f32; rows * cols]);
+    out_codes
+        .par_chunks_mut(cols)
+        .zip(values.par_chunks_mut(cols))
+        .zip(codes.par_chunks(cols).zip(deq.par_chunks(cols)))
+        .for_each(|((oc, ov), (c, d))| {
+            for (i, &pi) in perm.iter().enumerate() {
+                oc[pi] = c[i];
+                ov[pi] = d[i];
+            }
+        });
     Quantized {
-        codes,
+        codes: out_codes,
         values,
         loss,
         rtn_fallback,
@@ -270,28 +266,52 @@ fn quantize_fixed(
     }
 }
 
-/// A block's error on every later column of the `n` rows of `w`: `W[:, i2:] −= Err ·
-/// U[i1:i2, i2:]` (`err` holds `block` values a row).
-#[allow(clippy::too_many_arguments)]
+/// Column `i` of a row `wr` quantized to the value `dq`: its error over `U[i,i]` (`urow` is
+/// row `i` of `U` up to the block's end) added to the loss and kept as the block's `k`-th
+/// error, and spread over the block's later columns, `w_j −= e · U[i,j]`.
+#[inline]
+fn settle(
+    wr: &mut [f32],
+    er: &mut [f32],
+    loss: &mut f64,
+    urow: &[f32],
+    k: usize,
+    i: usize,
+    dq: f32,
+) {
+    let e = (wr[i] - dq) / urow[i];
+    *loss += f64::from(e) * f64::from(e);
+    er[k] = e;
+    for j in i + 1..urow.len() {
+        wr[j] -= e * urow[j];
+    }
+}
+
+/// After the block `[i1, i2)`: every later column of `w` (`[rows, cols]`) takes the block's
+/// errors `err` (`[rows, i2 − i1]`), `W[:, i2:] −= Err · U[i1:i2, i2:]`, one GEMM whose sums
+/// are then subtracted (PyTorch's `W[:, i2:] -= Err1.matmul(Hinv[i1:i2, i2:])`).
 fn later_columns(
     w: &mut [f32],
+    rows: usize,
+    cols: usize,
     err: &[f32],
     u: &[f32],
-    n: usize,
-    cols: usize,
-    block: usize,
     i1: usize,
     i2: usize,
 ) {
-    for k in 0..i2 - i1 {
-        let urow = &u[(i1 + k) * cols + i2..(i1 + k + 1) * cols];
-        for r in 0..n {
-            let e = err[r * block + k];
-            let wr = &mut w[r * cols + i2..(r + 1) * cols];
-            for (wj, &uj) in wr.iter_mut().zip(urow) {
-                *wj -= e * uj;
-            }
-        }
+    if i2 < cols {
+        sub_matmul_f32(
+            w,
+            cols,
+            i2,
+            rows,
+            cols - i2,
+            err,
+            i2 - i1,
+            &u[i1 * cols..],
+            cols,
+            i2,
+        );
     }
 }
 
@@ -313,66 +333,47 @@ fn quantize_affine(
     use kiln_kernels::ops::mlx::affine_scale_bias;
     let mut hp: Vec<f64> = h.iter().map(|&v| f64::from(v)).collect();
     let (u, rtn_fallback) = inverse_factor(&mut hp, cols, settings.dampening);
+    drop(hp);
     let groups = cols / group;
     let n_bins = ((1u32 << bits) - 1) as f32;
-    const TILE: usize = 8;
-    type Tile = (Vec<i8>, Vec<f32>, Vec<(f32, f32)>, f64);
-    let tiles: Vec<Tile> = w
-        .par_chunks(cols * TILE)
-        .map(|tile| {
-            let n = tile.len() / cols;
-            let mut w = tile.to_vec();
-            let mut codes = vec![0i8; tile.len()];
-            let mut deq = vec![0f32; tile.len()];
-            let mut params = vec![(0f32, 0f32); n * groups];
-            let mut loss = 0f64;
-            let mut err = vec![0f32; group * n];
-            for (g, i1) in (0..cols).step_by(group).enumerate() {
-                let i2 = i1 + group;
-                for r in 0..n {
-                    let (lo, hi) = w[r * cols + i1..r * cols + i2]
-                        .iter()
-                        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
-                            (lo.min(x), hi.max(x))
-                        });
-                    params[r * groups + g] = affine_scale_bias(lo, hi, bits as usize);
-                }
+    let mut w = w.to_vec();
+    let mut codes = vec![0i8; rows * cols];
+    let mut values = vec![0f32; rows * cols];
+    let mut params = vec![(0f32, 0f32); rows * groups];
+    let mut losses = vec![0f64; rows];
+    let mut err = vec![0f32; rows * group];
+    for (g, i1) in (0..cols).step_by(group.max(1)).enumerate() {
+        let i2 = i1 + group;
+        w.par_chunks_mut(cols)
+            .zip(codes.par_chunks_mut(cols))
+            .zip(values.par_chunks_mut(cols))
+            .zip(err.par_chunks_mut(group))
+            .zip(params.par_chunks_mut(groups))
+            .zip(losses.par_iter_mut())
+            .with_min_len(8)
+            .for_each(|(((((wr, cr), dr), er), pr), loss)| {
+                let (lo, hi) = wr[i1..i2]
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
+                        (lo.min(x), hi.max(x))
+                    });
+                let (s, b) = affine_scale_bias(lo, hi, bits as usize);
+                pr[g] = (s, b);
                 for i in i1..i2 {
                     let urow = &u[i * cols..i * cols + i2];
-                    for r in 0..n {
-                        let (s, b) = params[r * groups + g];
-                        let wr = &mut w[r * cols..(r + 1) * cols];
-                        let q = round_half_even((wr[i] - b) / s).clamp(0.0, n_bins);
-                        let dq = s * q + b;
-                        codes[r * cols + i] = q as u8 as i8;
-                        deq[r * cols + i] = dq;
-                        let e = (wr[i] - dq) / urow[i];
-                        loss += f64::from(e) * f64::from(e);
-                        err[r * group + i - i1] = e;
-                        for j in i + 1..i2 {
-                            wr[j] -= e * urow[j];
-                        }
-                    }
+                    let q = round_half_even((wr[i] - b) / s).clamp(0.0, n_bins);
+                    let dq = s * q + b;
+                    cr[i] = q as u8 as i8;
+                    dr[i] = dq;
+                    settle(wr, er, loss, urow, i - i1, i, dq);
                 }
-                later_columns(&mut w, &err, &u, n, cols, group, i1, i2);
-            }
-            (codes, deq, params, loss / 2.0)
-        })
-        .collect();
-    let mut codes = Vec::with_capacity(rows * cols);
-    let mut values = Vec::with_capacity(rows * cols);
-    let mut params = Vec::with_capacity(rows * groups);
-    let mut loss = 0f64;
-    for (c, d, p, l) in tiles {
-        codes.extend(c);
-        values.extend(d);
-        params.extend(p);
-        loss += l;
+            });
+        later_columns(&mut w, rows, cols, &err, &u, i1, i2);
     }
     Quantized {
         codes,
         values,
-        loss,
+        loss: losses.iter().sum::<f64>() / 2.0,
         rtn_fallback,
         params: Some(params),
     }
@@ -382,164 +383,29 @@ fn quantize_affine(
 /// (`n × n`, f64); `None` when it is not. llm-compressor computes it as
 /// `cholesky(cholesky_inverse(cholesky(H)), upper=True)`; here, with `J` the reversal of
 /// rows and columns, `JHJ = L Lᵀ` gives `H = V Vᵀ` with `V = J L J` upper, so `U = V⁻¹ =
-/// J L⁻¹ J`: one factorization and one triangular inverse, both blocked so that their work is
-/// matrix products (candle's GEMM).
+/// J L⁻¹ J`: one factorization and one triangular inverse, both blocked GEMMs on the lower
+/// triangle (`kiln_kernels::ops::linalg`, `n³/3` multiply-adds in all).
 pub fn inverse_upper_cholesky(h: &[f64], n: usize) -> Option<Vec<f32>> {
+    use kiln_kernels::ops::linalg;
     let rev = |i: usize| n - 1 - i;
     let mut a = vec![0f64; n * n];
-    for i in 0..n {
-        for j in 0..n {
-            a[i * n + j] = h[rev(i) * n + rev(j)];
+    a.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = h[rev(i) * n + rev(j)];
         }
+    });
+    if !linalg::cholesky_in_place(&mut a, n) {
+        return None;
     }
-    let a = Tensor::from_vec(a, (n, n), &Device::Cpu).ok()?;
-    let l = blocked::cholesky(&a).ok()??;
-    let linv: Vec<f64> = blocked::invert_lower(&l)
-        .ok()?
-        .flatten_all()
-        .ok()?
-        .to_vec1()
-        .ok()?;
+    let linv = linalg::invert_lower(&a, n);
+    drop(a);
     let mut u = vec![0f32; n * n];
-    for i in 0..n {
-        for j in i..n {
-            u[i * n + j] = linv[rev(i) * n + rev(j)] as f32;
+    u.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
+        for (j, v) in row.iter_mut().enumerate().skip(i) {
+            *v = linv[rev(i) * n + rev(j)] as f32;
         }
-    }
+    });
     Some(u)
-}
-
-/// The lower-triangular Cholesky factor of `a` (`n × n`, row-major), column by column, the
-/// rows below the diagonal in parallel; `None` if `a` is not positive definite. The base case
-/// of [`blocked::cholesky`].
-pub fn cholesky(a: &[f64], n: usize) -> Option<Vec<f64>> {
-    let mut l = vec![0f64; n * n];
-    for j in 0..n {
-        let rest = &mut l[j * n..];
-        let row_j: Vec<f64> = rest[..j].to_vec();
-        let d = a[j * n + j] - dot(&row_j, &row_j);
-        if d.is_nan() || d <= 0.0 {
-            return None;
-        }
-        let d = d.sqrt();
-        rest[j] = d;
-        rest[n..]
-            .par_chunks_mut(n)
-            .enumerate()
-            .for_each(|(k, row)| {
-                let i = j + 1 + k;
-                row[j] = (a[i * n + j] - dot(&row[..j], &row_j)) / d;
-            });
-    }
-    Some(l)
-}
-
-/// `Σ aᵢbᵢ` with four running sums (so it vectorizes).
-fn dot(a: &[f64], b: &[f64]) -> f64 {
-    let mut s = [0f64; 4];
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..4 {
-            s[k] += x[k] * y[k];
-        }
-    }
-    let tail: f64 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    (s[0] + s[1]) + (s[2] + s[3]) + tail
-}
-
-/// The inverse of the lower-triangular `l` (`n × n`), each column of the inverse solved on
-/// its own (in parallel). The base case of [`blocked::invert_lower`].
-pub fn invert_lower(l: &[f64], n: usize) -> Vec<f64> {
-    let columns: Vec<Vec<f64>> = (0..n)
-        .into_par_iter()
-        .map(|c| {
-            let mut x = vec![0f64; n];
-            x[c] = 1.0 / l[c * n + c];
-            for i in c + 1..n {
-                let s = dot(&l[i * n + c..i * n + i], &x[c..i]);
-                x[i] = -s / l[i * n + i];
-            }
-            x
-        })
-        .collect();
-    let mut out = vec![0f64; n * n];
-    for (c, x) in columns.iter().enumerate() {
-        for i in c..n {
-            out[i * n + c] = x[i];
-        }
-    }
-    out
-}
-
-/// Cholesky factorization and triangular inversion by halves: the halves' products are GEMMs,
-/// and below [`blocked::BASE`] rows the scalar routines above run.
-mod blocked {
-    use candle_core::{Result, Tensor};
-
-    /// The size at which the recursion stops.
-    pub const BASE: usize = 128;
-
-    fn vec2(t: &Tensor) -> Result<(Vec<f64>, usize)> {
-        Ok((t.flatten_all()?.to_vec1()?, t.dim(0)?))
-    }
-
-    fn tensor(v: Vec<f64>, n: usize, like: &Tensor) -> Result<Tensor> {
-        Tensor::from_vec(v, (n, n), like.device())
-    }
-
-    /// `[[a, 0], [c, d]]`.
-    fn lower(a: &Tensor, c: &Tensor, d: &Tensor) -> Result<Tensor> {
-        let zeros = Tensor::zeros((a.dim(0)?, d.dim(1)?), a.dtype(), a.device())?;
-        Tensor::cat(
-            &[&Tensor::cat(&[a, &zeros], 1)?, &Tensor::cat(&[c, d], 1)?],
-            0,
-        )
-    }
-
-    /// `L` with `L Lᵀ = a` (`Ok(None)`: not positive definite). With `a = [[A, Bᵀ], [B, C]]`:
-    /// `L₁₁ = chol(A)`, `L₂₁ = B L₁₁⁻ᵀ`, `L₂₂ = chol(C − L₂₁ L₂₁ᵀ)`.
-    pub fn cholesky(a: &Tensor) -> Result<Option<Tensor>> {
-        let n = a.dim(0)?;
-        if n <= BASE {
-            let (v, n) = vec2(a)?;
-            return super::cholesky(&v, n).map(|l| tensor(l, n, a)).transpose();
-        }
-        let k = n / 2;
-        let (a11, a21, a22) = (
-            a.narrow(0, 0, k)?.narrow(1, 0, k)?,
-            a.narrow(0, k, n - k)?.narrow(1, 0, k)?,
-            a.narrow(0, k, n - k)?.narrow(1, k, n - k)?,
-        );
-        let Some(l11) = cholesky(&a11.contiguous()?)? else {
-            return Ok(None);
-        };
-        let l21 = a21.contiguous()?.matmul(&invert_lower(&l11)?.t()?)?;
-        let s = (a22 - l21.matmul(&l21.t()?)?)?;
-        let Some(l22) = cholesky(&s.contiguous()?)? else {
-            return Ok(None);
-        };
-        lower(&l11, &l21, &l22).map(Some)
-    }
-
-    /// `l⁻¹` for `l` lower triangular: `[[L₁₁, 0], [L₂₁, L₂₂]]⁻¹ = [[X₁₁, 0], [−X₂₂ L₂₁ X₁₁,
-    /// X₂₂]]`.
-    pub fn invert_lower(l: &Tensor) -> Result<Tensor> {
-        let n = l.dim(0)?;
-        if n <= BASE {
-            let (v, n) = vec2(l)?;
-            return tensor(super::invert_lower(&v, n), n, l);
-        }
-        let k = n / 2;
-        let (l11, l21, l22) = (
-            l.narrow(0, 0, k)?.narrow(1, 0, k)?.contiguous()?,
-            l.narrow(0, k, n - k)?.narrow(1, 0, k)?.contiguous()?,
-            l.narrow(0, k, n - k)?.narrow(1, k, n - k)?.contiguous()?,
-        );
-        let (x11, x22) = (invert_lower(&l11)?, invert_lower(&l22)?);
-        let x21 = x22.matmul(&l21)?.matmul(&x11)?.neg()?;
-        lower(&x11, &x21, &x22)
-    }
 }
 
 /// Every quantized Linear's input Hessian over one layer's samples.
@@ -547,26 +413,44 @@ struct Hessians<'f> {
     keep: &'f (dyn Fn(&str) -> bool + Sync),
     /// Module → (`Σ 2 XᵀX`, samples).
     sums: BTreeMap<String, (Tensor, usize)>,
-    /// The last input seen and its `XᵀX`: q/k/v (and gate/up) share one input.
-    last: Option<(candle_core::TensorId, Tensor)>,
+    /// The input whose `XᵀX` is held: q/k/v (and gate/up) share one input.
+    last: Option<candle_core::TensorId>,
+    /// That `XᵀX`'s lower triangle on the CPU (f32, `[cols, cols]`; above it, whatever the
+    /// buffer held), in a buffer reused from sample to sample.
+    xtx: Vec<f32>,
+    /// That `XᵀX` on another device.
+    xtx_device: Option<Tensor>,
 }
 
-/// `sum += 2·xtx` where the sum lies, on the CPU in f32: each value `sum + (xtx·2 + 0)`, the
-/// bits of candle's `sum + (xtx * 2.0)` (its `affine` adds the zero) without the two
-/// `[cols, cols]` tensors that composition allocates per sample and module (at 8960 inputs,
-/// 321 MB each, every one faulted in fresh). Elsewhere, that composition.
-fn add_twice(sum: &mut Tensor, xtx: &Tensor) -> Result<(), ModelError> {
-    use crate::model::fused::{cpu_values, fusable, with_cpu_values_mut};
-    if !(fusable(sum) && fusable(xtx) && sum.is_contiguous() && sum.dims() == xtx.dims()) {
-        *sum = (&*sum + (xtx * 2.0)?)?;
-        return Ok(());
+impl<'f> Hessians<'f> {
+    fn new(keep: &'f (dyn Fn(&str) -> bool + Sync)) -> Self {
+        Hessians {
+            keep,
+            sums: BTreeMap::new(),
+            last: None,
+            xtx: Vec::new(),
+            xtx_device: None,
+        }
     }
-    let x = xtx.contiguous()?;
-    let (xs, xl) = x.storage_and_layout();
-    let x = cpu_values(&xs, xl, "hessian")?;
+}
+
+/// `sum += 2·xtx` where the sum lies (a CPU f32 tensor of `xtx.len()` values): each value
+/// `sum + (xtx·2 + 0)`, the bits of candle's `sum + (xtx * 2.0)` (its `affine` adds the zero)
+/// without the two `[cols, cols]` tensors that composition allocates per sample and module
+/// (at 8960 inputs, 321 MB each, every one faulted in fresh).
+fn add_twice(sum: &mut Tensor, xtx: &[f32]) -> Result<(), ModelError> {
+    use crate::model::fused::{fusable, with_cpu_values_mut};
+    if !(fusable(sum) && sum.is_contiguous() && sum.elem_count() == xtx.len()) {
+        return Err(ModelError::Config(format!(
+            "GPTQ: a Hessian sum of shape {:?} ({:?}) cannot take {} values in place",
+            sum.dims(),
+            sum.dtype(),
+            xtx.len()
+        )));
+    }
     with_cpu_values_mut(sum, "hessian", |s| {
         s.par_chunks_mut(1 << 16)
-            .zip(x.par_chunks(1 << 16))
+            .zip(xtx.par_chunks(1 << 16))
             .for_each(|(s, x)| {
                 for (s, x) in s.iter_mut().zip(x) {
                     *s += *x * 2.0 + 0.0;
@@ -584,25 +468,47 @@ impl Observer for Hessians<'_> {
         }
         let cols = x.dim(x.rank() - 1)?;
         let batch = if x.rank() == 3 { x.dim(0)? } else { 1 };
-        let xtx = match &self.last {
-            Some((id, xtx)) if *id == x.id() => xtx.clone(),
-            _ => {
-                // Detached: the input carries the layer's graph, and a kept graph keeps every
-                // sample's activations.
-                let x32 = x.detach().to_dtype(DType::F32)?.reshape(((), cols))?;
-                let xtx = x32.t()?.matmul(&x32)?;
-                self.last = Some((x.id(), xtx.clone()));
-                xtx
+        if self.last != Some(x.id()) {
+            // Detached: the input carries the layer's graph, and a kept graph keeps every
+            // sample's activations.
+            let x32 = x.detach().to_dtype(DType::F32)?.reshape(((), cols))?;
+            if x32.device().is_cpu() {
+                use crate::model::fused::cpu_values;
+                let x32 = x32.contiguous()?;
+                let (xs, xl) = x32.storage_and_layout();
+                let xs = cpu_values(&xs, xl, "hessian")?;
+                self.xtx.resize(cols * cols, 0.0);
+                // Its lower triangle (what lies above it is never read: `quantize_module`
+                // mirrors the sum's lower triangle).
+                kiln_kernels::ops::linalg::gram_lower_f32(
+                    xs,
+                    xs.len() / cols.max(1),
+                    cols,
+                    &mut self.xtx,
+                );
+                self.xtx_device = None;
+            } else {
+                self.xtx_device = Some(x32.t()?.matmul(&x32)?);
             }
-        };
-        match self.sums.get_mut(module) {
-            Some((sum, n)) => {
-                add_twice(sum, &xtx)?;
+            self.last = Some(x.id());
+        }
+        match (self.sums.get_mut(module), &self.xtx_device) {
+            (Some((sum, n)), Some(xtx)) => {
+                *sum = (&*sum + (xtx * 2.0)?)?;
                 *n += batch;
             }
-            None => {
-                // A tensor of its own (not `xtx`'s storage, which later modules read).
+            (Some((sum, n)), None) => {
+                add_twice(sum, &self.xtx)?;
+                *n += batch;
+            }
+            // A tensor of its own (not the held `XᵀX`, which later modules read).
+            (None, Some(xtx)) => {
                 self.sums.insert(module.to_string(), ((xtx * 2.0)?, batch));
+            }
+            (None, None) => {
+                let twice: Vec<f32> = self.xtx.par_iter().map(|&v| v * 2.0 + 0.0).collect();
+                let sum = Tensor::from_vec(twice, (cols, cols), &Device::Cpu)?;
+                self.sums.insert(module.to_string(), (sum, batch));
             }
         }
         Ok(())
@@ -733,11 +639,7 @@ pub fn run(
     } = super::max::stages(checkpoint, dtype, device, samples)?;
     for stage in 0..=layers {
         let model = load(stage)?;
-        let mut hessians = Hessians {
-            keep,
-            sums: BTreeMap::new(),
-            last: None,
-        };
+        let mut hessians = Hessians::new(keep);
         for (h, rope) in hidden.iter_mut() {
             if stage < layers {
                 let next = model.layer(h, stage, rope, &mut hessians)?;
@@ -749,7 +651,10 @@ pub fn run(
                 model.observe_head(h, &mut hessians)?;
             }
         }
-        for (module, (sum, n)) in std::mem::take(&mut hessians.sums) {
+        // The sums alone through quantization (the held `XᵀX` freed).
+        let sums = std::mem::take(&mut hessians.sums);
+        drop(hessians);
+        for (module, (sum, n)) in sums {
             let q = quantize_module(&model, &module, &sum, n, params, settings)?;
             let name = format!("{module}.weight");
             let var = weight_var(&model, &name)?;
@@ -821,6 +726,8 @@ fn quantize_module(
         GptqGrid::Affine { .. } => None,
     };
     if w.len() != rows * cols
+        || rows == 0
+        || cols == 0
         || group == 0
         || !cols.is_multiple_of(group)
         || fixed.is_some_and(|p| p * group != rows * cols)
@@ -834,7 +741,9 @@ fn quantize_module(
             ),
         });
     }
-    let h: Vec<f32> = (sum / n.max(1) as f64)?.flatten_all()?.to_vec1()?;
+    let mut h: Vec<f32> = (sum / n.max(1) as f64)?.flatten_all()?.to_vec1()?;
+    // On the CPU the sums hold the lower triangle only (`gram_lower_f32`).
+    kiln_kernels::ops::linalg::mirror_lower(&mut h, cols);
     Ok(quantize(&w, rows, cols, &h, &grid, round, settings))
 }
 
@@ -1013,24 +922,41 @@ mod tests {
     fn hessian_sums_in_place_equal_candles_composition() {
         let dev = Device::Cpu;
         let mut seed = 11;
-        let inputs: Vec<Tensor> = (0..4)
-            .map(|_| {
-                let v: Vec<f32> = (0..50 * 24).map(|_| lcg(&mut seed)).collect();
-                Tensor::from_vec(v, (50, 24), &dev).unwrap()
-            })
-            .collect();
-        let xtx = |x: &Tensor| x.t().unwrap().matmul(x).unwrap();
-        let mut want = (xtx(&inputs[0]) * 2.0).unwrap();
-        let mut got = (xtx(&inputs[0]) * 2.0).unwrap();
-        for x in &inputs[1..] {
-            want = (&want + (xtx(x) * 2.0).unwrap()).unwrap();
-            add_twice(&mut got, &xtx(x)).unwrap();
+        // Small inputs, and ones large enough for the GEMM's blocking and threads.
+        for (t, cols) in [(50, 24), (700, 200)] {
+            let inputs: Vec<Tensor> = (0..4)
+                .map(|_| {
+                    let v: Vec<f32> = (0..t * cols).map(|_| lcg(&mut seed)).collect();
+                    Tensor::from_vec(v, (t, cols), &dev).unwrap()
+                })
+                .collect();
+            let xtx = |x: &Tensor| x.t().unwrap().matmul(x).unwrap();
+            let mut want = (xtx(&inputs[0]) * 2.0).unwrap();
+            let keep = |_: &str| true;
+            let mut h = Hessians::new(&keep);
+            for x in &inputs {
+                h.linear_input("m", x).unwrap();
+                // A second module on the same input takes the held `XᵀX`.
+                h.linear_input("n", x).unwrap();
+            }
+            for x in &inputs[1..] {
+                want = (&want + (xtx(x) * 2.0).unwrap()).unwrap();
+            }
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            };
+            let lower = |v: Vec<u32>| -> Vec<u32> {
+                (0..cols)
+                    .flat_map(|i| v[i * cols..i * cols + i + 1].to_vec())
+                    .collect()
+            };
+            for m in ["m", "n"] {
+                let (sum, n) = &h.sums[m];
+                assert_eq!(*n, 4);
+                assert_eq!(lower(bits(sum)), lower(bits(&want)), "{t} x {cols}, {m}");
+            }
         }
-        let bits = |t: &Tensor| -> Vec<u32> {
-            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
-            v.iter().map(|x| x.to_bits()).collect()
-        };
-        assert_eq!(bits(&got), bits(&want));
     }
 
     #[test]
@@ -1069,43 +995,5 @@ mod tests {
         let mut bad = h.clone();
         bad[0] = -1.0;
         assert!(inverse_upper_cholesky(&bad, n).is_none());
-    }
-
-    #[test]
-    fn the_blocked_factorization_equals_the_scalar_one() {
-        // 300 > 2 · BASE: two levels of halves.
-        let n = 300;
-        let mut seed = 5;
-        let m: Vec<f64> = (0..n * n).map(|_| f64::from(lcg(&mut seed))).collect();
-        let mut h = vec![0f64; n * n];
-        for i in 0..n {
-            for j in 0..n {
-                h[i * n + j] = dot(&m[i * n..(i + 1) * n], &m[j * n..(j + 1) * n]);
-            }
-            h[i * n + i] += 1.0;
-        }
-        let t = Tensor::from_vec(h.clone(), (n, n), &Device::Cpu).unwrap();
-        let l: Vec<f64> = blocked::cholesky(&t)
-            .unwrap()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let want = cholesky(&h, n).unwrap();
-        for (a, b) in l.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-9 * (1.0 + b.abs()), "{a} vs {b}");
-        }
-        let lt = Tensor::from_vec(want.clone(), (n, n), &Device::Cpu).unwrap();
-        let x: Vec<f64> = blocked::invert_lower(&lt)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let want = invert_lower(&want, n);
-        for (a, b) in x.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-9 * (1.0 + b.abs()), "{a} vs {b}");
-        }
     }
 }
