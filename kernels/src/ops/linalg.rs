@@ -311,8 +311,8 @@ pub fn invert_lower(l: &[f64], n: usize) -> Vec<f64> {
 
 /// `c[:, c0 .. c0 + n] −= a · b[:, b0 .. b0 + n]` in f32, one threaded GEMM: `c` has rows of
 /// `c_stride` values and `m` rows, `a` is `[m, k]` row-major, `b` has `k` rows of `b_stride`
-/// values. The products are summed in the GEMM's order and then subtracted, as PyTorch's
-/// `C -= A.matmul(B)`.
+/// values. The products are accumulated by the GEMM (fused into the destination with
+/// `alpha = 1, beta = −1`), PyTorch's `C -= A.matmul(B)` up to the order of the sums.
 #[allow(clippy::too_many_arguments)]
 pub fn sub_matmul_f32(
     c: &mut [f32],

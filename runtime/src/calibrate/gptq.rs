@@ -288,8 +288,8 @@ fn settle(
 }
 
 /// After the block `[i1, i2)`: every later column of `w` (`[rows, cols]`) takes the block's
-/// errors `err` (`[rows, i2 − i1]`), `W[:, i2:] −= Err · U[i1:i2, i2:]`, one GEMM whose sums
-/// are then subtracted (PyTorch's `W[:, i2:] -= Err1.matmul(Hinv[i1:i2, i2:])`).
+/// errors `err` (`[rows, i2 − i1]`), `W[:, i2:] −= Err · U[i1:i2, i2:]`, one GEMM
+/// (PyTorch's `W[:, i2:] -= Err1.matmul(Hinv[i1:i2, i2:])` up to the order of the sums).
 fn later_columns(
     w: &mut [f32],
     rows: usize,
