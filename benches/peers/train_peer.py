@@ -8,7 +8,8 @@ fine-tuning or LoRA.
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size 254m --steps 6
     venv/bin/python benches/peers/train_peer.py --kiln target/release/kiln --size 254m --steps 4 --lora
 
-Both sides: the demo Llama (`kiln demo-model --size ...`, bf16 on disk) trained in f32, full
+Both sides: the demo Llama (`kiln demo-model --size ...`, bf16 on disk) trained in f32 (with
+`--precisions f32,bf16` also in mixed precision: TRL's `bf16=True`, kiln's `--bf16 true`), full
 fine-tuning (or with `--lora` LoRA r 16, α 32, dropout 0.05 on every Linear but lm_head:
 TRL's `ModelConfig` defaults, PEFT's `LoraConfig` on the PyTorch side), per-device batch 8, the same synthetic examples (about 128 tokens each) in file
 order, AdamW, linear schedule, gradient clipping 1, gradient checkpointing off on both sides
@@ -57,11 +58,12 @@ import json, sys, time, torch
 from datasets import load_dataset
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 task, model_dir, data, steps, mode, ckpt = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6] == "on"
+bf16 = sys.argv[8] == "bf16"
 torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
 tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
 model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 ds = load_dataset("json", data_files=data, split="train")
-common = dict(output_dir="/tmp/trl-bench", max_steps=steps, logging_steps=1, bf16=False, use_cpu=True,
+common = dict(output_dir="/tmp/trl-bench", max_steps=steps, logging_steps=1, bf16=bf16, use_cpu=True,
               gradient_checkpointing=ckpt, report_to=[], save_strategy="no", learning_rate=1e-5,
               per_device_train_batch_size=8, train_sampling_strategy="sequential")
 peft = {}
@@ -117,7 +119,7 @@ def teacher(kiln, model, tmp):
     return out
 
 
-def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off", backend="candle"):
+def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off", backend="candle", precision="f32"):
     m = os.path.join(tmp, f"kiln-{task}.jsonl")
     adapter = ["--lora-r", "16", "--lora-alpha", "32", "--lora-dropout", "0.05"] if lora else ["--lora-r", "0"]
     if task == "grpo":
@@ -129,6 +131,7 @@ def run_kiln(kiln, task, model, data, steps, tmp, lora=False, ckpt="off", backen
     cmd = ["/usr/bin/time", "-v", kiln, "train", "--task", task, "--backend", backend, "--model", model, "--data", data, "--out",
            os.path.join(tmp, f"kiln-{task}"), "--metrics", m, "--max-steps", str(steps), *adapter,
            "--gradient-checkpointing", "true" if ckpt == "on" else "false",
+           "--bf16", "true" if precision == "bf16" else "false",
            "--learning-rate", "1e-5", "--per-device-train-batch-size", "8", "--train-sampling-strategy",
            "sequential", "--quiet", "--force"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -147,6 +150,9 @@ def main():
     ap.add_argument("--tasks", default="sft,dpo")
     ap.add_argument("--checkpointing", default="off", choices=["off", "on"],
                     help="gradient checkpointing on both sides (TRL's default is on)")
+    ap.add_argument("--precisions", default="f32",
+                    help="f32, bf16 (TRL's bf16=True: CPU autocast; kiln's --bf16), or f32,bf16: each "
+                         "task runs on both sides in each")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     # A model, checkpoints and adapters: gigabytes at the larger sizes; gone when the script ends.
@@ -156,29 +162,31 @@ def main():
                    capture_output=True)
     write_data(tmp)
     mode = "LoRA r 16" if args.lora else "full fine-tuning"
-    print(f"model {args.size}, {args.steps} steps, batch 8, f32, {mode}, gradient checkpointing "
+    print(f"model {args.size}, {args.steps} steps, batch 8, {args.precisions}, {mode}, gradient checkpointing "
           f"{args.checkpointing}, {os.cpu_count()} cores")
     print("| task | trainer | s/step | tokens/s | peak RSS |")
     print("|---|---|---|---|---|")
-    for task in args.tasks.split(","):
+    runs = [(t, p) for t in args.tasks.split(",") for p in args.precisions.split(",")]
+    for task, precision in runs:
         data = os.path.join(tmp, f"{task}.jsonl")
         # kiln: time per step from two runs (1 step and N steps), so loading and the first step cancel.
-        one = run_kiln(args.kiln, task, model, data, 1, tmp, args.lora, args.checkpointing)
-        full = run_kiln(args.kiln, task, model, data, args.steps, tmp, args.lora, args.checkpointing)
+        one = run_kiln(args.kiln, task, model, data, 1, tmp, args.lora, args.checkpointing, precision=precision)
+        full = run_kiln(args.kiln, task, model, data, args.steps, tmp, args.lora, args.checkpointing,
+                        precision=precision)
         step_s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
         # GKD logs no num_tokens (kiln as TRL): no tokens/s there.
         rate = "—"
         if full["tokens"] is not None:
             rate = f"{(full['tokens'] - one['tokens']) / (args.steps - 1) / step_s:.0f}"
-        print(f"| {task} | kiln | {step_s:.3f} | {rate} | {full['rss_kb'] / 1024:.0f} MB |", flush=True)
+        print(f"| {task} | kiln {precision} | {step_s:.3f} | {rate} | {full['rss_kb'] / 1024:.0f} MB |", flush=True)
         p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", TRL, task, model, data, str(args.steps),
-                            "lora" if args.lora else "full", args.checkpointing, teacher(args.kiln, model, tmp)],
+                            "lora" if args.lora else "full", args.checkpointing, teacher(args.kiln, model, tmp),
+                            precision],
                            capture_output=True, text=True, check=True)
         r = json.loads(p.stdout.strip().splitlines()[-1])
         rate = "—" if r["tokens_per_step"] is None else f"{r['tokens_per_step'] / r['step_s']:.0f}"
-        print(f"| {task} | PyTorch + TRL | {r['step_s']:.3f} | {rate} | "
+        print(f"| {task} | PyTorch + TRL {precision} | {r['step_s']:.3f} | {rate} | "
               f"{peak_kb(p.stderr) / 1024:.0f} MB |", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -565,6 +565,10 @@ def main():
         "sft-text": ("sft", d("sft-text.jsonl"), None, dict(learning_rate=1e-3, lr_scheduler_type="cosine",
                                                               warmup_steps=2, weight_decay=0.1)),
         "sft-lora": ("sft", d("sft.jsonl"), adapter, dict(learning_rate=1e-2)),
+        # Mixed precision (TRL's bf16=True: torch's CPU autocast to bf16).
+        "sft-bf16": ("sft", d("sft.jsonl"), None, dict(learning_rate=1e-3, gradient_accumulation_steps=2,
+                                                        bf16=True)),
+        "dpo-bf16": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, bf16=True)),
         "dpo-full": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3)),
         "dpo-lora": ("dpo", d("dpo.jsonl"), adapter, dict(learning_rate=1e-2)),
         "dpo-ipo": ("dpo", d("dpo.jsonl"), None, dict(learning_rate=1e-3, loss_type=["ipo"], beta=0.5)),

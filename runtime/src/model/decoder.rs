@@ -330,6 +330,9 @@ pub struct DecoderModel {
     checkpoint: Option<Arc<super::checkpoint::GradSink>>,
     /// How a bf16 or f16 model's attention runs.
     attn: AttnImplementation,
+    /// The Linears run as PyTorch's CPU autocast to bf16 runs them (TRL's `bf16=True`):
+    /// [`super::dense_linear::linear_autocast`].
+    autocast: bool,
 }
 
 /// One attention layer's cached keys and values `[batch, kv_heads, positions, head_dim]`.
@@ -665,6 +668,7 @@ impl DecoderModel {
             adapters: None,
             checkpoint: None,
             attn: AttnImplementation::default(),
+            autocast: false,
         })
     }
 
@@ -695,6 +699,7 @@ impl DecoderModel {
         )?;
         m.adapters = self.adapters.clone();
         m.checkpoint = self.checkpoint.clone();
+        m.autocast = self.autocast;
         Ok(m)
     }
 
@@ -729,6 +734,7 @@ impl DecoderModel {
         )?;
         m.adapters = self.adapters.clone();
         m.checkpoint = self.checkpoint.clone();
+        m.autocast = self.autocast;
         Ok((m, Some(note)))
     }
 
@@ -784,6 +790,63 @@ impl DecoderModel {
             checkpoint: sink,
             ..self.clone()
         }
+    }
+
+    /// The same model with its Linears run as PyTorch's CPU autocast to bf16 runs them (TRL's
+    /// `bf16=True`, mixed precision): each product's input and weight rounded to bf16, f32
+    /// sums, the output and both gradients rounded to bf16
+    /// ([`super::dense_linear::linear_autocast`]) — the decoder layers' and the output
+    /// layer's (whose bf16 logits then take the unfused log-softmax in f32, as transformers'
+    /// loss upcasts them). The parameters, the optimizer, attention, the norms, the
+    /// activations between the products and the loss stay f32. Only where every such Linear
+    /// can run so: an f32 model on the CPU, dense weights without bias, no adapter; anything
+    /// else is an error naming what is not built.
+    pub fn with_bf16_autocast(&self) -> Result<Self, ModelError> {
+        let refuse = |what: String| -> Result<(), ModelError> {
+            Err(ModelError::Unsupported(format!(
+                "bf16 mixed precision (TRL's `bf16`): {what}; kiln's bf16 Linears are built for dense f32 weights without bias on the CPU (set `bf16` false to train in f32)"
+            )))
+        };
+        if !self.device.is_cpu() {
+            refuse(format!("the model is on {:?}", self.device))?;
+        }
+        if self.dtype() != DType::F32 {
+            refuse(format!("the model runs in {:?}", self.dtype()))?;
+        }
+        if self.adapters.is_some() {
+            refuse("the model has LoRA adapters".into())?;
+        }
+        let check = |l: &Linear| match (&l.weight, &l.bias) {
+            (LinearWeight::Packed(_), _) => refuse(format!(
+                "`{}` is a frozen or quantized weight (LoRA's base, QLoRA)",
+                l.name
+            )),
+            (_, Some(_)) => refuse(format!("`{}` has a bias", l.name)),
+            _ => Ok(()),
+        };
+        for layer in self.net.layers.iter().flatten() {
+            let a = &layer.attention;
+            for l in [&a.q, &a.k, &a.v, &a.o] {
+                check(l)?;
+            }
+            match &layer.mlp {
+                Mlp::Dense(d) => {
+                    for l in [&d.gate, &d.up, &d.down] {
+                        check(l)?;
+                    }
+                }
+                _ => refuse(format!("the layer of `{}` has experts", a.name))?,
+            }
+        }
+        Ok(DecoderModel {
+            autocast: true,
+            ..self.clone()
+        })
+    }
+
+    /// Whether the Linears run in bf16 ([`DecoderModel::with_bf16_autocast`]).
+    pub fn bf16_autocast(&self) -> bool {
+        self.autocast
     }
 
     /// The same model with a bf16 or f16 model's attention run as `attn` says.
@@ -844,6 +907,19 @@ impl DecoderModel {
             x.clone()
         };
         let y = match &l.weight {
+            LinearWeight::Dense(w) if self.autocast && l.bias.is_none() => {
+                if !super::dense_linear::runs(&input, w) {
+                    return Err(ModelError::Unsupported(format!(
+                        "bf16 mixed precision: `{}` cannot run as a bf16 Linear (input {:?} {:?}, weight {:?} {:?})",
+                        l.name,
+                        input.dtype(),
+                        input.dims(),
+                        w.dtype(),
+                        w.dims()
+                    )));
+                }
+                super::dense_linear::linear_autocast(&input, w)?
+            }
             LinearWeight::Dense(w) => linear(&input, w, l.bias.as_ref())?,
             LinearWeight::Packed(w) => {
                 let y = super::packed::packed_linear(&input, w)?;
@@ -969,6 +1045,7 @@ impl DecoderModel {
             .as_deref()
             .is_some_and(|a| a.get(&l.name).is_some());
         if l.name != "lm_head"
+            || self.autocast
             || l.bias.is_some()
             || adapted
             || !self.act.is_empty()

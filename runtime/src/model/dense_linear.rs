@@ -13,6 +13,7 @@
 use super::ModelError;
 use super::fused::slice;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use kiln_kernels::cpu::autocast;
 use kiln_kernels::ops::packed_matmul::dense;
 
 fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
@@ -35,7 +36,16 @@ pub fn runs(x: &Tensor, w: &Tensor) -> bool {
 /// `x · wᵀ` for `x` of any rank (the last dimension the input), differentiable with respect to
 /// both; see [`runs`] for what it takes.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
-    Ok(x.contiguous()?.apply_op2(w, DenseLinear)?)
+    Ok(x.contiguous()?
+        .apply_op2(w, DenseLinear { autocast: false })?)
+}
+
+/// [`linear`] as PyTorch's CPU autocast to bf16 runs it (TRL's `bf16=True`): the input and
+/// the weight rounded to bf16, f32 sums, the output rounded to bf16, and both gradients
+/// computed so too ([`kiln_kernels::cpu::autocast`]); f32 tensors holding bf16 values.
+pub fn linear_autocast(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+    Ok(x.contiguous()?
+        .apply_op2(w, DenseLinear { autocast: true })?)
 }
 
 /// `(m, n, k)` of `x [.., k] · w [n, k]ᵀ`, or an error naming the mismatch.
@@ -49,14 +59,20 @@ fn dims(x: &Shape, w: &Shape, op: &str) -> candle_core::Result<(usize, usize, us
     }
 }
 
-/// `x [.., k], w [n, k] → y [.., n]`.
-struct DenseLinear;
+/// `x [.., k], w [n, k] → y [.., n]`; `autocast`: in bf16, as [`linear_autocast`].
+struct DenseLinear {
+    autocast: bool,
+}
 
 /// `dy [.., n], w [n, k] → dx [.., k]`.
-struct InputGrad;
+struct InputGrad {
+    autocast: bool,
+}
 
 /// `x [.., k], dy [.., n] → dW [n, k]`.
-struct WeightGrad;
+struct WeightGrad {
+    autocast: bool,
+}
 
 fn with_last(shape: &Shape, last: usize) -> Shape {
     let mut d = shape.dims().to_vec();
@@ -84,7 +100,11 @@ impl CustomOp2 for DenseLinear {
             slice(s2, l2, "dense-linear")?,
         );
         let mut y = vec![0f32; m * n];
-        dense::forward(x, w, (m, n, k), &mut y).map_err(op_err)?;
+        match self.autocast {
+            false => dense::forward(x, w, (m, n, k), &mut y),
+            true => autocast::forward(x, w, (m, n, k), &mut y),
+        }
+        .map_err(op_err)?;
         Ok((CpuStorage::F32(y), with_last(l1.shape(), n)))
     }
 
@@ -98,11 +118,21 @@ impl CustomOp2 for DenseLinear {
         let dy = dy.contiguous()?;
         // A gradient nobody reads (an input or weight outside autograd) is not computed.
         let dx = match x.track_op() {
-            true => Some(dy.apply_op2_no_bwd(w, &InputGrad)?),
+            true => Some(dy.apply_op2_no_bwd(
+                w,
+                &InputGrad {
+                    autocast: self.autocast,
+                },
+            )?),
             false => None,
         };
         let dw = match w.track_op() {
-            true => Some(x.apply_op2_no_bwd(&dy, &WeightGrad)?),
+            true => Some(x.apply_op2_no_bwd(
+                &dy,
+                &WeightGrad {
+                    autocast: self.autocast,
+                },
+            )?),
             false => None,
         };
         Ok((dx, dw))
@@ -128,7 +158,11 @@ impl CustomOp2 for InputGrad {
             slice(s2, l2, "dense-linear-input-grad")?,
         );
         let mut dx = vec![0f32; m * k];
-        dense::input_grad(dy, w, (m, n, k), &mut dx).map_err(op_err)?;
+        match self.autocast {
+            false => dense::input_grad(dy, w, (m, n, k), &mut dx),
+            true => autocast::input_grad(dy, w, (m, n, k), &mut dx),
+        }
+        .map_err(op_err)?;
         Ok((CpuStorage::F32(dx), with_last(l1.shape(), k)))
     }
 }
@@ -160,7 +194,11 @@ impl CustomOp2 for WeightGrad {
             slice(s2, l2, "dense-linear-weight-grad")?,
         );
         let mut dw = vec![0f32; n * k];
-        dense::weight_grad(x, dy, (m, n, k), &mut dw).map_err(op_err)?;
+        match self.autocast {
+            false => dense::weight_grad(x, dy, (m, n, k), &mut dw),
+            true => autocast::weight_grad(x, dy, (m, n, k), &mut dw),
+        }
+        .map_err(op_err)?;
         Ok((CpuStorage::F32(dw), Shape::from((n, k))))
     }
 }
@@ -233,6 +271,57 @@ mod tests {
             assert_eq!(bits(&dx1), bits(&dx0), "dx, {lead:?} k {k} n {n}");
             assert_eq!(bits(&dw1), bits(&dw0), "dW, {lead:?} k {k} n {n}");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn the_autocast_linear_is_candles_bf16_composition_within_a_bf16_step()
+    -> candle_core::Result<()> {
+        // autocast's linear as candle's casts write it: x and W cast to bf16 (and back, the
+        // casts' gradients rounding as torch's do), the product of the bf16 values in f32
+        // (exact products), the output cast to bf16.
+        let dev = Device::Cpu;
+        let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let (x0, w0) = (
+            Tensor::randn(0f32, 1.0, (2, 9, 70), &dev)?,
+            Tensor::randn(0f32, 0.1, (33, 70), &dev)?,
+        );
+        let c = Tensor::randn(0f32, 1.0, (2, 9, 33), &dev)?;
+        let run = |fused: bool| -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+            let (x, w) = (Var::from_tensor(&x0)?, Var::from_tensor(&w0)?);
+            let y = if fused {
+                linear_autocast(x.as_tensor(), w.as_tensor()).map_err(op_err)?
+            } else {
+                round(&composition(
+                    &round(x.as_tensor())?,
+                    &round(w.as_tensor())?,
+                )?)?
+            };
+            let grads = (&y * &c)?.sum_all()?.backward()?;
+            let dx = grads.get(x.as_tensor()).expect("dx").clone();
+            let dw = grads.get(w.as_tensor()).expect("dw").clone();
+            Ok((y, dx, dw))
+        };
+        let (y1, dx1, dw1) = run(true)?;
+        let (y0, dx0, dw0) = run(false)?;
+        for (what, a, b) in [("y", &y1, &y0), ("dx", &dx1, &dx0), ("dW", &dw1, &dw0)] {
+            let (a, b) = (
+                a.flatten_all()?.to_vec1::<f32>()?,
+                b.flatten_all()?.to_vec1::<f32>()?,
+            );
+            for (p, q) in a.iter().zip(&b) {
+                assert_eq!(
+                    *p,
+                    half::bf16::from_f32(*p).to_f32(),
+                    "{what}: {p} is not bf16"
+                );
+                let step = p.abs().max(q.abs()) * 2f32.powi(-7);
+                assert!((p - q).abs() <= step, "{what}: {p} against {q}");
+            }
+        }
+        // Not f32's product: the roundings are there.
+        let plain = linear(&x0, &w0).map_err(op_err)?;
+        assert_ne!(bits(&y1), bits(&plain));
         Ok(())
     }
 

@@ -52,6 +52,10 @@ pub enum ModelError {
     /// another shape): the message names the folder and the tensor.
     #[error("{0}")]
     Architecture(String),
+    /// The model cannot run as asked (bf16 mixed precision over a quantized weight, …): the
+    /// message names what and why.
+    #[error("{0}")]
+    Unsupported(String),
     /// A tensor the forward pass needs is missing or malformed.
     #[error("tensor `{tensor}`: {message}")]
     Tensor {

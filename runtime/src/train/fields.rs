@@ -402,6 +402,12 @@ pub const FIELDS: &[Field] = &[
         "Batch size of the reference pass with precompute_ref_log_probs [per_device_train_batch_size]",
     ),
     f(
+        "bf16",
+        Kind::Bool,
+        &[],
+        "Mixed precision as PyTorch's CPU autocast runs it: every Linear in bf16 (f32 sums), everything else f32; candle on the CPU, full fine-tuning [false: f32; TRL's default resolves to true]",
+    ),
+    f(
         "gradient_checkpointing",
         Kind::Bool,
         &[],
@@ -970,8 +976,13 @@ mod tests {
             "config field `pad_to_multiple_of`: TRL's `SFTConfig.pad_to_multiple_of` = 8: kiln \
              pads to the longest sequence of the batch; kiln takes only TRL's default, null"
         );
-        let e = apply(&mut c, "bf16", &Value::from(true)).unwrap_err();
-        assert!(e.to_string().contains("kiln trains in f32"), "{e}");
+        apply(&mut c, "bf16", &Value::from(true)).unwrap();
+        assert_eq!(c.bf16().unwrap(), true);
+        let e = apply(&mut c, "fp16", &Value::from(true)).unwrap_err();
+        assert!(
+            e.to_string().contains("kiln trains and evaluates in f32"),
+            "{e}"
+        );
         // TRL's max_steps -1 and None values leave kiln's defaults.
         apply(&mut c, "max_steps", &Value::from(-1)).unwrap();
         assert_eq!(c.hyper.max_steps, None);

@@ -225,6 +225,14 @@ impl TrainConfig {
         Ok(self.option::<bool>("disable_dropout")?.unwrap_or(default))
     }
 
+    /// TRL's `bf16`: mixed precision, the Linears run as PyTorch's CPU
+    /// autocast to bf16 runs them ([`crate::model::DecoderModel::with_bf16_autocast`]).
+    /// kiln's default is f32 (false); TRL's `None` resolves to true unless `fp16` is set, so a
+    /// TRL run that leaves it out trains in mixed precision where kiln trains in f32.
+    pub fn bf16(&self) -> Result<bool, TrainError> {
+        Ok(self.option::<bool>("bf16")?.unwrap_or(false))
+    }
+
     /// TRL's `gradient_checkpointing` (every TRL 0.29 config defaults it to true): each decoder
     /// layer keeps only its input for the backward pass and is recomputed there — less memory,
     /// one more forward pass of every layer, the same numbers.

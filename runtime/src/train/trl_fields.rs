@@ -133,11 +133,6 @@ pub const DECISIONS: &[Decision] = &[
     ),
     // Precision and memory: kiln trains in f32.
     d(
-        &["bf16"],
-        Only("[null, false]"),
-        "kiln trains in f32 (TRL's own parity runs set bf16=False); remove the key or set it false",
-    ),
-    d(
         &[
             "fp16",
             "bf16_full_eval",

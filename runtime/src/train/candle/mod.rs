@@ -217,6 +217,12 @@ impl Setup {
             let dropout = !config.disable_dropout()?;
             model = model.with_adapters(Some(Arc::new(a.set_training(dropout))));
         }
+        if config.bf16()? {
+            model = model.with_bf16_autocast()?;
+            notes.push(
+                "bf16: every Linear (the output layer's included) runs in bf16 as PyTorch's CPU autocast runs it (inputs, weights, outputs and both gradients rounded to bf16, f32 sums); attention, the norms, the activations between the Linears, the loss and the optimizer in f32".into(),
+            );
+        }
         // Each decoder layer's backward pass runs by itself under gradient checkpointing
         // (recomputed from the layer's input) and under full fine-tuning without it (through
         // the layer's kept graph, which it then frees, so the activations of the layers already

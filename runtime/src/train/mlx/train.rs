@@ -69,6 +69,12 @@ impl MlxSetup {
                 "--merge needs LoRA (full fine-tuning already writes full weights)",
             ));
         }
+        if config.bf16()? {
+            return Err(config_err(
+                "bf16",
+                "bf16 mixed precision is built for the candle backend (--backend candle); the MLX backend trains in f32",
+            ));
+        }
         // QLoRA on MLX: mlx-lm's own layout, run with MLX's quantized_matmul; the other
         // quantized layouts kiln reads train on candle (their decode is kiln's, not MLX's).
         if crate::train::quantized_base(config)?
