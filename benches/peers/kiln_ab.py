@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--backend", default="candle")
     ap.add_argument("--checkpointing", default="off", help="off, on, or both: off,on")
+    ap.add_argument("--precision", default="f32", help="f32, or bf16 (kiln's --bf16 true)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     # A model, checkpoints and adapters: gigabytes at the larger sizes; gone when the script ends.
@@ -42,8 +43,9 @@ def main():
     for task in args.tasks.split(","):
         data = os.path.join(tmp, f"{task}.jsonl")
         for b, ckpt in [(b, c) for b in args.kiln for c in args.checkpointing.split(",")]:
-            one = tp.run_kiln(b, task, model, data, 1, tmp, args.lora, ckpt, args.backend)
-            full = tp.run_kiln(b, task, model, data, args.steps, tmp, args.lora, ckpt, args.backend)
+            one = tp.run_kiln(b, task, model, data, 1, tmp, args.lora, ckpt, args.backend, args.precision)
+            full = tp.run_kiln(b, task, model, data, args.steps, tmp, args.lora, ckpt, args.backend,
+                               args.precision)
             s = (full["run_s"] - one["run_s"]) / (args.steps - 1)
             # GKD logs no num_tokens (TRL's GKDTrainer neither): no tokens/s there.
             rate = "—"

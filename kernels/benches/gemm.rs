@@ -64,5 +64,55 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// A trained Linear's three products under autocast (`cpu::autocast`: TRL's `bf16=True`) on
+/// the 254M demo model's MLP shapes for a batch of 8 × 128 tokens, beside the f32 ones candle's
+/// GEMM runs (`ops::packed_matmul::dense`), operand rounding and transposes included.
+fn autocast(c: &mut Criterion) {
+    use kiln_kernels::cpu::autocast;
+    use kiln_kernels::ops::packed_matmul::dense;
+    println!("autocast path: {:?}", autocast::path());
+    let mut g = c.benchmark_group("linear_products_254m");
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    let m = 1024;
+    for (k, n) in [(1024usize, 4096usize), (4096, 1024)] {
+        let x = widen(&values(m * k, 3, 2.0));
+        let w = widen(&values(n * k, 4, 0.05));
+        let dy = widen(&values(m * n, 5, 1e-3));
+        let (mut y, mut dx, mut dw) = (vec![0f32; m * n], vec![0f32; m * k], vec![0f32; n * k]);
+        g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        let id = format!("{k}x{n}");
+        let d = (m, n, k);
+        if k == 1024 {
+            g.throughput(Throughput::Bytes((m * n * 6) as u64));
+            g.bench_function(BenchmarkId::new("round_to_bf16", &id), |b| {
+                b.iter(|| autocast::bits(black_box(&dy)))
+            });
+            g.bench_function(BenchmarkId::new("round_and_transpose", &id), |b| {
+                b.iter(|| autocast::bits_t(black_box(&dy), m, n))
+            });
+            g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        }
+        g.bench_function(BenchmarkId::new("f32_forward", &id), |b| {
+            b.iter(|| dense::forward(black_box(&x), &w, d, &mut y).unwrap())
+        });
+        g.bench_function(BenchmarkId::new("bf16_forward", &id), |b| {
+            b.iter(|| autocast::forward(black_box(&x), &w, d, &mut y).unwrap())
+        });
+        g.bench_function(BenchmarkId::new("f32_input_grad", &id), |b| {
+            b.iter(|| dense::input_grad(black_box(&dy), &w, d, &mut dx).unwrap())
+        });
+        g.bench_function(BenchmarkId::new("bf16_input_grad", &id), |b| {
+            b.iter(|| autocast::input_grad(black_box(&dy), &w, d, &mut dx).unwrap())
+        });
+        g.bench_function(BenchmarkId::new("f32_weight_grad", &id), |b| {
+            b.iter(|| dense::weight_grad(black_box(&x), &dy, d, &mut dw).unwrap())
+        });
+        g.bench_function(BenchmarkId::new("bf16_weight_grad", &id), |b| {
+            b.iter(|| autocast::weight_grad(black_box(&x), &dy, d, &mut dw).unwrap())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, autocast);
 criterion_main!(benches);

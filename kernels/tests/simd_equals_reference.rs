@@ -855,6 +855,13 @@ proptest! {
                 let r = bf16::from_f32(v).to_bits();
                 prop_assert!(b == r || (nan(b) && nan(r)), "({m}, {n}, {k}) output {i}: {b:#06x} vs {r:#06x}");
             }
+            // Rounded where the sums lie (autocast's products): the same roundings, as f32.
+            let mut rounded = vec![f32::NAN; m * n];
+            cpu::bf16_matmul::matmul_wt_rounded(&x, &w, &mut rounded, (m, n, k)).unwrap();
+            for (i, (&g, &v)) in rounded.iter().zip(&want).enumerate() {
+                let r = bf16::from_f32(v).to_f32();
+                prop_assert!(g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()), "({m}, {n}, {k}) output {i}: {g} vs {r}");
+            }
         } else {
             // Where the CPU lacks it, the kernel refuses by name (the reason is printed by
             // `reports_which_instruction_sets_were_exercised`).
@@ -892,4 +899,17 @@ fn bf16_gemm_equals_the_reference_on_layer_shapes() {
         cpu::bf16_matmul::matmul_wt(&x, &w, &mut got, (m, n, k)).unwrap();
         assert_eq!(same_bits(&got, &want), None, "({m}, {n}, {k})");
     }
+    // More weight rows than one task's block, so several tasks write the same rows' columns.
+    let (m, n, k) = (7, 3 * cpu::bf16_matmul::BLOCK + 5, 300);
+    let x: Vec<u16> = (0..m * k)
+        .map(|_| bf16::from_f32(next()).to_bits())
+        .collect();
+    let w: Vec<u16> = (0..n * k)
+        .map(|_| bf16::from_f32(next()).to_bits())
+        .collect();
+    let mut want = vec![0f32; m * n];
+    r::matmul_wt(&x, &w, &mut want, (m, n, k)).unwrap();
+    let mut got = vec![0f32; m * n];
+    cpu::bf16_matmul::matmul_wt(&x, &w, &mut got, (m, n, k)).unwrap();
+    assert_eq!(same_bits(&got, &want), None, "({m}, {n}, {k})");
 }

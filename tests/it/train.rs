@@ -2027,3 +2027,24 @@ fn bf16_mixed_precision_tracks_trl_autocast() {
         );
     }
 }
+
+/// What kiln's bf16 does not run is refused by name, not trained in f32: here LoRA (its
+/// frozen base), before anything is written.
+#[test]
+fn bf16_mixed_precision_refuses_what_it_does_not_run() {
+    let all = reference();
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config("sft-lora", &all["sft-lora"], &out.path().join("run"));
+    cfg.task_options.insert("bf16".into(), true.into());
+    let entry = kiln_runtime::resolve_trainer(&cfg).unwrap();
+    let e = match entry.construct(&cfg) {
+        Ok(mut t) => t.train(&mut Collect::default()).unwrap_err().to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("bf16") && e.contains("LoRA adapters"), "{e}");
+    assert!(
+        !out.path().join("run").exists(),
+        "a refused run wrote {:?}",
+        out.path()
+    );
+}

@@ -20,11 +20,14 @@
 use super::bf16_matmul;
 use crate::KernelError;
 use crate::error::check_len;
+use crate::ops::bf16_matmul::check as bf16_matmul_check;
 use crate::ops::packed_matmul::dense;
 use rayon::prelude::*;
 
 /// Rows transposed per task (output rows of the transpose).
-const TILE: usize = 64;
+const TILE: usize = 16;
+/// Source rows a transpose takes at a time (output values written in one piece).
+const SPAN: usize = 64;
 
 /// `v` rounded to the nearest bf16, ties to even, as an f32 (`half`'s rounding, PyTorch's).
 #[inline]
@@ -32,7 +35,8 @@ pub fn round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
-fn bits(src: &[f32]) -> Vec<u16> {
+/// `src` rounded to bf16 bits (nearest, ties to even).
+pub fn bits(src: &[f32]) -> Vec<u16> {
     let mut out = vec![0u16; src.len()];
     out.par_chunks_mut(1 << 14)
         .zip(src.par_chunks(1 << 14))
@@ -44,9 +48,16 @@ fn bits(src: &[f32]) -> Vec<u16> {
     out
 }
 
-/// `src [rows, cols]` transposed to `[cols, rows]`, each value rounded to bf16 bits.
-fn bits_t(src: &[f32], rows: usize, cols: usize) -> Vec<u16> {
-    let mut out = vec![0u16; rows * cols];
+/// `src [rows, cols]` transposed to `[cols, rows]`, each value through `f`: a task per
+/// [`TILE`] output rows, each filled [`SPAN`] values at a time through a small tile held in L1
+/// (a tile's `TILE` source row pieces read whole, its `TILE` output row pieces written whole).
+fn transposed<T: Copy + Sync, U: Copy + Default + Send>(
+    src: &[T],
+    rows: usize,
+    cols: usize,
+    f: impl Fn(T) -> U + Sync,
+) -> Vec<U> {
+    let mut out = vec![U::default(); rows * cols];
     if rows == 0 {
         return out;
     }
@@ -55,14 +66,37 @@ fn bits_t(src: &[f32], rows: usize, cols: usize) -> Vec<u16> {
         .for_each(|(t, block)| {
             let c0 = t * TILE;
             let width = block.len() / rows;
-            for r in 0..rows {
-                let row = &src[r * cols + c0..r * cols + c0 + width];
-                for (c, v) in row.iter().enumerate() {
-                    block[c * rows + r] = half::bf16::from_f32(*v).to_bits();
+            let mut tile = [[U::default(); SPAN]; TILE];
+            let mut piece = [U::default(); TILE];
+            for r0 in (0..rows).step_by(SPAN) {
+                let span = SPAN.min(rows - r0);
+                for dr in 0..span {
+                    let r = r0 + dr;
+                    let row = &src[r * cols + c0..r * cols + c0 + width];
+                    // Converted along the row first (in vector lanes), then scattered.
+                    for (p, v) in piece.iter_mut().zip(row) {
+                        *p = f(*v);
+                    }
+                    for (t, p) in tile.iter_mut().zip(&piece[..width]) {
+                        t[dr] = *p;
+                    }
+                }
+                for (c, t) in tile.iter().enumerate().take(width) {
+                    block[c * rows + r0..c * rows + r0 + span].copy_from_slice(&t[..span]);
                 }
             }
         });
     out
+}
+
+/// `src [rows, cols]` transposed to `[cols, rows]`, each value rounded to bf16 bits.
+pub fn bits_t(src: &[f32], rows: usize, cols: usize) -> Vec<u16> {
+    transposed(src, rows, cols, |v| half::bf16::from_f32(v).to_bits())
+}
+
+/// bf16 bits `src [rows, cols]` transposed to `[cols, rows]`.
+pub fn transpose_bits(src: &[u16], rows: usize, cols: usize) -> Vec<u16> {
+    transposed(src, rows, cols, |v| v)
 }
 
 fn widen(bits: &[u16]) -> Vec<f32> {
@@ -95,6 +129,24 @@ pub fn path() -> Path {
     }
 }
 
+/// `y [m, n] = bf16(a [m, k] · b [n, k]ᵀ)` for bf16 bits `a`, `b` (already rounded, laid out
+/// along the summed dimension), on this CPU's [`path`].
+pub fn product_bits(
+    a: &[u16],
+    b: &[u16],
+    (m, n, k): (usize, usize, usize),
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    bf16_matmul_check(
+        "autocast::product_bits",
+        a.len(),
+        b.len(),
+        y.len(),
+        (m, n, k),
+    )?;
+    product_wt(a, b, (m, n, k), y, path())
+}
+
 /// `y [m, n] = bf16(a [m, k] · b [n, k]ᵀ)` for bf16 bits `a`, `b`, on `path`.
 fn product_wt(
     a: &[u16],
@@ -104,15 +156,18 @@ fn product_wt(
     path: Path,
 ) -> Result<(), KernelError> {
     match path {
-        Path::Bf16Instruction => bf16_matmul::matmul_wt(a, b, y, (m, n, k))?,
-        Path::F32Gemm => dense::forward(&widen(a), &widen(b), (m, n, k), y)?,
-    }
-    y.par_chunks_mut(1 << 14).for_each(|c| {
-        for v in c {
-            *v = round(*v);
+        // Rounded by the threads that computed the sums, while they are in cache.
+        Path::Bf16Instruction => bf16_matmul::matmul_wt_rounded(a, b, y, (m, n, k)),
+        Path::F32Gemm => {
+            dense::forward(&widen(a), &widen(b), (m, n, k), y)?;
+            y.par_chunks_mut(1 << 14).for_each(|c| {
+                for v in c {
+                    *v = round(*v);
+                }
+            });
+            Ok(())
         }
-    });
-    Ok(())
+    }
 }
 
 fn check(

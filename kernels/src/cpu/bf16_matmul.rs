@@ -46,7 +46,7 @@ pub fn matmul_wt(
     y: &mut [f32],
     dims: (usize, usize, usize),
 ) -> Result<(), KernelError> {
-    product("bf16 matmul_wt", x, w, y, dims, |v| v)
+    product_f32("bf16 matmul_wt", x, w, y, dims, |v| v)
 }
 
 /// [`matmul_wt`] with each output rounded to bf16 (nearest, ties to even; `half`'s
@@ -63,6 +63,89 @@ pub fn matmul_wt_bf16(
     })
 }
 
+/// [`matmul_wt`] with each output then rounded to the nearest bf16 (ties to even) and kept
+/// as an f32: what a bf16 product whose result stays in an f32 buffer holds (autocast's).
+pub fn matmul_wt_rounded(
+    x: &[u16],
+    w: &[u16],
+    y: &mut [f32],
+    dims: (usize, usize, usize),
+) -> Result<(), KernelError> {
+    product_f32("bf16 matmul_wt_rounded", x, w, y, dims, |v| {
+        half::bf16::from_f32(v).to_f32()
+    })
+}
+
+/// `y`'s address, shared by the tasks that write its disjoint column blocks.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: the tasks holding it write disjoint elements of one live buffer (see `product_f32`).
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for Out {}
+// SAFETY: as above.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for Out {}
+
+/// Checks a product's shapes and this CPU; `false` where there is nothing to compute.
+fn ready(
+    op: &'static str,
+    (x, w, y): (usize, usize, usize),
+    (m, n, k): (usize, usize, usize),
+) -> Result<bool, KernelError> {
+    reference::check(op, x, w, y, (m, n, k))?;
+    if !available() {
+        return Err(KernelError::Unsupported {
+            op,
+            device: "this CPU (it needs AVX-512 BF16)",
+        });
+    }
+    Ok(m > 0 && n > 0)
+}
+
+/// An f32 product written where it lies: each task computes a block of [`BLOCK`] weight
+/// rows straight into those columns of `y` and applies `post` to them while they are in cache.
+fn product_f32(
+    op: &'static str,
+    x: &[u16],
+    w: &[u16],
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    post: impl Fn(f32) -> f32 + Sync,
+) -> Result<(), KernelError> {
+    if !ready(op, (x.len(), w.len(), y.len()), (m, n, k))? {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let out = Out(y.as_mut_ptr());
+        (0..n)
+            .step_by(BLOCK)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each(|j0| {
+                let nb = BLOCK.min(n - j0);
+                let o = out;
+                // SAFETY: `available()` detected AVX-512F, BW and BF16; `x` and the weight
+                // block hold the rows `block` reads (shapes checked above); columns
+                // `j0..j0 + nb` of `y`'s `m` rows (row stride `n`) are this task's alone, and
+                // `y` outlives the parallel loop.
+                unsafe {
+                    x86::block(x, &w[j0 * k..(j0 + nb) * k], o.0.add(j0), n, (m, nb, k));
+                    for i in 0..m {
+                        let row = std::slice::from_raw_parts_mut(o.0.add(i * n + j0), nb);
+                        for v in row {
+                            *v = post(*v);
+                        }
+                    }
+                }
+            });
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (post, y);
+    Ok(())
+}
+
 fn product<T: Copy + Default + Send + Sync>(
     op: &'static str,
     x: &[u16],
@@ -71,14 +154,7 @@ fn product<T: Copy + Default + Send + Sync>(
     (m, n, k): (usize, usize, usize),
     out: impl Fn(f32) -> T + Sync,
 ) -> Result<(), KernelError> {
-    reference::check(op, x.len(), w.len(), y.len(), (m, n, k))?;
-    if !available() {
-        return Err(KernelError::Unsupported {
-            op,
-            device: "this CPU (it needs AVX-512 BF16)",
-        });
-    }
-    if m == 0 || n == 0 {
+    if !ready(op, (x.len(), w.len(), y.len()), (m, n, k))? {
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
@@ -91,8 +167,16 @@ fn product<T: Copy + Default + Send + Sync>(
                 let nb = BLOCK.min(n - j0);
                 let mut sums = vec![0f32; m * nb];
                 // SAFETY: `available()` detected AVX-512F, BW and BF16; the slices hold the
-                // rows `block` reads (shapes checked above).
-                unsafe { x86::block(x, &w[j0 * k..(j0 + nb) * k], &mut sums, (m, nb, k)) };
+                // rows `block` reads (shapes checked above); `sums` is this task's `[m, nb]`.
+                unsafe {
+                    x86::block(
+                        x,
+                        &w[j0 * k..(j0 + nb) * k],
+                        sums.as_mut_ptr(),
+                        nb,
+                        (m, nb, k),
+                    )
+                };
                 (j0, sums.into_iter().map(&out).collect())
             })
             .collect();
@@ -144,13 +228,14 @@ mod x86 {
     /// A tile: `out[i * ldo + j]` = the dot product of input row `i` and weight row `j`,
     /// `R` input rows of `x` and `C` weight rows of `w`, each `k` long.
     ///
-    /// SAFETY: `x` holds `R · k` values, `w` `C · k`, `out` `(R − 1) · ldo + C`.
+    /// SAFETY: `x` holds `R · k` values, `w` `C · k`; `out` points at `(R − 1) · ldo + C`
+    /// writable values no other thread touches meanwhile.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn tile<const R: usize, const C: usize>(
         x: *const u16,
         w: *const u16,
         k: usize,
-        out: &mut [f32],
+        out: *mut f32,
         ldo: usize,
     ) {
         let mut acc = [[_mm512_setzero_ps(); C]; R];
@@ -179,7 +264,8 @@ mod x86 {
         }
         for (i, row) in acc.iter().enumerate() {
             for (j, a) in row.iter().enumerate() {
-                out[i * ldo + j] = reduce(*a);
+                // SAFETY: the caller's contract: `i < R`, `j < C`.
+                unsafe { *out.add(i * ldo + j) = reduce(*a) };
             }
         }
     }
@@ -192,23 +278,25 @@ mod x86 {
 
     /// Tile `(r, c)` rows (at most [`MR`] × [`NR`]) at input row `i` and weight row `j`.
     ///
-    /// SAFETY: AVX-512F/BW/BF16 present; the rows lie in `x` / `w`.
+    /// SAFETY: AVX-512F/BW/BF16 present; the rows lie in `x` / `w`; `out` points at a
+    /// `[·, ldo]` matrix whose rows `i..i + r`, columns `j..j + c` are this thread's to write.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn tile_at(
         x: &[u16],
         w: &[u16],
-        out: &mut [f32],
+        out: *mut f32,
         (i, j, r, c): (usize, usize, usize, usize),
-        (nb, k): (usize, usize),
+        (ldo, k): (usize, usize),
     ) {
         let xp = x[i * k..].as_ptr();
         let wp = w[j * k..].as_ptr();
-        let o = &mut out[i * nb + j..];
+        // SAFETY: the caller's contract: the element (i, j) lies in `out`'s matrix.
+        let o = unsafe { out.add(i * ldo + j) };
         macro_rules! dispatch {
             ($($r:literal, $c:literal);*) => {
                 match (r, c) {
                     // SAFETY: the caller's contract; `r` and `c` rows exist from `i` and `j`.
-                    $(($r, $c) => unsafe { tile::<$r, $c>(xp, wp, k, o, nb) },)*
+                    $(($r, $c) => unsafe { tile::<$r, $c>(xp, wp, k, o, ldo) },)*
                     _ => unreachable!("a tile is at most {MR} × {NR}"),
                 }
             };
@@ -221,19 +309,26 @@ mod x86 {
         );
     }
 
-    /// `out [m, nb]` = `x [m, k]` · `w [nb, k]`ᵀ, tile by tile: each input tile stays in L1
-    /// while the block's weight rows pass it.
+    /// `out [m, nb]` (rows `ldo` apart) = `x [m, k]` · `w [nb, k]`ᵀ, tile by tile: each
+    /// input tile stays in L1 while the block's weight rows pass it.
     ///
-    /// SAFETY: AVX-512F/BW/BF16 present; `x`, `w` and `out` hold `m · k`, `nb · k` and
-    /// `m · nb` values.
+    /// SAFETY: AVX-512F/BW/BF16 present; `x` and `w` hold `m · k` and `nb · k` values;
+    /// `out` points at `m` rows of `nb` values, `ldo` apart, that no other thread touches
+    /// meanwhile.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn block(x: &[u16], w: &[u16], out: &mut [f32], (m, nb, k): (usize, usize, usize)) {
+    pub unsafe fn block(
+        x: &[u16],
+        w: &[u16],
+        out: *mut f32,
+        ldo: usize,
+        (m, nb, k): (usize, usize, usize),
+    ) {
         for i in (0..m).step_by(MR) {
             let r = MR.min(m - i);
             for j in (0..nb).step_by(NR) {
                 let c = NR.min(nb - j);
                 // SAFETY: the caller's contract; `r` rows from `i`, `c` from `j`.
-                unsafe { tile_at(x, w, out, (i, j, r, c), (nb, k)) };
+                unsafe { tile_at(x, w, out, (i, j, r, c), (ldo, k)) };
             }
         }
     }

@@ -796,8 +796,8 @@ impl DecoderModel {
     /// `bf16=True`, mixed precision): each product's input and weight rounded to bf16, f32
     /// sums, the output and both gradients rounded to bf16
     /// ([`super::dense_linear::linear_autocast`]) — the decoder layers' and the output
-    /// layer's (whose bf16 logits then take the unfused log-softmax in f32, as transformers'
-    /// loss upcasts them). The parameters, the optimizer, attention, the norms, the
+    /// layer's (the head without logits in its bf16 form, [`super::fused::HeadWeight::DenseBf16`]:
+    /// bf16 logits, their log-softmax in f32, as transformers' loss upcasts them). The parameters, the optimizer, attention, the norms, the
     /// activations between the products and the loss stay f32. Only where every such Linear
     /// can run so: an f32 model on the CPU, dense weights without bias, no adapter; anything
     /// else is an error naming what is not built.
@@ -1037,7 +1037,11 @@ impl DecoderModel {
     /// The output layer as [`super::fused::head_logps`] takes it, where it can run there: on
     /// the CPU in f32, a plain `lm_head` (or the tied embeddings) without bias, adapter or
     /// activation quantizer, dense f32 or packed. `None` otherwise.
-    fn fused_head(&self) -> Option<(&Tensor, super::fused::HeadWeight<'_>)> {
+    ///
+    /// Under bf16 autocast a dense head runs as [`super::fused::HeadWeight::DenseBf16`] where
+    /// `autocast_ok` (the log-probabilities' head; GKD's JSD head is f32-only and takes the
+    /// logits, through the autocast Linear, instead).
+    fn fused_head(&self, autocast_ok: bool) -> Option<(&Tensor, super::fused::HeadWeight<'_>)> {
         let head = self.net.head.as_ref()?;
         let l = &head.lm_head;
         let adapted = self
@@ -1045,7 +1049,7 @@ impl DecoderModel {
             .as_deref()
             .is_some_and(|a| a.get(&l.name).is_some());
         if l.name != "lm_head"
-            || self.autocast
+            || (self.autocast && !autocast_ok)
             || l.bias.is_some()
             || adapted
             || !self.act.is_empty()
@@ -1057,8 +1061,12 @@ impl DecoderModel {
         let weight = match &l.weight {
             LinearWeight::Dense(w) => {
                 super::packed::FrozenRows::of(w)?;
-                super::fused::HeadWeight::Dense(w)
+                match self.autocast {
+                    true => super::fused::HeadWeight::DenseBf16(w),
+                    false => super::fused::HeadWeight::Dense(w),
+                }
             }
+            // with_bf16_autocast admits no packed weight.
             LinearWeight::Packed(p) => super::fused::HeadWeight::Packed(p),
         };
         Some((&head.norm, weight))
@@ -1106,7 +1114,7 @@ impl DecoderModel {
         scored: &HeadPositions<'_>,
         labels: Vec<u32>,
     ) -> Result<Option<(Tensor, super::fused::HeadStats)>, ModelError> {
-        let Some((h, weight)) = self.head_input(ids, scored)? else {
+        let Some((h, weight)) = self.head_input(ids, scored, true)? else {
             return Ok(None);
         };
         Ok(Some(super::fused::head_logps(
@@ -1129,11 +1137,13 @@ impl DecoderModel {
         teacher: super::fused::HeadRows,
         beta: f64,
     ) -> Result<Option<Tensor>, ModelError> {
-        let Some((h, weight)) = self.head_input(ids, scored)? else {
+        let Some((h, weight)) = self.head_input(ids, scored, false)? else {
             return Ok(None);
         };
         let vocab = match &weight {
-            super::fused::HeadWeight::Dense(w) => w.dim(0)?,
+            super::fused::HeadWeight::Dense(w) | super::fused::HeadWeight::DenseBf16(w) => {
+                w.dim(0)?
+            }
             super::fused::HeadWeight::Packed(p) => p.rows(),
         };
         if teacher.vocab() != vocab {
@@ -1150,11 +1160,11 @@ impl DecoderModel {
         ids: &Tensor,
         scored: &HeadPositions<'_>,
     ) -> Result<Option<super::fused::HeadRows>, ModelError> {
-        let Some((h, weight)) = self.head_input(ids, scored)? else {
+        let Some((h, weight)) = self.head_input(ids, scored, false)? else {
             return Ok(None);
         };
         let w: super::packed::Packed = match weight {
-            super::fused::HeadWeight::Dense(w) => {
+            super::fused::HeadWeight::Dense(w) | super::fused::HeadWeight::DenseBf16(w) => {
                 match super::packed::FrozenRows::of(&w.detach()) {
                     Some(rows) => Arc::new(rows),
                     None => return Ok(None),
@@ -1173,8 +1183,9 @@ impl DecoderModel {
         &self,
         ids: &Tensor,
         scored: &HeadPositions<'_>,
+        autocast_ok: bool,
     ) -> Result<Option<(Tensor, super::fused::HeadWeight<'_>)>, ModelError> {
-        let Some((norm, weight)) = self.fused_head() else {
+        let Some((norm, weight)) = self.fused_head(autocast_ok) else {
             return Ok(None);
         };
         let (b, t) = ids.dims2()?;

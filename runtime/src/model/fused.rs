@@ -8,6 +8,7 @@
 //! TRL parity unchanged (`tests/it/train.rs`).
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use kiln_kernels::cpu::autocast;
 use kiln_kernels::ops::fused as k;
 use std::sync::Mutex;
 
@@ -473,6 +474,12 @@ pub enum HeadWeight<'a> {
     Dense(&'a Tensor),
     /// A frozen weight kept packed (LoRA's bf16 base, QLoRA's quantized one): no gradient.
     Packed(&'a super::packed::Packed),
+    /// A dense f32 weight under bf16 autocast (TRL's `bf16=True`): the logits
+    /// `bf16(bf16(h) · bf16(W)ᵀ)`, their gradient rounded to bf16 before `dh` and `dW` (each
+    /// one product over every row, rounded once), as [`super::dense_linear::linear_autocast`]
+    /// runs a Linear; the log-softmax in f32 on the bf16 logits, as transformers' loss
+    /// upcasts them. [`head_logps`] only.
+    DenseBf16(&'a Tensor),
 }
 
 /// Rows of logits computed at a time: about 8 MiB of f32.
@@ -495,6 +502,8 @@ fn chunk_rows(n: usize, vocab: usize) -> k::Rows {
 /// log-sum-exp; and the forward's log-probabilities, which the op hands out.
 struct Head {
     w: super::packed::Packed,
+    /// Under autocast ([`HeadWeight::DenseBf16`]): the weight's bf16 bits `[vocab, hidden]`.
+    bf16: Option<Vec<u16>>,
     labels: Vec<u32>,
     lse: Vec<f32>,
     logps: Vec<f32>,
@@ -510,7 +519,7 @@ impl Head {
     /// then each row's log-probability of its label, log-sum-exp and figures.
     fn forward(
         h: &[f32],
-        w: super::packed::Packed,
+        (w, bf16): (super::packed::Packed, Option<Vec<u16>>),
         labels: Vec<u32>,
         step: usize,
         scale: f32,
@@ -519,6 +528,7 @@ impl Head {
         let rows = labels.len();
         let mut head = Head {
             w,
+            bf16,
             labels,
             lse: vec![0f32; rows],
             logps: vec![0f32; rows],
@@ -581,7 +591,14 @@ impl Head {
     /// The logits `scale · h · Wᵀ` `[n, vocab]` of the `n` rows `h` into `x` (the forward's,
     /// and the backward's again).
     fn logits(&self, h: &[f32], n: usize, x: &mut [f32]) -> candle_core::Result<()> {
-        kiln_kernels::ops::packed_matmul::matmul_wt(h, n, self.w.as_ref(), x).map_err(op_err)?;
+        match &self.bf16 {
+            Some(w) => {
+                let dims = (n, self.w.rows(), self.hidden);
+                autocast::product_bits(&autocast::bits(h), w, dims, x)
+            }
+            None => kiln_kernels::ops::packed_matmul::matmul_wt(h, n, self.w.as_ref(), x),
+        }
+        .map_err(op_err)?;
         scale_by(x, self.scale);
         Ok(())
     }
@@ -629,6 +646,9 @@ impl FusedHead for Head {
         let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let (guard, layout) = h.storage_and_layout();
         let hv = cpu_values(&guard, layout, "head_logps backward")?;
+        if self.bf16.is_some() {
+            return self.backward_bf16(hv, &g, weight_grad, h.device());
+        }
         let mut dh = vec![0f32; rows * hidden];
         let mut dw: Option<Tensor> = None;
         let step = self.step;
@@ -654,6 +674,75 @@ impl FusedHead for Head {
             chunk_grads(&d, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
         }
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
+    }
+}
+
+impl Head {
+    /// [`FusedHead::backward`] under autocast: per chunk of rows the logits again, their
+    /// gradient rounded to bf16 (kept for every row: `[rows, vocab]` bf16, half of f32's
+    /// logits), `dh = bf16(dz · W)`; then `dW = bf16(dzᵀ · h)` as one product over all rows,
+    /// rounded once, as autocast's single GEMM rounds it.
+    fn backward_bf16(
+        &self,
+        hv: &[f32],
+        g: &[f32],
+        weight_grad: bool,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
+        let w = self
+            .bf16
+            .as_deref()
+            .expect("autocast's head keeps its weight's bits");
+        // dh = dz · W = dz [n, vocab] · (Wᵀ [hidden, vocab])ᵀ.
+        let wt = autocast::transpose_bits(w, vocab, hidden);
+        let mut dz = vec![0u16; rows * vocab];
+        let mut dh = vec![0f32; rows * hidden];
+        let step = self.step;
+        let mut x = vec![0f32; step.min(rows) * vocab];
+        let mut d = vec![0f32; step.min(rows) * vocab];
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            let r = start..start + n;
+            let (x, d) = (&mut x[..n * vocab], &mut d[..n * vocab]);
+            self.logits(&hv[start * hidden..(start + n) * hidden], n, x)?;
+            k::token_logps_backward(
+                x,
+                &chunk_rows(n, vocab),
+                &self.labels[r.clone()],
+                &self.lse[r.clone()],
+                &g[r],
+                d,
+            )
+            .map_err(op_err)?;
+            scale_by(d, self.scale);
+            let dzc = &mut dz[start * vocab..(start + n) * vocab];
+            for (b, v) in dzc.iter_mut().zip(d.iter()) {
+                *b = half::bf16::from_f32(*v).to_bits();
+            }
+            autocast::product_bits(
+                dzc,
+                &wt,
+                (n, hidden, vocab),
+                &mut dh[start * hidden..(start + n) * hidden],
+            )
+            .map_err(op_err)?;
+        }
+        drop(wt);
+        let dw = match weight_grad {
+            true => {
+                // dW = dzᵀ · h = (dzᵀ [vocab, rows]) · (hᵀ [hidden, rows])ᵀ.
+                let dzt = autocast::transpose_bits(&dz, rows, vocab);
+                drop(dz);
+                let ht = autocast::bits_t(hv, rows, hidden);
+                let mut dw = vec![0f32; vocab * hidden];
+                autocast::product_bits(&dzt, &ht, (vocab, hidden, rows), &mut dw)
+                    .map_err(op_err)?;
+                Some(Tensor::from_vec(dw, (vocab, hidden), device)?)
+            }
+            false => None,
+        };
+        Ok((Tensor::from_vec(dh, (rows, hidden), device)?, dw))
     }
 }
 
@@ -735,11 +824,19 @@ fn head_logps_in(
     }
     let flat = h.reshape((b * t, hidden))?.contiguous()?;
     let rows: super::packed::Packed = match weight {
-        HeadWeight::Dense(w) => std::sync::Arc::new(
+        HeadWeight::Dense(w) | HeadWeight::DenseBf16(w) => std::sync::Arc::new(
             super::packed::FrozenRows::of(&w.detach())
                 .ok_or_else(|| op_err("head_logps: the weight must be f32 and contiguous"))?,
         ),
         HeadWeight::Packed(p) => p.clone(),
+    };
+    let bf16 = match weight {
+        HeadWeight::DenseBf16(w) => {
+            let w = w.detach().contiguous()?;
+            let (g, l) = w.storage_and_layout();
+            Some(autocast::bits(cpu_values(&g, l, "head_logps")?))
+        }
+        _ => None,
     };
     if rows.cols() != hidden {
         return Err(op_err(format!(
@@ -750,10 +847,16 @@ fn head_logps_in(
     let (head, stats) = {
         let (g, l) = flat.storage_and_layout();
         let step = step.unwrap_or_else(|| head_chunk(rows.rows())).max(1);
-        Head::forward(cpu_values(&g, l, "head_logps")?, rows, labels, step, scale)?
+        Head::forward(
+            cpu_values(&g, l, "head_logps")?,
+            (rows, bf16),
+            labels,
+            step,
+            scale,
+        )?
     };
     let logps = match weight {
-        HeadWeight::Dense(w) => flat.apply_op2(w, Dense(head))?,
+        HeadWeight::Dense(w) | HeadWeight::DenseBf16(w) => flat.apply_op2(w, Dense(head))?,
         HeadWeight::Packed(_) => flat.apply_op1(Frozen(head))?,
     };
     Ok((logps.reshape((b, t))?, stats))
@@ -979,6 +1082,11 @@ fn head_jsd_in(
                 .ok_or_else(|| op_err("head_jsd: the weight must be f32 and contiguous"))?,
         ),
         HeadWeight::Packed(p) => p.clone(),
+        HeadWeight::DenseBf16(_) => {
+            return Err(op_err(
+                "head_jsd: a bf16 autocast head is not built (the logits path runs it)",
+            ));
+        }
     };
     if w.cols() != hidden {
         return Err(op_err(format!(
@@ -1008,7 +1116,7 @@ fn head_jsd_in(
         jsd.forward(cpu_values(&g, l, "head_jsd")?)?;
     }
     let values = match weight {
-        HeadWeight::Dense(w) => flat.apply_op2(w, Dense(jsd))?,
+        HeadWeight::Dense(w) | HeadWeight::DenseBf16(w) => flat.apply_op2(w, Dense(jsd))?,
         HeadWeight::Packed(_) => flat.apply_op1(Frozen(jsd))?,
     };
     values.reshape((b, t))
@@ -1387,6 +1495,55 @@ pub(crate) mod tests {
         let w = var(&[v, d], 34, 1.0);
         let e = head_jsd(h.as_tensor(), HeadWeight::Dense(w.as_tensor()), other, 0.5).unwrap_err();
         assert!(e.to_string().contains("vocabulary 14"), "{e}");
+    }
+
+    #[test]
+    fn the_bf16_autocast_head_equals_the_autocast_linear_then_log_softmax() {
+        // 3 × 5 positions, hidden 40, vocabulary 70, in chunks of 4 rows (the last short).
+        let (b, t, d, v) = (3, 5, 40, 70);
+        let labels: Vec<u32> = (0..b * t).map(|i| (i * 7 % v) as u32).collect();
+        let ids = Tensor::from_vec(labels.clone(), (b, t), &Device::Cpu).unwrap();
+        let unfused = |x: &[Tensor]| {
+            let logits = crate::model::dense_linear::linear_autocast(&x[0], &x[1]).unwrap();
+            crate::train::candle::ops::token_logps_unfused(&logits, &ids).unwrap()
+        };
+        let fused = |x: &[Tensor], step| {
+            head_logps_in(
+                &x[0],
+                HeadWeight::DenseBf16(&x[1]),
+                labels.clone(),
+                step,
+                1.0,
+            )
+            .unwrap()
+            .0
+        };
+        let inputs = || [var(&[b, t, d], 41, 2.0), var(&[v, d], 42, 0.3)];
+        for step in [Some(4), None] {
+            // The gradients within a bf16 step (1 % of the largest): the log-softmax's f32
+            // gradients, summed in another order, may round to neighbouring bf16 values.
+            agree(&inputs(), |x| fused(x, step), unfused, 1e-2);
+            // The values to f32's rounding: the same bf16 logits on both sides.
+            let x: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
+            let (a, u) = (host(&fused(&x, step)), host(&unfused(&x)));
+            for (p, q) in a.iter().zip(&u) {
+                assert!((p - q).abs() <= 1e-5 * q.abs().max(1.0), "{p} vs {q}");
+            }
+            // …and not the f32 head's: the logits were rounded.
+            let f32_head = host(
+                &head_logps_in(&x[0], HeadWeight::Dense(&x[1]), labels.clone(), step, 1.0)
+                    .unwrap()
+                    .0,
+            );
+            let most = a
+                .iter()
+                .zip(&f32_head)
+                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(
+                most > 1e-4,
+                "the bf16 head's values are the f32 head's ({most})"
+            );
+        }
     }
 
     #[test]
