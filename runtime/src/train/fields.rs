@@ -977,7 +977,7 @@ mod tests {
              pads to the longest sequence of the batch; kiln takes only TRL's default, null"
         );
         apply(&mut c, "bf16", &Value::from(true)).unwrap();
-        assert_eq!(c.bf16().unwrap(), true);
+        assert!(c.bf16().unwrap());
         let e = apply(&mut c, "fp16", &Value::from(true)).unwrap_err();
         assert!(
             e.to_string().contains("kiln trains and evaluates in f32"),
