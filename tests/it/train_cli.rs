@@ -778,7 +778,8 @@ fn a_config_dumped_from_trl_trains() {
         let args = ["--config", cfg.to_str().unwrap(), "--logging-steps", "1"];
         let (m, _, _d) = train(task, file, &args);
         assert_eq!(m.len(), 3, "{task}: {m:?}");
-        // With TRL's resolved bf16 = true: refused, naming TRL's field.
+        // With TRL's resolved bf16 = true: mixed precision, which kiln builds for full
+        // fine-tuning; under the default LoRA it is refused by name.
         table.insert("bf16".into(), toml::Value::Boolean(true));
         std::fs::write(&cfg, toml::to_string(&table).unwrap()).unwrap();
         let o = kiln(&[
@@ -796,8 +797,18 @@ fn a_config_dumped_from_trl_trains() {
         assert_eq!(o.status.code(), Some(1), "{task}");
         let err = String::from_utf8(o.stderr).unwrap();
         assert!(
-            err.contains("TRL's `") && err.contains(".bf16` = true: kiln trains in f32"),
+            err.contains("`bf16`") && err.contains("LoRA adapters"),
             "{task}: {err}"
         );
+        let args = [
+            "--config",
+            cfg.to_str().unwrap(),
+            "--logging-steps",
+            "1",
+            "--lora-r",
+            "0",
+        ];
+        let (m, _, _d) = train(task, file, &args);
+        assert_eq!(m.len(), 3, "{task} in bf16: {m:?}");
     }
 }
