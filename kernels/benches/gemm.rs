@@ -65,10 +65,14 @@ fn bench(c: &mut Criterion) {
 }
 
 /// A trained Linear's three products under autocast (`cpu::autocast`: TRL's `bf16=True`) on
-/// the 254M demo model's MLP shapes for a batch of 8 × 128 tokens, beside the f32 ones candle's
-/// GEMM runs (`ops::packed_matmul::dense`), operand rounding and transposes included.
+/// the 254M demo model's MLP shapes for a batch of 8 × 128 tokens, beside the f32 ones
+/// (`ops::packed_matmul::dense`), and the packed GEMM (`cpu::gemm`) called directly in both
+/// arithmetics. On AVX-512 `dense` and `autocast` run on the packed GEMM themselves;
+/// `KILN_CPU=avx2` measures their other paths (the `gemm` crate, candle's; autocast's bf16
+/// values through it).
 fn autocast(c: &mut Criterion) {
     use kiln_kernels::cpu::autocast;
+    use kiln_kernels::cpu::gemm::{self, Mat};
     use kiln_kernels::ops::packed_matmul::dense;
     println!("autocast path: {:?}", autocast::path());
     let mut g = c.benchmark_group("linear_products_254m");
@@ -110,6 +114,31 @@ fn autocast(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("bf16_weight_grad", &id), |b| {
             b.iter(|| autocast::weight_grad(black_box(&x), &dy, d, &mut dw).unwrap())
         });
+        // The packed GEMM (`cpu::gemm`) on the same three products, each operand read in its
+        // own layout: forward x · Wᵀ, input gradient dy · W, weight gradient dyᵀ · x.
+        if gemm::available() {
+            let (xm, wm, dym) = (
+                Mat::row_major(&x, m, k),
+                Mat::row_major(&w, n, k),
+                Mat::row_major(&dy, m, n),
+            );
+            let products: [(&str, Mat, Mat); 3] = [
+                ("forward", xm, wm.t()),
+                ("input_grad", dym, wm),
+                ("weight_grad", dym.t(), xm),
+            ];
+            for (what, a, bm) in products {
+                let mut out = vec![0f32; a.rows * bm.cols];
+                g.bench_function(BenchmarkId::new(format!("packed_f32_{what}"), &id), |b| {
+                    b.iter(|| gemm::matmul(black_box(a), bm, &mut out).unwrap())
+                });
+                if gemm::bf16_available() {
+                    g.bench_function(BenchmarkId::new(format!("packed_bf16_{what}"), &id), |b| {
+                        b.iter(|| gemm::matmul_bf16_rounded(black_box(a), bm, &mut out).unwrap())
+                    });
+                }
+            }
+        }
     }
     g.finish();
 }

@@ -9,15 +9,17 @@
 //! - weight gradient `dW = bf16(bf16(dy)ᵀ · bf16(x))` (the cast of the f32 weight to bf16
 //!   widens it back into the f32 parameter's gradient).
 //!
-//! The results are f32 tensors holding bf16 values. Where the CPU has AVX-512 BF16 the sums run
-//! on [`super::bf16_matmul`] (`VDPBF16PS`: twice f32 FMA's rate, half its operand bytes); the
-//! two backward products have their operands transposed into its layout (both along the summed
-//! dimension) first. Elsewhere the bf16 values run through the f32 GEMM, whose products of
+//! The results are f32 tensors holding bf16 values. Where the CPU has AVX-512 BF16 the three
+//! products run on the packed GEMM ([`super::gemm::matmul_bf16_rounded`], `VDPBF16PS`: twice
+//! f32 FMA's rate), which rounds each operand to bf16 as it packs it and reads it in its own
+//! layout, so nothing is rounded or transposed whole first ([`product_bits`], for operands
+//! already held as bf16 bits, runs on [`super::bf16_matmul`]). Elsewhere the bf16 values run through the f32 GEMM, whose products of
 //! bf16 values are exact: the same values up to the order of the f32 sums (and
 //! `VDPBF16PS`'s flushing of denormals), which the rounding to bf16 mostly absorbs — within
 //! one bf16 step of each other, as PyTorch's oneDNN and a reference GEMM are.
 
 use super::bf16_matmul;
+use super::gemm::{self, Mat};
 use crate::KernelError;
 use crate::error::check_len;
 use crate::ops::bf16_matmul::check as bf16_matmul_check;
@@ -208,6 +210,10 @@ pub fn forward_on(
         ("y", y.len()),
         [(m, k), (n, k), (m, n)],
     )?;
+    if path == Path::Bf16Instruction {
+        let (a, b) = (Mat::row_major(x, m, k), Mat::row_major(w, n, k).t());
+        return gemm::matmul_bf16_rounded(a, b, y);
+    }
     product_wt(&bits(x), &bits(w), (m, n, k), y, path)
 }
 
@@ -237,6 +243,10 @@ pub fn input_grad_on(
         ("dx", dx.len()),
         [(m, n), (n, k), (m, k)],
     )?;
+    if path == Path::Bf16Instruction {
+        let (a, b) = (Mat::row_major(dy, m, n), Mat::row_major(w, n, k));
+        return gemm::matmul_bf16_rounded(a, b, dx);
+    }
     // dx = dy · W = dy [m, n] · (Wᵀ [k, n])ᵀ.
     product_wt(&bits(dy), &bits_t(w, n, k), (m, k, n), dx, path)
 }
@@ -267,6 +277,10 @@ pub fn weight_grad_on(
         ("dw", dw.len()),
         [(m, k), (m, n), (n, k)],
     )?;
+    if path == Path::Bf16Instruction {
+        let (a, b) = (Mat::row_major(dy, m, n).t(), Mat::row_major(x, m, k));
+        return gemm::matmul_bf16_rounded(a, b, dw);
+    }
     // dW = dyᵀ · x = (dyᵀ [n, m]) · (xᵀ [k, m])ᵀ.
     product_wt(&bits_t(dy, m, n), &bits_t(x, m, k), (n, k, m), dw, path)
 }

@@ -10,6 +10,7 @@
 pub mod autocast;
 pub mod bf16_matmul;
 pub mod bits;
+pub mod gemm;
 mod iquants;
 mod kquants;
 #[cfg(target_arch = "x86_64")]

@@ -16,6 +16,7 @@
 //! the summation order of the GEMM.
 
 use crate::KernelError;
+use crate::cpu::gemm::{self as packed_gemm, Mat};
 use crate::error::check_len;
 use rayon::prelude::*;
 
@@ -177,6 +178,10 @@ fn product_wt(x: &[f32], m: usize, k: usize, tile: &[f32], r0: usize, y: &mut [f
     let tr = tile.len() / k;
     let n = y.len() / m;
     assert!(x.len() == m * k && r0 + tr <= n && tile.len() == tr * k);
+    if packed() {
+        let (a, b) = (Mat::row_major(x, m, k), Mat::row_major(tile, tr, k).t());
+        return gemm_done(packed_gemm::matmul_into(a, b, &mut y[r0..], n, false));
+    }
     // SAFETY: `y` is `[m, n]` and this writes its columns `r0 .. r0 + tr` (row stride n,
     // asserted within it); `x` is read as `[m, k]` (row stride k) and the tile as `[k, tr]`
     // (row stride 1, column stride k), both within their lengths (asserted).
@@ -212,6 +217,17 @@ fn product_w(dy: &[f32], m: usize, tile: &[f32], r0: usize, dx: &mut [f32], accu
     let tr = tile.len() / k;
     let n = dy.len() / m;
     assert!(dx.len() == m * k && r0 + tr <= n && tile.len() == tr * k);
+    if packed() {
+        let a = Mat {
+            data: &dy[r0..],
+            rows: m,
+            cols: tr,
+            rs: n,
+            cs: 1,
+        };
+        let b = Mat::row_major(tile, tr, k);
+        return gemm_done(packed_gemm::matmul_into(a, b, dx, k, accumulate));
+    }
     // SAFETY: `dx` is `[m, k]`; `dy`'s columns `r0 .. r0 + tr` are read with row stride n and
     // the tile as `[tr, k]` row-major, all within their lengths (asserted).
     unsafe {
@@ -304,7 +320,7 @@ pub fn matmul_w(
 /// `x.matmul(&w.t())` and that product's backward lay them, so the same values as candle's
 /// matmul, bit for bit.
 pub mod dense {
-    use super::{DenseRows, KernelError, check_len, matmul_w, matmul_wt};
+    use super::{DenseRows, KernelError, Mat, check_len, matmul_w, matmul_wt, packed_gemm};
 
     /// `y [m, n] = x [m, k] · Wᵀ` ([`matmul_wt`] on the weight's own values).
     pub fn forward(
@@ -343,6 +359,11 @@ pub mod dense {
         check_len(op, "dw", dw.len(), n * k, &[n, k])?;
         if n == 0 || k == 0 {
             return Ok(());
+        }
+        if super::packed() {
+            // dW = dyᵀ · x, each operand read in its own layout.
+            let (a, b) = (Mat::row_major(dy, m, n).t(), Mat::row_major(x, m, k));
+            return packed_gemm::matmul(a, b, dw);
         }
         let mut r = vec![0f32; k * n];
         if m > 0 {
@@ -394,8 +415,28 @@ pub mod dense {
 #[derive(Clone, Copy)]
 struct Operand<'a>(&'a [f32], usize, usize);
 
+/// Whether the products run on the packed AVX-512 GEMM ([`packed_gemm`]: f32 fused multiply-adds in
+/// order along `k`), else on the `gemm` crate's (candle's).
+fn packed() -> bool {
+    packed_gemm::available()
+}
+
+/// A packed product's result: its shapes were checked by the caller and the CPU by
+/// [`packed`], so an error here is a bug.
+fn gemm_done(r: Result<(), KernelError>) {
+    if let Err(e) = r {
+        panic!("the packed GEMM refused a checked product: {e}");
+    }
+}
+
+thread_local! {
+    /// A product scaled before it is added (`beta ≠ 1`), kept between calls.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// `dst [m, n]` (row-major) `= (dst if accumulate) + beta · lhs [m, k] · rhs [k, n]`, one
-/// threaded GEMM; panics if an operand's strides reach past its values.
+/// threaded GEMM; panics if an operand's strides reach past its values. On the packed GEMM an
+/// accumulating product with `beta = 1` starts each output's chain from `dst`.
 #[allow(clippy::too_many_arguments)]
 fn mm(
     m: usize,
@@ -418,6 +459,43 @@ fn mm(
     }
     let last = |o: Operand, rows: usize, cols: usize| (rows - 1) * o.1 + (cols - 1) * o.2;
     assert!(dst.len() >= m * n && last(lhs, m, k) < lhs.0.len() && last(rhs, k, n) < rhs.0.len());
+    if packed() {
+        let a = Mat {
+            data: lhs.0,
+            rows: m,
+            cols: k,
+            rs: lhs.1,
+            cs: lhs.2,
+        };
+        let b = Mat {
+            data: rhs.0,
+            rows: k,
+            cols: n,
+            rs: rhs.1,
+            cs: rhs.2,
+        };
+        let dst = &mut dst[..m * n];
+        if beta == 1.0 {
+            return gemm_done(packed_gemm::matmul_into(a, b, dst, n, accumulate));
+        }
+        // `dst (+)= beta · (the product)`: the product first, then scaled (and added).
+        let mut scaled = |t: &mut Vec<f32>| {
+            t.clear();
+            t.resize(m * n, 0.0);
+            gemm_done(packed_gemm::matmul(a, b, t));
+            dst.par_chunks_mut(1 << 14)
+                .zip(t.par_chunks(1 << 14))
+                .for_each(|(d, t)| {
+                    for (d, t) in d.iter_mut().zip(t) {
+                        *d = if accumulate { *d + beta * t } else { beta * t };
+                    }
+                });
+        };
+        return SCRATCH.with(|t| match t.try_borrow_mut() {
+            Ok(mut t) => scaled(&mut t),
+            Err(_) => scaled(&mut Vec::new()),
+        });
+    }
     // SAFETY: `dst` holds `[m, n]` row-major, and every element of `lhs` (`[m, k]`) and `rhs`
     // (`[k, n]`) read through its strides lies within its slice (asserted above).
     unsafe {

@@ -566,25 +566,67 @@ impl Head {
 
 /// A chunk's share of a fused head's gradients from its logits' gradient `dz` `[n, vocab]`:
 /// `dh = dz · W` into `dh` (the chunk's `n` rows) and, with `dw`, `dW += dzᵀ · h` (`h` the
-/// chunk's rows).
+/// chunk's rows `[n, hidden]`) into `dw` `[vocab, hidden]` (empty until the first chunk): on
+/// AVX-512 the packed GEMM continues each output's chain in place, elsewhere each chunk's
+/// product is added.
 fn chunk_grads(
     dz: &[f32],
     w: &dyn kiln_kernels::ops::packed_matmul::PackedRows,
-    h: &Tensor,
+    h: &[f32],
     dh: &mut [f32],
-    dw: Option<&mut Option<Tensor>>,
+    dw: Option<&mut Vec<f32>>,
 ) -> candle_core::Result<()> {
-    let n = h.dim(0)?;
+    use kiln_kernels::cpu::gemm::{self, Mat};
+    let (vocab, hidden) = (w.rows(), w.cols());
+    let n = h.len() / hidden.max(1);
     kiln_kernels::ops::packed_matmul::matmul_w(dz, n, w, dh).map_err(op_err)?;
     if let Some(dw) = dw {
-        let dz = Tensor::from_slice(dz, (n, w.rows()), h.device())?;
-        let part = dz.t()?.matmul(h)?;
-        *dw = Some(match dw.take() {
-            Some(acc) => (acc + part)?,
-            None => part,
-        });
+        let first = dw.is_empty();
+        if first {
+            dw.resize(vocab * hidden, 0.0);
+        }
+        if gemm::available() {
+            let (a, b) = (
+                Mat::row_major(dz, n, vocab).t(),
+                Mat::row_major(h, n, hidden),
+            );
+            gemm::matmul_into(a, b, dw, hidden, !first).map_err(op_err)?;
+        } else if first {
+            kiln_kernels::ops::packed_matmul::dense::weight_grad(h, dz, (n, vocab, hidden), dw)
+                .map_err(op_err)?;
+        } else {
+            let mut part = vec![0f32; vocab * hidden];
+            kiln_kernels::ops::packed_matmul::dense::weight_grad(
+                h,
+                dz,
+                (n, vocab, hidden),
+                &mut part,
+            )
+            .map_err(op_err)?;
+            for (d, p) in dw.iter_mut().zip(&part) {
+                *d += p;
+            }
+        }
     }
     Ok(())
+}
+
+/// The weight's gradient a chunked backward collected (`None` when it computed none).
+fn weight_grad_tensor(
+    dw: Vec<f32>,
+    weight_grad: bool,
+    (vocab, hidden): (usize, usize),
+    device: &candle_core::Device,
+) -> candle_core::Result<Option<Tensor>> {
+    if !weight_grad {
+        return Ok(None);
+    }
+    let dw = if dw.is_empty() {
+        vec![0f32; vocab * hidden]
+    } else {
+        dw
+    };
+    Ok(Some(Tensor::from_vec(dw, (vocab, hidden), device)?))
 }
 
 impl Head {
@@ -650,7 +692,7 @@ impl FusedHead for Head {
             return self.backward_bf16(hv, &g, weight_grad, h.device());
         }
         let mut dh = vec![0f32; rows * hidden];
-        let mut dw: Option<Tensor> = None;
+        let mut dw: Vec<f32> = Vec::new();
         let step = self.step;
         let mut x = vec![0f32; step.min(rows) * vocab];
         for start in (0..rows).step_by(step) {
@@ -671,8 +713,9 @@ impl FusedHead for Head {
             scale_by(&mut d, self.scale);
             let dh = &mut dh[start * hidden..(start + n) * hidden];
             let w = weight_grad.then_some(&mut dw);
-            chunk_grads(&d, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
+            chunk_grads(&d, self.w.as_ref(), hc, dh, w)?;
         }
+        let dw = weight_grad_tensor(dw, weight_grad, (vocab, hidden), h.device())?;
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
     }
 }
@@ -1029,7 +1072,7 @@ impl FusedHead for Jsd {
         let (guard, layout) = h.storage_and_layout();
         let hv = cpu_values(&guard, layout, "head_jsd backward")?;
         let mut dh = vec![0f32; rows * hidden];
-        let mut dw: Option<Tensor> = None;
+        let mut dw: Vec<f32> = Vec::new();
         let step = self.step.min(rows).max(1);
         let (mut zs, mut zt) = (vec![0f32; step * vocab], vec![0f32; step * vocab]);
         for start in (0..rows).step_by(step) {
@@ -1044,8 +1087,10 @@ impl FusedHead for Jsd {
                 });
             let dh = &mut dh[start * hidden..(start + n) * hidden];
             let w = weight_grad.then_some(&mut dw);
-            chunk_grads(zs, self.w.as_ref(), &h.narrow(0, start, n)?, dh, w)?;
+            let hc = &hv[start * hidden..(start + n) * hidden];
+            chunk_grads(zs, self.w.as_ref(), hc, dh, w)?;
         }
+        let dw = weight_grad_tensor(dw, weight_grad, (vocab, hidden), h.device())?;
         Ok((Tensor::from_vec(dh, (rows, hidden), h.device())?, dw))
     }
 }

@@ -89,6 +89,18 @@ impl TensorOps for CandleOps {
         a.sqrt()
     }
     fn zeros_like(&self, a: &Tensor) -> candle_core::Result<Tensor> {
+        if a.device().is_cpu() {
+            // Zeros written, not `calloc`'s untouched pages: AdamW's moments are read before
+            // they are first written, and a read maps the shared zero page, so each first
+            // write would then fault again and flush the other cores' TLBs (an interrupt to
+            // each; in a virtual machine, an exit) — at 254M, 500 000 such faults in the
+            // first step. Written here on every core, each page is faulted in once.
+            use rayon::prelude::*;
+            let mut v = vec![0f32; a.elem_count()];
+            // Through rayon's closures, so the compiler cannot drop the stores as redundant.
+            v.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+            return Tensor::from_vec(v, a.shape(), a.device());
+        }
         a.zeros_like()?.to_dtype(candle_core::DType::F32)
     }
     fn clamp(&self, a: &Tensor, lo: f64, hi: f64) -> candle_core::Result<Tensor> {
