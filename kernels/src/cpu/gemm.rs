@@ -139,7 +139,10 @@ fn pair(lo: f32, hi: f32) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     F32,
-    Bf16,
+    /// bf16 pairs; `round`: the sums rounded to bf16 at the end.
+    Bf16 {
+        round: bool,
+    },
 }
 
 fn shapes(op: &'static str, a: &Mat, b: &Mat, c: usize, ldc: usize) -> Result<(), KernelError> {
@@ -195,16 +198,30 @@ pub fn matmul_into(
 /// `c [m, n] = bf16(bf16(a) · bf16(b))` with f32 sums on `VDPBF16PS`, the results bf16 values
 /// held as f32. An error where [`bf16_available`] is false or the shapes disagree.
 pub fn matmul_bf16_rounded(a: Mat, b: Mat, c: &mut [f32]) -> Result<(), KernelError> {
-    let op = "gemm::matmul_bf16_rounded";
     let n = b.cols;
-    shapes(op, &a, &b, c.len(), n)?;
+    matmul_bf16_into(a, b, (c, n), false, true)
+}
+
+/// The bf16 arithmetic of [`matmul_bf16_rounded`] into rows of `c` `ldc` apart, each output's
+/// chain started from `c`'s value (`accumulate`) and its sum rounded to bf16 at the end only
+/// with `round`: a product over `k` split into calls (even splits keep the pairs) chains as
+/// one product.
+pub fn matmul_bf16_into(
+    a: Mat,
+    b: Mat,
+    (c, ldc): (&mut [f32], usize),
+    accumulate: bool,
+    round: bool,
+) -> Result<(), KernelError> {
+    let op = "gemm::matmul_bf16_rounded";
+    shapes(op, &a, &b, c.len(), ldc)?;
     if !bf16_available() {
         return Err(KernelError::Unsupported {
             op,
             device: "this CPU (it needs AVX-512 BF16)",
         });
     }
-    drive(Kind::Bf16, a, b, (c, n), false);
+    drive(Kind::Bf16 { round }, a, b, (c, ldc), accumulate);
     Ok(())
 }
 
@@ -282,7 +299,7 @@ fn pack_a(kind: Kind, a: &Mat, units: usize, out: &mut [u32]) {
                                 *o = a.at(r0 + r, u).to_bits();
                             }
                         }
-                        Kind::Bf16 => {
+                        Kind::Bf16 { .. } => {
                             for (u, o) in (u0..u1).zip(&mut row[u0..u1]) {
                                 let lo = a.at(r0 + r, 2 * u);
                                 let hi = if 2 * u + 1 < k {
@@ -335,7 +352,7 @@ fn pack_b(kind: Kind, b: &Mat, (j0, w): (usize, usize), (u0, u1): (usize, usize)
                     }
                 }
             }
-            (Kind::Bf16, true) => {
+            (Kind::Bf16 { .. }, true) => {
                 for (u, dst) in (u0..u1).zip(panel.chunks_mut(NR)) {
                     let lo = &b.data[2 * u * b.rs + jb..2 * u * b.rs + jb + pw];
                     if 2 * u + 1 < k {
@@ -351,7 +368,7 @@ fn pack_b(kind: Kind, b: &Mat, (j0, w): (usize, usize), (u0, u1): (usize, usize)
                     dst[pw..].fill(0);
                 }
             }
-            (Kind::Bf16, false) => {
+            (Kind::Bf16 { .. }, false) => {
                 for dst in panel.chunks_mut(NR) {
                     dst[pw..].fill(0);
                 }
@@ -388,7 +405,7 @@ fn pack_b_columns(
     // Values of a column per unit.
     let per = match kind {
         Kind::F32 => 1,
-        Kind::Bf16 => 2,
+        Kind::Bf16 { .. } => 2,
     };
     let (fj, fu) = (pw / 16 * 16, us / 16 * 16);
     #[cfg(target_arch = "x86_64")]
@@ -403,7 +420,9 @@ fn pack_b_columns(
             unsafe {
                 match kind {
                     Kind::F32 => x86::transpose16(src.as_ptr(), b.cs, dst.as_mut_ptr(), NR),
-                    Kind::Bf16 => x86::transpose16_pairs(src.as_ptr(), b.cs, dst.as_mut_ptr(), NR),
+                    Kind::Bf16 { .. } => {
+                        x86::transpose16_pairs(src.as_ptr(), b.cs, dst.as_mut_ptr(), NR)
+                    }
                 }
             }
         }
@@ -415,7 +434,7 @@ fn pack_b_columns(
         for u in if j < fj { fu } else { 0 }..us {
             panel[u * NR + j] = match kind {
                 Kind::F32 => col[u].to_bits(),
-                Kind::Bf16 => pair(col[2 * u], col[2 * u + 1]),
+                Kind::Bf16 { .. } => pair(col[2 * u], col[2 * u + 1]),
             };
         }
     }
@@ -436,7 +455,7 @@ fn drive(kind: Kind, a: Mat, b: Mat, (c, ldc): (&mut [f32], usize), accumulate: 
     }
     let units = match kind {
         Kind::F32 => k,
-        Kind::Bf16 => k.div_ceil(2),
+        Kind::Bf16 { .. } => k.div_ceil(2),
     };
     let in_place = kind == Kind::F32 && a.cs == 1;
     let cp = c.as_mut_ptr();
@@ -486,7 +505,7 @@ fn drive(kind: Kind, a: Mat, b: Mat, (c, ldc): (&mut [f32], usize), accumulate: 
                                             (rows, cols),
                                             u0 > 0 || accumulate,
                                         ),
-                                        Kind::Bf16 => x86::tile_bf16(
+                                        Kind::Bf16 { round } => x86::tile_bf16(
                                             ap,
                                             lda,
                                             bpan,
@@ -494,7 +513,7 @@ fn drive(kind: Kind, a: Mat, b: Mat, (c, ldc): (&mut [f32], usize), accumulate: 
                                             cp,
                                             ldc,
                                             (rows, cols),
-                                            (u0 > 0 || accumulate, u1 == units),
+                                            (u0 > 0 || accumulate, round && u1 == units),
                                         ),
                                     }
                                 }
@@ -957,6 +976,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_bf16_product_split_along_k_at_an_even_point_chains_as_one() {
+        if !bf16_available() {
+            eprintln!("skipping: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let (m, k, n, cut) = (7, 300, 70, 130);
+        let (ad, bd) = (data(m * k, 8), data(k * n, 9));
+        let mut whole = vec![0f32; m * n];
+        let (a, b) = (Mat::row_major(&ad, m, k), Mat::row_major(&bd, k, n));
+        matmul_bf16_rounded(a, b, &mut whole).unwrap();
+        let part = |from: usize, to: usize| {
+            let a = Mat {
+                data: &ad[from..],
+                rows: m,
+                cols: to - from,
+                rs: k,
+                cs: 1,
+            };
+            (a, Mat::row_major(&bd[from * n..to * n], to - from, n))
+        };
+        let mut split = vec![0f32; m * n];
+        let (a0, b0) = part(0, cut);
+        matmul_bf16_into(a0, b0, (&mut split, n), false, false).unwrap();
+        assert!(
+            split
+                .iter()
+                .any(|v| *v != half::bf16::from_f32(*v).to_f32())
+        );
+        let (a1, b1) = part(cut, k);
+        matmul_bf16_into(a1, b1, (&mut split, n), true, true).unwrap();
+        assert_eq!(
+            split.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     #[test]

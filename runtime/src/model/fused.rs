@@ -9,6 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 use kiln_kernels::cpu::autocast;
+use kiln_kernels::cpu::gemm::{self, Mat};
 use kiln_kernels::ops::fused as k;
 use std::sync::Mutex;
 
@@ -502,7 +503,8 @@ fn chunk_rows(n: usize, vocab: usize) -> k::Rows {
 /// log-sum-exp; and the forward's log-probabilities, which the op hands out.
 struct Head {
     w: super::packed::Packed,
-    /// Under autocast ([`HeadWeight::DenseBf16`]): the weight's bf16 bits `[vocab, hidden]`.
+    /// Under autocast ([`HeadWeight::DenseBf16`]): the weight's bf16 bits `[vocab, hidden]`
+    /// (empty where the packed GEMM runs the products from the f32 weight).
     bf16: Option<Vec<u16>>,
     labels: Vec<u32>,
     lse: Vec<f32>,
@@ -576,7 +578,6 @@ fn chunk_grads(
     dh: &mut [f32],
     dw: Option<&mut Vec<f32>>,
 ) -> candle_core::Result<()> {
-    use kiln_kernels::cpu::gemm::{self, Mat};
     let (vocab, hidden) = (w.rows(), w.cols());
     let n = h.len() / hidden.max(1);
     kiln_kernels::ops::packed_matmul::matmul_w(dz, n, w, dh).map_err(op_err)?;
@@ -635,8 +636,14 @@ impl Head {
     fn logits(&self, h: &[f32], n: usize, x: &mut [f32]) -> candle_core::Result<()> {
         match &self.bf16 {
             Some(w) => {
-                let dims = (n, self.w.rows(), self.hidden);
-                autocast::product_bits(&autocast::bits(h), w, dims, x)
+                let (vocab, hidden) = (self.w.rows(), self.hidden);
+                let hm = Mat::row_major(h, n, hidden);
+                match self.packed_bf16(|wf| {
+                    gemm::matmul_bf16_rounded(hm, Mat::row_major(wf, vocab, hidden).t(), x)
+                }) {
+                    Some(r) => r,
+                    None => autocast::product_bits(&autocast::bits(h), w, (n, vocab, hidden), x),
+                }
             }
             None => kiln_kernels::ops::packed_matmul::matmul_wt(h, n, self.w.as_ref(), x),
         }
@@ -697,20 +704,9 @@ impl FusedHead for Head {
         let mut x = vec![0f32; step.min(rows) * vocab];
         for start in (0..rows).step_by(step) {
             let n = step.min(rows - start);
-            let (r, hc) = (start..start + n, &hv[start * hidden..(start + n) * hidden]);
-            let x = &mut x[..n * vocab];
-            self.logits(hc, n, x)?;
+            let hc = &hv[start * hidden..(start + n) * hidden];
             let mut d = vec![0f32; n * vocab];
-            k::token_logps_backward(
-                x,
-                &chunk_rows(n, vocab),
-                &self.labels[r.clone()],
-                &self.lse[r.clone()],
-                &g[r],
-                &mut d,
-            )
-            .map_err(op_err)?;
-            scale_by(&mut d, self.scale);
+            self.chunk_dz(hc, (start, n), &g, (&mut x[..n * vocab], &mut d))?;
             let dh = &mut dh[start * hidden..(start + n) * hidden];
             let w = weight_grad.then_some(&mut dw);
             chunk_grads(&d, self.w.as_ref(), hc, dh, w)?;
@@ -725,6 +721,45 @@ impl Head {
     /// gradient rounded to bf16 (kept for every row: `[rows, vocab]` bf16, half of f32's
     /// logits), `dh = bf16(dz · W)`; then `dW = bf16(dzᵀ · h)` as one product over all rows,
     /// rounded once, as autocast's single GEMM rounds it.
+    /// The logits' gradient of rows `start..start + n` (`hc` their inputs) into `d`: the
+    /// logits again into `x`, the log-softmax's backward at the labels from the rows' output
+    /// gradients `g`, times the logits' scale.
+    fn chunk_dz(
+        &self,
+        hc: &[f32],
+        (start, n): (usize, usize),
+        g: &[f32],
+        (x, d): (&mut [f32], &mut [f32]),
+    ) -> candle_core::Result<()> {
+        let r = start..start + n;
+        self.logits(hc, n, x)?;
+        k::token_logps_backward(
+            x,
+            &chunk_rows(n, self.w.rows()),
+            &self.labels[r.clone()],
+            &self.lse[r.clone()],
+            &g[r],
+            d,
+        )
+        .map_err(op_err)?;
+        scale_by(d, self.scale);
+        Ok(())
+    }
+
+    /// `f` on the weight's f32 values where autocast's products run on the packed GEMM (AVX-512
+    /// BF16, and a dense weight: the head's under full fine-tuning); `None` elsewhere.
+    fn packed_bf16(
+        &self,
+        mut f: impl FnMut(&[f32]) -> Result<(), kiln_kernels::KernelError>,
+    ) -> Option<Result<(), kiln_kernels::KernelError>> {
+        if !gemm::bf16_available() {
+            return None;
+        }
+        let mut r = None;
+        self.w.with_dense(&mut |wf| r = Some(f(wf)));
+        r
+    }
+
     fn backward_bf16(
         &self,
         hv: &[f32],
@@ -733,6 +768,9 @@ impl Head {
         device: &candle_core::Device,
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
+        if gemm::bf16_available() && self.w.with_dense(&mut |_| {}) {
+            return self.backward_bf16_packed(hv, g, weight_grad, device);
+        }
         let w = self
             .bf16
             .as_deref()
@@ -746,19 +784,9 @@ impl Head {
         let mut d = vec![0f32; step.min(rows) * vocab];
         for start in (0..rows).step_by(step) {
             let n = step.min(rows - start);
-            let r = start..start + n;
             let (x, d) = (&mut x[..n * vocab], &mut d[..n * vocab]);
-            self.logits(&hv[start * hidden..(start + n) * hidden], n, x)?;
-            k::token_logps_backward(
-                x,
-                &chunk_rows(n, vocab),
-                &self.labels[r.clone()],
-                &self.lse[r.clone()],
-                &g[r],
-                d,
-            )
-            .map_err(op_err)?;
-            scale_by(d, self.scale);
+            let hc = &hv[start * hidden..(start + n) * hidden];
+            self.chunk_dz(hc, (start, n), g, (x, d))?;
             let dzc = &mut dz[start * vocab..(start + n) * vocab];
             for (b, v) in dzc.iter_mut().zip(d.iter()) {
                 *b = half::bf16::from_f32(*v).to_bits();
@@ -785,6 +813,51 @@ impl Head {
             }
             false => None,
         };
+        Ok((Tensor::from_vec(dh, (rows, hidden), device)?, dw))
+    }
+
+    /// [`Head::backward_bf16`] on the packed GEMM, which rounds each operand as it packs it:
+    /// per chunk, `dh = bf16(dz · W)` from the chunk's f32 gradient and `dW`'s chain carried
+    /// on over the chunk's rows (`gemm::matmul_bf16_into`), rounded once after the last — one
+    /// product over every row, as autocast's, without keeping `dz` for every row or
+    /// transposing anything.
+    fn backward_bf16_packed(
+        &self,
+        hv: &[f32],
+        g: &[f32],
+        weight_grad: bool,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let (vocab, hidden, rows) = (self.w.rows(), self.hidden, self.labels.len());
+        let mut dh = vec![0f32; rows * hidden];
+        let mut dw = if weight_grad {
+            vec![0f32; vocab * hidden]
+        } else {
+            Vec::new()
+        };
+        let step = self.step;
+        let mut x = vec![0f32; step.min(rows) * vocab];
+        let mut d = vec![0f32; step.min(rows) * vocab];
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            let (x, d) = (&mut x[..n * vocab], &mut d[..n * vocab]);
+            let hc = &hv[start * hidden..(start + n) * hidden];
+            self.chunk_dz(hc, (start, n), g, (x, d))?;
+            let dz = Mat::row_major(d, n, vocab);
+            let dhc = &mut dh[start * hidden..(start + n) * hidden];
+            let last = start + n == rows;
+            self.packed_bf16(|wf| {
+                gemm::matmul_bf16_rounded(dz, Mat::row_major(wf, vocab, hidden), dhc)?;
+                if weight_grad {
+                    let h = Mat::row_major(hc, n, hidden);
+                    gemm::matmul_bf16_into(dz.t(), h, (&mut dw, hidden), start > 0, last)?;
+                }
+                Ok(())
+            })
+            .ok_or_else(|| op_err("the bf16 head's packed path lost its dense weight"))?
+            .map_err(op_err)?;
+        }
+        let dw = weight_grad_tensor(dw, weight_grad, (vocab, hidden), device)?;
         Ok((Tensor::from_vec(dh, (rows, hidden), device)?, dw))
     }
 }
@@ -874,6 +947,8 @@ fn head_logps_in(
         HeadWeight::Packed(p) => p.clone(),
     };
     let bf16 = match weight {
+        // The packed GEMM rounds the f32 weight as it packs it: no bits kept.
+        HeadWeight::DenseBf16(_) if gemm::bf16_available() => Some(Vec::new()),
         HeadWeight::DenseBf16(w) => {
             let w = w.detach().contiguous()?;
             let (g, l) = w.storage_and_layout();
