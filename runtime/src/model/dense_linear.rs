@@ -7,7 +7,7 @@
 //! over memory per node, three of them the size of the layer's input, output or weight for
 //! nothing, and the weight's a strided add (the transpose's gradient). As one op only the
 //! input and the weight receive gradients. On AVX-512 the three products run on the packed
-//! GEMM (`kiln_kernels::cpu::gemm`, each operand read in its own layout, about 1.3–1.9× candle's
+//! GEMM (`kiln_kernels::cpu::gemm`, each operand read in its own layout, 1.2–2.1× candle's
 //! GEMM on these shapes); elsewhere they are candle's own calls with the same operand layouts,
 //! so the values are the composition's, bit for bit
 //! (`dense_linear_equals_its_gemms_definition_bit_for_bit` checks both).
