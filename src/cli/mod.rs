@@ -100,6 +100,9 @@ fn with_registry_help(cmd: clap::Command) -> clap::Command {
 
 /// Parses `std::env::args` and runs; the process's exit code.
 pub fn main() -> ExitCode {
+    // Buffers up to 32 MiB reused from the heap rather than faulted in afresh each time
+    // (`kiln_kernels::cpu::alloc`); a user's own malloc settings are left as they are.
+    let _ = kiln_kernels::cpu::alloc::keep_freed_memory();
     let code = run(
         std::env::args_os(),
         &mut std::io::stdout().lock(),

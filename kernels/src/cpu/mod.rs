@@ -7,6 +7,7 @@
 //! `KILN_CPU=scalar` forces the portable path, `KILN_CPU=avx2` the AVX2 kernels on an AVX-512
 //! machine (tests and benchmarks compare them).
 
+pub mod alloc;
 pub mod autocast;
 pub mod bf16_matmul;
 pub mod bits;

@@ -20,6 +20,10 @@ use crate::cpu::gemm::{self as packed_gemm, Mat};
 use crate::error::check_len;
 use rayon::prelude::*;
 
+/// Elements per parallel task of the adapters' element-wise passes (dropout's mask): each
+/// value's arithmetic is its own, so the split changes no bits.
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
+
 /// A weight `[rows, cols]` kept in a packed layout, decoded a range of rows at a time.
 pub trait PackedRows: Send + Sync + std::fmt::Debug {
     /// Output features `n`.
@@ -552,7 +556,18 @@ impl Lora<'_> {
     /// The adapter's input: `x`, or `x · keep · factor` under dropout.
     fn input<'x>(&self, x: &'x [f32]) -> std::borrow::Cow<'x, [f32]> {
         match self.keep {
-            Some((keep, f)) => x.iter().zip(keep).map(|(v, k)| v * k * f).collect(),
+            Some((keep, f)) => {
+                let mut xd = vec![0f32; x.len()];
+                xd.par_chunks_mut(ELEMENTWISE_CHUNK)
+                    .zip(x.par_chunks(ELEMENTWISE_CHUNK))
+                    .zip(keep.par_chunks(ELEMENTWISE_CHUNK))
+                    .for_each(|((o, x), keep)| {
+                        for ((o, v), k) in o.iter_mut().zip(x).zip(keep) {
+                            *o = v * k * f;
+                        }
+                    });
+                std::borrow::Cow::Owned(xd)
+            }
             None => std::borrow::Cow::Borrowed(x),
         }
     }
@@ -665,9 +680,14 @@ pub fn lora_backward(
                 Operand(lora.a, k, 1),
                 1.0,
             );
-            for ((d, v), kp) in dx.iter_mut().zip(&dxd).zip(keep) {
-                *d += v * kp * f;
-            }
+            dx.par_chunks_mut(ELEMENTWISE_CHUNK)
+                .zip(dxd.par_chunks(ELEMENTWISE_CHUNK))
+                .zip(keep.par_chunks(ELEMENTWISE_CHUNK))
+                .for_each(|((dx, dxd), keep)| {
+                    for ((d, v), kp) in dx.iter_mut().zip(dxd).zip(keep) {
+                        *d += v * kp * f;
+                    }
+                });
         }
     }
     let xd = lora.input(x);
