@@ -1,5 +1,7 @@
-//! The bf16 GEMM (`cpu::bf16_matmul`, AVX-512 BF16) beside the f32 GEMM candle runs (`gemm`,
-//! through `ops::packed_matmul::matmul_wt` on the widened weight), on a 1B Llama's Linear
+//! The bf16 dot-product kernel (`cpu::bf16_matmul`, AVX-512 BF16) and the packed GEMM's bf16
+//! arithmetic (`cpu::gemm`, what a frozen bf16 Linear runs) beside the f32 GEMM
+//! (`ops::packed_matmul::matmul_wt` on the widened weight: the packed f32 GEMM on AVX-512,
+//! candle's `gemm` elsewhere), on a 1B Llama's Linear
 //! shapes and a calibration sample's rows (64) or eight samples' (512), all threads, in
 //! floating-point operations per second (criterion's "elem/s": 2·m·n·k per product).
 //!
@@ -8,6 +10,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kiln_kernels::cpu::bf16_matmul;
+use kiln_kernels::cpu::gemm::{self, Mat};
 use kiln_kernels::ops::packed_matmul::{DenseRows, matmul_wt};
 use std::hint::black_box;
 use std::time::Duration;
@@ -58,6 +61,19 @@ fn bench(c: &mut Criterion) {
                 g.bench_function(BenchmarkId::new("bf16_avx512", &id), |b| {
                     b.iter(|| bf16_matmul::matmul_wt(black_box(&x), &w, &mut y, (m, n, k)).unwrap())
                 });
+                // The packed GEMM's bf16 arithmetic on the same (bf16-valued) operands: `x`
+                // read in rows, `Wᵀ` packed by register transposes.
+                let wt = widen(&w);
+                g.bench_function(BenchmarkId::new("packed_bf16", &id), |b| {
+                    b.iter(|| {
+                        gemm::matmul_bf16_rounded(
+                            Mat::row_major(black_box(&xf), m, k),
+                            Mat::row_major(&wt, n, k).t(),
+                            &mut y,
+                        )
+                        .unwrap()
+                    })
+                });
             }
         }
     }
@@ -72,7 +88,6 @@ fn bench(c: &mut Criterion) {
 /// values through it).
 fn autocast(c: &mut Criterion) {
     use kiln_kernels::cpu::autocast;
-    use kiln_kernels::cpu::gemm::{self, Mat};
     use kiln_kernels::ops::packed_matmul::dense;
     println!("autocast path: {:?}", autocast::path());
     let mut g = c.benchmark_group("linear_products_254m");

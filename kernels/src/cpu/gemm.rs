@@ -143,6 +143,18 @@ enum Kind {
     Bf16 {
         round: bool,
     },
+    /// [`Kind::Bf16`]'s arithmetic on operands already held as bf16 pairs: each 32-bit value
+    /// two bf16 values along `k` (the even one in the low half), packed as they are.
+    Bf16Pairs {
+        round: bool,
+    },
+}
+
+impl Kind {
+    /// Whether the operands' 32-bit values are packed as they are (f32 values, or pairs).
+    fn as_is(self) -> bool {
+        matches!(self, Kind::F32 | Kind::Bf16Pairs { .. })
+    }
 }
 
 fn shapes(op: &'static str, a: &Mat, b: &Mat, c: usize, ldc: usize) -> Result<(), KernelError> {
@@ -225,6 +237,67 @@ pub fn matmul_bf16_into(
     Ok(())
 }
 
+/// `y [m, n] = bf16(x [m, k] · w [n, k]ᵀ)` for bf16 values given as their bits (a frozen bf16
+/// Linear: `x` its input, `w` its weight), written as bf16 bits: [`matmul_bf16_rounded`]'s
+/// arithmetic, so the same bits as it gives on the values widened to f32. Pairs along `k` are
+/// read as they lie (rows of even length at 4-byte addresses; others are paired into a copy
+/// first, an odd `k`'s last value paired with zero), `w`'s rows packed by register transposes
+/// with nothing rounded. An error where [`bf16_available`] is false or a length disagrees.
+pub fn matmul_bf16_bits_wt(
+    x: &[u16],
+    w: &[u16],
+    y: &mut [u16],
+    (m, n, k): (usize, usize, usize),
+) -> Result<(), KernelError> {
+    let op = "gemm::matmul_bf16_bits_wt";
+    crate::error::check_len(op, "x", x.len(), m * k, &[m, k])?;
+    crate::error::check_len(op, "w", w.len(), n * k, &[n, k])?;
+    crate::error::check_len(op, "y", y.len(), m * n, &[m, n])?;
+    if !bf16_available() {
+        return Err(KernelError::Unsupported {
+            op,
+            device: "this CPU (it needs AVX-512 BF16)",
+        });
+    }
+    let (xp, wp) = (pairs(x, k), pairs(w, k));
+    let kp = k.div_ceil(2);
+    let a = Mat::row_major(&xp, m, kp);
+    let b = Mat::row_major(&wp, n, kp).t();
+    let mut c = vec![0f32; m * n];
+    shapes(op, &a, &b, c.len(), n)?;
+    drive(Kind::Bf16Pairs { round: true }, a, b, (&mut c, n), false);
+    // Each sum was rounded to bf16: its high half is the value.
+    y.par_chunks_mut(1 << 14)
+        .zip(c.par_chunks(1 << 14))
+        .for_each(|(y, c)| {
+            for (o, v) in y.iter_mut().zip(c) {
+                *o = (v.to_bits() >> 16) as u16;
+            }
+        });
+    Ok(())
+}
+
+/// Rows of `k` bf16 bits as rows of `⌈k/2⌉` pairs held in f32 slots: the same memory where `k`
+/// is even and the address 4-byte aligned, else a copy (an odd `k`'s last value paired with 0).
+fn pairs(v: &[u16], k: usize) -> std::borrow::Cow<'_, [f32]> {
+    if k.is_multiple_of(2)
+        && let Ok(p) = bytemuck::try_cast_slice::<u16, f32>(v)
+    {
+        return std::borrow::Cow::Borrowed(p);
+    }
+    let kp = k.div_ceil(2);
+    let rows = v.len().checked_div(k).unwrap_or(0);
+    let mut out = vec![0f32; rows * kp];
+    for (src, dst) in v.chunks(k.max(1)).zip(out.chunks_mut(kp.max(1))) {
+        for (q, d) in dst.iter_mut().enumerate() {
+            let lo = u32::from(src[2 * q]);
+            let hi = src.get(2 * q + 1).map_or(0, |&h| u32::from(h));
+            *d = f32::from_bits((hi << 16) | lo);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 thread_local! {
     /// The calling thread's packed `A`; each worker's packed `B` block.
     static A_PACK: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
@@ -281,7 +354,7 @@ fn pack_a(kind: Kind, a: &Mat, units: usize, out: &mut [u32]) {
             let nr = rows.len() / units;
             for u0 in (0..units).step_by(64) {
                 let u1 = (u0 + 64).min(units);
-                if kind == Kind::F32 && a.rs == 1 {
+                if kind.as_is() && a.rs == 1 {
                     // Columns of `A` are contiguous: read them whole, write across the rows.
                     for u in u0..u1 {
                         let col = &a.data[u * a.cs + r0..u * a.cs + r0 + nr];
@@ -294,7 +367,7 @@ fn pack_a(kind: Kind, a: &Mat, units: usize, out: &mut [u32]) {
                 for r in 0..nr {
                     let row = &mut rows[r * units..(r + 1) * units];
                     match kind {
-                        Kind::F32 => {
+                        Kind::F32 | Kind::Bf16Pairs { .. } => {
                             for (u, o) in (u0..u1).zip(&mut row[u0..u1]) {
                                 *o = a.at(r0 + r, u).to_bits();
                             }
@@ -329,7 +402,7 @@ fn pack_b(kind: Kind, b: &Mat, (j0, w): (usize, usize), (u0, u1): (usize, usize)
         let pw = NR.min(w - pj);
         let jb = j0 + pj;
         match (kind, b.cs == 1) {
-            (Kind::F32, true) => {
+            (Kind::F32 | Kind::Bf16Pairs { .. }, true) => {
                 for (u, dst) in (u0..u1).zip(panel.chunks_mut(NR)) {
                     let src = &b.data[u * b.rs + jb..u * b.rs + jb + pw];
                     for (d, s) in dst.iter_mut().zip(src) {
@@ -338,7 +411,7 @@ fn pack_b(kind: Kind, b: &Mat, (j0, w): (usize, usize), (u0, u1): (usize, usize)
                     dst[pw..].fill(0);
                 }
             }
-            (Kind::F32, false) => {
+            (Kind::F32 | Kind::Bf16Pairs { .. }, false) => {
                 for dst in panel.chunks_mut(NR) {
                     dst[pw..].fill(0);
                 }
@@ -404,7 +477,7 @@ fn pack_b_columns(
 ) {
     // Values of a column per unit.
     let per = match kind {
-        Kind::F32 => 1,
+        Kind::F32 | Kind::Bf16Pairs { .. } => 1,
         Kind::Bf16 { .. } => 2,
     };
     let (fj, fu) = (pw / 16 * 16, us / 16 * 16);
@@ -419,7 +492,9 @@ fn pack_b_columns(
             // from here and the 16 panel rows 16 writable values each (asserted).
             unsafe {
                 match kind {
-                    Kind::F32 => x86::transpose16(src.as_ptr(), b.cs, dst.as_mut_ptr(), NR),
+                    Kind::F32 | Kind::Bf16Pairs { .. } => {
+                        x86::transpose16(src.as_ptr(), b.cs, dst.as_mut_ptr(), NR)
+                    }
                     Kind::Bf16 { .. } => {
                         x86::transpose16_pairs(src.as_ptr(), b.cs, dst.as_mut_ptr(), NR)
                     }
@@ -433,7 +508,7 @@ fn pack_b_columns(
         let col = &b.data[(jb + j) * b.cs + per * u0..];
         for u in if j < fj { fu } else { 0 }..us {
             panel[u * NR + j] = match kind {
-                Kind::F32 => col[u].to_bits(),
+                Kind::F32 | Kind::Bf16Pairs { .. } => col[u].to_bits(),
                 Kind::Bf16 { .. } => pair(col[2 * u], col[2 * u + 1]),
             };
         }
@@ -454,10 +529,10 @@ fn drive(kind: Kind, a: Mat, b: Mat, (c, ldc): (&mut [f32], usize), accumulate: 
         return;
     }
     let units = match kind {
-        Kind::F32 => k,
+        Kind::F32 | Kind::Bf16Pairs { .. } => k,
         Kind::Bf16 { .. } => k.div_ceil(2),
     };
-    let in_place = kind == Kind::F32 && a.cs == 1;
+    let in_place = kind.as_is() && a.cs == 1;
     let cp = c.as_mut_ptr();
     let run = |ap: *const u32, lda: usize| {
         // The task grid: column blocks of NC, and enough row blocks for every thread.
@@ -505,16 +580,18 @@ fn drive(kind: Kind, a: Mat, b: Mat, (c, ldc): (&mut [f32], usize), accumulate: 
                                             (rows, cols),
                                             u0 > 0 || accumulate,
                                         ),
-                                        Kind::Bf16 { round } => x86::tile_bf16(
-                                            ap,
-                                            lda,
-                                            bpan,
-                                            us,
-                                            cp,
-                                            ldc,
-                                            (rows, cols),
-                                            (u0 > 0 || accumulate, round && u1 == units),
-                                        ),
+                                        Kind::Bf16 { round } | Kind::Bf16Pairs { round } => {
+                                            x86::tile_bf16(
+                                                ap,
+                                                lda,
+                                                bpan,
+                                                us,
+                                                cp,
+                                                ldc,
+                                                (rows, cols),
+                                                (u0 > 0 || accumulate, round && u1 == units),
+                                            )
+                                        }
                                     }
                                 }
                                 #[cfg(not(target_arch = "x86_64"))]
@@ -527,7 +604,7 @@ fn drive(kind: Kind, a: Mat, b: Mat, (c, ldc): (&mut [f32], usize), accumulate: 
         });
     };
     if in_place {
-        // f32 bits are f32 values: A's rows read where they lie.
+        // f32 bits are f32 values (or pairs already): A's rows read where they lie.
         run(a.data.as_ptr().cast::<u32>(), a.rs);
     } else {
         with_buf(&A_PACK, m * units, |ap| {
@@ -948,6 +1025,52 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn bf16_bits_in_give_the_widened_values_bits() {
+        if !bf16_available() {
+            eprintln!("skipping: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let bits =
+            |d: Vec<f32>| -> Vec<u16> { d.iter().map(|&v| (bf16_high(v) >> 16) as u16).collect() };
+        let widen = |b: &[u16]| -> Vec<f32> {
+            b.iter()
+                .map(|&h| f32::from_bits(u32::from(h) << 16))
+                .collect()
+        };
+        // Even and odd `k`, and operands one element into their buffers (2-byte aligned
+        // only), so both the in-place pairs and the copies are taken.
+        for (m, k, n) in [
+            (1, 1, 1),
+            (7, 3, 5),
+            (6, 130, 64),
+            (13, 257, 65),
+            (20, 300, 300),
+            (3, 0, 4),
+        ] {
+            for offset in [0usize, 1] {
+                let xb = bits(data(m * k + offset, (m + k) as u32));
+                let wb = bits(data(n * k + offset, (n + k) as u32 + 7));
+                let (x, w) = (&xb[offset..], &wb[offset..]);
+                let mut y = vec![0x7FC1u16; m * n];
+                matmul_bf16_bits_wt(x, w, &mut y, (m, n, k)).unwrap();
+                let (xf, wf) = (widen(x), widen(w));
+                let want = reference::matmul_bf16_rounded(
+                    &Mat::row_major(&xf, m, k),
+                    &Mat::row_major(&wf, n, k).t(),
+                );
+                assert!(
+                    y.iter()
+                        .zip(&want)
+                        .all(|(&g, w)| u32::from(g) << 16 == w.to_bits()),
+                    "{m}x{k}x{n} offset {offset}"
+                );
+            }
+        }
+        let mut y = vec![0u16; 4];
+        assert!(matmul_bf16_bits_wt(&[0; 5], &[0; 6], &mut y, (2, 2, 3)).is_err());
     }
 
     #[test]

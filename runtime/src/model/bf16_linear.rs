@@ -1,7 +1,9 @@
 //! bf16 Linears on CPUs with AVX-512 BF16: `y = x · Wᵀ` for a bf16 input and a frozen bf16
-//! weight through [`kiln_kernels::cpu::bf16_matmul`] — the weight read in its own 2 bytes, 32
-//! multiply-adds an instruction, f32 sums rounded once to bf16 at the end (as candle's bf16
-//! matmul and oneDNN's round them). A model run in bf16 (`--calib-dtype bf16`, ModelOpt's
+//! weight on the packed GEMM's bf16 arithmetic ([`kiln_kernels::cpu::gemm::matmul_bf16_bits_wt`])
+//! — the input's and weight's bf16 pairs read in their own 2-byte values (the weight packed by
+//! register transposes, nothing rounded or widened), 32 multiply-adds an instruction
+//! (`VDPBF16PS`), each output's f32 chain in order along `k`, rounded once to bf16 at the end
+//! (as candle's bf16 matmul and oneDNN's round them). A model run in bf16 (`--calib-dtype bf16`, ModelOpt's
 //! precision) takes this path where the CPU has the instruction, and candle's matmul (the
 //! weight widened to f32 per product) elsewhere or under `KILN_CPU=avx2|scalar`: the two
 //! differ only in the order of the f32 sums.
@@ -9,7 +11,7 @@
 use super::ModelError;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::vec::HalfBitsVecExt;
-use kiln_kernels::cpu::bf16_matmul;
+use kiln_kernels::cpu::gemm;
 
 fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
@@ -24,7 +26,7 @@ pub(crate) fn runs(x: &Tensor, w: &Tensor) -> bool {
         && w.device().is_cpu()
         && !w.track_op()
         && w.rank() == 2
-        && bf16_matmul::available()
+        && gemm::bf16_available()
 }
 
 /// `x [m, k]` · `w [n, k]`ᵀ → `[m, n]` bf16 (both contiguous).
@@ -52,7 +54,7 @@ impl CustomOp2 for Bf16Linear {
         let x = super::fused_bf16::bits(xs, xl, "a bf16 Linear's input")?;
         let w = super::fused_bf16::bits(ws, wl, "a bf16 Linear's weight")?;
         let mut y = vec![0u16; m * n];
-        bf16_matmul::matmul_wt_bf16(x, w, &mut y, (m, n, k)).map_err(op_err)?;
+        gemm::matmul_bf16_bits_wt(x, w, &mut y, (m, n, k)).map_err(op_err)?;
         Ok((CpuStorage::BF16(y.reinterpret_into()), Shape::from((m, n))))
     }
 
@@ -79,7 +81,7 @@ mod tests {
     use candle_core::{Device, Var};
     use half::bf16;
     use half::slice::HalfFloatSliceExt;
-    use kiln_kernels::ops::bf16_matmul as reference;
+    use kiln_kernels::cpu::gemm::{Mat, reference};
 
     fn values(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
         super::super::fused::tests::values(n, seed, scale)
@@ -89,7 +91,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bf16_linear_is_the_reference_dot_products_rounded_to_bf16() -> Result<(), ModelError> {
+    fn a_bf16_linear_is_the_packed_gemms_bf16_chains_rounded() -> Result<(), ModelError> {
         let (m, n, k) = (7, 13, 70);
         let dev = Device::Cpu;
         let (xv, wv) = (values(m * k, 1, 2.0), values(n * k, 2, 0.1));
@@ -107,14 +109,11 @@ mod tests {
             .iter()
             .map(|v| v.to_bits())
             .collect();
-        let mut y = vec![0f32; m * n];
-        reference::matmul_wt(
-            xv.reinterpret_cast(),
-            wv.reinterpret_cast(),
-            &mut y,
-            (m, n, k),
-        )
-        .unwrap();
+        let (xf, wf): (Vec<f32>, Vec<f32>) = (xv.to_f32_vec(), wv.to_f32_vec());
+        let y = reference::matmul_bf16_rounded(
+            &Mat::row_major(&xf, m, k),
+            &Mat::row_major(&wf, n, k).t(),
+        );
         let want: Vec<u16> = y.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
         assert_eq!(got, want);
         // Candle's matmul (f32 sums in another order) agrees to bf16 rounding.
