@@ -207,6 +207,18 @@ pub fn matmul_into(
     Ok(())
 }
 
+/// The error of a bf16 product where [`bf16_available`] is false.
+fn need_bf16(op: &'static str) -> Result<(), KernelError> {
+    if bf16_available() {
+        Ok(())
+    } else {
+        Err(KernelError::Unsupported {
+            op,
+            device: "this CPU (it needs AVX-512 BF16)",
+        })
+    }
+}
+
 /// `c [m, n] = bf16(bf16(a) · bf16(b))` with f32 sums on `VDPBF16PS`, the results bf16 values
 /// held as f32. An error where [`bf16_available`] is false or the shapes disagree.
 pub fn matmul_bf16_rounded(a: Mat, b: Mat, c: &mut [f32]) -> Result<(), KernelError> {
@@ -227,12 +239,7 @@ pub fn matmul_bf16_into(
 ) -> Result<(), KernelError> {
     let op = "gemm::matmul_bf16_rounded";
     shapes(op, &a, &b, c.len(), ldc)?;
-    if !bf16_available() {
-        return Err(KernelError::Unsupported {
-            op,
-            device: "this CPU (it needs AVX-512 BF16)",
-        });
-    }
+    need_bf16(op)?;
     drive(Kind::Bf16 { round }, a, b, (c, ldc), accumulate);
     Ok(())
 }
@@ -253,12 +260,7 @@ pub fn matmul_bf16_bits_wt(
     crate::error::check_len(op, "x", x.len(), m * k, &[m, k])?;
     crate::error::check_len(op, "w", w.len(), n * k, &[n, k])?;
     crate::error::check_len(op, "y", y.len(), m * n, &[m, n])?;
-    if !bf16_available() {
-        return Err(KernelError::Unsupported {
-            op,
-            device: "this CPU (it needs AVX-512 BF16)",
-        });
-    }
+    need_bf16(op)?;
     let (xp, wp) = (pairs(x, k), pairs(w, k));
     let kp = k.div_ceil(2);
     let a = Mat::row_major(&xp, m, kp);
